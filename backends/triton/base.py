@@ -1,0 +1,120 @@
+"""What every code template produces, and helpers they share.
+
+A template turns a `KernelOp` into an `EmittedKernel`: the module source,
+the ordered kernel parameters with how to fill each (`ArgSpec`), and a
+`configure(dims, device)` that picks the grid and compile-time constants for
+the sizes of one call. Only constants derived from sizes (block shapes) are
+`tl.constexpr`, so a new size recompiles only when it moves a block size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tiledsl.diagnostics import TileHintError
+from tiledsl.ir import KernelOp
+from tiledsl.source import Span
+
+from .codegen import ArgSpec, Code, Signature, header
+from .expr import BF16_HELPERS, Emitter
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    grid: tuple[int, ...]
+    constexprs: dict[str, Any]
+    num_warps: int | None = None
+    num_stages: int | None = None
+
+
+@dataclass(frozen=True)
+class EmittedKernel:
+    kernel: KernelOp
+    fn_name: str
+    source: str
+    params: tuple[tuple[str, ArgSpec], ...]
+    configure: Callable[[Mapping[str, int], str], LaunchConfig] = field(compare=False)
+
+
+Hints = Mapping[str, tuple[int, Span]]
+
+
+def hint(hints: Hints, name: str, default: int) -> int:
+    return hints[name][0] if name in hints else default
+
+
+def require_dot_hints(hints: Hints, names: Sequence[str]) -> None:
+    """tl.dot needs every tile dim to be at least 16."""
+    for name in names:
+        if name in hints and hints[name][0] < 16:
+            value, span = hints[name]
+            raise TileHintError(span, message=(
+                f"tile hint {name} must be at least 16 for a matmul kernel (tl.dot's smallest "
+                f"tile), got {value}"))
+
+
+def finish(kernel: KernelOp, template: str, sig: Signature, body: Code,
+           configure: Callable[[Mapping[str, int], str], LaunchConfig],
+           em: Emitter) -> EmittedKernel:
+    """Assemble the module; kernels that convert bf16 get the helpers and `INTERPRETER`."""
+    fn_name = f"{kernel.name}_{template}"
+    code = Code()
+    for line in header(kernel, template):
+        code(line)
+    if em.uses_bf16:
+        sig.constexpr("INTERPRETER")
+        for line in BF16_HELPERS.splitlines():
+            code(line)
+        inner = configure
+
+        def configure(dims: Mapping[str, int], device: str) -> LaunchConfig:
+            cfg = inner(dims, device)
+            consts = {**cfg.constexprs, "INTERPRETER": device == "interpreter"}
+            return LaunchConfig(cfg.grid, consts, cfg.num_warps, cfg.num_stages)
+
+    for line in sig.dim_comments():
+        code(line)
+    code("@triton.jit")
+    code(sig.render(fn_name))
+    with code.indent():
+        for line in body.lines:
+            code(line)
+    return EmittedKernel(kernel, fn_name, code.text(), tuple(sig.params), configure)
+
+
+def decompose(code: Code, flat: str, dims: Sequence[int | str], names: Sequence[str | None],
+              size: Callable[[int | str], str], tmp: str) -> None:
+    """Split a flat row-major index into per-dim indices (None: a literal size-1 dim, index 0).
+
+    Only the sizes the split divides by become kernel parameters (via `size`).
+    """
+    live = [(d, n) for d, n in zip(dims, names, strict=True) if n is not None]
+    rem = flat
+    for step, (dim, name) in enumerate(reversed(live)):
+        if step == len(live) - 1:
+            code(f"{name} = {rem}")
+        else:
+            code(f"{name} = {rem} % {size(dim)}")
+            code(f"{tmp}{step} = {rem} // {size(dim)}")
+            rem = f"{tmp}{step}"
+
+
+def numel(shape, dims: Mapping[str, int]) -> int:
+    total = 1
+    for d in shape:
+        total *= d if isinstance(d, int) else dims[d]
+    return total
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# Block-size caps per device: the interpreter runs each program in numpy, so
+# fewer, larger programs are faster there; GPUs want register-sized tiles.
+CAPS = {
+    "interpreter": {"pointwise": 1 << 14, "row": 1 << 12, "tile": 1 << 16},
+    "cuda": {"pointwise": 1024, "row": 2048, "tile": 4096},
+}

@@ -1,0 +1,169 @@
+"""Structured emission of Triton source with compiler-owned names.
+
+`Code` is an indented line buffer. `Signature` hands out the kernel's
+parameter names (`in0_ptr`, `in0_s1`, `d0`, `out0_ptr`, `BLOCK`) and records,
+for each, how the launcher fills it (`ArgSpec`). DSL identifiers never become
+Python names: dim symbols map to `d0, d1, ...`, and the only user text in a
+generated module is in comments passed through `comment()`, which escapes
+anything that could end the comment line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from tiledsl.diagnostics import escape
+from tiledsl.ir import KernelOp
+from tiledsl.types import DType, Shape
+
+TL_DTYPES = {DType.F16: "tl.float16", DType.BF16: "tl.bfloat16", DType.F32: "tl.float32",
+             DType.I32: "tl.int32", DType.BOOL: "tl.int1"}
+
+
+def comment(text: str) -> str:
+    """`text` made safe for a `#` comment: one line, printable, no user-controlled escapes."""
+    return "# " + escape(text).replace("\n", "\\n")
+
+
+class Code:
+    """An indented buffer of source lines."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self._indent = 0
+
+    def __call__(self, line: str = "") -> None:
+        self.lines.append(("    " * self._indent + line) if line else "")
+
+    @contextlib.contextmanager
+    def indent(self) -> Iterator[None]:
+        self._indent += 1
+        try:
+            yield
+        finally:
+            self._indent -= 1
+
+    def text(self) -> str:
+        return "\n".join(self.lines) + "\n"
+
+
+# --- launch-time argument specs -------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Ptr:
+    """Data pointer of kernel input `index` (role "in") or output `index` (role "out")."""
+
+    role: str
+    index: int
+
+
+@dataclass(frozen=True, slots=True)
+class Stride:
+    role: str
+    index: int
+    dim: int
+
+
+@dataclass(frozen=True, slots=True)
+class DimSize:
+    symbol: str
+
+
+@dataclass(frozen=True, slots=True)
+class Numel:
+    """The product of a shape's dims."""
+
+    shape: Shape
+
+
+@dataclass(frozen=True, slots=True)
+class Scalar:
+    """A by-value input (scalar parameter or dim)."""
+
+    index: int
+
+
+ArgSpec = Ptr | Stride | DimSize | Numel | Scalar
+
+
+@dataclass(frozen=True, slots=True)
+class TensorRef:
+    """A tensor argument: its pointer name and one stride name per dim (None: literal size 1)."""
+
+    ptr: str
+    strides: tuple[str | None, ...]
+
+    def offset(self, indices: Sequence[str | None]) -> str:
+        """`i0 * s0 + i1 * s1 ...` over the dims that have both an index and a stride."""
+        terms = [f"{i} * {s}" for i, s in zip(indices, self.strides, strict=True)
+                 if i is not None and s is not None]
+        return " + ".join(terms) if terms else "0"
+
+
+class Signature:
+    """The parameters of one generated kernel, in order."""
+
+    def __init__(self) -> None:
+        self.params: list[tuple[str, ArgSpec]] = []
+        self.constexprs: list[str] = []
+        self._dims: dict[str, str] = {}
+
+    def _add(self, name: str, spec: ArgSpec) -> str:
+        self.params.append((name, spec))
+        return name
+
+    def tensor(self, role: str, index: int, shape: Shape) -> TensorRef:
+        prefix = f"{role}{index}"
+        ptr = self._add(f"{prefix}_ptr", Ptr(role, index))
+        strides = tuple(
+            None if d == 1 else self._add(f"{prefix}_s{axis}", Stride(role, index, axis))
+            for axis, d in enumerate(shape)
+        )
+        return TensorRef(ptr, strides)
+
+    def scalar(self, index: int) -> str:
+        return self._add(f"in{index}_val", Scalar(index))
+
+    def size(self, dim: int | str) -> str:
+        """Source text for a dim's size: a literal, or the kernel parameter bound to the symbol."""
+        if isinstance(dim, int):
+            return str(dim)
+        if dim not in self._dims:
+            self._dims[dim] = self._add(f"d{len(self._dims)}", DimSize(dim))
+        return self._dims[dim]
+
+    def numel(self, shape: Shape, name: str = "numel") -> str:
+        if all(isinstance(d, int) for d in shape):
+            total = 1
+            for d in shape:
+                total *= d
+            return str(total)
+        return self._add(name, Numel(shape))
+
+    def constexpr(self, name: str) -> str:
+        self.constexprs.append(name)
+        return name
+
+    def render(self, fn_name: str) -> str:
+        names = [n for n, _ in self.params] + [f"{c}: tl.constexpr" for c in self.constexprs]
+        return f"def {fn_name}({', '.join(names)}):"
+
+    def dim_comments(self) -> list[str]:
+        return [comment(f"{name} = size of dim {sym}") for sym, name in self._dims.items()]
+
+
+def header(kernel: KernelOp, template: str) -> list[str]:
+    """Module preamble: what this kernel computes and where it came from (escaped)."""
+    lines = [comment(f"tiledsl kernel {kernel.name} ({template})")]
+    for op in kernel.covered:
+        where = f" at {op.span.location()}" if op.span is not None else ""
+        lines.append(comment(f"  {op.kind} -> {op.type}{where}"))
+    lines += ["import triton", "import triton.language as tl", ""]
+    return lines
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())

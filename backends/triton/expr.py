@@ -1,0 +1,236 @@
+"""Elementwise ops as Triton statements, shared by every template.
+
+Inside a kernel all elementwise math runs in a compute type per category:
+floats in fp32, integers in int32, bools in int1 (the numerics contract:
+rounded once, at the store). An explicit `cast` to f16/bf16 rounds there,
+because the user asked for it. Literals stay Python literals so Triton folds
+them; everything else is assigned to a fresh compiler-owned name `v<n>`.
+
+Templates supply how to read region inputs (`inputs`) and how to compute
+`index` ops over their tile (`index`); `Emitter.run` emits the rest.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from tiledsl import ops
+from tiledsl.ir import Op, Region
+from tiledsl.types import DType, result_dtype
+
+from .codegen import Code
+
+COMPUTE = {"f": "tl.float32", "i": "tl.int32", "b": "tl.int1"}
+
+# Added to modules that convert bf16. Triton's interpreter truncates f32 -> bf16
+# and mis-converts bf16 subnormals, so when INTERPRETER is set the conversions
+# go through the bits (exact, round-to-nearest-even); on a GPU they are the
+# native instructions.
+BF16_HELPERS = """\
+@triton.jit
+def bf16_to_f32(x, INTERPRETER: tl.constexpr):
+    if INTERPRETER:
+        return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
+def f32_to_bf16(x, INTERPRETER: tl.constexpr):
+    if INTERPRETER:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        rounded = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        return tl.where(x != x, x.to(tl.bfloat16), rounded)
+    else:
+        return x.to(tl.bfloat16)
+
+"""
+
+
+def category(dtype: DType) -> str:
+    return "f" if dtype.is_float else ("i" if dtype is DType.I32 else "b")
+
+
+@dataclass(frozen=True, slots=True)
+class Val:
+    """A value during emission: source text, compute category, and whether it is a literal."""
+
+    text: str
+    cat: str
+    literal: bool = False
+    value: object = None  # the Python value of a literal
+
+
+def literal(value: object, cat: str) -> Val:
+    if cat == "b":
+        v: object = bool(value)
+        text = "True" if v else "False"
+    elif cat == "i":
+        v = int(value)
+        text = str(v) if v >= 0 else f"({v})"
+    else:
+        v = float(value)
+        if math.isinf(v):
+            text = 'float("inf")' if v > 0 else '(-float("inf"))'
+        elif math.isnan(v):
+            text = 'float("nan")'
+        else:
+            text = repr(v) if v >= 0 else f"({v!r})"
+    return Val(text, cat, True, v)
+
+
+class Emitter:
+    def __init__(self, code: Code) -> None:
+        self.code = code
+        self._count = 0
+        self.uses_bf16 = False
+
+    def widen(self, text: str, dtype: DType) -> str:
+        """Source text of a stored `dtype` value in its compute type."""
+        if dtype is DType.BF16:
+            self.uses_bf16 = True
+            return f"bf16_to_f32({text}, INTERPRETER)"
+        if dtype is DType.F16:
+            return f"{text}.to(tl.float32)"
+        return text
+
+    def narrow(self, text: str, dtype: DType) -> str:
+        """Source text of a compute value rounded to the storage `dtype`."""
+        if dtype is DType.BF16:
+            self.uses_bf16 = True
+            return f"f32_to_bf16({text}, INTERPRETER)"
+        if dtype is DType.F16:
+            return f"{text}.to(tl.float16)"
+        return text
+
+    def load(self, text: str, dtype: DType) -> Val:
+        """Assign a `tl.load(...)` of `dtype` values, widened to its compute type."""
+        return self.assign(self.widen(text, dtype), category(dtype))
+
+    def fresh(self, prefix: str = "v") -> str:
+        self._count += 1
+        return f"{prefix}{self._count}"
+
+    def assign(self, expr: str, cat: str) -> Val:
+        name = self.fresh()
+        self.code(f"{name} = {expr}")
+        return Val(name, cat)
+
+    # --- conversions ------------------------------------------------------------------
+
+    def convert(self, val: Val, cat: str) -> Val:
+        if val.cat == cat:
+            return val
+        if val.literal:
+            return literal(val.value, cat)
+        if cat == "b":
+            return self.assign(f"{val.text} != 0", "b")
+        return self.assign(f"{val.text}.to({COMPUTE[cat]})", cat)
+
+    def tensor(self, val: Val) -> Val:
+        """A literal as a 0-d Triton tensor (for functions that take no Python scalars)."""
+        if not val.literal:
+            return val
+        return self.assign(f"tl.full([], {val.text}, {COMPUTE[val.cat]})", val.cat)
+
+    def store_value(self, val: Val, dtype: DType) -> str:
+        """Source text converting a compute value to the dtype it is stored as."""
+        val = self.tensor(self.convert(val, category(dtype)))
+        return self.narrow(val.text, dtype)
+
+    # --- ops -----------------------------------------------------------------------------
+
+    def run(
+        self,
+        region: Region,
+        inputs: Mapping[int, Val],
+        index: Callable[[Op], Val],
+        skip: Callable[[int], bool] = lambda v: False,
+        values: dict[int, Val] | None = None,
+    ) -> dict[int, Val]:
+        """Emit the region's elementwise ops in order; returns value id -> Val.
+
+        `skip(value)` leaves an op to the template (a reduction, a matmul);
+        the template puts its result in `values` before calling again.
+        """
+        vals: dict[int, Val] = dict(inputs) if values is None else values
+        n = len(region.inputs)
+        for i, rop in enumerate(region.ops):
+            vid = n + i
+            if vid in vals or skip(vid):
+                continue
+            op = rop.op
+            if op.kind == "const":
+                vals[vid] = literal(op.attr("value"), category(op.dtype))
+            elif op.kind == "index":
+                vals[vid] = index(op)
+            elif ops.is_elementwise(op.kind):
+                args = [vals[v] for v in rop.operands]
+                types = tuple(region.value_type(v) for v in rop.operands)
+                vals[vid] = self.op(op, args, types)
+            else:
+                break  # the template computes this op; later ops depend on it
+        return vals
+
+    def op(self, op: Op, args: list[Val], types: tuple) -> Val:
+        kind = op.kind
+        out = category(op.dtype)
+        if kind == "cast":
+            (a,) = args
+            v = self.convert(a, out)
+            if op.dtype in (DType.F16, DType.BF16):
+                v = self.tensor(v)
+                return self.assign(self.widen(self.narrow(v.text, op.dtype), op.dtype), "f")
+            return v
+        if kind in ("lt", "le", "gt", "ge", "eq", "ne"):
+            cat = category(result_dtype(types))
+            a, b = (self.convert(x, cat) for x in args)
+            return self.assign(f"{a.text} {_CMP[kind]} {b.text}", "b")
+        if kind == "where":
+            c = self.tensor(self.convert(args[0], "b"))
+            a, b = (self.convert(x, out) for x in args[1:])
+            return self.assign(f"tl.where({c.text}, {a.text}, {b.text})", out)
+        args = [self.convert(x, out) for x in args]
+        if kind in _BINARY:
+            a, b = args
+            if all(x.literal for x in args):
+                a = self.tensor(a)
+            return self.assign(_BINARY[kind].format(a=a.text, b=b.text), out)
+        if kind in ("maximum", "minimum"):
+            a, b = (self.tensor(x) for x in args)
+            nan = ", propagate_nan=tl.PropagateNan.ALL" if out == "f" else ""
+            return self.assign(f"tl.{kind}({a.text}, {b.text}{nan})", out)
+        (a,) = args
+        a = self.tensor(a)
+        x = a.text
+        if kind == "neg":
+            return self.assign(f"-{x}", out)
+        if kind == "relu":
+            return self.assign(f"tl.where({x} < 0, {literal(0, out).text}, {x})", out)
+        if kind == "tanh":
+            return self._tanh(a)
+        if kind == "gelu":
+            if op.attr("approximate") == "tanh":
+                inner = self.assign(f"0.7978845608028654 * ({x} + 0.044715 * {x} * {x} * {x})", "f")
+                return self.assign(f"0.5 * {x} * (1.0 + {self._tanh(inner).text})", "f")
+            return self.assign(f"0.5 * {x} * (1.0 + tl.erf({x} * 0.7071067811865476))", "f")
+        return self.assign(_UNARY[kind].format(x=x), out)
+
+    def _tanh(self, a: Val) -> Val:
+        # tanh(x) = sign(x) * (1 - e) / (1 + e), e = exp(-2|x|): no overflow for any x.
+        e = self.assign(f"tl.exp(-2.0 * tl.abs({a.text}))", "f")
+        return self.assign(f"tl.where({a.text} < 0, -1.0, 1.0) * (1.0 - {e.text}) / (1.0 + {e.text})",
+                           "f")
+
+
+_CMP = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
+_BINARY = {"add": "{a} + {b}", "sub": "{a} - {b}", "mul": "{a} * {b}", "div": "{a} / {b}",
+           "and": "{a} & {b}", "or": "{a} | {b}"}
+_UNARY = {
+    "exp": "tl.exp({x})", "exp2": "tl.exp2({x})", "log": "tl.log({x})", "log2": "tl.log2({x})",
+    "sqrt": "tl.sqrt_rn({x})", "rsqrt": "tl.rsqrt({x})", "abs": "tl.abs({x})",
+    "sigmoid": "tl.sigmoid({x})", "silu": "{x} * tl.sigmoid({x})", "erf": "tl.erf({x})",
+}

@@ -1,0 +1,63 @@
+"""Running generated kernels in Triton's interpreter, in a process that may also use a GPU.
+
+Triton decides between compiling and interpreting when `@triton.jit` runs,
+which for its own standard library (`tl.sum`, `tl.zeros`, ...) is when
+`triton.language` is first imported. tiledsl wants both in one process: CUDA
+tensors run compiled kernels, CPU tensors the same kernels interpreted. So:
+
+- a generated kernel is wrapped in `InterpretedFunction` for CPU launches;
+- during an interpreted launch (and only then), calling a `JITFunction` from
+  inside the kernel, which is how the standard library is reached, runs it
+  through the interpreter too. Compilation for a GPU never calls
+  `JITFunction.__call__` (it inlines callees from their AST), so this does
+  not affect GPU launches, and outside `interpreting()` Triton behaves as
+  shipped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction
+
+_lock = threading.RLock()
+_wrappers: dict[int, InterpretedFunction] = {}
+_depth = 0
+
+
+def interpreted(fn: Any) -> InterpretedFunction:
+    """`fn` (a JITFunction, or already interpreted) as an InterpretedFunction."""
+    if isinstance(fn, InterpretedFunction):  # TRITON_INTERPRET=1 was set at import
+        return fn
+    wrapper = _wrappers.get(id(fn))
+    if wrapper is None:
+        wrapper = _wrappers[id(fn)] = InterpretedFunction(fn.fn)
+    return wrapper
+
+
+def _call_interpreted(self: JITFunction, *args: Any, **kwargs: Any) -> Any:
+    return interpreted(self)(*args, **kwargs)
+
+
+_shipped_call = JITFunction.__call__
+
+
+@contextlib.contextmanager
+def interpreting() -> Iterator[None]:
+    """Inside: device-function calls of JITFunctions run in the interpreter."""
+    global _depth
+    # Masked-off lanes are computed too (log(0), 1/0); their values are never stored.
+    with _lock, np.errstate(all="ignore"):
+        _depth += 1
+        JITFunction.__call__ = _call_interpreted
+        try:
+            yield
+        finally:
+            _depth -= 1
+            if _depth == 0:
+                JITFunction.__call__ = _shipped_call

@@ -1,0 +1,82 @@
+"""The pointwise template: an elementwise region over one iteration space.
+
+Each program handles BLOCK consecutive elements of the (broadcast) output
+shape. A flat index is split into per-dim indices only when some input needs
+them; each input is read through its own strides, so broadcasting (stride 0
+or a literal size-1 dim), transposed views and non-contiguous tensors need no
+copies. Outputs are fresh contiguous tensors, stored at the flat index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from tiledsl.ir import KernelOp, Op
+from tiledsl.types import broadcast_shapes
+
+from .base import CAPS, EmittedKernel, Hints, LaunchConfig, cdiv, decompose, finish, numel
+from .codegen import Code, Signature, next_pow2
+from .expr import Emitter, Val, category
+
+
+def emit(kernel: KernelOp, hints: Hints) -> EmittedKernel:
+    region = kernel.region
+    out_types = region.output_types
+    shape = broadcast_shapes(*(t.shape for t in out_types))
+    assert all(t.shape == shape for t in out_types), "pointwise outputs must share one shape"
+    rank = len(shape)
+    sig = Signature()
+    body = Code()
+    em = Emitter(body)
+
+    tensors = {i: sig.tensor("in", i, inp.type.shape) for i, inp in enumerate(region.inputs)
+               if not inp.scalar and inp.type.rank > 0}
+    scalars = {i: sig.scalar(i) for i, inp in enumerate(region.inputs) if inp.scalar}
+    outs = [sig.tensor("out", j, ()).ptr for j in range(len(out_types))]
+    total = sig.numel(shape)
+    block = sig.constexpr("BLOCK")
+
+    body("pid = tl.program_id(0)")
+    body(f"offs = pid.to(tl.int64) * {block} + tl.arange(0, {block})")
+    body(f"mask = offs < {total}")
+
+    needs_index = any(op.kind == "index" for op in kernel.covered) or any(
+        any(s is not None for s in ref.strides) and rank > 1 for ref in tensors.values())
+    index_names: list[str | None] = [None if d == 1 else f"i{a}" for a, d in enumerate(shape)]
+    if rank == 1 and shape[0] != 1:
+        index_names = ["offs"]
+    elif needs_index:
+        decompose(body, "offs", shape, index_names, sig.size, "t")
+
+    inputs: dict[int, Val] = {}
+    for i, inp in enumerate(region.inputs):
+        cat = category(inp.type.dtype)
+        if i in scalars:
+            inputs[i] = Val(scalars[i], cat)
+            continue
+        if i not in tensors:  # a 0-dim tensor
+            ptr = sig.tensor("in", i, ()).ptr
+            load = f"tl.load({ptr})"
+        else:
+            ref = tensors[i]
+            lead = rank - inp.type.rank
+            offset = ref.offset(index_names[lead:])
+            load = (f"tl.load({ref.ptr})" if offset == "0"
+                    else f"tl.load({ref.ptr} + {offset}, mask=mask, other=0)")
+        inputs[i] = em.load(load, inp.type.dtype)
+
+    def index(op: Op) -> Val:
+        axis = op.attr("axis") + rank - len(op.shape)
+        name = index_names[axis]
+        return Val("0", "i", True, 0) if name is None else em.assign(f"{name}.to(tl.int32)", "i")
+
+    vals = em.run(region, inputs, index)
+    for j, (value, t) in enumerate(zip(region.outputs, out_types, strict=True)):
+        body(f"tl.store({outs[j]} + offs, {em.store_value(vals[value], t.dtype)}, mask=mask)")
+
+    def configure(dims: Mapping[str, int], device: str) -> LaunchConfig:
+        n = numel(shape, dims)
+        blk = max(16, min(next_pow2(n), CAPS[device]["pointwise"]))
+        return LaunchConfig((cdiv(n, blk),), {"BLOCK": blk}, num_warps=4)
+
+    return finish(kernel, "pointwise", sig, body, configure, em)

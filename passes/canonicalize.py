@@ -1,0 +1,199 @@
+"""canonicalize: fold constants and remove ops that do nothing.
+
+Before: the graph as sema built it, e.g. `neg(const inf)`, `x * 1`,
+`cast(x, f32)` of an f32 `x`, `transpose(transpose(x))`.
+After: constant scalar expressions are single `const` nodes (Python-scalar
+semantics: computed in double precision, rounded to the result dtype);
+`x * 1`, `1 * x`, `x + 0`, `0 + x`, `x - 0`, `x / 1`, `--x`, casts to the same
+type and double transposes are replaced by `x` when that leaves every type
+unchanged. Results that are NaN or that Python cannot compute (`log(0)`) are
+left for run time.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+
+from tiledsl.passes.registry import Pass, PassContext, register
+from tiledsl.passes.rewrite import Pattern, Rewriter, apply_patterns
+
+from tiledsl.ir import Graph, Op, make_attrs
+from tiledsl.types import DType, TensorType, result_dtype
+
+
+def _round(value: float | int | bool, dtype: DType) -> float | int | bool:
+    """`value` as the nearest value of `dtype` (f16/bf16 rounding, i32 wrap-around)."""
+    if dtype is DType.BOOL:
+        return bool(value)
+    if dtype is DType.I32:
+        v = int(value)
+        return (v + 2**31) % 2**32 - 2**31
+    v = float(value)
+    if dtype is DType.F32 or not math.isfinite(v):
+        return v
+    if dtype is DType.F16:
+        try:
+            return struct.unpack("<e", struct.pack("<e", v))[0]
+        except OverflowError:
+            return math.copysign(math.inf, v)
+    # bf16: round-to-nearest-even on the top 16 bits of the f32 encoding
+    bits = struct.unpack("<I", struct.pack("<f", v))[0]
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return struct.unpack("<f", struct.pack("<I", bits))[0]
+
+
+def _sigmoid(x: float) -> float:
+    return 1.0 / (1.0 + math.exp(-x))
+
+
+def _gelu(x: float, approximate: str) -> float:
+    if approximate == "tanh":
+        return 0.5 * x * (1.0 + math.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
+    return 0.5 * x * (1.0 + math.erf(x / math.sqrt(2.0)))
+
+
+_FOLD = {
+    "neg": lambda a, at: -a,
+    "abs": lambda a, at: abs(a),
+    "relu": lambda a, at: max(a, 0),
+    "exp": lambda a, at: math.exp(a),
+    "exp2": lambda a, at: 2.0**a,
+    "log": lambda a, at: math.log(a),
+    "log2": lambda a, at: math.log2(a),
+    "sqrt": lambda a, at: math.sqrt(a),
+    "rsqrt": lambda a, at: 1.0 / math.sqrt(a),
+    "tanh": lambda a, at: math.tanh(a),
+    "sigmoid": lambda a, at: _sigmoid(a),
+    "silu": lambda a, at: a * _sigmoid(a),
+    "erf": lambda a, at: math.erf(a),
+    "gelu": lambda a, at: _gelu(a, at["approximate"]),
+    "cast": lambda a, at: a,
+    "add": lambda a, b, at: a + b,
+    "sub": lambda a, b, at: a - b,
+    "mul": lambda a, b, at: a * b,
+    "div": lambda a, b, at: a / b,
+    "maximum": lambda a, b, at: max(a, b),
+    "minimum": lambda a, b, at: min(a, b),
+    "lt": lambda a, b, at: a < b,
+    "le": lambda a, b, at: a <= b,
+    "gt": lambda a, b, at: a > b,
+    "ge": lambda a, b, at: a >= b,
+    "eq": lambda a, b, at: a == b,
+    "ne": lambda a, b, at: a != b,
+    "and": lambda a, b, at: a & b,
+    "or": lambda a, b, at: a | b,
+    "where": lambda c, a, b, at: a if c else b,
+}
+
+
+_COMPARISONS = ("lt", "le", "gt", "ge", "eq", "ne")
+
+
+def _operand_dtype(op: Op, types: tuple[TensorType, ...]) -> DType | None:
+    """The dtype an op reads its operands in (None: as they are)."""
+    if op.kind in _COMPARISONS:
+        return result_dtype(types)
+    if op.kind == "cast":
+        return None
+    return op.dtype
+
+
+def const_value(graph: Graph, node: int):
+    op = graph.op(node)
+    return op.attr("value") if isinstance(op, Op) and op.kind == "const" else None
+
+
+class FoldConstants(Pattern):
+    """An elementwise op of constants becomes one constant."""
+
+    def apply(self, graph: Graph, node: int, op: Op, rewriter: Rewriter) -> bool:
+        fold = _FOLD.get(op.kind)
+        operands = graph.operands(node)
+        if fold is None or not operands or op.shape or not op.weak:
+            return False
+        values = [const_value(graph, n) for n in operands]
+        if any(v is None for v in values):
+            return False
+        types = tuple(graph.op(n).type for n in operands)
+        read_as = _operand_dtype(op, types)
+        args = [v if read_as is None else _round(v, read_as) for v in values]
+        if op.kind == "where":
+            args = [values[0]] + [_round(v, op.dtype) for v in values[1:]]
+        try:
+            value = fold(*args, op.attr_map)
+        except (ArithmeticError, ValueError, TypeError):
+            return False
+        if isinstance(value, float) and math.isnan(value):
+            return False
+        value = _round(value, op.dtype)
+        t = TensorType(op.dtype, (), True)
+        new = rewriter.create(
+            Op("const", op.dtype, (), make_attrs(value=value, type=t), op.span, True), [])
+        rewriter.replace(node, new)
+        return True
+
+
+_IDENTITY = {"mul": (1, True), "add": (0, True), "sub": (0, False), "div": (1, False)}
+
+
+class RemoveIdentity(Pattern):
+    """`x * 1`, `x + 0`, `x - 0`, `x / 1` (and the commuted forms) become `x`."""
+
+    def apply(self, graph: Graph, node: int, op: Op, rewriter: Rewriter) -> bool:
+        if op.kind not in _IDENTITY:
+            return False
+        unit, commutes = _IDENTITY[op.kind]
+        lhs, rhs = graph.operands(node)
+        candidates = [(lhs, rhs)] + ([(rhs, lhs)] if commutes else [])
+        for keep, other in candidates:
+            v = const_value(graph, other)
+            if v is not None and not isinstance(v, bool) and v == unit \
+                    and graph.op(keep).type == op.type:
+                rewriter.replace(node, keep)
+                return True
+        return False
+
+
+class RemoveNoOpCast(Pattern):
+    """A cast to the type a value already has is the value."""
+
+    def apply(self, graph: Graph, node: int, op: Op, rewriter: Rewriter) -> bool:
+        if op.kind != "cast":
+            return False
+        (x,) = graph.operands(node)
+        if graph.op(x).type == op.type:
+            rewriter.replace(node, x)
+            return True
+        return False
+
+
+class CancelInvolution(Pattern):
+    """`--x` and `transpose(transpose(x, a, b), a, b)` are `x`."""
+
+    def apply(self, graph: Graph, node: int, op: Op, rewriter: Rewriter) -> bool:
+        if op.kind not in ("neg", "transpose"):
+            return False
+        (inner,) = graph.operands(node)
+        inner_op = graph.op(inner)
+        if not isinstance(inner_op, Op) or inner_op.kind != op.kind or inner_op.attrs != op.attrs:
+            return False
+        (x,) = graph.operands(inner)
+        if graph.op(x).type != op.type:
+            return False
+        rewriter.replace(node, x)
+        return True
+
+
+PATTERNS = (FoldConstants(), RemoveIdentity(), RemoveNoOpCast(), CancelInvolution())
+
+
+@register
+@dataclass(frozen=True)
+class Canonicalize(Pass):
+    name = "canonicalize"
+    max_iterations: int = 10
+
+    def run(self, graph: Graph, ctx: PassContext) -> None:
+        apply_patterns(graph, PATTERNS, self.max_iterations)

@@ -1,0 +1,73 @@
+"""lower-kernels: graph IR -> fused IR (one kernel per op that is left).
+
+Before: a graph of tensor ops, possibly with kernel nodes already formed by
+fusion passes.
+After: every compute op is inside a `KernelOp` whose template implements it:
+
+    elementwise op (incl. index)  -> pointwise
+    sum / max / min / mean / logsumexp -> reduce
+    softmax                       -> softmax
+    matmul                        -> matmul
+
+What stays outside kernels: parameters, dims, `transpose` (a view: consumers
+read it through permuted strides, no copy), and the return. Constants are
+inlined into the kernels that use them. A returned value that no kernel
+produces (a parameter, a view, a constant) gets a pointwise copy kernel, so
+every output is a fresh tensor. Finally all kernels are named k0, k1, ... in
+launch (topological) order. Must run last.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tiledsl.passes.regions import is_by_value, replace_with_kernel
+from tiledsl.passes.registry import Pass, PassContext, register
+
+from tiledsl import ops
+from tiledsl.ir import Graph, KernelOp, Op, Region, RegionInput, RegionOp
+
+TEMPLATES = {"elementwise": "pointwise", "reduction": "reduce", "softmax": "softmax",
+             "matmul": "matmul"}
+# ops that never become kernels of their own
+VIEWS = ("transpose",)
+
+
+@register
+@dataclass(frozen=True)
+class LowerKernels(Pass):
+    name = "lower-kernels"
+
+    def run(self, graph: Graph, ctx: PassContext) -> None:
+        for node in graph.topo_order():
+            op = graph.op(node)
+            if isinstance(op, KernelOp):
+                continue
+            template = TEMPLATES.get(ops.category(op.kind))
+            if template is not None:
+                replace_with_kernel(graph, [node], [node], template)
+        self._copy_unproduced_outputs(graph)
+        for i, node in enumerate(graph.kernels()):
+            graph.set_op(node, graph.op(node).replace(name=f"k{i}"))
+
+    def _copy_unproduced_outputs(self, graph: Graph) -> None:
+        outputs = graph.outputs
+        new_outputs = []
+        for src, res in outputs:
+            op = graph.op(src)
+            if isinstance(op, KernelOp):
+                new_outputs.append((src, res))
+                continue
+            if op.kind == "const":
+                region = Region((), (RegionOp(op, ()),), (0,))
+                copy = graph.add(KernelOp("k?", "pointwise", region, op.span), [])
+            else:
+                region = Region((RegionInput(op.type, is_by_value(op)),), (), (0,))
+                copy = graph.add(KernelOp("k?", "pointwise", region, op.span), [(src, res)])
+            new_outputs.append((copy, 0))
+        if new_outputs != outputs:
+            graph.set_operands(graph.output, new_outputs)
+            for node in list(graph.nodes()):
+                op = graph.op(node)
+                if isinstance(op, Op) and op.kind == "const" and graph.nx.out_degree(node) == 0:
+                    graph.remove(node)

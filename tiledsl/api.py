@@ -1,0 +1,183 @@
+"""`tiledsl.compile()` and the compiled program it returns.
+
+    fn = tiledsl.compile(source_or_path, kernel=None, backend="triton")
+    out = fn(q, k, v, scale=0.125)
+    fn.kernels, fn.graph, fn.ir(stage), fn.explain(), fn.to_dot()
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import networkx as nx
+
+from tiledsl import diagnostics as diag
+from tiledsl.binding import bind
+from tiledsl.ir import Graph, KernelOp, Op
+from tiledsl.parser import parse
+from tiledsl.passes.manager import PassManager, PipelineResult
+from tiledsl.passes.registry import PassContext
+from tiledsl.printer import print_graph
+from tiledsl.sema import analyze, select_kernel
+
+DEFAULT_PIPELINE = "canonicalize,cse,dce,lower-kernels"
+BACKENDS = ("triton", "reference")
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One generated kernel, in launch order.
+
+    `ops` are the DSL ops it computes (each with `.kind` and `.span`);
+    `source` is the Triton module text (None for the reference backend).
+    """
+
+    name: str
+    template: str
+    ops: tuple[Op, ...]
+    source: str | None
+    fn_name: str | None = None
+
+    @property
+    def lines(self) -> tuple[int, ...]:
+        return tuple(sorted({op.span.line for op in self.ops if op.span is not None}))
+
+
+def load_source(source: str | os.PathLike) -> tuple[str, str]:
+    """(text, display name) of program text or a path to a .tdsl file."""
+    if isinstance(source, os.PathLike) or (
+        isinstance(source, str) and "\n" not in source and "{" not in source
+        and (source.endswith(".tdsl") or os.path.isfile(source))
+    ):
+        path = Path(source)
+        try:
+            return path.read_text(encoding="utf-8"), str(path)
+        except OSError as err:
+            raise diag.OptionError(message=f"cannot read {path}: {err.strerror}") from None
+    if not isinstance(source, str):
+        raise diag.OptionError(message=(
+            f"compile() takes program text or a path, got {type(source).__name__}"))
+    return source, "<string>"
+
+
+def compile(  # noqa: A001 - the public name is part of the design
+    source: str | os.PathLike,
+    kernel: str | None = None,
+    backend: str = "triton",
+    *,
+    pipeline: str | None = None,
+    allow_tf32: bool = False,
+    verify: bool | None = None,
+) -> Program:
+    """Compile one kernel of a tiledsl program.
+
+    `pipeline` replaces the default pass pipeline ("canonicalize,cse,dce,
+    lower-kernels"); `lower-kernels` is appended when missing, since backends
+    run kernels. `allow_tf32` lets fp32 matmuls use tf32 on GPUs. `verify`
+    checks the IR after every pass (default: the TILEDSL_VERIFY env var).
+    """
+    if backend not in BACKENDS:
+        raise diag.OptionError(message=(
+            f"unknown backend '{backend}'{diag.did_you_mean(backend, BACKENDS)} "
+            f"(backends: {', '.join(BACKENDS)})"))
+    text, name = load_source(source)
+    program = parse(text, name)
+    graph = analyze(select_kernel(program, kernel))
+    manager = PassManager(pipeline or DEFAULT_PIPELINE, verify=verify)
+    if not manager.passes or manager.passes[-1].name != "lower-kernels":
+        manager = PassManager(manager.pipeline + ",lower-kernels" if manager.passes
+                              else "lower-kernels", verify=verify)
+    result = manager.run(graph, PassContext(options={"allow_tf32": allow_tf32}))
+    return Program(result, backend, manager.pipeline, allow_tf32)
+
+
+class Program:
+    """A compiled kernel: call it with torch tensors, or inspect every stage."""
+
+    def __init__(self, result: PipelineResult, backend: str, pipeline: str,
+                 allow_tf32: bool = False) -> None:
+        self._result = result
+        self._graph: Graph = result.graph
+        self.name = self._graph.name
+        self.backend = backend
+        self.pipeline = pipeline
+        self._triton = None
+        if backend == "triton":
+            from tiledsl.backends.triton.program import TritonProgram
+
+            self._triton = TritonProgram(self._graph, allow_tf32)
+            self.kernels = [Kernel(e.kernel.name, e.kernel.template, e.kernel.covered, e.source,
+                                   e.fn_name) for e in self._triton.emitted]
+        else:
+            self.kernels = [Kernel(k.name, k.template, k.covered, None)
+                            for k in (self._graph.op(n) for n in self._graph.kernels())]
+
+    # --- running --------------------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        bound = bind(self._graph, args, kwargs)
+        if self._triton is not None:
+            outs = self._triton.run(bound)
+        else:
+            from tiledsl.backends import reference
+
+            outs = reference.run(self._graph, bound)
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def reference(self, *args: Any, float64: bool = False, **kwargs: Any) -> Any:
+        """The same program run op by op in torch (float64=True: the golden result)."""
+        from tiledsl.backends import reference
+
+        bound = bind(self._graph, args, kwargs)
+        outs = reference.run(self._result.stages["graph"], bound, float64=float64)
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    # --- inspection -----------------------------------------------------------------------
+
+    @property
+    def graph(self) -> nx.DiGraph:
+        """The fused graph (a networkx MultiDiGraph; node attribute "op")."""
+        return self._graph.nx
+
+    @property
+    def stages(self) -> list[str]:
+        return list(self._result.stages) + ["fused"]
+
+    def ir(self, stage: str = "fused", locations: bool = False) -> str:
+        """The IR text after a stage: "graph", a pass name, or "fused"."""
+        stages = self._result.stages
+        if stage == "fused":
+            return print_graph(self._graph, locations)
+        if stage not in stages:
+            raise diag.OptionError(message=(
+                f"no IR stage '{stage}'{diag.did_you_mean(stage, self.stages)} "
+                f"(stages: {', '.join(self.stages)})"))
+        return print_graph(stages[stage], locations)
+
+    @property
+    def pass_timings(self) -> list[tuple[str, float]]:
+        return list(self._result.timings)
+
+    @property
+    def remarks(self) -> list[Any]:
+        return list(self._result.context.remarks)
+
+    def explain(self) -> str:
+        from tiledsl.explain import explain
+
+        return explain(self)
+
+    def to_dot(self) -> str:
+        from tiledsl.dot import to_dot
+
+        return to_dot(self._graph)
+
+    def fused_graph(self) -> Graph:
+        return self._graph
+
+    def kernel_ops(self) -> Sequence[KernelOp]:
+        return [self._graph.op(n) for n in self._graph.kernels()]

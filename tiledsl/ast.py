@@ -1,0 +1,173 @@
+"""The abstract syntax tree: frozen nodes, each with the span it was parsed from.
+
+Expressions also record their nesting `depth`, which the parser bounds so that
+the recursive passes over the tree (semantic analysis) can never exhaust the
+Python stack.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tiledsl.source import Source, Span
+
+
+@dataclass(frozen=True, slots=True)
+class Expr:
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class Name(Expr):
+    id: str
+
+
+@dataclass(frozen=True, slots=True)
+class IntLit(Expr):
+    value: int
+
+
+@dataclass(frozen=True, slots=True)
+class FloatLit(Expr):
+    value: float
+
+
+@dataclass(frozen=True, slots=True)
+class BoolLit(Expr):
+    value: bool
+
+
+@dataclass(frozen=True, slots=True)
+class StrLit(Expr):
+    """Only valid as a keyword value, e.g. gelu(x, approximate="tanh")."""
+
+    value: str
+
+
+@dataclass(frozen=True, slots=True)
+class Unary(Expr):
+    op: str  # "-" or "+"
+    operand: Expr
+    depth: int
+
+
+@dataclass(frozen=True, slots=True)
+class Binary(Expr):
+    op: str  # "+", "-", "*", "/", "@", "&", "|"
+    lhs: Expr
+    rhs: Expr
+    op_span: Span
+    depth: int
+
+
+@dataclass(frozen=True, slots=True)
+class Compare(Expr):
+    """`a < b`; a chain `a < b < c` parses (so it can be rejected with a clear error)."""
+
+    ops: tuple[str, ...]
+    operands: tuple[Expr, ...]
+    depth: int
+
+
+@dataclass(frozen=True, slots=True)
+class Keyword:
+    name: str
+    value: Expr
+    span: Span  # the whole `name=value`
+
+
+@dataclass(frozen=True, slots=True)
+class Call(Expr):
+    func: str
+    func_span: Span
+    args: tuple[Expr, ...]
+    keywords: tuple[Keyword, ...]
+    depth: int
+
+
+@dataclass(frozen=True, slots=True)
+class Attribute(Expr):
+    value: Expr
+    name: str
+    name_span: Span
+    depth: int
+
+
+@dataclass(frozen=True, slots=True)
+class Assign:
+    target: str
+    target_span: Span
+    value: Expr
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class Return:
+    values: tuple[Expr, ...]
+    span: Span
+
+
+Stmt = Assign | Return
+
+
+@dataclass(frozen=True, slots=True)
+class DimExpr:
+    """One dim of a declared shape: a symbol (`M`) or an integer literal."""
+
+    value: str | int
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class TypeExpr:
+    """`f16[B, M]` (dims is a tuple) or a scalar `f32` (dims is None)."""
+
+    dtype: str
+    dtype_span: Span
+    dims: tuple[DimExpr, ...] | None
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class Param:
+    name: str
+    type: TypeExpr
+    span: Span
+    name_span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class Hint:
+    name: str
+    value: Expr
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class Decorator:
+    name: str
+    hints: tuple[Hint, ...]
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class Kernel:
+    name: str
+    name_span: Span
+    decorators: tuple[Decorator, ...]
+    params: tuple[Param, ...]
+    returns: tuple[TypeExpr, ...]
+    returns_span: Span
+    body: tuple[Stmt, ...]
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class Program:
+    source: Source
+    kernels: tuple[Kernel, ...]
+
+
+def depth(expr: Expr) -> int:
+    """Nesting depth of an expression (leaves are 1)."""
+    return getattr(expr, "depth", 1)

@@ -1,0 +1,135 @@
+"""Call-time argument binding and validation, shared by every backend.
+
+Arguments bind to parameters like a Python call (positionally, then by name).
+Tensors are checked for type, rank, dtype, device and sizes; every dim symbol
+must bind to one size across all parameters. Each error is an
+`ArgumentError` located at the parameter's declaration and naming both sizes.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tiledsl.diagnostics import ArgumentError, did_you_mean
+from tiledsl.ir import Graph
+from tiledsl.types import DType, TensorType, format_shape
+
+I32_MIN, I32_MAX = -(2**31), 2**31 - 1
+
+
+def torch_dtype(dtype: DType):
+    import torch
+
+    return {DType.F16: torch.float16, DType.BF16: torch.bfloat16, DType.F32: torch.float32,
+            DType.I32: torch.int32, DType.BOOL: torch.bool}[dtype]
+
+
+@dataclass
+class BoundCall:
+    values: list[Any]  # per parameter: a tensor or a Python scalar
+    dims: dict[str, int]
+    device: Any  # torch.device; None when no tensor was passed
+
+
+def bind(graph: Graph, args: Sequence[Any], kwargs: Mapping[str, Any]) -> BoundCall:
+    import torch
+
+    params = [graph.op(p) for p in graph.params]
+    names = [p.attr("name") for p in params]
+    if len(args) > len(params):
+        raise ArgumentError(graph.span, message=(
+            f"'{graph.name}' takes {len(params)} argument(s) ({', '.join(names)}), got {len(args)}"))
+    given: dict[str, Any] = dict(zip(names, args, strict=False))
+    for key, value in kwargs.items():
+        if key not in names:
+            raise ArgumentError(graph.span, message=(
+                f"'{graph.name}' has no parameter '{key}'{did_you_mean(key, names)} "
+                f"(parameters: {', '.join(names)})"))
+        if key in given:
+            raise ArgumentError(params[names.index(key)].span,
+                                message=f"got two values for argument '{key}'")
+        given[key] = value
+
+    dims: dict[str, tuple[int, str]] = {}
+    device = None
+    device_owner = ""
+    values = []
+    for op, name in zip(params, names, strict=True):
+        if name not in given:
+            raise ArgumentError(op.span, message=f"missing argument '{name}' ({op.attr('type')})")
+        value = given[name]
+        t: TensorType = op.attr("type")
+        if op.attr("scalar"):
+            values.append(_scalar(value, name, t, op.span, torch))
+            continue
+        if not isinstance(value, torch.Tensor):
+            raise ArgumentError(op.span, message=(
+                f"argument '{name}' must be a torch.Tensor of {t}, got {type(value).__name__}"))
+        if value.dim() != t.rank:
+            raise ArgumentError(op.span, message=(
+                f"argument '{name}' has {value.dim()} dimension(s) {list(value.shape)}, but "
+                f"parameter '{name}' is declared {t} ({t.rank} dimension(s))"))
+        if value.dtype != torch_dtype(t.dtype):
+            raise ArgumentError(op.span, message=(
+                f"argument '{name}' has dtype {value.dtype}, but parameter '{name}' is declared "
+                f"{t.dtype} ({torch_dtype(t.dtype)})"))
+        if value.device.type not in ("cpu", "cuda"):
+            raise ArgumentError(op.span, message=(
+                f"argument '{name}' is on {value.device}; tiledsl runs on CPU (through "
+                "Triton's interpreter) and on CUDA devices"))
+        if device is None:
+            device, device_owner = value.device, name
+        elif value.device != device:
+            raise ArgumentError(op.span, message=(
+                f"argument '{name}' is on {value.device}, but '{device_owner}' is on {device}; "
+                "all tensors must be on one device"))
+        for axis, (declared, size) in enumerate(zip(t.shape, value.shape, strict=True)):
+            if size < 1:
+                raise ArgumentError(op.span, message=(
+                    f"argument '{name}' has size {size} in dim {axis}; every dim must be at least 1"))
+            if isinstance(declared, int):
+                if size != declared:
+                    raise ArgumentError(op.span, message=(
+                        f"argument '{name}' has size {size} in dim {axis}, but parameter '{name}' "
+                        f"declares {declared} ({format_shape(t.shape)})"))
+            elif declared in dims and dims[declared][0] != size:
+                bound, owner = dims[declared]
+                raise ArgumentError(op.span, message=(
+                    f"argument '{name}' has size {size} in dim {axis} ({declared}), but "
+                    f"{declared} is {bound} from argument '{owner}'"))
+            else:
+                dims.setdefault(declared, (size, name))
+        values.append(value)
+    return BoundCall(values, {k: v for k, (v, _) in dims.items()}, device)
+
+
+def _scalar(value: Any, name: str, t: TensorType, span, torch) -> Any:
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0:
+            raise ArgumentError(span, message=(
+                f"argument '{name}' must be a scalar ({t.dtype}), got a tensor of shape "
+                f"{list(value.shape)}"))
+        value = value.item()
+    if t.dtype is DType.BOOL:
+        if not isinstance(value, bool):
+            raise ArgumentError(span, message=f"argument '{name}' must be a bool, got "
+                                f"{type(value).__name__}")
+        return value
+    if t.dtype is DType.I32:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise ArgumentError(span, message=f"argument '{name}' must be an int (i32), got "
+                                f"{type(value).__name__}")
+        if not I32_MIN <= int(value) <= I32_MAX:
+            raise ArgumentError(span, message=f"argument '{name}' = {value} does not fit in i32")
+        return int(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ArgumentError(span, message=f"argument '{name}' must be a number ({t.dtype}), got "
+                            f"{type(value).__name__}")
+    return float(value)
+
+
+def eval_shape(shape, dims: Mapping[str, int]) -> tuple[int, ...]:
+    return tuple(d if isinstance(d, int) else dims[d] for d in shape)

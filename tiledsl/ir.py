@@ -1,0 +1,234 @@
+"""Graph IR and fused IR.
+
+One `Graph` per kernel: a networkx `MultiDiGraph` whose nodes carry one frozen
+payload in the node attribute "op", and whose edges (u, v, key=slot, res=i)
+say that result `i` of `u` is operand `slot` of `v`. A MultiDiGraph so that
+`x * x` has two edges from `x`.
+
+Payloads:
+- `Op`: one tensor op of the graph IR (kind, dtype, shape, attrs, span).
+- `KernelOp`: a kernel-level op of the fused IR, owning a `Region` (an
+  immutable SSA sub-program over its inputs) and naming the code template
+  that implements it. Fusion passes build bigger regions; `lower-kernels`
+  wraps every op that is left into a region of its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import networkx as nx
+
+from tiledsl.source import Span
+from tiledsl.types import DType, Shape, TensorType
+
+Attrs = tuple[tuple[str, Any], ...]
+
+
+def make_attrs(**attrs: Any) -> Attrs:
+    return tuple(sorted(attrs.items()))
+
+
+@dataclass(frozen=True, slots=True)
+class Op:
+    """One graph-IR op; `attrs` is a sorted tuple of (name, value) pairs."""
+
+    kind: str
+    dtype: DType
+    shape: Shape
+    attrs: Attrs = ()
+    span: Span | None = None
+    weak: bool = False
+
+    @property
+    def type(self) -> TensorType:
+        return TensorType(self.dtype, self.shape, self.weak)
+
+    def attr(self, name: str, default: Any = None) -> Any:
+        for key, value in self.attrs:
+            if key == name:
+                return value
+        return default
+
+    @property
+    def attr_map(self) -> dict[str, Any]:
+        return dict(self.attrs)
+
+    def replace(self, **changes: Any) -> Op:
+        return dataclasses.replace(self, **changes)
+
+    def key(self) -> tuple:
+        """Identity for CSE: everything but the span."""
+        return (self.kind, self.dtype, self.shape, self.attrs, self.weak)
+
+
+def op_with_type(kind: str, t: TensorType, span: Span | None = None, **attrs: Any) -> Op:
+    return Op(kind, t.dtype, t.shape, make_attrs(**attrs), span, t.weak)
+
+
+@dataclass(frozen=True, slots=True)
+class RegionInput:
+    """A value entering a region. `scalar`: passed by value (a scalar param or a dim)."""
+
+    type: TensorType
+    scalar: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class RegionOp:
+    """An op inside a region; operands are value ids (inputs first, then ops in order)."""
+
+    op: Op
+    operands: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """An immutable SSA sub-program: inputs, ops in dependency order, outputs."""
+
+    inputs: tuple[RegionInput, ...]
+    ops: tuple[RegionOp, ...]
+    outputs: tuple[int, ...]
+
+    def value_type(self, value: int) -> TensorType:
+        n = len(self.inputs)
+        return self.inputs[value].type if value < n else self.ops[value - n].op.type
+
+    def producer(self, value: int) -> RegionOp | None:
+        n = len(self.inputs)
+        return None if value < n else self.ops[value - n]
+
+    @property
+    def output_types(self) -> tuple[TensorType, ...]:
+        return tuple(self.value_type(v) for v in self.outputs)
+
+
+@dataclass(frozen=True, slots=True)
+class KernelOp:
+    """A kernel of the fused IR: a code template applied to a region."""
+
+    name: str  # compiler-owned, e.g. "k3"
+    template: str  # pointwise | reduce | softmax | matmul
+    region: Region
+    span: Span | None = None
+    kind: str = "kernel"
+
+    @property
+    def result_types(self) -> tuple[TensorType, ...]:
+        return self.region.output_types
+
+    @property
+    def covered(self) -> tuple[Op, ...]:
+        """The DSL ops this kernel computes (inlined constants excluded)."""
+        return tuple(r.op for r in self.region.ops if r.op.kind != "const")
+
+    def replace(self, **changes: Any) -> KernelOp:
+        return dataclasses.replace(self, **changes)
+
+
+Payload = Op | KernelOp
+
+
+class Graph:
+    """One kernel's program. `params` are the parameter nodes in declaration order."""
+
+    def __init__(self, name: str, span: Span | None = None,
+                 hints: dict[str, tuple[int, Span]] | None = None) -> None:
+        self.name = name
+        self.span = span
+        self.hints: dict[str, tuple[int, Span]] = dict(hints or {})
+        self.nx = nx.MultiDiGraph()
+        self.params: list[int] = []
+        self.output: int | None = None
+        self._ids = itertools.count()
+
+    # construction ---------------------------------------------------------------
+
+    def add(self, op: Payload, operands: Iterable[int | tuple[int, int]] = ()) -> int:
+        """Add a node; operands are node ids or (node, result index) pairs."""
+        node = next(self._ids)
+        self.nx.add_node(node, op=op)
+        for slot, operand in enumerate(operands):
+            src, res = operand if isinstance(operand, tuple) else (operand, 0)
+            self.nx.add_edge(src, node, key=slot, res=res)
+        if op.kind == "param":
+            self.params.append(node)
+        elif op.kind == "return":
+            self.output = node
+        return node
+
+    def copy(self) -> Graph:
+        other = Graph.__new__(Graph)
+        other.name, other.span, other.hints = self.name, self.span, dict(self.hints)
+        other.nx = self.nx.copy()
+        other.params = list(self.params)
+        other.output = self.output
+        start = max(self.nx.nodes, default=-1) + 1
+        other._ids = itertools.count(start)
+        return other
+
+    # queries ----------------------------------------------------------------------
+
+    def op(self, node: int) -> Payload:
+        return self.nx.nodes[node]["op"]
+
+    def operand_edges(self, node: int) -> list[tuple[int, int]]:
+        """(producer, result index) for each operand slot, in order."""
+        edges = sorted(self.nx.in_edges(node, keys=True, data="res"), key=lambda e: e[2])
+        return [(u, res) for u, _, _, res in edges]
+
+    def operands(self, node: int) -> list[int]:
+        return [u for u, _ in self.operand_edges(node)]
+
+    def users(self, node: int) -> list[tuple[int, int]]:
+        """(user, slot) for every use of any result of `node`."""
+        return [(v, slot) for _, v, slot in self.nx.out_edges(node, keys=True)]
+
+    def nodes(self) -> Iterator[int]:
+        return iter(self.nx.nodes)
+
+    def topo_order(self) -> list[int]:
+        """A deterministic topological order (ties broken by creation order)."""
+        return list(nx.lexicographical_topological_sort(self.nx))
+
+    @property
+    def outputs(self) -> list[tuple[int, int]]:
+        return self.operand_edges(self.output) if self.output is not None else []
+
+    @property
+    def is_fused(self) -> bool:
+        return any(isinstance(self.op(n), KernelOp) for n in self.nx.nodes)
+
+    def kernels(self) -> list[int]:
+        return [n for n in self.topo_order() if isinstance(self.op(n), KernelOp)]
+
+    # mutation -----------------------------------------------------------------------
+
+    def set_op(self, node: int, op: Payload) -> None:
+        self.nx.nodes[node]["op"] = op
+
+    def set_operands(self, node: int, operands: Iterable[int | tuple[int, int]]) -> None:
+        self.nx.remove_edges_from(list(self.nx.in_edges(node, keys=True)))
+        for slot, operand in enumerate(operands):
+            src, res = operand if isinstance(operand, tuple) else (operand, 0)
+            self.nx.add_edge(src, node, key=slot, res=res)
+
+    def replace_uses(self, old: int, new: int, new_res: int = 0, old_res: int | None = None) -> None:
+        """Point every use of `old` (or of its result `old_res`) at `new`."""
+        for _, user, slot, res in list(self.nx.out_edges(old, keys=True, data="res")):
+            if old_res is not None and res != old_res:
+                continue
+            self.nx.remove_edge(old, user, key=slot)
+            self.nx.add_edge(new, user, key=slot, res=new_res)
+
+    def remove(self, node: int) -> None:
+        assert self.nx.out_degree(node) == 0, f"removing node {node} that still has uses"
+        self.nx.remove_node(node)
+        if node in self.params:
+            self.params.remove(node)
+        if node == self.output:
+            self.output = None

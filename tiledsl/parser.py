@@ -1,0 +1,379 @@
+"""Text -> AST.
+
+One LALR parser, built once per process and applied with the AST builder as
+its inline transformer (no intermediate parse tree). Every Lark exception is
+translated into a located `TileDSLError`; size and nesting limits are checked
+while building, so no input reaches a `RecursionError` later.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from importlib import resources
+
+import lark
+import lark.visitors
+from lark import Token
+from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
+
+from tiledsl import ast
+from tiledsl.diagnostics import (
+    EmptySourceError,
+    LimitError,
+    TileDSLError,
+    UnexpectedCharacterError,
+    UnexpectedEndError,
+    UnexpectedTokenError,
+)
+from tiledsl.source import Source, Span
+
+MAX_SOURCE_CHARS = 4_000_000
+MAX_STATEMENTS = 50_000
+MAX_EXPR_DEPTH = 200
+
+# How terminals are named in "expected one of ..." messages.
+_TERMINAL_NAMES = {
+    "NAME": "a name",
+    "INT": "an integer",
+    "FLOAT": "a number",
+    "STRING": "a string",
+    "COMP_OP": "a comparison",
+    "_NL": "a newline",
+    "$END": "end of file",
+}
+
+
+class _Newlines:
+    """Post-lexer: a newline inside (...) or [...] does not end a statement."""
+
+    always_accept = ("_NL",)
+
+    def process(self, stream: Iterator[Token]) -> Iterator[Token]:
+        depth = 0
+        for tok in stream:
+            if tok.type in ("LPAR", "LSQB"):
+                depth += 1
+            elif tok.type in ("RPAR", "RSQB"):
+                depth = max(0, depth - 1)
+            elif tok.type == "_NL" and depth:
+                continue
+            yield tok
+
+
+class _Builder(lark.visitors.Transformer_NonRecursive):
+    """Builds `tiledsl.ast` nodes; runs inline in the LALR parser."""
+
+    def __init__(self, source: Source) -> None:
+        super().__init__()
+        self.src = source
+
+    # helpers ------------------------------------------------------------------
+
+    def _span(self, meta) -> Span:
+        if getattr(meta, "empty", True):
+            return Span(self.src, 0, 0)
+        return Span(self.src, meta.start_pos, meta.end_pos)
+
+    def _tok(self, tok: Token) -> Span:
+        return Span(self.src, tok.start_pos, tok.end_pos)
+
+    def _nested(self, span: Span, *children: ast.Expr) -> int:
+        d = 1 + max((ast.depth(c) for c in children), default=0)
+        if d > MAX_EXPR_DEPTH:
+            raise LimitError(span, what="expression nesting depth", limit=MAX_EXPR_DEPTH)
+        return d
+
+    def _binary(self, meta, children, op: str) -> ast.Binary:
+        lhs, rhs = children
+        span = self._span(meta)
+        between = self.src.text.find(op, lhs.span.end, rhs.span.start)
+        op_span = Span(self.src, between, between + len(op)) if between >= 0 else span
+        return ast.Binary(span, op, lhs, rhs, op_span, self._nested(span, lhs, rhs))
+
+    # program structure --------------------------------------------------------
+
+    @lark.v_args(meta=True)
+    def start(self, meta, kernels):
+        return ast.Program(self.src, tuple(kernels))
+
+    @lark.v_args(meta=True)
+    def kernel(self, meta, children):
+        decorators = tuple(c for c in children if isinstance(c, ast.Decorator))
+        name = next(c for c in children if isinstance(c, Token))
+        params = tuple(c for c in children if isinstance(c, ast.Param))
+        returns, returns_span = next(c for c in children if isinstance(c, _Returns))
+        body = children[-1]
+        return ast.Kernel(
+            str(name), self._tok(name), decorators, params, returns, returns_span, body,
+            self._span(meta),
+        )
+
+    @lark.v_args(meta=True)
+    def decorator(self, meta, children):
+        name, *hints = children
+        return ast.Decorator(str(name), tuple(hints), self._span(meta))
+
+    @lark.v_args(meta=True)
+    def hint(self, meta, children):
+        name, value = children
+        return ast.Hint(str(name), value, self._span(meta))
+
+    @lark.v_args(meta=True)
+    def param(self, meta, children):
+        name, typ = children
+        return ast.Param(str(name), typ, self._span(meta), self._tok(name))
+
+    @lark.v_args(meta=True)
+    def scalar_type(self, meta, children):
+        (dtype,) = children
+        return ast.TypeExpr(str(dtype), self._tok(dtype), None, self._span(meta))
+
+    @lark.v_args(meta=True)
+    def tensor_type(self, meta, children):
+        dtype, *dims = children
+        return ast.TypeExpr(str(dtype), self._tok(dtype), tuple(dims), self._span(meta))
+
+    def dim_symbol(self, children):
+        (tok,) = children
+        return ast.DimExpr(str(tok), self._tok(tok))
+
+    def dim_literal(self, children):
+        (tok,) = children
+        return ast.DimExpr(int(tok), self._tok(tok))
+
+    @lark.v_args(meta=True)
+    def ret_single(self, meta, children):
+        return _Returns((tuple(children), self._span(meta)))
+
+    @lark.v_args(meta=True)
+    def ret_tuple(self, meta, children):
+        return _Returns((tuple(children), self._span(meta)))
+
+    @lark.v_args(meta=True)
+    def block(self, meta, stmts):
+        if len(stmts) > MAX_STATEMENTS:
+            raise LimitError(stmts[MAX_STATEMENTS].span, what="the number of statements in a kernel",
+                             limit=MAX_STATEMENTS)
+        return tuple(stmts)
+
+    @lark.v_args(meta=True)
+    def assign(self, meta, children):
+        name, value = children
+        return ast.Assign(str(name), self._tok(name), value, self._span(meta))
+
+    @lark.v_args(meta=True)
+    def return_(self, meta, values):
+        return ast.Return(tuple(values), self._span(meta))
+
+    # expressions ----------------------------------------------------------------
+
+    @lark.v_args(meta=True)
+    def compare(self, meta, children):
+        operands = tuple(children[0::2])
+        ops = tuple(str(t) for t in children[1::2])
+        span = self._span(meta)
+        return ast.Compare(span, ops, operands, self._nested(span, *operands))
+
+    @lark.v_args(meta=True)
+    def or_(self, meta, c):
+        return self._binary(meta, c, "|")
+
+    @lark.v_args(meta=True)
+    def and_(self, meta, c):
+        return self._binary(meta, c, "&")
+
+    @lark.v_args(meta=True)
+    def add(self, meta, c):
+        return self._binary(meta, c, "+")
+
+    @lark.v_args(meta=True)
+    def sub(self, meta, c):
+        return self._binary(meta, c, "-")
+
+    @lark.v_args(meta=True)
+    def mul(self, meta, c):
+        return self._binary(meta, c, "*")
+
+    @lark.v_args(meta=True)
+    def div(self, meta, c):
+        return self._binary(meta, c, "/")
+
+    @lark.v_args(meta=True)
+    def matmul(self, meta, c):
+        return self._binary(meta, c, "@")
+
+    @lark.v_args(meta=True)
+    def neg(self, meta, children):
+        (operand,) = children
+        span = self._span(meta)
+        return ast.Unary(span, "-", operand, self._nested(span, operand))
+
+    @lark.v_args(meta=True)
+    def pos(self, meta, children):
+        (operand,) = children
+        span = self._span(meta)
+        return ast.Unary(span, "+", operand, self._nested(span, operand))
+
+    @lark.v_args(meta=True)
+    def attribute(self, meta, children):
+        value, name = children
+        span = self._span(meta)
+        return ast.Attribute(span, value, str(name), self._tok(name), self._nested(span, value))
+
+    @lark.v_args(meta=True)
+    def call(self, meta, children):
+        func, *args = children
+        positional = tuple(a for a in args if isinstance(a, ast.Expr))
+        keywords = tuple(a for a in args if isinstance(a, ast.Keyword))
+        span = self._span(meta)
+        depth = self._nested(span, *positional, *(k.value for k in keywords))
+        return ast.Call(span, str(func), self._tok(func), positional, keywords, depth)
+
+    @lark.v_args(meta=True)
+    def kwarg(self, meta, children):
+        name, value = children
+        return ast.Keyword(str(name), value, self._span(meta))
+
+    @lark.v_args(meta=True)
+    def kwarg_str(self, meta, children):
+        name, tok = children
+        value = ast.StrLit(self._tok(tok), str(tok)[1:-1])
+        return ast.Keyword(str(name), value, self._span(meta))
+
+    def name(self, children):
+        (tok,) = children
+        return ast.Name(self._tok(tok), str(tok))
+
+    def int_lit(self, children):
+        (tok,) = children
+        return ast.IntLit(self._tok(tok), int(tok))
+
+    def float_lit(self, children):
+        (tok,) = children
+        return ast.FloatLit(self._tok(tok), float(tok))
+
+    @lark.v_args(meta=True)
+    def inf_lit(self, meta, children):
+        return ast.FloatLit(self._span(meta), float("inf"))
+
+    @lark.v_args(meta=True)
+    def true_lit(self, meta, children):
+        return ast.BoolLit(self._span(meta), True)
+
+    @lark.v_args(meta=True)
+    def false_lit(self, meta, children):
+        return ast.BoolLit(self._span(meta), False)
+
+
+class _Returns(tuple):
+    """(types, span) of a kernel's declared return type(s)."""
+
+
+@functools.cache
+def _lark() -> lark.Lark:
+    grammar = resources.files("tiledsl").joinpath("grammar.lark").read_text()
+    return lark.Lark(
+        grammar,
+        parser="lalr",
+        lexer="contextual",
+        postlex=_Newlines(),
+        propagate_positions=True,
+        maybe_placeholders=False,
+    )
+
+
+def parse(text: str, name: str = "<string>") -> ast.Program:
+    """Parse program text into an AST, raising `TileDSLError` on any problem."""
+    source = Source(text, name)
+    if len(text) > MAX_SOURCE_CHARS:
+        raise LimitError(Span(source, 0, 0), what="program size in characters",
+                         limit=MAX_SOURCE_CHARS)
+    try:
+        tree = _lark().parse(text)
+    except UnexpectedInput as err:
+        raise _syntax_error(source, err) from None
+    try:
+        program = _Builder(source).transform(tree)
+    except lark.exceptions.VisitError as err:
+        if isinstance(err.orig_exc, TileDSLError):
+            raise err.orig_exc from None
+        raise
+    if not program.kernels:
+        raise EmptySourceError(Span(source, len(text), len(text)))
+    return program
+
+
+_OPERATORS = {"AMPERSAND", "VBAR", "PLUS", "MINUS", "STAR", "SLASH", "AT", "DOT", "COMP_OP"}
+
+
+def _expected(err: UnexpectedInput) -> set[str]:
+    """The terminals the parser would have accepted where it stopped."""
+    interactive = getattr(err, "interactive_parser", None)
+    if interactive is not None:
+        try:
+            return set(interactive.accepts())
+        except UnexpectedInput:
+            pass
+    return set(getattr(err, "accepts", None) or getattr(err, "expected", None)
+               or getattr(err, "allowed", None) or ())
+
+
+def _describe_expected(names: set[str]) -> str:
+    names = {n for n in names if not n.startswith("__IGNORE")}
+    if not names:
+        return ""
+    shown = set()
+    if len(names & _OPERATORS) >= 3:
+        # After a complete operand every binary operator fits; say so once.
+        names -= _OPERATORS - {"MINUS", "PLUS"} if "NAME" in names else _OPERATORS
+        shown.add("an operator")
+    shown |= {_terminal_display(n) for n in names}
+    ordered = sorted(shown, key=lambda s: (not s.startswith("'"), s))
+    if len(ordered) == 1:
+        return f"; expected {ordered[0]}"
+    return "; expected one of: " + ", ".join(ordered)
+
+
+@functools.cache
+def _terminal_display(name: str) -> str:
+    if name in _TERMINAL_NAMES:
+        return _TERMINAL_NAMES[name]
+    for term in _lark().terminals:
+        if term.name == name and term.pattern.type == "str":
+            return f"'{term.pattern.value}'"
+    return name.lower()
+
+
+def _token_display(tok: Token) -> str:
+    if tok.type == "$END":
+        return "end of file"
+    if tok.type == "_NL":
+        return "newline"
+    if tok.type in ("NAME", "INT", "FLOAT", "STRING"):
+        return f"{_TERMINAL_NAMES[tok.type].split(' ', 1)[1]} '{tok}'"
+    return f"'{tok}'"
+
+
+def _syntax_error(source: Source, err: UnexpectedInput) -> TileDSLError:
+    end = len(source.text)
+    if isinstance(err, UnexpectedCharacters):
+        pos = err.pos_in_stream
+        return UnexpectedCharacterError(
+            Span(source, pos, pos + 1), char=source.text[pos], expected=_describe_expected(_expected(err))
+        )
+    if isinstance(err, UnexpectedEOF) or (
+        isinstance(err, UnexpectedToken) and err.token.type == "$END"
+    ):
+        return UnexpectedEndError(Span(source, end, end), expected=_describe_expected(_expected(err)))
+    if isinstance(err, UnexpectedToken):
+        tok = err.token
+        start = tok.start_pos if tok.start_pos is not None else end
+        stop = tok.end_pos if tok.end_pos is not None else start
+        if tok.type == "_NL":
+            stop = start + 1
+        return UnexpectedTokenError(
+            Span(source, start, stop), token=_token_display(tok),
+            expected=_describe_expected(_expected(err)),
+        )
+    return UnexpectedCharacterError(Span(source, 0, 1), char="?", expected="")

@@ -1,0 +1,432 @@
+"""Semantic analysis: AST -> graph IR.
+
+One walk over a kernel's AST resolves names, binds builtin arguments, checks
+shapes and dtypes through the op type rules of `tiledsl.ops`, and builds the
+graph. Every error is located: the primary span is the construct at fault,
+and notes point at related spans (the first definition, the other operand,
+the declared return type).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tiledsl import ast, ops
+from tiledsl import diagnostics as diag
+from tiledsl.builtins import BUILTINS, REQUIRED, TILE_HINTS, Builtin
+from tiledsl.ir import Graph, Op, make_attrs
+from tiledsl.source import Span
+from tiledsl.types import (
+    DTYPES,
+    MAX_RANK,
+    PARAM_DTYPES,
+    DType,
+    TensorType,
+    format_shape,
+    normalize_axis,
+)
+
+MAX_PARAMS = 256
+I32_MAX = 2**31 - 1
+
+
+def analyze(kernel: ast.Kernel) -> Graph:
+    """Check one kernel and lower it to a graph IR."""
+    return _KernelBuilder(kernel).build()
+
+
+def select_kernel(program: ast.Program, name: str | None) -> ast.Kernel:
+    """The kernel to compile: the named one, or the only one."""
+    seen: dict[str, ast.Kernel] = {}
+    for k in program.kernels:
+        if k.name in seen:
+            raise diag.DuplicateKernelError(
+                k.name_span, [diag.Note("first defined here", seen[k.name].name_span)], name=k.name)
+        seen[k.name] = k
+    names = ", ".join(seen)
+    if name is None:
+        if len(seen) > 1:
+            first = program.kernels[0].name_span
+            raise diag.KernelSelectionError(first, message=(
+                f"the program defines {len(seen)} kernels ({names}); "
+                "choose one with kernel=..."))
+        return program.kernels[0]
+    if name not in seen:
+        hint = diag.did_you_mean(name, seen)
+        raise diag.KernelSelectionError(program.kernels[0].name_span, message=(
+            f"no kernel named '{name}'{hint or ''} (kernels: {names})"))
+    return seen[name]
+
+
+class _KernelBuilder:
+    def __init__(self, kernel: ast.Kernel) -> None:
+        self.kernel = kernel
+        self.graph = Graph(kernel.name, kernel.span)
+        # name -> (node, span where it was bound)
+        self.scope: dict[str, tuple[int, Span]] = {}
+        # dim symbol -> (param name, span of its first occurrence)
+        self.dims: dict[str, tuple[str, Span]] = {}
+        self.dim_nodes: dict[str, int] = {}
+        self.spans: dict[int, Span] = {}
+
+    # --- kernel structure ------------------------------------------------------------
+
+    def build(self) -> Graph:
+        k = self.kernel
+        self.graph.hints = self._hints(k.decorators)
+        if len(k.params) > MAX_PARAMS:
+            raise diag.LimitError(k.params[MAX_PARAMS].span, what="the number of parameters",
+                                  limit=MAX_PARAMS)
+        for index, param in enumerate(k.params):
+            self._param(index, param)
+        for pname, (_, pspan) in self.scope.items():
+            if pname in self.dims:
+                raise diag.NameConflictError(
+                    pspan, [diag.Note("used as a dimension here", self.dims[pname][1])], name=pname)
+        returned = False
+        for stmt in k.body:
+            if returned:
+                raise diag.ReturnError(stmt.span, message="statement after 'return' is unreachable")
+            if isinstance(stmt, ast.Assign):
+                self.scope[stmt.target] = (self.expr(stmt.value), stmt.target_span)
+            else:
+                self._return(stmt)
+                returned = True
+        if not returned:
+            raise diag.ReturnError(k.name_span, message=f"kernel '{k.name}' has no 'return' statement")
+        return self.graph
+
+    def _hints(self, decorators: Sequence[ast.Decorator]) -> dict[str, tuple[int, Span]]:
+        hints: dict[str, tuple[int, Span]] = {}
+        seen_tile: Span | None = None
+        for dec in decorators:
+            if dec.name != "tile":
+                hint = diag.did_you_mean(dec.name, ["tile"])
+                raise diag.TileHintError(dec.span, message=(
+                    f"unknown decorator '@{dec.name}'{hint or ''}; the only decorator is @tile(...)"))
+            if seen_tile is not None:
+                raise diag.TileHintError(dec.span, [diag.Note("first @tile here", seen_tile)],
+                                         message="@tile is given twice")
+            seen_tile = dec.span
+            for h in dec.hints:
+                if h.name not in TILE_HINTS:
+                    raise diag.TileHintError(h.span, message=(
+                        f"unknown tile hint '{h.name}'{diag.did_you_mean(h.name, TILE_HINTS)} "
+                        f"(known: {', '.join(TILE_HINTS)})"))
+                if h.name in hints:
+                    raise diag.TileHintError(h.span, [diag.Note("first given here", hints[h.name][1])],
+                                             message=f"tile hint '{h.name}' is given twice")
+                value = _const_int(h.value, f"tile hint '{h.name}'")
+                _check_hint(h.name, value, h.span)
+                hints[h.name] = (value, h.span)
+        return hints
+
+    def _param(self, index: int, param: ast.Param) -> None:
+        if param.name in self.scope:
+            first = self.scope[param.name][1]
+            raise diag.DuplicateParameterError(
+                param.name_span, [diag.Note("first declared here", first)], name=param.name)
+        t = self._type(param.type, param.name)
+        scalar = param.type.dims is None
+        op = Op("param", t.dtype, t.shape,
+                make_attrs(name=param.name, index=index, scalar=scalar, type=t), param.span)
+        self.scope[param.name] = (self._add(op, []), param.name_span)
+
+    def _type(self, texpr: ast.TypeExpr, owner: str | None) -> TensorType:
+        dtype = DTYPES.get(texpr.dtype)
+        if dtype is None:
+            raise diag.UnknownDTypeError(texpr.dtype_span, name=texpr.dtype,
+                                         hint=diag.did_you_mean(texpr.dtype, PARAM_DTYPES))
+        dims = texpr.dims or ()
+        if len(dims) > MAX_RANK:
+            raise diag.LimitError(texpr.span, what=f"rank {len(dims)}", limit=MAX_RANK)
+        for d in dims:
+            if isinstance(d.value, int):
+                if d.value < 1:
+                    raise diag.RankError(d.span, message=f"dim sizes must be at least 1, got {d.value}")
+            elif owner is not None and d.value not in self.dims:
+                self.dims[d.value] = (owner, d.span)
+        return TensorType(dtype, tuple(d.value for d in dims))
+
+    def _return(self, stmt: ast.Return) -> None:
+        declared = self.kernel.returns
+        if len(stmt.values) != len(declared):
+            raise diag.ReturnError(stmt.span, [diag.Note("declared here", self.kernel.returns_span)],
+                                   message=(f"kernel '{self.kernel.name}' declares {len(declared)} "
+                                            f"return value(s) but returns {len(stmt.values)}"))
+        outs = []
+        for i, (value, texpr) in enumerate(zip(stmt.values, declared, strict=True)):
+            node = self.expr(value)
+            got = self.graph.op(node).type
+            want = self._type(texpr, None)
+            note = [diag.Note("declared here", texpr.span)]
+            which = f"return value {i + 1}" if len(declared) > 1 else "the returned value"
+            for d in want.shape:
+                if isinstance(d, str) and d not in self.dims:
+                    raise diag.ReturnTypeError(texpr.span, message=(
+                        f"the declared return type uses dim '{d}', which no parameter defines"))
+            if got.shape != want.shape:
+                raise diag.ReturnTypeError(value.span, note, message=(
+                    f"{which} has shape {format_shape(got.shape)} but the kernel declares "
+                    f"{format_shape(want.shape)}"))
+            if got.dtype != want.dtype:
+                if not (got.dtype.is_float and want.dtype.is_float):
+                    raise diag.ReturnTypeError(value.span, note, message=(
+                        f"{which} is {got.dtype} but the kernel declares {want.dtype}; "
+                        f"convert it explicitly with cast(..., {want.dtype})"))
+                node = self._emit("cast", [(node, value.span)], value.span, dtype=want.dtype)
+            outs.append(node)
+        self.graph.add(Op("return", DType.BOOL, (), (), stmt.span), outs)
+
+    # --- expressions --------------------------------------------------------------------
+
+    def _add(self, op: Op, operands: list[int]) -> int:
+        node = self.graph.add(op, operands)
+        return node
+
+    def _emit(self, kind: str, operands: list[tuple[int, Span]], span: Span, **attrs: Any) -> int:
+        """Add an op, inferring its type; a refused rule becomes a located error."""
+        types = tuple(self.graph.op(n).type for n, _ in operands)
+        try:
+            t = ops.infer(kind, types, attrs)
+        except ops.RuleError as err:
+            notes = [
+                diag.Note(f"this operand is {types[i]}", operands[i][1])
+                for i in err.operands if i < len(operands)
+            ]
+            raise err.cls(span, notes, **err.fields) from None
+        op = Op(kind, t.dtype, t.shape, make_attrs(**attrs), span, t.weak)
+        return self._add(op, [n for n, _ in operands])
+
+    def _const(self, value: object, dtype: DType, span: Span) -> int:
+        t = TensorType(dtype, (), True)
+        return self._add(Op("const", dtype, (), make_attrs(value=value, type=t), span, True), [])
+
+    def _dim(self, symbol: str, span: Span) -> int:
+        t = TensorType(DType.I32, (), True)
+        return self._add(Op("dim", DType.I32, (), make_attrs(symbol=symbol, type=t), span, True), [])
+
+    def expr(self, e: ast.Expr) -> int:
+        method = getattr(self, "_" + type(e).__name__)
+        return method(e)
+
+    def _Name(self, e: ast.Name) -> int:
+        if e.id in self.scope:
+            return self.scope[e.id][0]
+        if e.id in self.dims:
+            return self._dim(e.id, e.span)
+        if e.id in BUILTINS:
+            raise diag.UndefinedNameError(e.span, name=e.id,
+                                          hint=f"; '{e.id}' is a function, call it as {e.id}(...)")
+        candidates = list(self.scope) + list(self.dims)
+        raise diag.UndefinedNameError(e.span, name=e.id, hint=diag.did_you_mean(e.id, candidates))
+
+    def _IntLit(self, e: ast.IntLit) -> int:
+        if e.value > I32_MAX:
+            raise diag.ConstantExpected(e.span, what=f"integer literal {e.value}",
+                                        expected=f"at most {I32_MAX} (it must fit in i32)")
+        return self._const(e.value, DType.I32, e.span)
+
+    def _FloatLit(self, e: ast.FloatLit) -> int:
+        return self._const(e.value, DType.F32, e.span)
+
+    def _BoolLit(self, e: ast.BoolLit) -> int:
+        return self._const(e.value, DType.BOOL, e.span)
+
+    def _StrLit(self, e: ast.StrLit) -> int:
+        raise diag.DTypeError(e.span, message="a string is only allowed as a keyword value, "
+                              "e.g. gelu(x, approximate=\"tanh\")")
+
+    def _Unary(self, e: ast.Unary) -> int:
+        operand = self.expr(e.operand)
+        if e.op == "+":
+            return operand
+        return self._emit("neg", [(operand, e.operand.span)], e.span)
+
+    def _Binary(self, e: ast.Binary) -> int:
+        lhs, rhs = self.expr(e.lhs), self.expr(e.rhs)
+        kind = "matmul" if e.op == "@" else ops.BINARY_KINDS[e.op]
+        return self._emit(kind, [(lhs, e.lhs.span), (rhs, e.rhs.span)], e.span)
+
+    def _Compare(self, e: ast.Compare) -> int:
+        if len(e.ops) > 1:
+            raise diag.ChainedComparisonError(e.span, op1=e.ops[0], op2=e.ops[1])
+        lhs, rhs = (self.expr(x) for x in e.operands)
+        kind = ops.COMPARE_KINDS[e.ops[0]]
+        return self._emit(kind, [(lhs, e.operands[0].span), (rhs, e.operands[1].span)], e.span)
+
+    def _Attribute(self, e: ast.Attribute) -> int:
+        if e.name != "T":
+            raise diag.UnknownAttributeError(e.name_span, name=e.name)
+        value = self.expr(e.value)
+        t = self.graph.op(value).type
+        if t.rank < 2:
+            raise diag.RankError(e.span, [diag.Note(f"this value is {t}", e.value.span)],
+                                 message=f"'.T' needs a value of rank 2 or more, got rank {t.rank}")
+        return self._emit("transpose", [(value, e.value.span)], e.span, dims=(t.rank - 2, t.rank - 1))
+
+    def _Call(self, e: ast.Call) -> int:
+        if e.func in self.scope:
+            raise diag.NotCallableError(e.func_span, name=e.func, what="variable")
+        builtin = BUILTINS.get(e.func)
+        if builtin is None:
+            raise diag.UnknownFunctionError(e.func_span, name=e.func,
+                                            hint=diag.did_you_mean(e.func, BUILTINS))
+        args = _bind(builtin, e)
+        return getattr(self, "_call_" + _HANDLERS.get(e.func, "unary"))(e, builtin, args)
+
+    # --- builtins --------------------------------------------------------------------------
+
+    def _value(self, args: dict[str, ast.Expr], name: str) -> tuple[int, Span]:
+        expr = args[name]
+        return self.expr(expr), expr.span
+
+    def _call_unary(self, e: ast.Call, b: Builtin, args: dict[str, ast.Expr]) -> int:
+        return self._emit(e.func, [self._value(args, "x")], e.span)
+
+    def _call_gelu(self, e: ast.Call, b: Builtin, args: dict[str, ast.Expr]) -> int:
+        approximate = _const_str(args.get("approximate"), b.params[1], "none")
+        return self._emit("gelu", [self._value(args, "x")], e.span, approximate=approximate)
+
+    def _call_binary(self, e: ast.Call, b: Builtin, args: dict[str, ast.Expr]) -> int:
+        return self._emit(e.func, [self._value(args, "a"), self._value(args, "b")], e.span)
+
+    def _call_where(self, e: ast.Call, b: Builtin, args: dict[str, ast.Expr]) -> int:
+        operands = [self._value(args, n) for n in ("cond", "a", "b")]
+        return self._emit("where", operands, e.span)
+
+    def _call_cast(self, e: ast.Call, b: Builtin, args: dict[str, ast.Expr]) -> int:
+        target = args["dtype"]
+        if not isinstance(target, ast.Name) or target.id not in DTYPES:
+            name = target.id if isinstance(target, ast.Name) else target.span.text
+            raise diag.UnknownDTypeError(target.span, name=name,
+                                         hint=diag.did_you_mean(name, PARAM_DTYPES))
+        return self._emit("cast", [self._value(args, "x")], e.span, dtype=DTYPES[target.id])
+
+    def _axis_arg(self, e: ast.Call, args: dict[str, ast.Expr], name: str, rank: int,
+                  default: int | None = -1) -> int:
+        expr = args.get(name)
+        axis = default if expr is None else _const_int(expr, f"'{name}' of '{e.func}'")
+        norm = normalize_axis(axis, rank)
+        if norm is None:
+            where = expr.span if expr is not None else e.span
+            raise diag.AxisError(where, axis=axis, rank=rank, lo=-rank, hi=rank - 1)
+        return norm
+
+    def _call_reduce(self, e: ast.Call, b: Builtin, args: dict[str, ast.Expr]) -> int:
+        x = self._value(args, "x")
+        rank = self.graph.op(x[0]).type.rank
+        if rank == 0:
+            raise diag.RankError(e.span, message=f"'{e.func}' needs a value of rank 1 or more")
+        axis = self._axis_arg(e, args, "axis", rank)
+        keepdims = _const_bool(args.get("keepdims"), f"'keepdims' of '{e.func}'")
+        return self._emit(e.func, [x], e.span, axis=axis, keepdims=keepdims)
+
+    def _call_softmax(self, e: ast.Call, b: Builtin, args: dict[str, ast.Expr]) -> int:
+        x = self._value(args, "x")
+        rank = self.graph.op(x[0]).type.rank
+        if rank == 0:
+            raise diag.RankError(e.span, message="'softmax' needs a value of rank 1 or more")
+        return self._emit("softmax", [x], e.span, axis=self._axis_arg(e, args, "axis", rank))
+
+    def _call_transpose(self, e: ast.Call, b: Builtin, args: dict[str, ast.Expr]) -> int:
+        x = self._value(args, "x")
+        rank = self.graph.op(x[0]).type.rank
+        a = self._axis_arg(e, args, "a", rank, None)
+        b_ = self._axis_arg(e, args, "b", rank, None)
+        return self._emit("transpose", [x], e.span, dims=(min(a, b_), max(a, b_)))
+
+    def _call_index(self, e: ast.Call, b: Builtin, args: dict[str, ast.Expr]) -> int:
+        x, _ = self._value(args, "x")
+        shape = self.graph.op(x).shape
+        axis = self._axis_arg(e, args, "axis", len(shape), None)
+        return self._emit("index", [], e.span, axis=axis, shape=shape)
+
+    def _call_causal(self, e: ast.Call, b: Builtin, args: dict[str, ast.Expr]) -> int:
+        x, xspan = self._value(args, "x")
+        t = self.graph.op(x).type
+        if t.rank < 2:
+            raise diag.RankError(e.span, [diag.Note(f"this value is {t}", xspan)],
+                                 message=f"'causal' needs a value of rank 2 or more, got rank {t.rank}")
+        row = self._emit("index", [], e.span, axis=t.rank - 2, shape=t.shape)
+        col = self._emit("index", [], e.span, axis=t.rank - 1, shape=t.shape)
+        return self._emit("ge", [(row, e.span), (col, e.span)], e.span)
+
+
+_HANDLERS = {
+    "gelu": "gelu", "maximum": "binary", "minimum": "binary", "where": "where", "cast": "cast",
+    "sum": "reduce", "max": "reduce", "min": "reduce", "mean": "reduce", "logsumexp": "reduce",
+    "softmax": "softmax", "transpose": "transpose", "index": "index", "causal": "causal",
+}
+
+
+def _bind(b: Builtin, call: ast.Call) -> dict[str, ast.Expr]:
+    """Bind a call's arguments to the builtin's parameters, like Python does."""
+    if len(call.args) > len(b.params):
+        raise diag.ArityError(call.span, name=b.name, expected=b.arity_text(), got=len(call.args))
+    bound: dict[str, ast.Expr] = {p.name: a for p, a in zip(b.params, call.args, strict=False)}
+    names = [p.name for p in b.params]
+    for kw in call.keywords:
+        if kw.name not in names:
+            raise diag.KeywordError(kw.span, message=(
+                f"'{b.name}' has no parameter '{kw.name}'{diag.did_you_mean(kw.name, names)} "
+                f"(parameters: {', '.join(names)})"))
+        if kw.name in bound:
+            raise diag.KeywordError(kw.span, message=f"'{b.name}' got two values for '{kw.name}'")
+        bound[kw.name] = kw.value
+    for p in b.params:
+        if p.name not in bound and p.default is REQUIRED:
+            given = len(call.args) + len(call.keywords)
+            if p.kind == "value" and not call.keywords:
+                raise diag.ArityError(call.span, name=b.name, expected=b.arity_text(), got=given)
+            raise diag.KeywordError(call.span, message=f"'{b.name}' is missing the argument '{p.name}'")
+        arg = bound.get(p.name)
+        if arg is not None and p.kind == "value" and isinstance(arg, ast.StrLit):
+            raise diag.DTypeError(arg.span, message=f"'{p.name}' of '{b.name}' cannot be a string")
+    return bound
+
+
+def _const_int(expr: ast.Expr, what: str) -> int:
+    if isinstance(expr, ast.IntLit):
+        return expr.value
+    if isinstance(expr, ast.Unary) and isinstance(expr.operand, ast.IntLit):
+        return -expr.operand.value if expr.op == "-" else expr.operand.value
+    raise diag.ConstantExpected(expr.span, what=what, expected="an integer constant")
+
+
+def _const_bool(expr: ast.Expr | None, what: str) -> bool:
+    if expr is None:
+        return False
+    if isinstance(expr, ast.BoolLit):
+        return expr.value
+    raise diag.ConstantExpected(expr.span, what=what, expected="true or false")
+
+
+def _const_str(expr: ast.Expr | None, param, default: str) -> str:
+    if expr is None:
+        return default
+    if not isinstance(expr, ast.StrLit) or expr.value not in param.choices:
+        choices = " or ".join(f'"{c}"' for c in param.choices)
+        raise diag.ConstantExpected(expr.span, what=f"'{param.name}'", expected=choices)
+    return expr.value
+
+
+def _check_hint(name: str, value: int, span: Span) -> None:
+    def fail(requirement: str) -> None:
+        raise diag.TileHintError(span, message=f"tile hint {name} must be {requirement}, got {value}")
+
+    if name.startswith("BLOCK_"):
+        if value < 1 or value & (value - 1):
+            fail("a positive power of two")
+        if value > 1024:
+            fail("at most 1024")
+    elif name == "num_warps":
+        if value not in (1, 2, 4, 8, 16, 32):
+            fail("one of 1, 2, 4, 8, 16, 32")
+    elif name == "num_stages":
+        if not 1 <= value <= 8:
+            fail("between 1 and 8")
+    elif name == "GROUP_M":
+        if not 1 <= value <= 64:
+            fail("between 1 and 64")

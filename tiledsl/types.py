@@ -1,0 +1,148 @@
+"""Dtypes, symbolic shapes, broadcasting and torch's type promotion.
+
+A dim is an `int` (a literal size) or a `str` (a symbol such as "M" bound at
+call time). Shapes are tuples of dims and are compared structurally: `M` and
+`N` are different dims even if they happen to be bound to equal sizes, and a
+literal 1 broadcasts against anything.
+
+Promotion follows `torch.result_type`: dimensioned tensors outrank 0-dim
+tensors, which outrank "weak" Python-scalar-like values (literals, dims used
+as values, and arithmetic on them); a lower rank only wins when it brings a
+higher category (bool < integer < float).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+Dim = int | str
+Shape = tuple[Dim, ...]
+
+MAX_RANK = 8
+
+
+class DType(enum.Enum):
+    F16 = "f16"
+    BF16 = "bf16"
+    F32 = "f32"
+    I32 = "i32"
+    BOOL = "bool"
+
+    @property
+    def is_float(self) -> bool:
+        return self in (DType.F16, DType.BF16, DType.F32)
+
+    @property
+    def category(self) -> int:
+        """0 for bool, 1 for integers, 2 for floats."""
+        return 2 if self.is_float else (1 if self is DType.I32 else 0)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+DTYPES = {d.value: d for d in DType}
+PARAM_DTYPES = ("f16", "bf16", "f32", "i32", "bool")
+
+# The join of two dtypes (torch.promote_types restricted to ours).
+_ORDER = {DType.BOOL: 0, DType.I32: 1, DType.F16: 2, DType.BF16: 2, DType.F32: 3}
+
+
+def promote_types(a: DType, b: DType) -> DType:
+    if a is b:
+        return a
+    if {a, b} == {DType.F16, DType.BF16}:
+        return DType.F32
+    return a if _ORDER[a] > _ORDER[b] else b
+
+
+def _join(dtypes: Iterable[DType]) -> DType | None:
+    result = None
+    for d in dtypes:
+        result = d if result is None else promote_types(result, d)
+    return result
+
+
+def _combine(higher: DType | None, lower: DType | None) -> DType | None:
+    # torch's combine_categories: a lower priority class only matters when it
+    # brings a higher category.
+    if higher is None:
+        return lower
+    if lower is None or higher.is_float:
+        return higher
+    if higher is DType.BOOL or lower.is_float:
+        return promote_types(higher, lower)
+    return higher
+
+
+@dataclass(frozen=True, slots=True)
+class TensorType:
+    """The type of an IR value. Rank 0 is a scalar; `weak` marks Python-like scalars."""
+
+    dtype: DType
+    shape: Shape = ()
+    weak: bool = False
+
+    @property
+    def rank(self) -> int:
+        return len(self.shape)
+
+    def __str__(self) -> str:
+        base = f"{self.dtype}{format_shape(self.shape)}" if self.shape else str(self.dtype)
+        return f"weak {base}" if self.weak else base
+
+
+def result_dtype(types: Sequence[TensorType]) -> DType:
+    """torch.result_type over the operands of an elementwise op."""
+    dimensioned = _join(t.dtype for t in types if t.rank > 0)
+    zero_dim = _join(t.dtype for t in types if t.rank == 0 and not t.weak)
+    weak = _join(t.dtype for t in types if t.weak)
+    out = _combine(dimensioned, _combine(zero_dim, weak))
+    assert out is not None, "result_dtype of no operands"
+    return out
+
+
+def all_weak(types: Sequence[TensorType]) -> bool:
+    return bool(types) and all(t.weak for t in types)
+
+
+def format_shape(shape: Shape) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+class BroadcastMismatch(Exception):
+    """Raised by `broadcast_shapes`; `dim` counts from the left of the result."""
+
+    def __init__(self, dim: int, a: Dim, b: Dim) -> None:
+        super().__init__(dim, a, b)
+        self.dim, self.a, self.b = dim, a, b
+
+
+def broadcast_shapes(*shapes: Shape) -> Shape:
+    """NumPy broadcasting on symbolic shapes: equal dims match, a literal 1 stretches."""
+    rank = max((len(s) for s in shapes), default=0)
+    out: list[Dim] = [1] * rank
+    for shape in shapes:
+        offset = rank - len(shape)
+        for i, d in enumerate(shape):
+            cur = out[offset + i]
+            if cur == d or d == 1:
+                continue
+            if cur == 1:
+                out[offset + i] = d
+            else:
+                raise BroadcastMismatch(offset + i, cur, d)
+    return tuple(out)
+
+
+def normalize_axis(axis: int, rank: int) -> int | None:
+    """`axis` as a non-negative index, or None when out of range."""
+    if -rank <= axis < rank:
+        return axis % rank
+    return None
+
+
+def dim_symbols(shape: Shape) -> list[str]:
+    return [d for d in shape if isinstance(d, str)]
