@@ -80,11 +80,11 @@ class PassManager:
             self.print_after(stage, graph)
 
 
-def print_ir_to(stream) -> Callable[[str, Graph], None]:
+def print_ir_to(stream, locations: bool = False) -> Callable[[str, Graph], None]:
     """A `print_after` callback that writes MLIR-style dumps to a stream."""
 
     def dump(stage: str, graph: Graph) -> None:
         stream.write(f"// -----// IR Dump After {stage} //----- //\n")
-        stream.write(print_graph(graph))
+        stream.write(print_graph(graph, locations))
 
     return dump

@@ -80,11 +80,19 @@ def compile(  # noqa: A001 - the public name is part of the design
     run kernels. `allow_tf32` lets fp32 matmuls use tf32 on GPUs. `verify`
     checks the IR after every pass (default: the TILEDSL_VERIFY env var).
     """
+    text, name = load_source(source)
+    return compile_text(text, name, kernel, backend, pipeline=pipeline, allow_tf32=allow_tf32,
+                        verify=verify)
+
+
+def compile_text(text: str, name: str, kernel: str | None = None, backend: str = "triton", *,
+                 pipeline: str | None = None, allow_tf32: bool = False,
+                 verify: bool | None = None) -> Program:
+    """`compile` of program text, reporting diagnostics under `name`."""
     if backend not in BACKENDS:
         raise diag.OptionError(message=(
             f"unknown backend '{backend}'{diag.did_you_mean(backend, BACKENDS)} "
             f"(backends: {', '.join(BACKENDS)})"))
-    text, name = load_source(source)
     program = parse(text, name)
     graph = analyze(select_kernel(program, kernel))
     manager = PassManager(pipeline or DEFAULT_PIPELINE, verify=verify)

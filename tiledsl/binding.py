@@ -88,8 +88,9 @@ def bind(graph: Graph, args: Sequence[Any], kwargs: Mapping[str, Any]) -> BoundC
                 "all tensors must be on one device"))
         for axis, (declared, size) in enumerate(zip(t.shape, value.shape, strict=True)):
             if size < 1:
+                which = f"dim {axis}" + (f" ({declared})" if isinstance(declared, str) else "")
                 raise ArgumentError(op.span, message=(
-                    f"argument '{name}' has size {size} in dim {axis}; every dim must be at least 1"))
+                    f"argument '{name}' has size {size} in {which}; every dim must be at least 1"))
             if isinstance(declared, int):
                 if size != declared:
                     raise ArgumentError(op.span, message=(

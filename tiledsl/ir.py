@@ -144,6 +144,7 @@ class Graph:
         self.nx = nx.MultiDiGraph()
         self.params: list[int] = []
         self.output: int | None = None
+        self.returns: tuple[TensorType, ...] = ()  # the declared return types
         self._ids = itertools.count()
 
     # construction ---------------------------------------------------------------
@@ -167,6 +168,7 @@ class Graph:
         other.nx = self.nx.copy()
         other.params = list(self.params)
         other.output = self.output
+        other.returns = self.returns
         start = max(self.nx.nodes, default=-1) + 1
         other._ids = itertools.count(start)
         return other

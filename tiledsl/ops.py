@@ -263,7 +263,7 @@ def _matmul(types, attrs):
     if a.shape[-1] != b.shape[-2]:
         hint = ""
         if b.shape[-1] == a.shape[-1]:
-            hint = "; did you mean to transpose the right operand (b.T)?"
+            hint = "; did you mean to transpose the right operand with .T?"
         raise RuleError(diag.MatmulShapeError, (0, 1), message=(
             f"matmul inner dims differ: {format_shape(a.shape)} @ {format_shape(b.shape)} "
             f"contracts {a.shape[-1]} with {b.shape[-2]}{hint}"))

@@ -77,8 +77,7 @@ def print_graph(graph: Graph, locations: bool = False) -> str:
     for p in graph.params:
         names[(p, 0)] = "%" + graph.op(p).attr("name")
     sig = ", ".join(f"{names[(p, 0)]}: {graph.op(p).attr('type')}" for p in graph.params)
-    results = ", ".join(str(graph.op(n).result_types[r] if isinstance(graph.op(n), KernelOp)
-                             else graph.op(n).type) for n, r in graph.outputs)
+    results = ", ".join(str(t) for t in graph.returns)
     hints = ""
     if graph.hints:
         hints = " attributes {" + ", ".join(

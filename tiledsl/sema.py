@@ -102,9 +102,9 @@ class _KernelBuilder:
         seen_tile: Span | None = None
         for dec in decorators:
             if dec.name != "tile":
-                hint = diag.did_you_mean(dec.name, ["tile"])
-                raise diag.TileHintError(dec.span, message=(
-                    f"unknown decorator '@{dec.name}'{hint or ''}; the only decorator is @tile(...)"))
+                close = diag.suggest(dec.name, ["tile"])
+                hint = "; did you mean '@tile'?" if close else "; the only decorator is @tile(...)"
+                raise diag.TileHintError(dec.span, message=f"unknown decorator '@{dec.name}'{hint}")
             if seen_tile is not None:
                 raise diag.TileHintError(dec.span, [diag.Note("first @tile here", seen_tile)],
                                          message="@tile is given twice")
@@ -156,6 +156,7 @@ class _KernelBuilder:
                                    message=(f"kernel '{self.kernel.name}' declares {len(declared)} "
                                             f"return value(s) but returns {len(stmt.values)}"))
         outs = []
+        self.graph.returns = tuple(self._type(t, None) for t in declared)
         for i, (value, texpr) in enumerate(zip(stmt.values, declared, strict=True)):
             node = self.expr(value)
             got = self.graph.op(node).type

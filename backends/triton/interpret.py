@@ -8,7 +8,8 @@ tensors run compiled kernels, CPU tensors the same kernels interpreted. So:
 - a generated kernel is wrapped in `InterpretedFunction` for CPU launches;
 - during an interpreted launch (and only then), calling a `JITFunction` from
   inside the kernel, which is how the standard library is reached, runs it
-  through the interpreter too. Compilation for a GPU never calls
+  through the interpreter too, with Triton's language patches undone on
+  return. Compilation for a GPU never calls
   `JITFunction.__call__` (it inlines callees from their AST), so this does
   not affect GPU launches, and outside `interpreting()` Triton behaves as
   shipped.
@@ -22,7 +23,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
-from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.interpreter import InterpretedFunction, _patch_lang
 from triton.runtime.jit import JITFunction
 
 _lock = threading.RLock()
@@ -41,7 +42,13 @@ def interpreted(fn: Any) -> InterpretedFunction:
 
 
 def _call_interpreted(self: JITFunction, *args: Any, **kwargs: Any) -> Any:
-    return interpreted(self)(*args, **kwargs)
+    # InterpretedFunction.__call__ would patch triton.language for the callee and
+    # never restore it, and a later GPU compile would see the patched builtins.
+    scope = _patch_lang(self.fn)
+    try:
+        return interpreted(self).rewrite()(*args, **kwargs)
+    finally:
+        scope.restore()
 
 
 _shipped_call = JITFunction.__call__

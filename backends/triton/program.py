@@ -44,11 +44,11 @@ def emit_kernel(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> Emi
 
 @dataclass(frozen=True)
 class Launch:
-    """One launch as Triton's compiler sees it: what `triton.compile` needs to rebuild it."""
+    """One launch as Triton's compiler sees it: enough for `aot.compile_launch` to rebuild it."""
 
     kernel: EmittedKernel
     signature: tuple[tuple[str, str], ...]
-    constexprs: tuple[tuple[str, Any], ...]
+    dims: tuple[tuple[str, int], ...]
 
 
 @dataclass
@@ -142,8 +142,7 @@ class TritonProgram:
         if target == "cuda":
             options = {"num_warps": cfg.num_warps or 4, "num_stages": cfg.num_stages or 3}
         if len(self.launches) < 1024:
-            self.launches.add(Launch(emitted, _signature(emitted, args),
-                                     tuple(sorted(cfg.constexprs.items()))))
+            self.launches.add(Launch(emitted, _signature(emitted, args), tuple(sorted(dims.items()))))
         fn[cfg.grid](*args, **cfg.constexprs, **options)
 
 

@@ -1,0 +1,33 @@
+"""Ahead-of-time compilation of generated kernels for a GPU target, without a GPU.
+
+`triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))` lowers a
+kernel through TTIR, TTGIR, LLVM IR and PTX to a cubin on any machine. Given
+a recorded launch (its argument types and the sizes of the call), this builds
+exactly what would run on an H100: the launch configuration is the GPU's
+(`configure(dims, "cuda")`), not the interpreter's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .cache import load
+from .program import Launch
+
+SM90 = ("cuda", 90, 32)
+
+
+def compile_launch(launch: Launch, target: tuple[str, int, int] = SM90) -> Any:
+    """The `CompiledKernel` (with `.asm["ptx"]`, `.asm["cubin"]`) of a recorded launch."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    emitted = launch.kernel
+    cfg = emitted.configure(dict(launch.dims), "cuda")
+    fn = load(emitted.source, emitted.fn_name, "cuda")
+    signature: dict[str, str] = dict(launch.signature)
+    signature.update({name: "constexpr" for name in cfg.constexprs})
+    source = ASTSource(fn, signature=signature, constexprs=dict(cfg.constexprs))
+    options = {"num_warps": cfg.num_warps or 4, "num_stages": cfg.num_stages or 3}
+    return triton.compile(source, target=GPUTarget(*target), options=options)

@@ -1,0 +1,241 @@
+"""The `tiledsl` command line, in the manner of mlir-opt.
+
+    tiledsl opt FILE [--passes P] [--print-ir-after-all] [--print-ir-after NAME] [--timing]
+    tiledsl triton FILE            the generated Triton source of every kernel
+    tiledsl dot FILE               Graphviz DOT of the fusion graph
+    tiledsl explain FILE           the fusion report
+    tiledsl run FILE --dims M=128,N=64 [--scalar scale=0.125] [--device cpu|cuda]
+    tiledsl check FILE             parse and check every kernel in a file
+    tiledsl passes                 the registered passes
+
+Every subcommand that reads a program takes `-k/--kernel NAME` for files with
+several kernels. Errors print as compiler diagnostics and exit with status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+
+from tiledsl import diagnostics as diag
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tiledsl", description="tiledsl: tile DSL -> fused Triton kernels")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def program_command(name: str, help_text: str) -> argparse.ArgumentParser:
+        s = sub.add_parser(name, help=help_text)
+        s.add_argument("file", help="a .tdsl file ('-' reads standard input)")
+        s.add_argument("-k", "--kernel", help="the kernel to compile, when the file has several")
+        s.add_argument("--passes", help="the pass pipeline (default: canonicalize,cse,dce,lower-kernels)")
+        return s
+
+    opt = program_command("opt", "run a pass pipeline and print the IR")
+    opt.add_argument("--print-ir-after-all", action="store_true", help="print the IR after every pass")
+    opt.add_argument("--print-ir-after", action="append", default=[], metavar="PASS",
+                     help="print the IR after this pass (repeatable; 'graph' is the input)")
+    opt.add_argument("--locations", action="store_true", help="print DSL locations as loc(line:col)")
+    opt.add_argument("--timing", action="store_true", help="print the time each pass took")
+    opt.add_argument("--verify", action="store_true", help="verify the IR after every pass")
+    opt.add_argument("--no-lower", action="store_true",
+                     help="stop at the graph IR: do not append lower-kernels to the pipeline")
+
+    program_command("triton", "print the generated Triton source")
+    program_command("dot", "print Graphviz DOT of the fusion graph")
+    program_command("explain", "print the fusion report")
+    run = program_command("run", "run a kernel on random inputs and check it against torch")
+    run.add_argument("--dims", default="", help="sizes of the dim symbols, e.g. M=128,N=64")
+    run.add_argument("--scalar", action="append", default=[], metavar="NAME=VALUE",
+                     help="the value of a scalar parameter (default: random)")
+    run.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    run.add_argument("--backend", default="triton", choices=("triton", "reference"))
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--repeat", type=int, default=3, help="timed runs after the first (default 3)")
+    sub.add_parser("check", help="parse and check every kernel of a file").add_argument("file")
+    sub.add_parser("passes", help="list the registered passes")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return _COMMANDS[args.command](args)
+    except diag.TileDSLError as err:
+        print(str(err), file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # e.g. `tiledsl triton f.tdsl | head`
+        return 0
+
+
+def _read(path: str) -> tuple[str, str]:
+    """(text, display name) of a program file, or of standard input for '-'."""
+    from tiledsl.api import load_source
+
+    return (sys.stdin.read(), "<stdin>") if path == "-" else load_source(path)
+
+
+def _compile(args, **kw):
+    from tiledsl.api import compile_text
+
+    text, name = _read(args.file)
+    return compile_text(text, name, args.kernel, pipeline=args.passes, **kw)
+
+
+def _cmd_opt(args) -> int:
+    from tiledsl.parser import parse
+    from tiledsl.passes.manager import PassManager, print_ir_to
+    from tiledsl.printer import print_graph
+    from tiledsl.sema import analyze, select_kernel
+
+    text, name = _read(args.file)
+    program = parse(text, name)
+    if args.kernel is not None:
+        kernels = [select_kernel(program, args.kernel)]
+    else:  # like mlir-opt on a module: every kernel, in order
+        select_kernel(program, program.kernels[0].name)  # reports duplicate names
+        kernels = list(program.kernels)
+    pipeline = args.passes if args.passes is not None else "canonicalize,cse,dce,lower-kernels"
+    if not args.no_lower and args.passes is not None and not pipeline.rstrip().endswith("lower-kernels"):
+        pipeline = f"{pipeline},lower-kernels" if pipeline.strip() else "lower-kernels"
+    wanted = set(args.print_ir_after)
+    dump = print_ir_to(sys.stdout, args.locations)
+
+    def after(stage: str, g) -> None:
+        if args.print_ir_after_all or stage in wanted or stage.split(".")[0] in wanted:
+            dump(stage, g)
+
+    manager = PassManager(pipeline, verify=args.verify or None, snapshots=False, print_after=after)
+    for kernel in kernels:
+        result = manager.run(analyze(kernel))
+        if not (args.print_ir_after_all or wanted):
+            sys.stdout.write(print_graph(result.graph, locations=args.locations))
+        if args.timing:
+            total = sum(t for _, t in result.timings)
+            print(f"// pass timing for @{kernel.name}:", file=sys.stderr)
+            for stage, seconds in result.timings:
+                print(f"//   {stage:<16} {seconds * 1e3:8.3f} ms", file=sys.stderr)
+            print(f"//   {'total':<16} {total * 1e3:8.3f} ms", file=sys.stderr)
+    return 0
+
+
+def _cmd_triton(args) -> int:
+    fn = _compile(args)
+    for k in fn.kernels:
+        print(f"# ===== {k.name} ({k.template}) =====")
+        print(k.source)
+    return 0
+
+
+def _cmd_dot(args) -> int:
+    sys.stdout.write(_compile(args).to_dot())
+    return 0
+
+
+def _cmd_explain(args) -> int:
+    sys.stdout.write(_compile(args).explain())
+    return 0
+
+
+def _parse_assignments(items: Sequence[str], what: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in (x for chunk in items for x in chunk.split(",") if x.strip()):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip() or not value.strip():
+            raise diag.OptionError(message=f"{what} must look like NAME=VALUE, got {item!r}")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def _cmd_run(args) -> int:
+    import torch
+
+    from tiledsl import testing
+
+    fn = _compile(args, backend=args.backend)
+    dims: dict[str, int] = {}
+    for key, value in _parse_assignments([args.dims], "--dims").items():
+        try:
+            dims[key] = int(value)
+        except ValueError:
+            raise diag.OptionError(message=f"--dims {key}={value}: the size must be an integer") from None
+    needed = testing.needed_dims(fn)
+    missing = [d for d in needed if d not in dims]
+    if missing:
+        raise diag.OptionError(message=(
+            f"give a size for every dim with --dims: missing {', '.join(missing)} "
+            f"(e.g. --dims {','.join(f'{d}=64' for d in needed)})"))
+    unknown = [d for d in dims if d not in needed]
+    if unknown:
+        raise diag.OptionError(message=(
+            f"--dims names {', '.join(unknown)}, which '{fn.name}' does not use "
+            f"(its dims: {', '.join(needed) or 'none'})"))
+    scalars = {k: float(v) if any(c in v for c in ".eE") else (v == "true" if v in ("true", "false")
+               else int(v)) for k, v in _parse_assignments(args.scalar, "--scalar").items()}
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    gen = torch.Generator().manual_seed(args.seed)
+    inputs = testing.random_inputs(fn, dims, "cpu", gen, scalars)
+    inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    start = time.perf_counter()
+    outputs = fn(**inputs)
+    _sync(device)
+    first = time.perf_counter() - start
+    times = []
+    for _ in range(max(0, args.repeat)):
+        start = time.perf_counter()
+        fn(**inputs)
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    cpu_inputs = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    report = testing.compare(outputs, fn.reference(**cpu_inputs, float64=True), fn.reference(**cpu_inputs))
+    where = "Triton interpreter" if device == "cpu" and args.backend == "triton" else device
+    print(f"{fn.name} on {where}: {len(fn.kernels)} kernel(s), dims "
+          + ", ".join(f"{k}={v}" for k, v in dims.items()))
+    for i, out in enumerate(report.outputs):
+        status = "ok" if out.ok else "MISMATCH"
+        print(f"  output {i}: max abs error {out.error:.3g} vs float64 "
+              f"(eager {out.eager_error:.3g}, tolerance {out.tolerance:.3g}) {status}")
+    print(f"  first call {first * 1e3:.2f} ms (includes Triton compilation)"
+          + (f", then median {sorted(times)[len(times) // 2] * 1e3:.3f} ms over {len(times)} runs"
+             if times else ""))
+    return 0 if report.ok else 2
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def _cmd_check(args) -> int:
+    from tiledsl.parser import parse
+    from tiledsl.sema import analyze
+
+    text, name = _read(args.file)
+    program = parse(text, name)
+    for k in program.kernels:
+        analyze(k)
+        print(f"{name}: kernel '{k.name}' ok")
+    return 0
+
+
+def _cmd_passes(args) -> int:
+    from tiledsl.passes.registry import REGISTRY, _load_builtin_passes
+
+    _load_builtin_passes()
+    for name in sorted(REGISTRY):
+        doc = (REGISTRY[name].__doc__ or "").strip()
+        module_doc = sys.modules[REGISTRY[name].__module__].__doc__ or doc
+        print(f"{name:<16} {module_doc.strip().splitlines()[0]}")
+    return 0
+
+
+_COMMANDS = {"opt": _cmd_opt, "triton": _cmd_triton, "dot": _cmd_dot, "explain": _cmd_explain,
+             "run": _cmd_run, "check": _cmd_check, "passes": _cmd_passes}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

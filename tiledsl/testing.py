@@ -1,0 +1,123 @@
+"""The numerics oracle of design section 5, and random inputs for a program.
+
+    report = check(fn, *args, **kwargs)
+    assert report.ok, report
+
+The golden result is the program run op by op in float64; the yardstick is
+the same program run eagerly in the input dtypes. The compiled result passes
+when its max-abs error against the golden is at most 2 x the eager error +
+1e-5, and it has no NaN where the golden has none. Infinities must match
+exactly (same sign, same place).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tiledsl.api import Program
+from tiledsl.binding import eval_shape, torch_dtype
+from tiledsl.types import DType
+
+
+@dataclass(frozen=True)
+class OutputReport:
+    error: float  # max |compiled - golden|
+    eager_error: float  # max |eager - golden|
+    bad_nan: int  # NaNs where the golden has none
+    bad_inf: int  # infinities that do not match the golden
+
+    @property
+    def tolerance(self) -> float:
+        return 2 * self.eager_error + 1e-5
+
+    @property
+    def ok(self) -> bool:
+        return self.error <= self.tolerance and not self.bad_nan and not self.bad_inf
+
+
+@dataclass(frozen=True)
+class Report:
+    outputs: tuple[OutputReport, ...]
+
+    @property
+    def ok(self) -> bool:
+        return all(o.ok for o in self.outputs)
+
+    def __str__(self) -> str:
+        return "; ".join(
+            f"output {i}: error {o.error:.3g} (tolerance {o.tolerance:.3g} = 2 x eager "
+            f"{o.eager_error:.3g} + 1e-5), {o.bad_nan} bad NaN, {o.bad_inf} bad inf"
+            for i, o in enumerate(self.outputs))
+
+
+def max_error(value: torch.Tensor, golden: torch.Tensor) -> float:
+    """Max abs error, ignoring places where both are the same infinity or both NaN."""
+    v, g = value.double().cpu(), golden.double().cpu()
+    same = (v == g) | (v.isnan() & g.isnan())
+    diff = torch.where(same, torch.zeros((), dtype=torch.float64), (v - g).abs())
+    diff = torch.where(diff.isnan(), torch.full((), float("inf"), dtype=torch.float64), diff)
+    return diff.max().item() if diff.numel() else 0.0
+
+
+def _as_tuple(x: Any) -> tuple:
+    return x if isinstance(x, tuple) else (x,)
+
+
+def compare(outputs, golden, eager) -> Report:
+    as_tuple = _as_tuple
+    reports = []
+    for out, gold, ref in zip(as_tuple(outputs), as_tuple(golden), as_tuple(eager), strict=True):
+        o, g = out.double().cpu(), gold.double().cpu()
+        bad_nan = int((o.isnan() & ~g.isnan()).sum())
+        bad_inf = int(((o.isinf() | g.isinf()) & (o != g) & ~g.isnan()).sum())
+        reports.append(OutputReport(max_error(out, gold), max_error(ref, gold), bad_nan, bad_inf))
+    return Report(tuple(reports))
+
+
+def check(fn: Program, *args: Any, **kwargs: Any) -> Report:
+    """Run `fn` and compare it with the float64 golden and the eager yardstick."""
+    outputs = fn(*args, **kwargs)
+    golden = fn.reference(*args, float64=True, **kwargs)
+    eager = fn.reference(*args, **kwargs)
+    return compare(outputs, golden, eager)
+
+
+def random_inputs(fn: Program, dims: Mapping[str, int], device: str = "cpu",
+                  generator: torch.Generator | None = None,
+                  scalars: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Random arguments for every parameter: normal floats, small ints, random masks."""
+    graph = fn.fused_graph()
+    out: dict[str, Any] = {}
+    for node in graph.params:
+        op = graph.op(node)
+        name, t = op.attr("name"), op.attr("type")
+        if scalars and name in scalars:
+            out[name] = scalars[name]
+            continue
+        if op.attr("scalar"):
+            r = torch.rand((), generator=generator).item()
+            out[name] = {DType.BOOL: r > 0.5, DType.I32: int(r * 7) + 1}.get(t.dtype, 0.25 + r)
+            continue
+        shape = eval_shape(t.shape, dims)
+        if t.dtype.is_float:
+            value = torch.randn(shape, generator=generator, dtype=torch.float32)
+        elif t.dtype is DType.I32:
+            value = torch.randint(-50, 50, shape, generator=generator, dtype=torch.int32)
+        else:
+            value = torch.rand(shape, generator=generator) > 0.5
+        out[name] = value.to(device=device, dtype=torch_dtype(t.dtype))
+    return out
+
+
+def needed_dims(fn: Program) -> list[str]:
+    graph = fn.fused_graph()
+    seen: dict[str, None] = {}
+    for node in graph.params:
+        for d in graph.op(node).attr("type").shape:
+            if isinstance(d, str):
+                seen.setdefault(d)
+    return list(seen)
