@@ -6,8 +6,8 @@
 The golden result is the program run op by op in float64; the yardstick is
 the same program run eagerly in the input dtypes. The compiled result passes
 when its max-abs error against the golden is at most 2 x the eager error +
-1e-5, and it has no NaN where the golden has none. Infinities must match
-exactly (same sign, same place).
+1e-5, and it has no NaN where the golden has none. Equal infinities count as
+no error; an infinity where the golden differs counts as an infinite error.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ class OutputReport:
     error: float  # max |compiled - golden|
     eager_error: float  # max |eager - golden|
     bad_nan: int  # NaNs where the golden has none
-    bad_inf: int  # infinities that do not match the golden
 
     @property
     def tolerance(self) -> float:
@@ -36,7 +35,7 @@ class OutputReport:
 
     @property
     def ok(self) -> bool:
-        return self.error <= self.tolerance and not self.bad_nan and not self.bad_inf
+        return self.error <= self.tolerance and not self.bad_nan
 
 
 @dataclass(frozen=True)
@@ -50,7 +49,7 @@ class Report:
     def __str__(self) -> str:
         return "; ".join(
             f"output {i}: error {o.error:.3g} (tolerance {o.tolerance:.3g} = 2 x eager "
-            f"{o.eager_error:.3g} + 1e-5), {o.bad_nan} bad NaN, {o.bad_inf} bad inf"
+            f"{o.eager_error:.3g} + 1e-5), {o.bad_nan} NaN where the golden has none"
             for i, o in enumerate(self.outputs))
 
 
@@ -73,8 +72,7 @@ def compare(outputs, golden, eager) -> Report:
     for out, gold, ref in zip(as_tuple(outputs), as_tuple(golden), as_tuple(eager), strict=True):
         o, g = out.double().cpu(), gold.double().cpu()
         bad_nan = int((o.isnan() & ~g.isnan()).sum())
-        bad_inf = int(((o.isinf() | g.isinf()) & (o != g) & ~g.isnan()).sum())
-        reports.append(OutputReport(max_error(out, gold), max_error(ref, gold), bad_nan, bad_inf))
+        reports.append(OutputReport(max_error(out, gold), max_error(ref, gold), bad_nan))
     return Report(tuple(reports))
 
 

@@ -1,0 +1,112 @@
+"""The Python API of design section 4: compile(), the callable and its inspection methods."""
+
+from pathlib import Path
+
+import networkx as nx
+import pytest
+import torch
+
+import tiledsl
+from helpers import randn
+from tiledsl.diagnostics import OptionError
+
+EXAMPLES = Path(__file__).parent.parent / "examples"
+ATTENTION = EXAMPLES / "attention.tdsl"
+
+
+@pytest.fixture(scope="module")
+def attention():
+    return tiledsl.compile(ATTENTION)
+
+
+def test_compile_from_path_string_or_text():
+    a = tiledsl.compile(ATTENTION)
+    b = tiledsl.compile(str(ATTENTION))
+    c = tiledsl.compile(ATTENTION.read_text())
+    assert a.ir() == b.ir() == c.ir()
+    with pytest.raises(OptionError, match="cannot read missing.tdsl"):
+        tiledsl.compile("missing.tdsl")
+
+
+def test_arguments_bind_positionally_or_by_name(attention):
+    q, k, v = (randn(1, 2, 17, 32, dtype=torch.float16) for _ in range(3))
+    by_position = attention(q, k, v, 0.125)
+    by_name = attention(v=v, scale=0.125, q=q, k=k)
+    assert torch.equal(by_position, by_name)
+
+
+def test_kernels_in_launch_order(attention):
+    assert [k.name for k in attention.kernels] == [f"k{i}" for i in range(8)]
+    k0 = attention.kernels[0]
+    assert k0.template == "matmul" and [op.kind for op in k0.ops] == ["matmul"]
+    assert "@triton.jit" in k0.source and f"def {k0.fn_name}(" in k0.source
+    assert k0.lines == (5,)
+
+
+def test_graph_is_the_fused_networkx_graph(attention):
+    g = attention.graph
+    assert isinstance(g, nx.DiGraph)
+    kinds = [g.nodes[n]["op"].kind for n in nx.topological_sort(g)]
+    assert kinds.count("kernel") == 8 and kinds.count("param") == 4
+
+
+def test_ir_stages(attention):
+    assert attention.stages == ["graph", "canonicalize", "cse", "dce", "lower-kernels", "fused"]
+    assert "%7 = neg %6 : weak f32" in attention.ir("graph")
+    assert "const -inf" in attention.ir("canonicalize")
+    assert attention.ir("fused") == attention.ir("lower-kernels")
+    assert "loc(6:9)" in attention.ir("graph", locations=True)
+    with pytest.raises(OptionError) as info:
+        attention.ir("canonicalise")
+    assert info.value.message == ("no IR stage 'canonicalise'; did you mean 'canonicalize'? "
+                                  "(stages: graph, canonicalize, cse, dce, lower-kernels, fused)")
+
+
+def test_explain_says_no_fusion_ran(attention):
+    text = attention.explain()
+    assert text.splitlines()[:4] == [
+        "fusion report for @attention",
+        "  pipeline: canonicalize,cse,dce,lower-kernels",
+        "  8 kernels",
+        "  no fusion pass ran: every op is its own kernel",
+    ]
+    assert "  k0      matmul     matmul (5)" in text
+    assert "  k6      softmax    softmax (7)" in text
+    assert text.rstrip().endswith("fusion decisions: none recorded")
+
+
+def test_to_dot_has_one_cluster_per_kernel(attention):
+    dot = attention.to_dot()
+    assert dot.startswith('digraph "attention" {')
+    assert dot.count("subgraph cluster_k") == 8
+    assert 'label="k0 (matmul)"' in dot
+    assert 'label="matmul\\nf16[B, H, M, N]"' in dot
+    assert 'label="transpose\\nf16[B, H, D, N]", style=dashed' in dot
+
+
+def test_unknown_backend():
+    with pytest.raises(OptionError) as info:
+        tiledsl.compile(ATTENTION, backend="trition")
+    assert info.value.message == ("unknown backend 'trition'; did you mean 'triton'? "
+                                  "(backends: triton, reference)")
+
+
+def test_reference_backend_has_the_same_interface():
+    fn = tiledsl.compile(EXAMPLES / "rmsnorm.tdsl", backend="reference")
+    assert fn.kernels[0].source is None and len(fn.kernels) == 8
+    x, w = randn(17, 113, dtype=torch.float16), randn(113, dtype=torch.float16)
+    out = fn(x, w, 1e-6)
+    triton_out = tiledsl.compile(EXAMPLES / "rmsnorm.tdsl")(x, w, 1e-6)
+    assert (out.float() - triton_out.float()).abs().max() < 2e-3
+
+
+def test_multiple_outputs_return_a_tuple():
+    fn = tiledsl.compile("kernel f(x: f32[N]) -> (f32[N], f32) { return exp(x), sum(x) }")
+    out = fn(randn(7))
+    assert isinstance(out, tuple) and len(out) == 2 and out[1].shape == ()
+
+
+def test_fp32_matmul_is_ieee_unless_tf32_is_allowed():
+    src = "kernel f(a: f32[M, K], b: f32[K, N]) -> f32[M, N] { return a @ b }"
+    assert 'input_precision="ieee"' in tiledsl.compile(src).kernels[0].source
+    assert 'input_precision="tf32"' in tiledsl.compile(src, allow_tf32=True).kernels[0].source

@@ -1,0 +1,266 @@
+"""Every builtin and operator, end to end through the Triton backend (interpreter on CPU),
+against the float64 oracle of design section 5, for f16, bf16 and f32, with tail sizes.
+Every kernel launched here is also compiled for sm_90 (helpers.run_checked).
+"""
+
+import pytest
+import torch
+
+from helpers import randn, run_checked
+
+DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
+SHAPES = [(1, 1), (17, 113)]
+
+
+def positive(*shape, dtype):
+    return (torch.rand(shape, generator=torch.Generator().manual_seed(7)) * 3 + 0.05).to(dtype)
+
+
+def away_from_zero(*shape, dtype):
+    g = torch.Generator().manual_seed(11)
+    sign = torch.where(torch.rand(shape, generator=g) > 0.5, 1.0, -1.0)
+    return (sign * (0.5 + torch.rand(shape, generator=g))).to(dtype)
+
+
+UNARY = ["exp", "exp2", "tanh", "sigmoid", "relu", "silu", "erf", "gelu", "abs"]
+UNARY_POSITIVE = ["log", "log2", "sqrt", "rsqrt"]
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("op", UNARY + UNARY_POSITIVE)
+def test_unary_builtin(op, shape, dt):
+    x = positive(*shape, dtype=DTYPES[dt]) if op in UNARY_POSITIVE else randn(*shape, dtype=DTYPES[dt], scale=2)
+    run_checked(f"kernel f(x: {dt}[M, N]) -> {dt}[M, N] {{ return {op}(x) }}", x)
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+@pytest.mark.parametrize("expr", ["-x", "gelu(x, approximate=\"tanh\")", "+x * 2"])
+def test_unary_expressions(expr, dt):
+    run_checked(f"kernel f(x: {dt}[M, N]) -> {dt}[M, N] {{ return {expr} }}",
+                randn(17, 113, dtype=DTYPES[dt], scale=3))
+
+
+def test_tanh_extremes_do_not_overflow():
+    x = torch.tensor([[-1e4, -50.0, -1e-6, 0.0, 1e-6, 50.0, 1e4, 3.0]])
+    run_checked("kernel f(x: f32[M, N]) -> f32[M, N] { return tanh(x) + gelu(x, approximate=\"tanh\") }", x)
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+@pytest.mark.parametrize("op", ["+", "-", "*", "/", "maximum", "minimum"])
+@pytest.mark.parametrize("yshape", ["[M, N]", "[N]", "[M, 1]", "[1, N]"])
+def test_binary_arithmetic_with_broadcasting(op, yshape, dt):
+    sizes = {"[M, N]": (17, 113), "[N]": (113,), "[M, 1]": (17, 1), "[1, N]": (1, 113)}
+    x = randn(17, 113, dtype=DTYPES[dt])
+    y = away_from_zero(*sizes[yshape], dtype=DTYPES[dt])
+    expr = f"{op}(x, y)" if op.isalpha() else f"x {op} y"
+    run_checked(f"kernel f(x: {dt}[M, N], y: {dt}{yshape}) -> {dt}[M, N] {{ return {expr} }}", x, y)
+
+
+def test_mixed_dtype_arithmetic_promotes():
+    x, y = randn(17, 113, dtype=torch.float16), randn(113, dtype=torch.bfloat16)
+    i = torch.randint(-5, 5, (17, 1), dtype=torch.int32)
+    run_checked("kernel f(x: f16[M, N], y: bf16[N], i: i32[M, 1]) -> f32[M, N] { return x * y + i / 3 }",
+                x, y, i)
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+@pytest.mark.parametrize("op", ["<", "<=", ">", ">=", "==", "!="])
+def test_comparisons(op, dt):
+    x = randn(17, 113, dtype=DTYPES[dt])
+    y = torch.where(torch.rand(17, 113, generator=torch.Generator().manual_seed(3)) > 0.5, x, -x)
+    run_checked(f"kernel f(x: {dt}[M, N], y: {dt}[M, N]) -> bool[M, N] {{ return x {op} y }}", x, y)
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+def test_where_and_masks(dt):
+    x, y = randn(17, 113, dtype=DTYPES[dt]), randn(113, dtype=DTYPES[dt])
+    run_checked(f"""
+    kernel f(x: {dt}[M, N], y: {dt}[N]) -> {dt}[M, N] {{
+        m = (x > 0) & (y < 0.5) | (x < -1)
+        return where(m, x, y) + where(x > y, 1.0, -inf) * 0 + where(m, 0.0, 1.0)
+    }}""", x, y)
+
+
+def test_logical_ops_on_bool_and_i32():
+    a = torch.rand(17, 113, generator=torch.Generator().manual_seed(5)) > 0.5
+    b = torch.rand(113, generator=torch.Generator().manual_seed(6)) > 0.3
+    i = torch.randint(0, 64, (17, 113), dtype=torch.int32)
+    run_checked("""
+    kernel f(a: bool[M, N], b: bool[N], i: i32[M, N]) -> (bool[M, N], bool[M, N], i32[M, N]) {
+        return a & b, a | b, (i & 12) | 1
+    }""", a, b, i)
+
+
+CAST_TYPES = ["f16", "bf16", "f32", "i32", "bool"]
+
+
+@pytest.mark.parametrize("src", CAST_TYPES)
+@pytest.mark.parametrize("dst", CAST_TYPES)
+def test_cast_between_all_dtypes(src, dst):
+    torch_src = {**DTYPES, "i32": torch.int32, "bool": torch.bool}[src]
+    x = randn(17, 113, scale=50)
+    x = (x > 0) if src == "bool" else x.to(torch_src)
+    run_checked(f"kernel f(x: {src}[M, N]) -> {dst}[M, N] {{ return cast(x, {dst}) }}", x)
+
+
+def test_cast_rounds_inside_a_kernel():
+    x = randn(17, 113) * 10
+    run_checked("kernel f(x: f32[M, N]) -> f32[M, N] { return cast(cast(x, bf16), f32) - x }", x)
+
+
+@pytest.mark.parametrize("shape", [(113,), (1, 17, 113), (2, 3, 5, 7)], ids=str)
+def test_index_along_every_axis(shape):
+    dims = ", ".join("ABCD"[: len(shape)])
+    exprs = " + ".join(f"index(x, {a})" for a in range(len(shape)))
+    run_checked(f"kernel f(x: f32[{dims}]) -> i32[{dims}] {{ return {exprs} }}", randn(*shape))
+
+
+def test_causal_mask_rectangular():
+    s = randn(2, 17, 113)
+    run_checked("kernel f(s: f32[B, M, N]) -> f32[B, M, N] { return where(causal(s), s, -1.0) }", s)
+
+
+def test_dims_as_values():
+    x = randn(17, 113, dtype=torch.float16)
+    run_checked("kernel f(x: f16[M, N]) -> f16[M, N] { return x / N + rsqrt(M) * index(x, 1) / N }", x)
+
+
+@pytest.mark.parametrize("dt", ["f32", "i32", "bool"])
+def test_scalar_parameters(dt):
+    x = randn(17, 113)
+    value = {"f32": 0.37, "i32": 3, "bool": True}[dt]
+    use = {"f32": "x * s", "i32": "x * s + s / 2", "bool": "where(s, x, -x)"}[dt]
+    run_checked(f"kernel f(x: f32[M, N], s: {dt}) -> f32[M, N] {{ return {use} }}", x, s=value)
+
+
+def test_rank_zero_values():
+    x = randn(113)
+    run_checked("kernel f(x: f32[N], t: f32[]) -> (f32, f32[N]) { m = max(x); return m, x - m + t }",
+                x, torch.tensor(0.5))
+
+
+# --- reductions -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+@pytest.mark.parametrize("op", ["sum", "max", "min", "mean", "logsumexp"])
+@pytest.mark.parametrize("axis", [0, 1, -1])
+def test_reductions_along_any_axis(op, axis, dt):
+    x = randn(17, 113, dtype=DTYPES[dt])
+    shape = {0: "[N]", 1: "[M]", -1: "[M]"}[axis]
+    run_checked(f"kernel f(x: {dt}[M, N]) -> {dt}{shape} {{ return {op}(x, axis={axis}) }}", x)
+
+
+@pytest.mark.parametrize("op", ["sum", "max", "min", "mean", "logsumexp"])
+@pytest.mark.parametrize("shape", [(1, 1), (113, 1), (3, 5000)], ids=str)
+def test_reductions_keepdims_tails_and_long_rows(op, shape):
+    x = randn(*shape)
+    run_checked(f"kernel f(x: f32[M, N]) -> f32[M, 1] {{ return {op}(x, keepdims=true) }}", x)
+
+
+def test_reduction_of_a_middle_axis_of_a_strided_view():
+    x = randn(4, 113, 17).transpose(0, 2)  # non-contiguous [17, 113, 4]
+    run_checked("kernel f(x: f32[A, B, C]) -> f32[A, C] { return sum(x, axis=1) }", x)
+
+
+def test_integer_and_bool_reductions():
+    i = torch.randint(-50, 50, (17, 113), dtype=torch.int32)
+    b = torch.rand(17, 113, generator=torch.Generator().manual_seed(2)) > 0.5
+    run_checked("""
+    kernel f(i: i32[M, N], b: bool[M, N]) -> (i32[M], i32[N], i32[M], bool[M], f32[M]) {
+        return sum(i), max(i, axis=0), sum(b), max(b), logsumexp(i)
+    }""", i, b)
+
+
+def test_logsumexp_of_all_neg_inf_rows_is_neg_inf():
+    x = randn(5, 113)
+    x[1] = float("-inf")
+    fn, out = run_checked("kernel f(x: f32[M, N]) -> f32[M] { return logsumexp(x) }", x)
+    assert out[1].item() == float("-inf") and torch.isfinite(out[[0, 2, 3, 4]]).all()
+
+
+# --- softmax ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+@pytest.mark.parametrize("axis", [0, 1])
+@pytest.mark.parametrize("shape", [(1, 1), (17, 113), (3, 5000)], ids=str)
+def test_softmax(shape, axis, dt):
+    x = randn(*shape, dtype=DTYPES[dt], scale=3)
+    run_checked(f"kernel f(x: {dt}[M, N]) -> {dt}[M, N] {{ return softmax(x, axis={axis}) }}", x)
+
+
+@pytest.mark.parametrize("n", [113, 5000])
+def test_softmax_fully_masked_rows_are_zero(n):
+    x = randn(4, n)
+    x[2] = float("-inf")
+    x[0, ::2] = float("-inf")
+    fn, out = run_checked("kernel f(x: f32[M, N]) -> f32[M, N] { return softmax(x) }", x)
+    assert not out.isnan().any()
+    assert (out[2] == 0).all()
+
+
+def test_softmax_of_large_logits_stays_finite():
+    x = randn(17, 113, dtype=torch.float16, scale=30)
+    fn, out = run_checked("kernel f(x: f16[M, N]) -> f16[M, N] { return softmax(x) }", x)
+    assert torch.isfinite(out).all()
+
+
+# --- matmul ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+@pytest.mark.parametrize("mkn", [(1, 1, 1), (17, 1, 113), (113, 77, 17), (1, 113, 1)], ids=str)
+def test_matmul_tails(mkn, dt):
+    m, k, n = mkn
+    a, b = randn(m, k, dtype=DTYPES[dt]), randn(k, n, dtype=DTYPES[dt])
+    run_checked(f"kernel f(a: {dt}[M, K], b: {dt}[K, N]) -> {dt}[M, N] {{ return a @ b }}", a, b)
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+def test_batched_matmul_with_broadcast_batch_dims(dt):
+    a = randn(2, 1, 17, 33, dtype=DTYPES[dt])
+    b = randn(3, 33, 19, dtype=DTYPES[dt])
+    run_checked(f"kernel f(a: {dt}[B, 1, M, K], b: {dt}[H, K, N]) -> {dt}[B, H, M, N] {{ return a @ b }}",
+                a, b)
+
+
+def test_matmul_reads_transposed_and_strided_inputs_in_place():
+    a = randn(40, 17).t()  # [17, 40], column-major
+    b = randn(19, 40)
+    run_checked("kernel f(a: f16[M, K], b: f16[N, K]) -> f16[M, N] { return a @ b.T }",
+                a.half(), b.half())
+    big = randn(17, 80)[:, ::2]  # stride 2 along K
+    run_checked("kernel f(a: f32[M, K], b: f32[K, N]) -> f32[M, N] { return a @ b }", big, randn(40, 9))
+
+
+def test_matmul_mixed_dtypes_and_f32_output():
+    a, b = randn(17, 33, dtype=torch.float16), randn(33, 19)
+    run_checked("kernel f(a: f16[M, K], b: f32[K, N]) -> f32[M, N] { return a @ b }", a, b)
+
+
+# --- layout -----------------------------------------------------------------------------------------
+
+
+def test_transpose_views_and_copies():
+    x = randn(3, 17, 113)
+    run_checked("kernel f(x: f32[A, B, C]) -> (f32[C, B, A], f32[A, C, B]) { return transpose(x, 0, 2), x.T }",
+                x)
+
+
+def test_broadcast_inputs_with_stride_zero():
+    row = randn(113).expand(17, 113)  # stride 0 along M
+    run_checked("kernel f(x: f32[M, N], y: f32[M, N]) -> f32[M, N] { return x * y }", row, randn(17, 113))
+
+
+def test_python_and_triton_names_work_as_dsl_names():
+    x = randn(17, 113)
+    run_checked("""
+    kernel f(tl: f32[M, N], triton: f32[N], torch: f32) -> f32[M, N] {
+        range = tl * triton
+        float = range + torch
+        pid = exp(float)
+        offs = pid - 1
+        return offs
+    }""", x, randn(113), torch=0.5)

@@ -1,0 +1,129 @@
+"""The example programs end to end, against the design section 5 oracle, with tail sizes.
+
+Kernel counts are asserted too: nothing fuses yet, so each op is one kernel.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import tiledsl
+from helpers import randn, run_checked
+
+EXAMPLES = Path(__file__).parent.parent / "examples"
+
+
+def example(name: str) -> tiledsl.Program:
+    return tiledsl.compile(EXAMPLES / f"{name}.tdsl")
+
+
+@pytest.mark.parametrize("m, k, n", [(1, 1, 1), (17, 33, 113), (113, 64, 17)])
+def test_matmul_bias_relu(m, k, n):
+    fn = example("matmul_bias_relu")
+    assert [k.template for k in fn.kernels] == ["matmul", "pointwise", "pointwise"]
+    run_checked(fn, randn(m, k, dtype=torch.float16), randn(n, k, dtype=torch.float16),
+                randn(n, dtype=torch.float16))
+
+
+@pytest.mark.parametrize("m, n", [(1, 1), (17, 113), (5, 5000)])
+def test_softmax_example(m, n):
+    fn = example("softmax")
+    assert len(fn.kernels) == 2
+    run_checked(fn, randn(m, n, scale=4), temperature=0.7)
+
+
+@pytest.mark.parametrize("m, n", [(1, 1), (17, 113), (3, 4999)])
+def test_rmsnorm(m, n):
+    fn = example("rmsnorm")
+    assert [k.template for k in fn.kernels] == ["pointwise", "pointwise", "reduce", "pointwise",
+                                                "pointwise", "pointwise", "pointwise", "pointwise"]
+    run_checked(fn, randn(m, n, dtype=torch.float16), randn(n, dtype=torch.float16), eps=1e-6)
+
+
+@pytest.mark.parametrize("b, h, m, n, d", [(1, 2, 1, 1, 32), (1, 2, 113, 203, 64), (2, 1, 17, 17, 59)])
+def test_attention(b, h, m, n, d):
+    fn = example("attention")
+    assert len(fn.kernels) == 8
+    q, k, v = (randn(b, h, s, d, dtype=torch.float16) for s in (m, n, n))
+    _, out = run_checked(fn, q, k, v, scale=d**-0.5)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True,
+                                                             scale=d**-0.5)
+    assert (out.float() - sdpa).abs().max() < 5e-3
+
+
+def test_attention_with_fully_masked_rows_is_zero():
+    # bottom-right aligned causal mask written with index arithmetic: with M > N
+    # the first M - N rows see no key at all
+    src = """
+    kernel attn(q: f32[M, D], k: f32[N, D], v: f32[N, D]) -> f32[M, D] {
+        s = q @ k.T
+        s = where(index(s, 1) <= index(s, 0) - (M - N), s, -inf)
+        return softmax(s) @ v
+    }"""
+    q, k, v = randn(40, 16), randn(17, 16), randn(17, 16)
+    _, out = run_checked(src, q, k, v)
+    assert (out[: 40 - 17] == 0).all() and not out.isnan().any()
+
+
+def test_large_logits_stay_finite():
+    fn = example("attention")
+    q, k, v = (randn(1, 2, 113, 64, dtype=torch.float16, scale=s) for s in (30, 30, 1))
+    _, out = run_checked(fn, q, k, v, scale=0.125)
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("m, n", [(17, 203), (1, 1)])
+def test_causal_softcap_attention(m, n):
+    fn = example("causal_softcap_attention")
+    q, k, v = (randn(1, 2, s, 64, dtype=torch.bfloat16) for s in (m, n, n))
+    run_checked(fn, q, k, v, scale=0.125, cap=20.0)
+
+
+@pytest.mark.parametrize("m, k, n", [(1, 1, 1), (113, 77, 17)])
+def test_gemm_multiply_multiply(m, k, n):
+    fn = example("gemm_multiply_multiply")
+    assert [k.template for k in fn.kernels] == ["matmul", "pointwise", "pointwise"]
+    a, b = randn(m, k, dtype=torch.float16), randn(k, n, dtype=torch.float16)
+    run_checked(fn, a, b, randn(m, n, dtype=torch.float16), randn(m, n, dtype=torch.float16))
+
+
+def test_row_and_column_scales():
+    src = """
+    kernel scaled(a: f16[M, K], b: f16[K, N], rs: f32[M, 1], cs: f32[1, N]) -> f16[M, N] {
+        return (a @ b) * rs * cs
+    }"""
+    run_checked(src, randn(113, 64, dtype=torch.float16), randn(64, 17, dtype=torch.float16),
+                randn(113, 1), randn(1, 17))
+
+
+def test_layernorm_two_dependent_reductions():
+    src = """
+    kernel layernorm(x: f32[M, N], w: f32[N], b: f32[N], eps: f32) -> f32[M, N] {
+        mu = mean(x, keepdims=true)
+        xc = x - mu
+        var = mean(xc * xc, keepdims=true)
+        return xc * rsqrt(var + eps) * w + b
+    }"""
+    run_checked(src, randn(17, 113), randn(113), randn(113), eps=1e-5)
+
+
+def test_multiple_outputs_and_an_intermediate_returned():
+    src = """
+    kernel two(a: f32[M, K], b: f32[K, N]) -> (f32[M, N], f32[M, N], f16[M]) {
+        c = a @ b
+        return c, relu(c), sum(c)
+    }"""
+    fn, (c, r, s) = run_checked(src, randn(17, 33), randn(33, 113))
+    assert s.dtype == torch.float16
+
+
+def test_c_plus_c_transposed_is_correct():
+    run_checked("kernel f(a: f32[N, K], b: f32[K, N]) -> f32[N, N] { c = a @ b; return c + c.T }",
+                randn(17, 33), randn(33, 17))
+
+
+def test_new_sizes_reuse_the_compiled_program():
+    fn = example("softmax")
+    for m, n in [(3, 7), (17, 113), (2, 4097)]:
+        run_checked(fn, randn(m, n), temperature=1.5)

@@ -1,0 +1,64 @@
+"""The compiled GPU path (skipped without a CUDA device): the same programs on CUDA tensors."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import tiledsl
+from tiledsl import testing
+
+pytestmark = pytest.mark.gpu
+EXAMPLES = Path(__file__).parent.parent / "examples"
+
+
+def cuda_randn(*shape, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g).to(dtype).cuda()
+
+
+def check_cuda(fn, *args, **kwargs):
+    outputs = fn(*args, **kwargs)
+    cpu_args = [a.cpu() if isinstance(a, torch.Tensor) else a for a in args]
+    outs = outputs if isinstance(outputs, tuple) else (outputs,)
+    assert all(o.is_cuda for o in outs)
+    report = testing.compare(
+        tuple(o.cpu() for o in outs) if isinstance(outputs, tuple) else outputs.cpu(),
+        fn.reference(*cpu_args, float64=True, **kwargs), fn.reference(*cpu_args, **kwargs))
+    assert report.ok, str(report)
+    return outputs
+
+
+@pytest.mark.parametrize("b, h, m, n, d", [(1, 2, 113, 203, 64), (2, 4, 1023, 1024, 128), (1, 1, 1, 239, 80)])
+def test_attention_example_on_gpu(b, h, m, n, d):
+    fn = tiledsl.compile(EXAMPLES / "attention.tdsl")
+    q, k, v = (cuda_randn(b, h, s, d, dtype=torch.float16, seed=i) for i, s in enumerate((m, n, n)))
+    check_cuda(fn, q, k, v, scale=d**-0.5)
+
+
+@pytest.mark.parametrize("dt", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("mkn", [(1, 1, 1), (113, 77, 17), (1024, 512, 2048)], ids=str)
+def test_matmul_on_gpu(mkn, dt):
+    m, k, n = mkn
+    name = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32"}[dt]
+    fn = tiledsl.compile(f"kernel f(a: {name}[M, K], b: {name}[K, N]) -> {name}[M, N] {{ return a @ b }}")
+    check_cuda(fn, cuda_randn(m, k, dtype=dt), cuda_randn(k, n, dtype=dt, seed=1))
+
+
+@pytest.mark.parametrize("name", ["rmsnorm", "softmax", "matmul_bias_relu", "gemm_multiply_multiply"])
+def test_examples_on_gpu(name):
+    fn = tiledsl.compile(EXAMPLES / f"{name}.tdsl")
+    dims = {"M": 257, "N": 4999, "K": 64}
+    inputs = testing.random_inputs(fn, dims, "cuda", torch.Generator().manual_seed(0))
+    check_cuda(fn, **inputs)
+
+
+def test_new_runtime_dims_do_not_recompile():
+    fn = tiledsl.compile("kernel f(x: f32[M, N]) -> f32[M, N] { return exp(x) * 2 }")
+    fn(cuda_randn(17, 113))
+    step = fn._triton.steps[0]
+    jit = step.fns["cuda"]
+    before = sum(len(c[0]) for c in jit.device_caches.values())
+    fn(cuda_randn(19, 117))  # same block size, same divisibility class
+    after = sum(len(c[0]) for c in jit.device_caches.values())
+    assert after == before
