@@ -16,10 +16,9 @@ import math
 import struct
 from dataclasses import dataclass
 
+from tiledsl.ir import Graph, Op, make_attrs
 from tiledsl.passes.registry import Pass, PassContext, register
 from tiledsl.passes.rewrite import Pattern, Rewriter, apply_patterns
-
-from tiledsl.ir import Graph, Op, make_attrs
 from tiledsl.types import DType, TensorType, result_dtype
 
 

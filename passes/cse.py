@@ -11,9 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tiledsl.passes.registry import Pass, PassContext, register
-
 from tiledsl.ir import Graph, KernelOp
+from tiledsl.passes.registry import Pass, PassContext, register
 
 
 @register

@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import networkx as nx
-from tiledsl.passes.registry import Pass, PassContext, register
 
 from tiledsl.ir import Graph
+from tiledsl.passes.registry import Pass, PassContext, register
 
 
 @register

@@ -21,11 +21,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tiledsl.passes.regions import is_by_value, replace_with_kernel
-from tiledsl.passes.registry import Pass, PassContext, register
-
 from tiledsl import ops
 from tiledsl.ir import Graph, KernelOp, Op, Region, RegionInput, RegionOp
+from tiledsl.passes.regions import is_by_value, replace_with_kernel
+from tiledsl.passes.registry import Pass, PassContext, register
 
 TEMPLATES = {"elementwise": "pointwise", "reduction": "reduce", "softmax": "softmax",
              "matmul": "matmul"}

@@ -12,9 +12,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from tiledsl.passes.registry import Pass, PassContext, parse_pipeline
-
 from tiledsl.ir import Graph
+from tiledsl.passes.registry import Pass, PassContext, parse_pipeline
 from tiledsl.printer import print_graph
 from tiledsl.verifier import verify
 

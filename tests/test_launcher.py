@@ -105,9 +105,8 @@ def test_generated_source_uses_only_compiler_owned_names(tmp_path):
 
 
 def test_interpreted_runs_leave_triton_unpatched():
-    from triton.runtime.jit import JITFunction
-
     import triton.language as tl
+    from triton.runtime.jit import JITFunction
     before = (JITFunction.__call__, tl.core.reduce, tl.reduce)
     tiledsl.compile("kernel f(x: f32[M, N]) -> f32[M] { return max(x) + sum(x) }")(randn(3, 9))
     assert (JITFunction.__call__, tl.core.reduce, tl.reduce) == before
