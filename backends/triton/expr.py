@@ -113,6 +113,13 @@ class Emitter:
             return f"{text}.to(tl.float16)"
         return text
 
+    def scalar(self, name: str, dtype: DType) -> Val:
+        """A by-value kernel argument. Bools arrive as i32 (0/1): Triton 3.6's interpreter
+        mis-stores Python bool arguments."""
+        if dtype is DType.BOOL:
+            return self.convert(Val(name, "i"), "b")
+        return Val(name, category(dtype))
+
     def load(self, text: str, dtype: DType) -> Val:
         """Assign a `tl.load(...)` of `dtype` values, widened to its compute type."""
         return self.assign(self.widen(text, dtype), category(dtype))

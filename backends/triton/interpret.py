@@ -13,6 +13,10 @@ tensors run compiled kernels, CPU tensors the same kernels interpreted. So:
   `JITFunction.__call__` (it inlines callees from their AST), so this does
   not affect GPU launches, and outside `interpreting()` Triton behaves as
   shipped.
+- Triton 3.6's interpreter turns a 0-d tensor into a Python int with
+  `int(array)` on a one-element 1-d array, which NumPy >= 2.4 refuses, so a
+  loop over a runtime bound (`range(0, K, BLOCK_K)`) fails. Inside
+  `interpreting()` that conversion uses `.item()` (what later Triton does).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+import triton.runtime.interpreter as _interp
 from triton.runtime.interpreter import InterpretedFunction, _patch_lang
 from triton.runtime.jit import JITFunction
 
@@ -52,6 +57,12 @@ def _call_interpreted(self: JITFunction, *args: Any, **kwargs: Any) -> Any:
 
 
 _shipped_call = JITFunction.__call__
+_shipped_patch_tensor = _interp._patch_lang_tensor
+
+
+def _patch_lang_tensor(tensor: Any, scope: Any) -> None:
+    _shipped_patch_tensor(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
 
 @contextlib.contextmanager
@@ -62,9 +73,11 @@ def interpreting() -> Iterator[None]:
     with _lock, np.errstate(all="ignore"):
         _depth += 1
         JITFunction.__call__ = _call_interpreted
+        _interp._patch_lang_tensor = _patch_lang_tensor
         try:
             yield
         finally:
             _depth -= 1
             if _depth == 0:
                 JITFunction.__call__ = _shipped_call
+                _interp._patch_lang_tensor = _shipped_patch_tensor

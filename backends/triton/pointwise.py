@@ -16,7 +16,7 @@ from tiledsl.types import broadcast_shapes
 
 from .base import CAPS, EmittedKernel, Hints, LaunchConfig, cdiv, decompose, finish, numel
 from .codegen import Code, Signature, next_pow2
-from .expr import Emitter, Val, category
+from .expr import Emitter, Val
 
 
 def emit(kernel: KernelOp, hints: Hints) -> EmittedKernel:
@@ -50,9 +50,8 @@ def emit(kernel: KernelOp, hints: Hints) -> EmittedKernel:
 
     inputs: dict[int, Val] = {}
     for i, inp in enumerate(region.inputs):
-        cat = category(inp.type.dtype)
         if i in scalars:
-            inputs[i] = Val(scalars[i], cat)
+            inputs[i] = em.scalar(scalars[i], inp.type.dtype)
             continue
         if i not in tensors:  # a 0-dim tensor
             ptr = sig.tensor("in", i, ()).ptr

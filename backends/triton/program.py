@@ -132,8 +132,9 @@ class TritonProgram:
                 for d in eval_shape(spec.shape, dims):
                     total *= d
                 args.append(total)
-            elif isinstance(spec, Scalar):
-                args.append(inputs[spec.index])
+            elif isinstance(spec, Scalar):  # bools travel as 0/1 (see Emitter.scalar)
+                value = inputs[spec.index]
+                args.append(int(value) if isinstance(value, bool) else value)
         cfg = emitted.configure(dims, target)
         fn = step.fns.get(target)
         if fn is None:

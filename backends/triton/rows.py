@@ -17,7 +17,7 @@ from tiledsl.types import Shape, TensorType
 
 from .base import CAPS, LaunchConfig, cdiv, decompose, numel
 from .codegen import Code, Signature, TensorRef, next_pow2
-from .expr import Emitter, Val, category
+from .expr import Emitter, Val
 
 
 @dataclass
@@ -54,7 +54,7 @@ class RowTile:
         vals: dict[int, Val] = {}
         for i, inp in enumerate(region.inputs):
             if i in scalars:
-                vals[i] = Val(scalars[i], category(inp.type.dtype))
+                vals[i] = self.em.scalar(scalars[i], inp.type.dtype)
             else:
                 vals[i] = self.load(refs[i], inp.type, r, mask)
         return vals
