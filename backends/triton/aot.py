@@ -25,7 +25,7 @@ def compile_launch(launch: Launch, target: tuple[str, int, int] = SM90) -> Any:
 
     emitted = launch.kernel
     cfg = emitted.configure(dict(launch.dims), "cuda")
-    fn = load(emitted.source, emitted.fn_name, "cuda")
+    fn = load(emitted.source, emitted.fn_name, "cuda", emitted.ir())
     signature: dict[str, str] = dict(launch.signature)
     signature.update({name: "constexpr" for name in cfg.constexprs})
     source = ASTSource(fn, signature=signature, constexprs=dict(cfg.constexprs))

@@ -37,6 +37,12 @@ class EmittedKernel:
     params: tuple[tuple[str, ArgSpec], ...]
     configure: Callable[[Mapping[str, int], str], LaunchConfig] = field(compare=False)
 
+    def ir(self) -> str:
+        """The kernel's IR as text (part of its cache key)."""
+        from tiledsl.printer import print_region
+
+        return "\n".join(print_region(self.kernel.region))
+
 
 Hints = Mapping[str, tuple[int, Span]]
 

@@ -7,6 +7,7 @@ imported from it. File names are content-addressed: a SHA-256 over the module
 source (which is printed from the IR), the tiledsl and Triton versions, and
 the target. Writes are atomic (temp file + rename); nothing is pickled; a file
 whose content does not match its key is rewritten before it is imported.
+The key covers the kernel's IR (its printed region) as well as its source.
 
 The directory is `$TILEDSL_CACHE_DIR`, else `$XDG_CACHE_HOME/tiledsl`, else
 `~/.cache/tiledsl`.
@@ -63,9 +64,9 @@ def versions() -> str:
     return f"tiledsl={__version__};triton={triton.__version__}"
 
 
-def cache_key(source: str, target: str) -> str:
+def cache_key(source: str, target: str, ir: str = "") -> str:
     h = hashlib.sha256()
-    for part in (versions(), target, source):
+    for part in (versions(), target, ir, source):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()
@@ -83,13 +84,13 @@ def _write_atomic(path: Path, text: str) -> None:
         raise
 
 
-def load(source: str, fn_name: str, target: str) -> Any:
+def load(source: str, fn_name: str, target: str, ir: str = "") -> Any:
     """The kernel function `fn_name` of a generated module, ready for `fn[grid](...)`.
 
     target "cuda": the `@triton.jit` function; target "interpreter": the same
-    function wrapped in Triton's interpreter.
+    function wrapped in Triton's interpreter. `ir` is the kernel's IR text.
     """
-    key = (cache_key(source, target), fn_name)
+    key = (cache_key(source, target, ir), fn_name)
     with _lock:
         if key in _loaded:
             return _loaded[key]

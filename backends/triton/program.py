@@ -138,7 +138,7 @@ class TritonProgram:
         cfg = emitted.configure(dims, target)
         fn = step.fns.get(target)
         if fn is None:
-            fn = step.fns[target] = load(emitted.source, emitted.fn_name, target)
+            fn = step.fns[target] = load(emitted.source, emitted.fn_name, target, emitted.ir())
         options = {}
         if target == "cuda":
             options = {"num_warps": cfg.num_warps or 4, "num_stages": cfg.num_stages or 3}
