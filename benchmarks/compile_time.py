@@ -44,7 +44,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=30, help="timed compiles per program (attention)")
     args = parser.parse_args()
 
-    print(f"tiledsl {tiledsl.__version__}, Python {platform.python_version()}, {platform.processor() or platform.machine()}")
+    cpu = platform.processor() or platform.machine()
+    print(f"tiledsl {tiledsl.__version__}, Python {platform.python_version()}, {cpu}")
     attention = (ROOT / "examples" / "attention.tdsl").read_text()
     t = median_time(attention, args.repeat)
     print(f"\nexamples/attention.tdsl: median {t * 1e3:.2f} ms over {args.repeat} compiles (target <= 30 ms)")

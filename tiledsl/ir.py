@@ -66,10 +66,6 @@ class Op:
         return (self.kind, self.dtype, self.shape, self.attrs, self.weak)
 
 
-def op_with_type(kind: str, t: TensorType, span: Span | None = None, **attrs: Any) -> Op:
-    return Op(kind, t.dtype, t.shape, make_attrs(**attrs), span, t.weak)
-
-
 @dataclass(frozen=True, slots=True)
 class RegionInput:
     """A value entering a region. `scalar`: passed by value (a scalar param or a dim)."""
@@ -97,10 +93,6 @@ class Region:
     def value_type(self, value: int) -> TensorType:
         n = len(self.inputs)
         return self.inputs[value].type if value < n else self.ops[value - n].op.type
-
-    def producer(self, value: int) -> RegionOp | None:
-        n = len(self.inputs)
-        return None if value < n else self.ops[value - n]
 
     @property
     def output_types(self) -> tuple[TensorType, ...]:
@@ -200,10 +192,6 @@ class Graph:
     @property
     def outputs(self) -> list[tuple[int, int]]:
         return self.operand_edges(self.output) if self.output is not None else []
-
-    @property
-    def is_fused(self) -> bool:
-        return any(isinstance(self.op(n), KernelOp) for n in self.nx.nodes)
 
     def kernels(self) -> list[int]:
         return [n for n in self.topo_order() if isinstance(self.op(n), KernelOp)]

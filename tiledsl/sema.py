@@ -67,8 +67,6 @@ class _KernelBuilder:
         self.scope: dict[str, tuple[int, Span]] = {}
         # dim symbol -> (param name, span of its first occurrence)
         self.dims: dict[str, tuple[str, Span]] = {}
-        self.dim_nodes: dict[str, int] = {}
-        self.spans: dict[int, Span] = {}
 
     # --- kernel structure ------------------------------------------------------------
 

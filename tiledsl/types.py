@@ -142,7 +142,3 @@ def normalize_axis(axis: int, rank: int) -> int | None:
     if -rank <= axis < rank:
         return axis % rank
     return None
-
-
-def dim_symbols(shape: Shape) -> list[str]:
-    return [d for d in shape if isinstance(d, str)]

@@ -16,10 +16,7 @@ from dataclasses import dataclass
 
 from tiledsl.diagnostics import escape
 from tiledsl.ir import KernelOp
-from tiledsl.types import DType, Shape
-
-TL_DTYPES = {DType.F16: "tl.float16", DType.BF16: "tl.bfloat16", DType.F32: "tl.float32",
-             DType.I32: "tl.int32", DType.BOOL: "tl.int1"}
+from tiledsl.types import Shape
 
 
 def comment(text: str) -> str:

@@ -15,7 +15,7 @@ from tiledsl.types import DType
 
 from .base import EmittedKernel, Hints, finish
 from .codegen import Code, Signature
-from .expr import Val, category
+from .expr import Val
 from .rows import row_configure, row_tile
 
 _COMBINE = {"sum": "{acc} + {x}", "mean": "{acc} + {x}", "max": "tl.maximum({acc}, {x})",
@@ -93,7 +93,3 @@ def emit(kernel: KernelOp, hints: Hints) -> EmittedKernel:
     body(f"tl.store({out} + o, {em.store_value(result, op.dtype)}, mask=omask)")
     assert op.dtype is not DType.BOOL or kind in ("max", "min")
     return finish(kernel, "reduce", sig, body, em=tile.em, configure=row_configure(src_type.shape, axis))
-
-
-def compute_category(dtype: DType) -> str:
-    return category(dtype)

@@ -15,6 +15,7 @@ from tiledsl.ir import KernelOp
 
 from .base import EmittedKernel, Hints, LaunchConfig, finish
 from .codegen import Code, Signature
+from .expr import Val
 from .reduce import find_op
 from .rows import RowTile, row_configure, row_tile
 
@@ -44,8 +45,6 @@ def emit(kernel: KernelOp, hints: Hints) -> EmittedKernel:
         return "x"
 
     def store(t: RowTile, value: str, r: str) -> None:
-        from .expr import Val
-
         offset = out.offset(t.tile_indices(r))
         text = t.em.store_value(Val(value, "f"), op.dtype)
         body(f"tl.store({out.ptr} + {offset}, {text}, mask=tmask)")
