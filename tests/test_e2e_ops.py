@@ -264,3 +264,18 @@ def test_python_and_triton_names_work_as_dsl_names():
         offs = pid - 1
         return offs
     }""", x, randn(113), torch=0.5)
+
+
+def test_literal_size_one_dims_in_row_kernels():
+    # a literal 1 has no stride parameter: pointer tiles must still span the whole tile
+    run_checked("""
+    kernel f(z: f32[M, 1]) -> (f32[M, 1], f32[M], f32[M, 1], f32[1]) {
+        return softmax(z), sum(z), softmax(z, axis=0), logsumexp(z, axis=0)
+    }""", randn(17, 1))
+
+
+def test_literal_size_one_dims_in_matmul():
+    run_checked("kernel f(a: f16[M, 1], b: f16[1, N]) -> f16[M, N] { return a @ b }",
+                randn(17, 1, dtype=torch.float16), randn(1, 33, dtype=torch.float16))
+    run_checked("kernel f(a: bf16[1, K], b: bf16[K, 1]) -> bf16[1, 1] { return a @ b }",
+                randn(1, 40, dtype=torch.bfloat16), randn(40, 1, dtype=torch.bfloat16))

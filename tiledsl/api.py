@@ -94,13 +94,21 @@ def compile_text(text: str, name: str, kernel: str | None = None, backend: str =
             f"unknown backend '{backend}'{diag.did_you_mean(backend, BACKENDS)} "
             f"(backends: {', '.join(BACKENDS)})"))
     program = parse(text, name)
-    graph = analyze(select_kernel(program, kernel))
+    selected = select_kernel(program, kernel)
+    graph = analyze(selected)
     manager = PassManager(pipeline or DEFAULT_PIPELINE, verify=verify)
     if not manager.passes or manager.passes[-1].name != "lower-kernels":
         manager = PassManager(manager.pipeline + ",lower-kernels" if manager.passes
                               else "lower-kernels", verify=verify)
-    result = manager.run(graph, PassContext(options={"allow_tf32": allow_tf32}))
-    return Program(result, backend, manager.pipeline, allow_tf32)
+    try:
+        result = manager.run(graph, PassContext(options={"allow_tf32": allow_tf32}))
+        return Program(result, backend, manager.pipeline, allow_tf32)
+    except diag.TileDSLError:
+        raise
+    except Exception as err:  # a compiler bug: report it at the kernel, keep the cause
+        raise diag.InternalError(selected.name_span, message=(
+            f"{type(err).__name__}: {err} (while compiling kernel '{selected.name}'; "
+            "this is a tiledsl bug, please report it)")) from err
 
 
 class Program:

@@ -82,10 +82,15 @@ def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKer
     body("rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)")
     body("rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)")
     body("rk = tl.arange(0, BLOCK_K)")
-    body(f"a_ptrs = {base(a, a_type.rank)} + "
-         f"{a.offset([None] * (a_type.rank - 2) + ['rm[:, None]', 'rk[None, :]'])}")
-    body(f"b_ptrs = {base(b, b_type.rank)} + "
-         f"{b.offset([None] * (b_type.rank - 2) + ['rk[:, None]', 'rn[None, :]'])}")
+    def tile(ref, rank: int, rows: str, cols: str, shape: str) -> str:
+        """Pointers of a matrix tile; broadcast when a literal size-1 dim has no stride."""
+        ptrs = f"{base(ref, rank)} + {ref.offset([None] * (rank - 2) + [rows, cols])}"
+        if ref.strides[-2] is None or ref.strides[-1] is None:
+            ptrs = f"tl.broadcast_to({ptrs}, {shape})"
+        return ptrs
+
+    body(f"a_ptrs = {tile(a, a_type.rank, 'rm[:, None]', 'rk[None, :]', '[BLOCK_M, BLOCK_K]')}")
+    body(f"b_ptrs = {tile(b, b_type.rank, 'rk[:, None]', 'rn[None, :]', '[BLOCK_K, BLOCK_N]')}")
     body("acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)")
     dot_dtype = op.dtype
     precision = ""
@@ -112,7 +117,7 @@ def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKer
         if b_step is not None:
             body(f"b_ptrs += BLOCK_K * {b_step}")
     out = em.store_value(Val("acc", "f"), op.dtype)
-    c_ptrs = f"{base(c, len(out_shape))} + {c.offset([None] * len(batch) + ['rm[:, None]', 'rn[None, :]'])}"
+    c_ptrs = tile(c, len(out_shape), "rm[:, None]", "rn[None, :]", "[BLOCK_M, BLOCK_N]")
     body(f"tl.store({c_ptrs}, {out}, mask=(rm[:, None] < {M}) & (rn[None, :] < {N}))")
 
     user = {n: hint(hints, n, 0) for n in (*DOT_HINTS, "GROUP_M", "num_warps", "num_stages")}

@@ -42,11 +42,27 @@ class RowTile:
                 out.append(None if name is None else f"{name}[:, None]")
         return out
 
+    def pointer(self, ref: TensorRef, rank: int, r: str) -> str | None:
+        """Pointers of a tensor at the tile, or None when it is a single element.
+
+        A tensor that does not vary along rows or along positions (a literal
+        size-1 dim has no stride) is broadcast to the full tile shape, so
+        pointer, mask and value shapes always agree.
+        """
+        lead = len(self.shape) - rank
+        indices = self.tile_indices(r)[lead:]
+        offset = ref.offset(indices)
+        if offset == "0":
+            return None
+        used = [i for i, s in zip(indices, ref.strides, strict=True) if i is not None and s is not None]
+        ptr = f"{ref.ptr} + {offset}"
+        if any(i.endswith("[:, None]") for i in used) and any(i.endswith("[None, :]") for i in used):
+            return ptr
+        return f"tl.broadcast_to({ptr}, [BLOCK_O, BLOCK_R])"
+
     def load(self, ref: TensorRef, t: TensorType, r: str, mask: str) -> Val:
-        lead = len(self.shape) - t.rank
-        offset = ref.offset(self.tile_indices(r)[lead:])
-        load = (f"tl.load({ref.ptr})" if offset == "0"
-                else f"tl.load({ref.ptr} + {offset}, mask={mask}, other=0)")
+        ptr = self.pointer(ref, t.rank, r)
+        load = f"tl.load({ref.ptr})" if ptr is None else f"tl.load({ptr}, mask={mask}, other=0)"
         return self.em.load(load, t.dtype)
 
     def emit_inputs(self, region: Region, refs: Mapping[int, TensorRef],

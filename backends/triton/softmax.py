@@ -45,9 +45,9 @@ def emit(kernel: KernelOp, hints: Hints) -> EmittedKernel:
         return "x"
 
     def store(t: RowTile, value: str, r: str) -> None:
-        offset = out.offset(t.tile_indices(r))
+        ptr = t.pointer(out, len(shape), r) or f"tl.broadcast_to({out.ptr}, [BLOCK_O, BLOCK_R])"
         text = t.em.store_value(Val(value, "f"), op.dtype)
-        body(f"tl.store({out.ptr} + {offset}, {text}, mask=tmask)")
+        body(f"tl.store({ptr}, {text}, mask=tmask)")
 
     body("r_base = tl.arange(0, BLOCK_R)")
     body("if ONE_PASS:")
