@@ -279,3 +279,11 @@ def test_literal_size_one_dims_in_matmul():
                 randn(17, 1, dtype=torch.float16), randn(1, 33, dtype=torch.float16))
     run_checked("kernel f(a: bf16[1, K], b: bf16[K, 1]) -> bf16[1, 1] { return a @ b }",
                 randn(1, 40, dtype=torch.bfloat16), randn(40, 1, dtype=torch.bfloat16))
+
+
+def test_math_on_scalar_parameters():
+    # the interpreter passes float arguments as Python floats; they must still be tensors
+    run_checked("""
+    kernel f(x: f32[N], s: f32, i: i32) -> f32[N] {
+        return x * exp(s) + sigmoid(-s) + tanh(s * i) + rsqrt(abs(s) + i)
+    }""", randn(17), 0.7, 3)

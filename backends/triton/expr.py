@@ -115,9 +115,12 @@ class Emitter:
 
     def scalar(self, name: str, dtype: DType) -> Val:
         """A by-value kernel argument. Bools arrive as i32 (0/1): Triton 3.6's interpreter
-        mis-stores Python bool arguments."""
+        mis-stores Python bool arguments. Floats become 0-d tensors: the interpreter
+        hands them over as Python floats, which have no `.to()`."""
         if dtype is DType.BOOL:
             return self.convert(Val(name, "i"), "b")
+        if dtype.is_float:
+            return self.assign(f"tl.full([], 0.0, tl.float32) + {name}", "f")
         return Val(name, category(dtype))
 
     def load(self, text: str, dtype: DType) -> Val:
