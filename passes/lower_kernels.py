@@ -4,10 +4,9 @@ Before: a graph of tensor ops, possibly with kernel nodes already formed by
 fusion passes.
 After: every compute op is inside a `KernelOp` whose template implements it:
 
-    elementwise op (incl. index)  -> pointwise
-    sum / max / min / mean / logsumexp -> reduce
-    softmax                       -> softmax
-    matmul                        -> matmul
+    elementwise op (incl. index)             -> pointwise
+    sum / max / min / mean / logsumexp, softmax -> rows
+    matmul                                   -> matmul
 
 What stays outside kernels: parameters, dims, `transpose` (a view: consumers
 read it through permuted strides, no copy), and the return. Constants are
@@ -26,7 +25,7 @@ from tiledsl.ir import Graph, KernelOp, Op, Region, RegionInput, RegionOp
 from tiledsl.passes.regions import is_by_value, replace_with_kernel
 from tiledsl.passes.registry import Pass, PassContext, register
 
-TEMPLATES = {"elementwise": "pointwise", "reduction": "reduce", "softmax": "softmax",
+TEMPLATES = {"elementwise": "pointwise", "reduction": "rows", "softmax": "rows",
              "matmul": "matmul"}
 # ops that never become kernels of their own
 VIEWS = ("transpose",)

@@ -71,7 +71,7 @@ def test_explain_says_no_fusion_ran(attention):
         "  no fusion pass ran: every op is its own kernel",
     ]
     assert "  k0      matmul     matmul (5)" in text
-    assert "  k6      softmax    softmax (7)" in text
+    assert "  k6      rows       softmax (7)" in text
     assert text.rstrip().endswith("fusion decisions: none recorded")
 
 

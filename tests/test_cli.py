@@ -27,7 +27,7 @@ def cli(*argv: str, stdin: str | None = None) -> tuple[int, str, str]:
 
 def test_opt_prints_the_final_ir():
     code, out, _ = cli("opt", RMSNORM)
-    assert code == 0 and out.startswith("func @rmsnorm(") and "kernel @k2 reduce(" in out
+    assert code == 0 and out.startswith("func @rmsnorm(") and "kernel @k2 rows(" in out
 
 
 def test_opt_print_ir_after_all_and_timing():

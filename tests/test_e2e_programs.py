@@ -36,7 +36,7 @@ def test_softmax_example(m, n):
 @pytest.mark.parametrize("m, n", [(1, 1), (17, 113), (3, 4999)])
 def test_rmsnorm(m, n):
     fn = example("rmsnorm")
-    assert [k.template for k in fn.kernels] == ["pointwise", "pointwise", "reduce", "pointwise",
+    assert [k.template for k in fn.kernels] == ["pointwise", "pointwise", "rows", "pointwise",
                                                 "pointwise", "pointwise", "pointwise", "pointwise"]
     run_checked(fn, randn(m, n, dtype=torch.float16), randn(n, dtype=torch.float16), eps=1e-6)
 

@@ -23,6 +23,7 @@ from .base import (
     LaunchConfig,
     cdiv,
     decompose,
+    find_op,
     finish,
     hint,
     numel,
@@ -30,7 +31,6 @@ from .base import (
 )
 from .codegen import Code, Signature, next_pow2
 from .expr import Emitter, Val
-from .reduce import find_op
 
 DOT_HINTS = ("BLOCK_M", "BLOCK_N", "BLOCK_K")
 

@@ -19,7 +19,7 @@ from tiledsl.binding import BoundCall, eval_shape, torch_dtype
 from tiledsl.diagnostics import InternalError
 from tiledsl.ir import Graph, KernelOp, Op
 
-from . import matmul, pointwise, reduce, softmax
+from . import matmul, pointwise, rows
 from .base import EmittedKernel, Hints
 from .cache import load
 from .codegen import DimSize, Numel, Ptr, Scalar, Stride
@@ -27,8 +27,7 @@ from .interpret import interpreting
 
 TEMPLATES = {
     "pointwise": pointwise.emit,
-    "reduce": reduce.emit,
-    "softmax": softmax.emit,
+    "rows": rows.emit,
     "matmul": matmul.emit,
 }
 

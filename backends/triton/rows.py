@@ -1,116 +1,355 @@
-"""Row tiling shared by the reduce and softmax templates.
+"""The row-program template: reductions and softmax along one axis, with the
+elementwise ops around them, in one kernel.
 
-A value of shape S is viewed as rows along `axis`: the other ("kept") dims
-index rows, `axis` indexes positions in a row. A program owns BLOCK_O rows
-and walks each row in chunks of BLOCK_R, so rows longer than a block loop and
-any axis works: the reduced axis need not be the last or contiguous. Inputs
-are read through their strides at the [BLOCK_O, BLOCK_R] tile.
+A row program's iteration space is a shape S and an axis: the other ("kept")
+dims index rows, the axis indexes positions in a row. A program owns BLOCK_O
+rows and walks them in chunks of BLOCK_R. Every value has a layout (which
+dims of S it varies along; `passes.fusion.legality.row_layouts`): "full"
+values vary along the axis ([BLOCK_O, BLOCK_R] tiles), "row" values do not
+([BLOCK_O, 1]).
+
+- When a row fits in one block (`ONE_PASS`), inputs are read once and the
+  program runs straight through.
+- Otherwise the reductions run in phases: a reduction belongs to phase
+  1 + the latest phase it depends on, each phase is one loop over the row,
+  and a last loop writes the full outputs. sum/max/min accumulate in a tile;
+  softmax and logsumexp keep a running max `m` and a running sum `z`, rescaled
+  by exp(m_old - m_new) when the max grows (the composable-kernel
+  recurrence); a softmax value is then exp(x - m) / z wherever a loop needs
+  it. rmsnorm reads a row twice, layernorm three times, softmax twice.
+
+A row that is all -inf gives softmax 0 and logsumexp -inf, never NaN.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 
-from tiledsl.ir import Op, Region
-from tiledsl.types import Shape, TensorType
+from tiledsl.ir import KernelOp, Op, Region
+from tiledsl.passes.fusion.legality import ROW_OPS, RowSpace, row_layouts
 
-from .base import CAPS, LaunchConfig, cdiv, decompose, numel
+from .base import CAPS, EmittedKernel, Hints, LaunchConfig, cdiv, decompose, finish, numel
 from .codegen import Code, Signature, TensorRef, next_pow2
-from .expr import Emitter, Val
+from .expr import Emitter, Val, category, literal
+
+NEG_INF = '-float("inf")'
+_COLLAPSE = {"sum": "tl.sum", "mean": "tl.sum", "max": "tl.max", "min": "tl.min"}
 
 
-@dataclass
-class RowTile:
-    """Names and emission helpers for one row-tiled kernel."""
+def row_space(region: Region) -> RowSpace:
+    """The space of a row program: the shape and axis of its first reduction or softmax."""
+    for rop in region.ops:
+        if rop.op.kind in ROW_OPS:
+            (x,) = rop.operands
+            return RowSpace(region.value_type(x).shape, rop.op.attr("axis"))
+    raise AssertionError("a row program has at least one reduction or softmax")
 
-    sig: Signature
-    body: Code
-    em: Emitter
-    shape: Shape  # the shape being walked (the reduction's input)
-    axis: int
-    kept_index: list[str | None]  # per dim of `shape`: the row-index name (None at `axis`)
-    length: str  # source text of the row length
 
-    def tile_indices(self, r: str) -> list[str | None]:
-        """Per-dim index expressions at the tile: rows down, positions across."""
-        out: list[str | None] = []
-        for d, name in enumerate(self.kept_index):
-            if d == self.axis:
-                out.append(None if self.shape[d] == 1 else f"{r}[None, :]")
-            else:
-                out.append(None if name is None else f"{name}[:, None]")
-        return out
-
-    def pointer(self, ref: TensorRef, rank: int, r: str) -> str | None:
-        """Pointers of a tensor at the tile, or None when it is a single element.
-
-        A tensor that does not vary along rows or along positions (a literal
-        size-1 dim has no stride) is broadcast to the full tile shape, so
-        pointer, mask and value shapes always agree.
-        """
-        lead = len(self.shape) - rank
-        indices = self.tile_indices(r)[lead:]
-        offset = ref.offset(indices)
-        if offset == "0":
-            return None
-        used = [i for i, s in zip(indices, ref.strides, strict=True) if i is not None and s is not None]
-        ptr = f"{ref.ptr} + {offset}"
-        if any(i.endswith("[:, None]") for i in used) and any(i.endswith("[None, :]") for i in used):
-            return ptr
-        return f"tl.broadcast_to({ptr}, [BLOCK_O, BLOCK_R])"
-
-    def load(self, ref: TensorRef, t: TensorType, r: str, mask: str) -> Val:
-        ptr = self.pointer(ref, t.rank, r)
-        load = f"tl.load({ref.ptr})" if ptr is None else f"tl.load({ptr}, mask={mask}, other=0)"
-        return self.em.load(load, t.dtype)
-
-    def emit_inputs(self, region: Region, refs: Mapping[int, TensorRef],
-                    scalars: Mapping[int, str], r: str, mask: str) -> dict[int, Val]:
-        vals: dict[int, Val] = {}
+class RowProgram:
+    def __init__(self, kernel: KernelOp) -> None:
+        self.region = region = kernel.region
+        self.space = row_space(region)
+        layouts = row_layouts(region, self.space)
+        assert isinstance(layouts, dict), f"{kernel.name}: not a row program: {layouts}"
+        self.layouts = layouts
+        self.n_in = len(region.inputs)
+        self.values = range(self.n_in + len(region.ops))
+        self.sig, self.body = Signature(), Code()
+        self.em = Emitter(self.body)
+        shape, axis = self.space.shape, self.space.axis
+        self.kept = [d for d in range(len(shape)) if d != axis]
+        self.refs: dict[int, TensorRef] = {}
+        self.scalars: dict[int, str] = {}
         for i, inp in enumerate(region.inputs):
-            if i in scalars:
-                vals[i] = self.em.scalar(scalars[i], inp.type.dtype)
+            if inp.scalar:
+                self.scalars[i] = self.sig.scalar(i)
             else:
-                vals[i] = self.load(refs[i], inp.type, r, mask)
-        return vals
+                self.refs[i] = self.sig.tensor("in", i, inp.type.shape)
+        self.outs = [self.sig.tensor("out", j, region.value_type(v).shape)
+                     for j, v in enumerate(region.outputs)]
+        self.length = self.sig.size(shape[axis])
+        self.phase = self._phases()
+        self.softmax_stats: dict[int, tuple[str, str]] = {}  # softmax value -> (m, 1/z) names
 
-    def index(self, op: Op, r: str) -> Val:
-        """An `index` op evaluated at the tile."""
-        axis = op.attr("axis") + len(self.shape) - len(op.shape)
-        expr = self.tile_indices(r)[axis]
-        if expr is None:
-            return Val("0", "i", True, 0)
-        return self.em.assign(f"({expr}).to(tl.int32)", "i")
+    # --- analysis --------------------------------------------------------------------------
+
+    def op(self, v: int) -> Op | None:
+        return self.region.ops[v - self.n_in].op if v >= self.n_in else None
+
+    def operands(self, v: int) -> tuple[int, ...]:
+        return self.region.ops[v - self.n_in].operands if v >= self.n_in else ()
+
+    def is_row_op(self, v: int) -> bool:
+        op = self.op(v)
+        return op is not None and op.kind in ROW_OPS
+
+    def full(self, v: int) -> bool:
+        """Does the value vary along the reduction axis?"""
+        return self.space.axis in self.layouts.get(v, ())
+
+    def _phases(self) -> dict[int, int]:
+        """Each value's phase: the latest reduction phase it depends on (0: none)."""
+        phase: dict[int, int] = {}
+        for v in self.values:
+            p = max((phase[o] for o in self.operands(v)), default=0)
+            phase[v] = p + 1 if self.is_row_op(v) else p
+        return phase
+
+    def needed(self, targets: list[int]) -> set[int]:
+        """What a loop over the row computes to produce `targets`: full values back to
+        the inputs, stopping at values that are already known per row."""
+        need: set[int] = set()
+        stack = list(targets)
+        while stack:
+            v = stack.pop()
+            if v in need:
+                continue
+            need.add(v)
+            op = self.op(v)
+            if op is not None and (op.kind == "softmax" or not self.is_row_op(v)):
+                stack.extend(o for o in self.operands(v) if self.full(o) or o < self.n_in)
+        return need
+
+    def used(self, v: int) -> bool:
+        return v in self.region.outputs or any(v in r.operands for r in self.region.ops)
+
+    # --- emission helpers -------------------------------------------------------------------
+
+    def index(self, dim: int | None) -> str | None:
+        if dim is None or self.space.shape[dim] == 1:
+            return None
+        return "r[None, :]" if dim == self.space.axis else f"j{dim}[:, None]"
+
+    def access(self, ref: TensorRef, v: int) -> tuple[str | None, str | None]:
+        """(pointer, mask) of a value's tensor at the tile, or (None, None) for one element."""
+        layout = self.layouts[v]
+        offset = ref.offset([self.index(d) for d in layout])
+        if offset == "0":
+            return None, None
+        axis = self.space.axis
+        rows = any(self.index(d) for d in layout if d is not None and d != axis)
+        cols = any(self.index(d) for d in layout if d == axis)
+        mask = {(True, True): "tmask", (True, False): "omask[:, None]",
+                (False, True): f"(r < {self.length})[None, :]"}[(rows, cols)]
+        return f"{ref.ptr} + {offset}", mask
+
+    def load(self, i: int) -> Val:
+        dtype = self.region.inputs[i].type.dtype
+        if i in self.scalars:
+            return self.em.scalar(self.scalars[i], dtype)
+        ptr, mask = self.access(self.refs[i], i)
+        text = f"tl.load({self.refs[i].ptr})" if ptr is None else f"tl.load({ptr}, mask={mask}, other=0)"
+        return self.em.load(text, dtype)
+
+    def emit_values(self, vals: dict[int, Val], which: set[int] | None) -> None:
+        """Emit the loads and elementwise ops (those in `which`, or all) not yet in `vals`."""
+        em = self.em
+        for v in self.values:
+            if v in vals or (which is not None and v not in which):
+                continue
+            op = self.op(v)
+            if op is None:
+                if self.used(v):
+                    vals[v] = self.load(v)
+            elif op.kind == "const":
+                vals[v] = literal(op.attr("value"), category(op.dtype))
+            elif op.kind == "index":
+                axis = op.attr("axis")
+                expr = self.index(self.layouts[v][axis]) if op.shape[axis] != 1 else None
+                vals[v] = literal(0, "i") if expr is None else em.assign(f"({expr}).to(tl.int32)", "i")
+            elif op.kind == "softmax":
+                (x,) = self.operands(v)
+                if v in self.softmax_stats and x in vals:
+                    ms, inv = self.softmax_stats[v]
+                    xt = em.tensor(em.convert(vals[x], "f"))
+                    vals[v] = em.assign(f"tl.exp({xt.text} - {ms}) * {inv}", "f")
+            elif not self.is_row_op(v) and all(o in vals for o in self.operands(v)):
+                types = tuple(self.region.value_type(o) for o in self.operands(v))
+                vals[v] = em.op(op, [vals[o] for o in self.operands(v)], types)
+
+    def masked(self, x: Val, fill: str) -> str:
+        x = self.em.tensor(x)
+        name = self.em.fresh("x")
+        self.body(f"{name} = tl.where(tmask, {x.text}, {fill})")
+        return name
+
+    def reduce_cat(self, v: int) -> str:
+        op = self.op(v)
+        x_type = self.region.value_type(self.operands(v)[0])
+        return "f" if op.kind in ("mean", "logsumexp", "softmax") or x_type.dtype.is_float else "i"
+
+    @staticmethod
+    def identity(kind: str, cat: str) -> str:
+        if kind in ("sum", "mean"):
+            return "0.0" if cat == "f" else "0"
+        if cat == "f":
+            return NEG_INF if kind == "max" else 'float("inf")'
+        return "-2147483648" if kind == "max" else "2147483647"
+
+    def mean(self, total: Val, v: int) -> Val:
+        return self.em.assign(f"{total.text} / {self.length}", "f") if self.op(v).kind == "mean" else total
+
+    # --- the program ------------------------------------------------------------------------
+
+    def emit(self) -> None:
+        body, sig = self.body, self.sig
+        shape = self.space.shape
+        rows = sig.numel(tuple(shape[d] for d in self.kept), "n_rows")
+        for name in ("BLOCK_O", "BLOCK_R", "ONE_PASS"):
+            sig.constexpr(name)
+        body("pid = tl.program_id(0)")
+        body("o = pid.to(tl.int64) * BLOCK_O + tl.arange(0, BLOCK_O)")
+        body(f"omask = o < {rows}")
+        names = [None if shape[d] == 1 else f"j{d}" for d in self.kept]
+        decompose(body, "o", [shape[d] for d in self.kept], names, sig.size, "q")
+        body("r_base = tl.arange(0, BLOCK_R)")
+        body("if ONE_PASS:")
+        with body.indent():
+            self.emit_one_pass()
+        body("else:")
+        with body.indent():
+            self.emit_phases()
+
+    def tile_mask(self) -> None:
+        self.body(f"tmask = omask[:, None] & (r < {self.length})[None, :]")
+
+    def emit_one_pass(self) -> None:
+        """The whole row in one tile: every input read once."""
+        self.body("r = r_base")
+        self.tile_mask()
+        vals: dict[int, Val] = {}
+        for v in self.values:
+            self.emit_values(vals, None)
+            if self.is_row_op(v) and v not in vals:
+                vals[v] = self.one_pass_reduce(v, vals[self.operands(v)[0]])
+        self.emit_values(vals, None)
+        self.store(vals, full=True)
+        self.store(vals, full=False)
+
+    def one_pass_reduce(self, v: int, x: Val) -> Val:
+        kind, cat, em = self.op(v).kind, self.reduce_cat(v), self.em
+        x = em.convert(x, cat)
+        if kind in _COLLAPSE:
+            xm = self.masked(x, self.identity(kind, cat))
+            return self.mean(em.assign(f"{_COLLAPSE[kind]}({xm}, axis=1)[:, None]", cat), v)
+        xm = self.masked(x, NEG_INF)
+        m = em.assign(f"tl.max({xm}, axis=1)[:, None]", "f")
+        if kind == "logsumexp":
+            ms = em.assign(f'tl.where(tl.abs({m.text}) == float("inf"), 0.0, {m.text})', "f")
+        else:
+            ms = em.assign(f"tl.where({m.text} == {NEG_INF}, 0.0, {m.text})", "f")
+        e = em.assign(f"tl.exp({xm} - {ms.text})", "f")
+        z = em.assign(f"tl.sum({e.text}, axis=1)[:, None]", "f")
+        if kind == "logsumexp":
+            return em.assign(f"{ms.text} + tl.log({z.text})", "f")
+        return em.assign(f"{e.text} * tl.where({z.text} > 0.0, 1.0 / {z.text}, 0.0)", "f")
+
+    def emit_phases(self) -> None:
+        """Rows longer than a block: one loop per reduction phase, then one to write."""
+        body = self.body
+        row_vals: dict[int, Val] = {}
+        self.emit_row_values(row_vals)
+        reductions = [v for v in self.values if self.is_row_op(v)]
+        for p in range(1, max(self.phase[v] for v in reductions) + 1):
+            current = [v for v in reductions if self.phase[v] == p]
+            state = {v: self.init_state(v) for v in current}
+            need = self.needed([self.operands(v)[0] for v in current])
+            body(f"for r0 in range(0, {self.length}, BLOCK_R):")
+            with body.indent():
+                body("r = r0 + r_base")
+                self.tile_mask()
+                vals = dict(row_vals)
+                self.emit_values(vals, need)
+                for v in current:
+                    self.accumulate(v, state[v], vals[self.operands(v)[0]])
+            for v in current:
+                self.finalize(v, state[v], row_vals)
+            self.emit_row_values(row_vals)
+        full_outputs = [v for v in self.region.outputs if self.full(v)]
+        if full_outputs:
+            body(f"for r0 in range(0, {self.length}, BLOCK_R):")
+            with body.indent():
+                body("r = r0 + r_base")
+                self.tile_mask()
+                vals = dict(row_vals)
+                self.emit_values(vals, self.needed(full_outputs))
+                self.store(vals, full=True)
+        self.store(row_vals, full=False)
+
+    def emit_row_values(self, row_vals: dict[int, Val]) -> None:
+        """Per-row values whose inputs are known: computed once, outside the loops."""
+        self.emit_values(row_vals, {v for v in self.values if not self.full(v) and not self.is_row_op(v)})
+
+    def init_state(self, v: int) -> dict[str, str]:
+        kind, cat = self.op(v).kind, self.reduce_cat(v)
+        name = self.em.fresh("acc")
+        if kind in ("logsumexp", "softmax"):
+            self.body(f"{name}_m = tl.full([BLOCK_O, 1], {NEG_INF}, tl.float32)")
+            self.body(f"{name}_z = tl.zeros([BLOCK_O, 1], tl.float32)")
+            return {"m": f"{name}_m", "z": f"{name}_z", "cat": cat}
+        compute = {"f": "tl.float32", "i": "tl.int32"}[cat]
+        self.body(f"{name} = tl.full([BLOCK_O, BLOCK_R], {self.identity(kind, cat)}, {compute})")
+        return {"acc": name, "cat": cat}
+
+    def accumulate(self, v: int, state: dict[str, str], x: Val) -> None:
+        kind, body = self.op(v).kind, self.body
+        x = self.em.convert(x, state["cat"])
+        if kind in ("logsumexp", "softmax"):
+            xm = self.masked(x, NEG_INF)
+            m, z = state["m"], state["z"]
+            body(f"{m}_new = tl.maximum({m}, tl.max({xm}, axis=1)[:, None])")
+            body(f'{m}_safe = tl.where(tl.abs({m}_new) == float("inf"), 0.0, {m}_new)')
+            # rescale the sum so far; when the max did not move the factor is 1 (no inf - inf)
+            body(f"{z} = {z} * tl.where({m} == {m}_new, 1.0, tl.exp({m} - {m}_safe)) + "
+                 f"tl.sum(tl.exp({xm} - {m}_safe), axis=1)[:, None]")
+            body(f"{m} = {m}_new")
+            return
+        xm = self.masked(x, self.identity(kind, state["cat"]))
+        acc = state["acc"]
+        body(f"{acc} = " + {"sum": f"{acc} + {xm}", "mean": f"{acc} + {xm}",
+                           "max": f"tl.maximum({acc}, {xm})", "min": f"tl.minimum({acc}, {xm})"}[kind])
+
+    def finalize(self, v: int, state: dict[str, str], row_vals: dict[int, Val]) -> None:
+        kind, em = self.op(v).kind, self.em
+        if kind == "logsumexp":
+            m, z = state["m"], state["z"]
+            ms = em.assign(f'tl.where(tl.abs({m}) == float("inf"), 0.0, {m})', "f")
+            row_vals[v] = em.assign(f"{ms.text} + tl.log({z})", "f")
+        elif kind == "softmax":  # a full value: later loops compute exp(x - m) / z from these
+            m, z = state["m"], state["z"]
+            ms = em.assign(f"tl.where({m} == {NEG_INF}, 0.0, {m})", "f")
+            inv = em.assign(f"tl.where({z} > 0.0, 1.0 / {z}, 0.0)", "f")
+            self.softmax_stats[v] = (ms.text, inv.text)
+        else:
+            total = em.assign(f"{_COLLAPSE[kind]}({state['acc']}, axis=1)[:, None]", state["cat"])
+            row_vals[v] = self.mean(total, v)
+
+    def store(self, vals: dict[int, Val], full: bool) -> None:
+        for j, v in enumerate(self.region.outputs):
+            if self.full(v) != full:
+                continue
+            ptr, mask = self.access(self.outs[j], v)
+            if ptr is None:  # a single element (no kept dims): row 0 writes it
+                ptr = f"{self.outs[j].ptr} + o[:, None] * 0"
+            if not full:
+                mask = "omask[:, None]"
+            text = self.em.store_value(vals[v], self.region.value_type(v).dtype)
+            self.body(f"tl.store({ptr}, {text}, mask={mask})")
 
 
-def row_tile(sig: Signature, body: Code, shape: Shape, axis: int) -> RowTile:
-    """Emit the program prologue: row ids `o`, their mask, and per-dim row indices."""
-    kept = [d for d in range(len(shape)) if d != axis]
-    rows = sig.numel(tuple(shape[d] for d in kept), "n_rows")
-    length = sig.size(shape[axis])
-    body("pid = tl.program_id(0)")
-    body("o = pid.to(tl.int64) * BLOCK_O + tl.arange(0, BLOCK_O)")
-    body(f"omask = o < {rows}")
-    names: list[str | None] = [None] * len(shape)
-    for d in kept:
-        names[d] = None if shape[d] == 1 else f"j{d}"
-    decompose(body, "o", [shape[d] for d in kept], [names[d] for d in kept], sig.size, "q")
-    sig.constexpr("BLOCK_O")
-    sig.constexpr("BLOCK_R")
-    return RowTile(sig, body, Emitter(body), shape, axis, names, length)
+def emit(kernel: KernelOp, hints: Hints) -> EmittedKernel:
+    prog = RowProgram(kernel)
+    prog.emit()
+    shape, axis = prog.space.shape, prog.space.axis
 
-
-def row_configure(shape: Shape, axis: int):
     def configure(dims: Mapping[str, int], device: str) -> LaunchConfig:
-        full = numel(shape, dims)
         length = shape[axis] if isinstance(shape[axis], int) else dims[shape[axis]]
-        rows = full // length
+        rows = numel(shape, dims) // length
         caps = CAPS[device]
         block_r = max(2, min(next_pow2(length), caps["row"]))
         block_o = max(1, min(next_pow2(rows), caps["tile"] // block_r))
         warps = 4 if block_r * block_o <= 2048 else 8
-        return LaunchConfig((cdiv(rows, block_o),), {"BLOCK_O": block_o, "BLOCK_R": block_r},
-                            num_warps=warps)
+        constexprs = {"BLOCK_O": block_o, "BLOCK_R": block_r, "ONE_PASS": length <= block_r}
+        return LaunchConfig((cdiv(rows, block_o),), constexprs, num_warps=warps)
 
-    return configure
+    return finish(kernel, "rows", prog.sig, prog.body, configure, prog.em)

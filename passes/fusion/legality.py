@@ -1,0 +1,217 @@
+"""Fusion legality: may these ops share one kernel without changing the program?
+
+A fusion is illegal when
+- it would create a cycle between kernels (`GroupPlan.creates_cycle`);
+- a consumer reads a producer at another index: through a transpose, or a
+  producer broadcast into a larger consumer (`reads_other_index`), or, in a
+  row program, a value whose dims do not map onto the row space the way its
+  consumer reads them (`row_layouts`);
+- the kernel's tile cannot hold the op (its result does not live in the
+  group's iteration space).
+
+Passes plan groups on the unmodified graph (`GroupPlan`), so one topological
+numbering stays valid for every check, and rewrite the groups into kernels
+at the end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from tiledsl import ops
+from tiledsl.ir import Graph, KernelOp, Op, Region
+from tiledsl.types import Shape, TensorType, format_shape
+
+Layout = tuple  # per dim of a value: the index of the row-space dim it is read along, or None
+
+
+class GroupPlan:
+    """Groups being formed by one pass, over a graph that is not modified meanwhile."""
+
+    def __init__(self, graph: Graph) -> None:
+        self.graph = graph
+        self.order = {n: i for i, n in enumerate(graph.topo_order())}
+        self.group_of: dict[int, int] = {}
+        self.groups: list[list[int]] = []
+
+    def grouped(self, node: int) -> bool:
+        return node in self.group_of
+
+    def add_group(self, members: Iterable[int]) -> None:
+        ordered = sorted(set(members), key=self.order.__getitem__)
+        gid = len(self.groups)
+        self.groups.append(ordered)
+        for n in ordered:
+            self.group_of[n] = gid
+
+    def creates_cycle(self, group: set[int], candidate: int) -> bool:
+        """Would `group` plus `candidate` depend on itself through nodes outside it?
+
+        Other planned groups count as single nodes (they will be contracted).
+        Only nodes ordered before the group's last member can lead back into it.
+        """
+        members = group | {candidate}
+        limit = max(self.order[n] for n in members)
+        succ = self.graph.nx.successors
+        stack = [s for m in members for s in succ(m) if s not in members]
+        seen: set[int] = set()
+        while stack:
+            n = stack.pop()
+            if n in seen or self.order.get(n, limit + 1) > limit:
+                continue
+            seen.add(n)
+            nexts = list(succ(n))
+            gid = self.group_of.get(n)
+            if gid is not None:  # a planned group: leaving it from any member
+                for m in self.groups[gid]:
+                    seen.add(m)
+                    nexts.extend(succ(m))
+            for s in nexts:
+                if s in members:
+                    return True
+                stack.append(s)
+        return False
+
+
+def view_source(graph: Graph, node: int) -> int | None:
+    """The node a `transpose` view reads, or None for anything else."""
+    op = graph.op(node)
+    if isinstance(op, Op) and op.kind == "transpose":
+        return graph.operands(node)[0]
+    return None
+
+
+def is_elementwise(graph: Graph, node: int) -> bool:
+    op = graph.op(node)
+    return isinstance(op, Op) and ops.is_elementwise(op.kind)
+
+
+def result_type(graph: Graph, node: int, res: int = 0) -> TensorType:
+    op = graph.op(node)
+    return op.result_types[res] if isinstance(op, KernelOp) else op.type
+
+
+def reads_other_index(graph: Graph, consumer: int, group: set[int]) -> str | None:
+    """Why `consumer` cannot read group values element for element (None if it can)."""
+    out = graph.op(consumer).shape
+    for src in graph.operands(consumer):
+        source = view_source(graph, src)
+        if source is not None and (source in group or view_source(graph, source) in group):
+            return f"it reads {describe_node(graph, source)} transposed"
+        if src in group:
+            shape = result_type(graph, src).shape
+            if shape and shape != out:
+                return (f"it broadcasts {describe_node(graph, src)} from {format_shape(shape)} "
+                        f"to {format_shape(out)}")
+    return None
+
+
+def describe_node(graph: Graph, node: int) -> str:
+    op = graph.op(node)
+    if isinstance(op, KernelOp):
+        return f"kernel @{op.name}"
+    return op.kind + (f" (line {op.span.line})" if op.span is not None else "")
+
+
+# --- row programs -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RowSpace:
+    """The iteration space of a row program: a shape and the axis its reductions run along."""
+
+    shape: Shape
+    axis: int
+
+    def default_layout(self, shape: Shape) -> Layout | None:
+        """Right-aligned broadcasting onto the space (None when it does not fit)."""
+        lead = len(self.shape) - len(shape)
+        if lead < 0:
+            return None
+        out = []
+        for i, d in enumerate(shape):
+            if d == 1:
+                out.append(None)
+            elif self.shape[lead + i] == d:
+                out.append(lead + i)
+            else:
+                return None
+        return tuple(out)
+
+
+ROW_OPS = ("sum", "max", "min", "mean", "logsumexp", "softmax")
+
+
+def row_layouts(region: Region, space: RowSpace) -> dict[int, Layout] | str:
+    """How every value of a region maps onto the row space, or why it cannot.
+
+    Returns value id -> layout (inputs and ops), or a message naming the op
+    that reads a value at another index or does not fit the space.
+    """
+    n_in = len(region.inputs)
+    layouts: dict[int, Layout] = {}
+
+    def fit(v: int, layout: Layout) -> str | None:
+        if v in layouts and layouts[v] != layout:
+            return "one value is read along two different dims"
+        layouts[v] = layout
+        return None
+
+    for i, rop in enumerate(region.ops):
+        op, vid = rop.op, n_in + i
+        if op.kind == "const":
+            layouts[vid] = ()
+            continue
+        if op.kind in ROW_OPS:
+            (x,) = rop.operands
+            xt = region.value_type(x)
+            lx = layouts.get(x) or space.default_layout(xt.shape)
+            along = lx is not None and (lx[op.attr("axis")] == space.axis or (
+                xt.shape[op.attr("axis")] == 1 and space.shape[space.axis] == 1))
+            if not along:
+                return f"{op.kind} runs along another axis than the row program"
+            if x not in layouts and (err := fit(x, lx)):
+                return err
+            axis = op.attr("axis")
+            if op.kind == "softmax":
+                layouts[vid] = lx
+            elif op.attr("keepdims"):
+                layouts[vid] = lx[:axis] + (None,) + lx[axis + 1:]
+            else:
+                layouts[vid] = lx[:axis] + lx[axis + 1:]
+            continue
+        if not ops.is_elementwise(op.kind):
+            return f"{op.kind} is not part of a row program"
+        shape = op.shape
+        result: list[int | None] = [None] * len(shape)
+        for v in rop.operands:
+            if v not in layouts:
+                continue
+            lead = len(shape) - len(layouts[v])
+            for k, dim in enumerate(layouts[v]):
+                if dim is None:
+                    continue
+                if result[lead + k] not in (None, dim):
+                    return f"{op.kind} combines values read along different dims"
+                result[lead + k] = dim
+        default = space.default_layout(shape)
+        for j, d in enumerate(shape):
+            if result[j] is None and d != 1:
+                if default is None or default[j] is None:
+                    return f"{op.kind} of shape {format_shape(shape)} does not fit the row space"
+                result[j] = default[j]
+        for j, dim in enumerate(result):
+            if dim is not None and space.shape[dim] != shape[j]:
+                return f"{op.kind} reads a value at another index"
+        if len({d for d in result if d is not None}) < sum(d is not None for d in result):
+            return f"{op.kind} reads one row-space dim twice"
+        layouts[vid] = tuple(result)
+        for v in rop.operands:  # external inputs take the layout their consumer reads them with
+            if v < n_in:
+                t = region.value_type(v)
+                lead = len(shape) - t.rank
+                want = tuple(None if t.shape[k] == 1 else result[lead + k] for k in range(t.rank))
+                if err := fit(v, want):
+                    return err
+    return layouts
