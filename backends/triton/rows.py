@@ -278,7 +278,8 @@ class RowProgram:
 
     def emit_row_values(self, row_vals: dict[int, Val]) -> None:
         """Per-row values whose inputs are known: computed once, outside the loops."""
-        self.emit_values(row_vals, {v for v in self.values if not self.full(v) and not self.is_row_op(v)})
+        self.emit_values(row_vals, {v for v in self.values if not self.full(v)
+                                    and (not self.is_row_op(v) or self.op(v).kind == "softmax")})
 
     def init_state(self, v: int) -> dict[str, str]:
         kind, cat = self.op(v).kind, self.reduce_cat(v)
