@@ -80,8 +80,11 @@ class RowProgram:
         return self.region.ops[v - self.n_in].operands if v >= self.n_in else ()
 
     def is_row_op(self, v: int) -> bool:
+        """A reduction or softmax that really reduces: its operand varies along the axis.
+
+        One over a literal size-1 axis is elementwise (see `trivial_reduce`)."""
         op = self.op(v)
-        return op is not None and op.kind in ROW_OPS
+        return op is not None and op.kind in ROW_OPS and self.full(self.operands(v)[0])
 
     def full(self, v: int) -> bool:
         """Does the value vary along the reduction axis?"""
@@ -157,15 +160,27 @@ class RowProgram:
                 axis = op.attr("axis")
                 expr = self.index(self.layouts[v][axis]) if op.shape[axis] != 1 else None
                 vals[v] = literal(0, "i") if expr is None else em.assign(f"({expr}).to(tl.int32)", "i")
-            elif op.kind == "softmax":
+            elif op.kind == "softmax" and self.is_row_op(v):
                 (x,) = self.operands(v)
                 if v in self.softmax_stats and x in vals:
                     ms, inv = self.softmax_stats[v]
                     xt = em.tensor(em.convert(vals[x], "f"))
                     vals[v] = em.assign(f"tl.exp({xt.text} - {ms}) * {inv}", "f")
+            elif op.kind in ROW_OPS and not self.is_row_op(v):
+                if self.operands(v)[0] in vals:
+                    vals[v] = self.trivial_reduce(op, vals[self.operands(v)[0]])
             elif not self.is_row_op(v) and all(o in vals for o in self.operands(v)):
                 types = tuple(self.region.value_type(o) for o in self.operands(v))
                 vals[v] = em.op(op, [vals[o] for o in self.operands(v)], types)
+
+    def trivial_reduce(self, op: Op, x: Val) -> Val:
+        """A reduction over a size-1 axis: the value itself (softmax: 1, or 0 at -inf)."""
+        if op.kind == "softmax":
+            x = self.em.tensor(self.em.convert(x, "f"))
+            return self.em.assign(f"tl.where({x.text} == {NEG_INF}, 0.0, tl.exp({x.text} - {x.text}))", "f")
+        if op.kind in ("mean", "logsumexp"):
+            return self.em.convert(x, "f")
+        return self.em.convert(x, "f" if x.cat == "f" else "i")
 
     def masked(self, x: Val, fill: str) -> str:
         x = self.em.tensor(x)
@@ -250,7 +265,7 @@ class RowProgram:
         row_vals: dict[int, Val] = {}
         self.emit_row_values(row_vals)
         reductions = [v for v in self.values if self.is_row_op(v)]
-        for p in range(1, max(self.phase[v] for v in reductions) + 1):
+        for p in range(1, max((self.phase[v] for v in reductions), default=0) + 1):
             current = [v for v in reductions if self.phase[v] == p]
             state = {v: self.init_state(v) for v in current}
             need = self.needed([self.operands(v)[0] for v in current])
@@ -280,6 +295,7 @@ class RowProgram:
         """Per-row values whose inputs are known: computed once, outside the loops."""
         self.emit_values(row_vals, {v for v in self.values if not self.full(v)
                                     and (not self.is_row_op(v) or self.op(v).kind == "softmax")})
+
 
     def init_state(self, v: int) -> dict[str, str]:
         kind, cat = self.op(v).kind, self.reduce_cat(v)
