@@ -113,4 +113,12 @@ def _convert(pass_name: str, key: str, raw: str, typ: Any) -> Any:
 
 def _load_builtin_passes() -> None:
     # Importing the pass modules registers them.
-    from tiledsl.passes import canonicalize, cse, dce, lower_kernels  # noqa: F401
+    from tiledsl.passes import (  # noqa: F401
+        canonicalize,
+        cse,
+        dce,
+        fuse_elementwise,
+        fuse_epilogue,
+        fuse_rows,
+        lower_kernels,
+    )

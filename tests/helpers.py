@@ -30,7 +30,7 @@ def compile_for_sm90(fn: tiledsl.Program) -> list:
 
     out = []
     for launch in sorted(fn._triton.launches, key=lambda l: l.kernel.fn_name):
-        cfg = launch.kernel.configure(dict(launch.dims), "cuda")
+        cfg = launch.kernel.launch_config(dict(launch.dims), "cuda")
         key = (launch.kernel.source, launch.signature, tuple(sorted(cfg.constexprs.items())))
         if key in _compiled_for_gpu:
             continue

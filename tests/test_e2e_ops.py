@@ -287,3 +287,18 @@ def test_math_on_scalar_parameters():
     kernel f(x: f32[N], s: f32, i: i32) -> f32[N] {
         return x * exp(s) + sigmoid(-s) + tanh(s * i) + rsqrt(abs(s) + i)
     }""", randn(17), 0.7, 3)
+
+
+def test_matmul_operand_also_used_by_the_epilogue():
+    # x is both the A operand and an input of the fused epilogue (found by the random programs)
+    run_checked("kernel f(x: f32[M, N], w: f32[N, N]) -> f32[M, N] { return 0.5 * x + x @ w }",
+                randn(17, 33), randn(33, 33))
+
+
+def test_f32_row_sums_are_accurate_enough_for_exp():
+    # exp amplifies the error of the sum 20-fold here; f32 sums accumulate in f64 (found by the
+    # random programs, where an f32 summation order lost the 2x margin)
+    run_checked("kernel f(x: f32[M, N]) -> f32[M, N] { return 0.0 * x + exp(sum(x, keepdims=true)) }",
+                randn(17, 113, scale=1.5))
+    run_checked("kernel f(x: f32[M, N]) -> f32[M, 1] { return exp(mean(x, keepdims=true) * 40.0) }",
+                randn(3, 5000))

@@ -81,8 +81,8 @@ def test_changing_a_runtime_dim_does_not_regenerate_kernels(private_cache):
     assert cached_files(private_cache) == files
     assert cache._loaded == loaded
     # a size that moves a block size only changes launch constants, never the source
-    cfg_small = fn._triton.emitted[1].configure({"M": 3, "N": 100}, "cuda")
-    cfg_long = fn._triton.emitted[1].configure({"M": 3, "N": 100_000}, "cuda")
+    cfg_small = fn._triton.emitted[0].launch_config({"M": 3, "N": 100}, "cuda")
+    cfg_long = fn._triton.emitted[0].launch_config({"M": 3, "N": 100_000}, "cuda")
     assert cfg_small.constexprs["BLOCK_R"] != cfg_long.constexprs["BLOCK_R"]
 
 

@@ -31,8 +31,8 @@ def test_pipeline_strings_round_trip():
 
 
 @pytest.mark.parametrize("text, message", [
-    ("canonicalise", "unknown pass 'canonicalise'; did you mean 'canonicalize'? "
-                     "(passes: canonicalize, cse, dce, lower-kernels)"),
+    ("canonicalise", "unknown pass 'canonicalise'; did you mean 'canonicalize'? (passes: canonicalize, "
+                     "cse, dce, fuse-elementwise, fuse-epilogue, fuse-rows, lower-kernels)"),
     ("cse{foo=1}", "pass 'cse' has no option 'foo' (options: none)"),
     ("canonicalize{max-iterations=many}", "option 'max-iterations' of pass 'canonicalize' expects a int, got 'many'"),
     ("cse,,dce", "cannot parse the pipeline 'cse,,dce' at ',dce'; expected 'pass' or "
@@ -110,7 +110,7 @@ def test_cse_merges_across_lines_and_dce_removes_the_rest():
 
 
 def test_lower_kernels_leaves_only_kernels_views_dims_and_params():
-    fn = tiledsl.compile("""
+    fn = tiledsl.compile(pipeline="canonicalize,cse,dce", source="""
     kernel f(x: f32[M, N], w: f32[K, N]) -> f32[M, K] {
         return softmax(x @ w.T * rsqrt(N)) + sum(x, keepdims=true)
     }""")
@@ -130,7 +130,8 @@ def test_lower_kernels_appended_when_missing():
 
 
 def test_kernel_ops_report_the_dsl_ops_they_cover():
-    fn = tiledsl.compile("kernel f(x: f32[N]) -> f32[N] {\n  y = exp(x)\n  return y * 2\n}")
+    fn = tiledsl.compile("kernel f(x: f32[N]) -> f32[N] {\n  y = exp(x)\n  return y * 2\n}",
+                         pipeline="canonicalize,cse,dce")
     assert [(k.name, [op.kind for op in k.ops], k.lines) for k in fn.kernels] == [
         ("k0", ["exp"], (2,)), ("k1", ["mul"], (3,))]
     assert all(isinstance(op, Op) for k in fn.kernels for op in k.ops)

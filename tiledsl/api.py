@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +24,7 @@ from tiledsl.passes.registry import PassContext
 from tiledsl.printer import print_graph
 from tiledsl.sema import analyze, select_kernel
 
-DEFAULT_PIPELINE = "canonicalize,cse,dce,lower-kernels"
+DEFAULT_PIPELINE = "canonicalize,cse,dce,fuse-epilogue,fuse-rows,fuse-elementwise,lower-kernels"
 BACKENDS = ("triton", "reference")
 
 
@@ -182,10 +182,11 @@ class Program:
     def remarks(self) -> list[Any]:
         return list(self._result.context.remarks)
 
-    def explain(self) -> str:
+    def explain(self, dims: Mapping[str, int] | None = None) -> str:
+        """The fusion report; with `dims`, traffic in bytes at those sizes."""
         from tiledsl.explain import explain
 
-        return explain(self)
+        return explain(self, dims)
 
     def to_dot(self) -> str:
         from tiledsl.dot import to_dot

@@ -30,7 +30,7 @@ def _parser() -> argparse.ArgumentParser:
         s = sub.add_parser(name, help=help_text)
         s.add_argument("file", help="a .tdsl file ('-' reads standard input)")
         s.add_argument("-k", "--kernel", help="the kernel to compile, when the file has several")
-        s.add_argument("--passes", help="the pass pipeline (default: canonicalize,cse,dce,lower-kernels)")
+        s.add_argument("--passes", help="the pass pipeline (default: the full fusing pipeline)")
         return s
 
     opt = program_command("opt", "run a pass pipeline and print the IR")
@@ -40,6 +40,8 @@ def _parser() -> argparse.ArgumentParser:
     opt.add_argument("--locations", action="store_true", help="print DSL locations as loc(line:col)")
     opt.add_argument("--timing", action="store_true", help="print the time each pass took")
     opt.add_argument("--verify", action="store_true", help="verify the IR after every pass")
+    opt.add_argument("--remarks", action="store_true",
+                     help="print the fusion decisions (made and refused) after the IR")
     opt.add_argument("--no-lower", action="store_true",
                      help="stop at the graph IR: do not append lower-kernels to the pipeline")
 
@@ -85,6 +87,7 @@ def _compile(args, **kw):
 
 
 def _cmd_opt(args) -> int:
+    from tiledsl.api import DEFAULT_PIPELINE
     from tiledsl.parser import parse
     from tiledsl.passes.manager import PassManager, print_ir_to
     from tiledsl.printer import print_graph
@@ -97,7 +100,7 @@ def _cmd_opt(args) -> int:
     else:  # like mlir-opt on a module: every kernel, in order
         select_kernel(program, program.kernels[0].name)  # reports duplicate names
         kernels = list(program.kernels)
-    pipeline = args.passes if args.passes is not None else "canonicalize,cse,dce,lower-kernels"
+    pipeline = args.passes if args.passes is not None else DEFAULT_PIPELINE
     if not args.no_lower and args.passes is not None and not pipeline.rstrip().endswith("lower-kernels"):
         pipeline = f"{pipeline},lower-kernels" if pipeline.strip() else "lower-kernels"
     wanted = set(args.print_ir_after)
@@ -112,6 +115,9 @@ def _cmd_opt(args) -> int:
         result = manager.run(analyze(kernel))
         if not (args.print_ir_after_all or wanted):
             sys.stdout.write(print_graph(result.graph, locations=args.locations))
+        if args.remarks:
+            for remark in result.context.remarks:
+                print(f"// remark: {remark}")
         if args.timing:
             total = sum(t for _, t in result.timings)
             print(f"// pass timing for @{kernel.name}:", file=sys.stderr)

@@ -1,43 +1,130 @@
 """The fusion report behind `Program.explain()`.
 
-One row per kernel in launch order: its template, the DSL ops it computes
-and the lines they came from. Then the fusion decisions recorded by the
-passes (`PassContext.remarks`): fusions made, and fusions refused with the
-rule that refused them. When no fusion pass ran, it says so.
+For each kernel, in launch order: its template, the DSL ops it absorbed and
+their lines, its inputs and outputs, and the HBM traffic it moves fused
+against the same ops run one kernel each. Then every fusion that did not
+happen: the refusals the passes recorded (with their rule and lines), and,
+for any other edge between two kernels, that no fusion pass joins them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
+
+from tiledsl import cost
+from tiledsl.ir import Graph, KernelOp, Op
+from tiledsl.passes.fusion.remarks import FusionRemark, describe
 
 if TYPE_CHECKING:
     from tiledsl.api import Program
 
-FUSION_PASSES = ("fuse-elementwise", "fuse-epilogue", "fuse-rows", "online-softmax",
-                 "fuse-attention")
+FUSION_PASSES = ("fuse-elementwise", "fuse-epilogue", "fuse-rows", "online-softmax", "fuse-attention")
 
 
-def explain(program: Program) -> str:
-    kernels = program.kernels
+def _name(graph: Graph, node: int, res: int) -> str:
+    op = graph.op(node)
+    if isinstance(op, KernelOp):
+        return f"{op.name}" + (f"#{res}" if len(op.region.outputs) > 1 else "")
+    if op.kind == "param":
+        return op.attr("name")
+    if op.kind == "transpose":
+        (src,) = graph.operand_edges(node)
+        return f"{_name(graph, *src)}.T" if op.attr("dims")[1] == op.type.rank - 1 else \
+            f"transpose({_name(graph, *src)})"
+    if op.kind == "dim":
+        return op.attr("symbol")
+    return op.kind
+
+
+def _traffic(p: cost.Poly, dims: Mapping[str, int] | None) -> str:
+    if dims is None:
+        return cost.format_poly(p) + " B"
+    n = cost.evaluate(p, dims)
+    return f"{n / 1e6:.3f} MB" if n >= 1e5 else f"{n} B"
+
+
+def explain(program: Program, dims: Mapping[str, int] | None = None) -> str:
+    graph = program.fused_graph()
+    kernels = [n for n in graph.kernels()]
+    n_ops = sum(len(graph.op(k).covered) for k in kernels)
     lines = [f"fusion report for @{program.name}",
              f"  pipeline: {program.pipeline}",
-             f"  {len(kernels)} kernel{'s' if len(kernels) != 1 else ''}"]
-    ran = [p for p in program.pipeline.split(",") if p.split("{")[0] in FUSION_PASSES]
-    if not ran:
+             f"  {len(kernels)} kernel{'s' if len(kernels) != 1 else ''} for {n_ops} op{'s' if n_ops != 1 else ''}"]
+    if not any(p.split("{")[0] in FUSION_PASSES for p in program.pipeline.split(",")):
         lines.append("  no fusion pass ran: every op is its own kernel")
+    fused_total = cost.add(*(cost.kernel_traffic(graph.op(k)) for k in kernels))
+    unfused_total = cost.add(*(cost.op_by_op_traffic(graph.op(k).region) for k in kernels))
+    lines.append(f"  modeled HBM traffic: {_traffic(fused_total, dims)} fused; "
+                 f"{_traffic(unfused_total, dims)} op by op")
+    lines.append(f"  saved: {_traffic(cost.sub(unfused_total, fused_total), dims)}")
     lines.append("")
-    rows = [("kernel", "template", "ops (DSL line)")]
+    width = max((len(graph.op(k).name) for k in kernels), default=2)
     for k in kernels:
-        ops = ", ".join(f"{op.kind} ({op.span.line})" if op.span else op.kind for op in k.ops)
-        rows.append((k.name, k.template, ops or "copy"))
-    w0 = max(len(r[0]) for r in rows)
-    w1 = max(len(r[1]) for r in rows)
-    lines.extend(f"  {a:<{w0}}  {b:<{w1}}  {c}" for a, b, c in rows)
-    remarks = program.remarks
+        op: KernelOp = graph.op(k)
+        ops = ", ".join(describe(o) for o in op.covered) or "copy"
+        lines.append(f"  {op.name:<{width}}  {op.template:<9} {ops}")
+        ins = [f"{_name(graph, *e)}: {t.type}{' (by value)' if t.scalar else ''}"
+               for e, t in zip(graph.operand_edges(k), op.region.inputs, strict=True)]
+        lines.append(f"  {'':<{width}}    in:  {', '.join(ins) or '-'}")
+        outs = []
+        for r, t in enumerate(op.result_types):
+            users = sorted({_user_name(graph, u) for u, slot in graph.users(k)
+                            if graph.operand_edges(u)[slot] == (k, r)})
+            outs.append(f"{t} -> {', '.join(users)}")
+        lines.append(f"  {'':<{width}}    out: {'; '.join(outs)}")
+        fused, alone = cost.kernel_traffic(op), cost.op_by_op_traffic(op.region)
+        lines.append(f"  {'':<{width}}    traffic: {_traffic(fused, dims)}"
+                     + (f" (op by op: {_traffic(alone, dims)})" if alone != fused else ""))
     lines.append("")
-    if remarks:
-        lines.append("fusion decisions:")
-        lines.extend(f"  {r}" for r in remarks)
+    refusals = _refusals(program, graph)
+    if refusals:
+        lines.append("fusions not made:")
+        lines.extend(f"  {r}" for r in refusals)
     else:
-        lines.append("fusion decisions: none recorded")
+        lines.append("fusions not made: none")
     return "\n".join(lines) + "\n"
+
+
+def _user_name(graph: Graph, node: int) -> str:
+    op = graph.op(node)
+    if isinstance(op, KernelOp):
+        return op.name
+    return "return" if op.kind == "return" else _name(graph, node, 0)
+
+
+def _refusals(program: Program, graph: Graph) -> list[str]:
+    """Recorded refusals, then every kernel-to-kernel edge that no remark explains."""
+    remarks = [r for r in program.remarks if isinstance(r, FusionRemark) and not r.fused]
+    out = [str(r) for r in remarks]
+    covered = {(r.producer, r.consumer) for r in remarks}
+    for node in graph.kernels():
+        consumer: KernelOp = graph.op(node)
+        region = consumer.region
+        for slot, (src, res) in enumerate(graph.operand_edges(node)):
+            src, res = _through_views(graph, src, res)
+            producer = graph.op(src)
+            if not isinstance(producer, KernelOp):
+                continue
+            prod_op = _producing_op(producer, res)
+            for rop in region.ops:
+                if slot in rop.operands and (prod_op, rop.op) not in covered:
+                    covered.add((prod_op, rop.op))
+                    out.append(f"{describe(prod_op)} -> {describe(rop.op)}: no fusion pass joins a "
+                               f"{producer.template} kernel ({producer.name}) to a {consumer.template} "
+                               f"kernel ({consumer.name}) [rule: op]")
+    return out
+
+
+def _through_views(graph: Graph, node: int, res: int) -> tuple[int, int]:
+    op = graph.op(node)
+    while isinstance(op, Op) and op.kind == "transpose":
+        node, res = graph.operand_edges(node)[0]
+        op = graph.op(node)
+    return node, res
+
+
+def _producing_op(kernel: KernelOp, res: int) -> Op:
+    value = kernel.region.outputs[res]
+    n_in = len(kernel.region.inputs)
+    return kernel.region.ops[value - n_in].op if value >= n_in else kernel.region.ops[0].op

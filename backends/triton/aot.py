@@ -4,7 +4,8 @@
 kernel through TTIR, TTGIR, LLVM IR and PTX to a cubin on any machine. Given
 a recorded launch (its argument types and the sizes of the call), this builds
 exactly what would run on an H100: the launch configuration is the GPU's
-(`configure(dims, "cuda")`), not the interpreter's.
+(`launch_config(dims, "cuda")`, or one of its autotune candidates), not the
+interpreter's.
 """
 
 from __future__ import annotations
@@ -17,14 +18,17 @@ from .program import Launch
 SM90 = ("cuda", 90, 32)
 
 
-def compile_launch(launch: Launch, target: tuple[str, int, int] = SM90) -> Any:
-    """The `CompiledKernel` (with `.asm["ptx"]`, `.asm["cubin"]`) of a recorded launch."""
+def compile_launch(launch: Launch, target: tuple[str, int, int] = SM90, config: Any = None) -> Any:
+    """The `CompiledKernel` (with `.asm["ptx"]`, `.asm["cubin"]`) of a recorded launch.
+
+    `config` picks a launch configuration (default: the GPU's for these sizes).
+    """
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     emitted = launch.kernel
-    cfg = emitted.configure(dict(launch.dims), "cuda")
+    cfg = config or emitted.launch_config(dict(launch.dims), "cuda")
     fn = load(emitted.source, emitted.fn_name, "cuda", emitted.ir())
     signature: dict[str, str] = dict(launch.signature)
     signature.update({name: "constexpr" for name in cfg.constexprs})

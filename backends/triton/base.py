@@ -9,6 +9,7 @@ the sizes of one call. Only constants derived from sizes (block shapes) are
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +38,27 @@ class EmittedKernel:
     source: str
     params: tuple[tuple[str, ArgSpec], ...]
     configure: Callable[[Mapping[str, int], str], LaunchConfig] = field(compare=False)
+    # configurations worth timing on this device for these sizes (GPU autotuning)
+    candidates: Callable[[Mapping[str, int], str], list[LaunchConfig]] | None = field(
+        default=None, compare=False)
+    interpreter_flag: bool = False  # the kernel takes INTERPRETER: tl.constexpr
+
+    def launch_config(self, dims: Mapping[str, int], device: str) -> LaunchConfig:
+        return self._flagged(self.configure(dims, device), device)
+
+    def launch_candidates(self, dims: Mapping[str, int], device: str) -> list[LaunchConfig]:
+        if self.candidates is None:
+            return []
+        return [self._flagged(c, device) for c in self.candidates(dims, device)]
+
+    def _flagged(self, cfg: LaunchConfig, device: str) -> LaunchConfig:
+        if not self.interpreter_flag:
+            return cfg
+        consts = {**cfg.constexprs, "INTERPRETER": device == "interpreter"}
+        return LaunchConfig(cfg.grid, consts, cfg.num_warps, cfg.num_stages)
+
+    def with_candidates(self, candidates) -> EmittedKernel:
+        return dataclasses.replace(self, candidates=candidates)
 
     def ir(self) -> str:
         """The kernel's IR as text (part of its cache key)."""
@@ -83,13 +105,6 @@ def finish(kernel: KernelOp, template: str, sig: Signature, body: Code,
         sig.constexpr("INTERPRETER")
         for line in BF16_HELPERS.splitlines():
             code(line)
-        inner = configure
-
-        def configure(dims: Mapping[str, int], device: str) -> LaunchConfig:
-            cfg = inner(dims, device)
-            consts = {**cfg.constexprs, "INTERPRETER": device == "interpreter"}
-            return LaunchConfig(cfg.grid, consts, cfg.num_warps, cfg.num_stages)
-
     for line in sig.dim_comments():
         code(line)
     code("@triton.jit")
@@ -97,7 +112,8 @@ def finish(kernel: KernelOp, template: str, sig: Signature, body: Code,
     with code.indent():
         for line in body.lines:
             code(line)
-    return EmittedKernel(kernel, fn_name, code.text(), tuple(sig.params), configure)
+    return EmittedKernel(kernel, fn_name, code.text(), tuple(sig.params), configure,
+                         interpreter_flag=em.uses_bf16)
 
 
 def decompose(code: Code, flat: str, dims: Sequence[int | str], names: Sequence[str | None],

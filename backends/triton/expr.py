@@ -20,7 +20,7 @@ Templates supply how to read region inputs (`inputs`) and how to compute
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tiledsl import ops
@@ -163,17 +163,15 @@ class Emitter:
     def run(
         self,
         region: Region,
-        inputs: Mapping[int, Val],
+        vals: dict[int, Val],
         index: Callable[[Op], Val],
         skip: Callable[[int], bool] = lambda v: False,
-        values: dict[int, Val] | None = None,
     ) -> dict[int, Val]:
-        """Emit the region's elementwise ops in order; returns value id -> Val.
+        """Emit the region's elementwise ops in order into `vals` (value id -> Val),
+        which holds the template's inputs and results already; returns it.
 
-        `skip(value)` leaves an op to the template (a reduction, a matmul);
-        the template puts its result in `values` before calling again.
+        `skip(value)` leaves an op to the template (a reduction, a matmul).
         """
-        vals: dict[int, Val] = dict(inputs) if values is None else values
         n = len(region.inputs)
         for i, rop in enumerate(region.ops):
             vid = n + i

@@ -1,20 +1,31 @@
-"""The matmul template: batched C = A @ B with f32 accumulation.
+"""The GEMM template: batched C = A @ B with f32 accumulation, an operand
+prologue and a multi-D epilogue.
 
 One program per (batch index, BLOCK_M x BLOCK_N tile); tiles are visited in
 grouped order (GROUP_M rows of tiles at a time) so neighbouring programs
 share A and B tiles in L2. Batch dims broadcast through strides (a missing or
 size-1 batch dim reads the same matrix); any input strides work, so `k.T` is
-read in place. Tails in M, N and K are masked (K = 1 included). fp32 dots use
-IEEE precision unless the program opted into tf32. Triton's interpreter
-multiplies bf16 dot operands as raw bits, so when `INTERPRETER` is set they
-are widened to f32 first.
+read in place. Tails in M, N and K are masked (K = 1 included).
+
+The kernel's region is the matmul plus, optionally,
+- a prologue per operand: elementwise ops applied to each loaded A (or B)
+  tile, from one tensor plus scalars (masked back to 0 in the K tail);
+- an epilogue: elementwise ops on the f32 accumulator and on extra tensors
+  ("D tensors") loaded at the output tile through their strides (bias [N],
+  row scales [M, 1], full [.., M, N], batch-broadcast, scalars), applied
+  before the store; every region output is stored (multi-output epilogues).
+
+fp32 dots use IEEE precision unless the program opted into tf32. Triton's
+interpreter multiplies bf16 dot operands as raw bits, so when `INTERPRETER`
+is set they are widened to f32 first. On a GPU, a list of Hopper
+configurations is autotuned per problem size (`candidates`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-from tiledsl.ir import KernelOp
+from tiledsl.ir import KernelOp, Op, Region
 from tiledsl.types import DType
 
 from .base import (
@@ -29,115 +40,266 @@ from .base import (
     numel,
     require_dot_hints,
 )
-from .codegen import Code, Signature, next_pow2
-from .expr import Emitter, Val
+from .codegen import Code, Signature, TensorRef, next_pow2
+from .expr import Emitter, Val, category, literal
 
 DOT_HINTS = ("BLOCK_M", "BLOCK_N", "BLOCK_K")
+# Hopper configurations to autotune among: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
+HOPPER_CONFIGS = ((128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (128, 256, 64, 8, 3),
+                  (128, 256, 64, 8, 4), (256, 128, 64, 8, 3))
 
 
-def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKernel:
-    require_dot_hints(hints, DOT_HINTS)
-    region = kernel.region
-    mm = find_op(kernel, "matmul")
-    rop = region.ops[mm - len(region.inputs)]
-    op = rop.op
-    a_val, b_val = rop.operands
-    assert a_val < len(region.inputs) and b_val < len(region.inputs), "matmul reads its inputs"
-    a_type, b_type = region.value_type(a_val), region.value_type(b_val)
-    out_shape = op.shape
-    batch = out_shape[:-2]
+def _depends(region: Region, value: int) -> set[int]:
+    """Region values `value` is computed from (itself included)."""
+    n_in = len(region.inputs)
+    out, stack = set(), [value]
+    while stack:
+        v = stack.pop()
+        if v in out:
+            continue
+        out.add(v)
+        if v >= n_in:
+            stack.extend(region.ops[v - n_in].operands)
+    return out
 
-    sig, body = Signature(), Code()
-    em = Emitter(body)
-    a = sig.tensor("in", a_val, a_type.shape)
-    b = sig.tensor("in", b_val, b_type.shape)
-    c = sig.tensor("out", 0, out_shape)
-    M, N, K = sig.size(out_shape[-2]), sig.size(out_shape[-1]), sig.size(a_type.shape[-1])
-    for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M"):
-        sig.constexpr(name)
 
-    body("pid = tl.program_id(0)")
-    body(f"tiles_m = tl.cdiv({M}, BLOCK_M)")
-    body(f"tiles_n = tl.cdiv({N}, BLOCK_N)")
-    body("tiles = tiles_m * tiles_n")
-    body("pid_b = pid // tiles")
-    body("t = pid % tiles")
-    # grouped order: GROUP_M rows of tiles share the columns they read
-    body("width = GROUP_M * tiles_n")
-    body("first_m = (t // width) * GROUP_M")
-    body("group_m = tl.minimum(tiles_m - first_m, GROUP_M)")
-    body("pid_m = first_m + (t % width) % group_m")
-    body("pid_n = (t % width) // group_m")
+class GemmProgram:
+    def __init__(self, kernel: KernelOp, hints: Hints, allow_tf32: bool) -> None:
+        require_dot_hints(hints, DOT_HINTS)
+        self.kernel, self.hints, self.allow_tf32 = kernel, hints, allow_tf32
+        self.region = region = kernel.region
+        self.n_in = len(region.inputs)
+        self.mm = find_op(kernel, "matmul")
+        self.op: Op = region.ops[self.mm - self.n_in].op
+        self.a_val, self.b_val = region.ops[self.mm - self.n_in].operands
+        self.prologues = [_depends(region, v) for v in (self.a_val, self.b_val)]
+        self.sources = [self._source(p) for p in self.prologues]
+        self.shape = self.op.shape
+        self.batch = self.shape[:-2]
+        self.sig, self.body = Signature(), Code()
+        self.em = Emitter(self.body)
 
-    bnames: list[str | None] = [None if d == 1 else f"b{i}" for i, d in enumerate(batch)]
-    if batch:
-        body("pb = pid_b.to(tl.int64)")
-        decompose(body, "pb", batch, bnames, sig.size, "pq")
+    def _source(self, chain: set[int]) -> int:
+        tensors = [v for v in chain if v < self.n_in and not self.region.inputs[v].scalar
+                   and self.region.inputs[v].type.rank > 0]
+        assert len(tensors) == 1, f"{self.kernel.name}: a GEMM operand comes from one tensor"
+        return tensors[0]
 
-    def base(ref, rank: int) -> str:
-        lead = len(batch) - (rank - 2)
-        off = ref.offset(bnames[lead:] + [None, None]) if rank > 2 else "0"
+    # --- emission ----------------------------------------------------------------------------
+
+    def emit(self) -> None:
+        sig, body, region = self.sig, self.body, self.region
+        a_src, b_src = self.sources
+        a_type, b_type = region.inputs[a_src].type, region.inputs[b_src].type
+        self.refs = {i: sig.tensor("in", i, inp.type.shape) for i, inp in enumerate(region.inputs)
+                     if not inp.scalar and inp.type.rank > 0}
+        self.scalars = {i: sig.scalar(i) for i, inp in enumerate(region.inputs) if inp.scalar}
+        self.zero_dim = {i: sig.tensor("in", i, ()).ptr for i, inp in enumerate(region.inputs)
+                         if not inp.scalar and inp.type.rank == 0}
+        self.outs = [sig.tensor("out", j, self.shape) for j in range(len(region.outputs))]
+        M, N, K = sig.size(self.shape[-2]), sig.size(self.shape[-1]), sig.size(a_type.shape[-1])
+        self.M, self.N = M, N
+        for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M"):
+            sig.constexpr(name)
+
+        body("pid = tl.program_id(0)")
+        body(f"tiles_m = tl.cdiv({M}, BLOCK_M)")
+        body(f"tiles_n = tl.cdiv({N}, BLOCK_N)")
+        body("tiles = tiles_m * tiles_n")
+        body("pid_b = pid // tiles")
+        body("t = pid % tiles")
+        # grouped order: GROUP_M rows of tiles share the columns they read
+        body("width = GROUP_M * tiles_n")
+        body("first_m = (t // width) * GROUP_M")
+        body("group_m = tl.minimum(tiles_m - first_m, GROUP_M)")
+        body("pid_m = first_m + (t % width) % group_m")
+        body("pid_n = (t % width) // group_m")
+        self.bnames: list[str | None] = [None if d == 1 else f"b{i}" for i, d in enumerate(self.batch)]
+        if self.batch:
+            body("pb = pid_b.to(tl.int64)")
+            decompose(body, "pb", self.batch, self.bnames, sig.size, "pq")
+        body("rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)")
+        body("rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)")
+        body("rk = tl.arange(0, BLOCK_K)")
+        a_tile = self.tile(self.refs[a_src], a_type.rank, "rm[:, None]", "rk[None, :]", "[BLOCK_M, BLOCK_K]")
+        b_tile = self.tile(self.refs[b_src], b_type.rank, "rk[:, None]", "rn[None, :]", "[BLOCK_K, BLOCK_N]")
+        body(f"a_ptrs = {a_tile}")
+        body(f"b_ptrs = {b_tile}")
+        body("acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)")
+        body(f"for k0 in range(0, {K}, BLOCK_K):")
+        with body.indent():
+            body(f"kmask = rk < {K} - k0")
+            body(f"a_mask = (rm[:, None] < {M}) & kmask[None, :]")
+            body(f"b_mask = kmask[:, None] & (rn[None, :] < {N})")
+            a = self.operand("a", 0, "a_mask")
+            b = self.operand("b", 1, "b_mask")
+            body(f"acc = tl.dot({a}, {b}, acc{self.precision()})")
+            for name, src, axis in (("a", a_src, -1), ("b", b_src, -2)):
+                step = self.refs[src].strides[axis]
+                if step is not None:
+                    body(f"{name}_ptrs += BLOCK_K * {step}")
+        self.epilogue()
+
+    def precision(self) -> str:
+        if self.op.dtype is not DType.F32:
+            return ""
+        return ', input_precision="tf32"' if self.allow_tf32 else ', input_precision="ieee"'
+
+    def base(self, ref: TensorRef, rank: int) -> str:
+        """The pointer of this program's batch element of a tensor."""
+        if rank <= 2:
+            return ref.ptr
+        lead = len(self.batch) - (rank - 2)
+        off = ref.offset(self.bnames[lead:] + [None, None])
         return ref.ptr if off == "0" else f"{ref.ptr} + {off}"
 
-    body("rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)")
-    body("rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)")
-    body("rk = tl.arange(0, BLOCK_K)")
-    def tile(ref, rank: int, rows: str, cols: str, shape: str) -> str:
+    def tile(self, ref: TensorRef, rank: int, rows: str, cols: str, shape: str) -> str:
         """Pointers of a matrix tile; broadcast when a literal size-1 dim has no stride."""
-        ptrs = f"{base(ref, rank)} + {ref.offset([None] * (rank - 2) + [rows, cols])}"
+        ptrs = f"{self.base(ref, rank)} + {ref.offset([None] * (rank - 2) + [rows, cols])}"
         if ref.strides[-2] is None or ref.strides[-1] is None:
             ptrs = f"tl.broadcast_to({ptrs}, {shape})"
         return ptrs
 
-    body(f"a_ptrs = {tile(a, a_type.rank, 'rm[:, None]', 'rk[None, :]', '[BLOCK_M, BLOCK_K]')}")
-    body(f"b_ptrs = {tile(b, b_type.rank, 'rk[:, None]', 'rn[None, :]', '[BLOCK_K, BLOCK_N]')}")
-    body("acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)")
-    dot_dtype = op.dtype
-    precision = ""
-    if dot_dtype is DType.F32:
-        precision = ', input_precision="tf32"' if allow_tf32 else ', input_precision="ieee"'
-    body(f"for k0 in range(0, {K}, BLOCK_K):")
-    with body.indent():
-        body(f"kmask = rk < {K} - k0")
-        body(f"a = tl.load(a_ptrs, mask=(rm[:, None] < {M}) & kmask[None, :], other=0.0)")
-        body(f"b = tl.load(b_ptrs, mask=kmask[:, None] & (rn[None, :] < {N}), other=0.0)")
-        for name, t in (("a", a_type), ("b", b_type)):
-            if t.dtype is not dot_dtype:  # mixed operands meet in the promoted dtype (f32)
-                body(f"{name} = {em.widen(name, t.dtype)}")
-        if dot_dtype is DType.BF16:
+    def operand(self, name: str, which: int, mask: str) -> str:
+        """Load one operand tile, apply its prologue, and bring it to the dot's dtype."""
+        body, em, region = self.body, self.em, self.region
+        value = (self.a_val, self.b_val)[which]
+        src = self.sources[which]
+        dot = self.op.dtype
+        src_type = region.inputs[src].type
+        body(f"{name} = tl.load({name}_ptrs, mask={mask}, other=0.0)")
+        if value != src:  # a prologue: compute on the tile, zero the K tail again
+            vals = {src: em.assign(em.widen(name, src_type.dtype), category(src_type.dtype))}
+            for i, inp in enumerate(region.inputs):
+                if inp.scalar:
+                    vals[i] = em.scalar(self.scalars[i], inp.type.dtype)
+            chain = self.prologues[which]
+            em.run(region, vals, self.index_unsupported, skip=lambda v: v not in chain)
+            result = em.tensor(em.convert(vals[value], category(dot)))
+            body(f"{name} = tl.where({mask}, {em.narrow(result.text, dot)}, 0.0)")
+            loaded = dot
+        else:
+            loaded = src_type.dtype
+            if loaded is not dot:  # mixed operands meet in the promoted dtype (f32)
+                body(f"{name} = {em.widen(name, loaded)}")
+                loaded = dot
+        if dot is DType.BF16:
             # the interpreter multiplies bf16 dot operands as raw bits
             body("if INTERPRETER:")
             with body.indent():
-                body(f"a = {em.widen('a', DType.BF16)}")
-                body(f"b = {em.widen('b', DType.BF16)}")
-        body(f"acc = tl.dot(a, b, acc{precision})")
-        a_step, b_step = a.strides[-1], b.strides[-2]
-        if a_step is not None:
-            body(f"a_ptrs += BLOCK_K * {a_step}")
-        if b_step is not None:
-            body(f"b_ptrs += BLOCK_K * {b_step}")
-    out = em.store_value(Val("acc", "f"), op.dtype)
-    c_ptrs = tile(c, len(out_shape), "rm[:, None]", "rn[None, :]", "[BLOCK_M, BLOCK_N]")
-    body(f"tl.store({c_ptrs}, {out}, mask=(rm[:, None] < {M}) & (rn[None, :] < {N}))")
+                body(f"{name} = {em.widen(name, DType.BF16)}")
+        return name
 
-    user = {n: hint(hints, n, 0) for n in (*DOT_HINTS, "GROUP_M", "num_warps", "num_stages")}
-    m_dim, n_dim, k_dim = out_shape[-2], out_shape[-1], a_type.shape[-1]
+    def index_unsupported(self, op: Op) -> Val:
+        raise AssertionError("index ops are not part of a GEMM prologue")
 
-    def configure(dims: Mapping[str, int], device: str) -> LaunchConfig:
-        size = {s: (d if isinstance(d, int) else dims[d]) for s, d in
-                (("M", m_dim), ("N", n_dim), ("K", k_dim))}
-        if device == "cuda":
-            big, bk = 128, (64 if dot_dtype is not DType.F32 else 32)
-        else:
-            big, bk = 128, 128
-        bm = user["BLOCK_M"] or max(16, min(next_pow2(size["M"]), big))
-        bn = user["BLOCK_N"] or max(16, min(next_pow2(size["N"]), big))
-        bk = user["BLOCK_K"] or max(16, min(next_pow2(size["K"]), bk))
-        tiles = cdiv(size["M"], bm) * cdiv(size["N"], bn) * numel(batch, dims)
-        warps = user["num_warps"] or (8 if bm * bn >= 128 * 128 else 4)
-        stages = user["num_stages"] or 3
-        constexprs = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
-                      "GROUP_M": user["GROUP_M"] or 8}
-        return LaunchConfig((tiles,), constexprs, warps, stages)
+    def out_index(self, dim: int) -> str | None:
+        """Index of an output dim at the tile: batch scalars, rows, columns."""
+        rank = len(self.shape)
+        if self.shape[dim] == 1:
+            return None
+        if dim == rank - 2:
+            return "rm[:, None]"
+        if dim == rank - 1:
+            return "rn[None, :]"
+        return self.bnames[dim]
 
-    return finish(kernel, "matmul", sig, body, configure, em)
+    def epilogue(self) -> None:
+        """Elementwise ops on the accumulator and D tensors at the output tile, then stores."""
+        em, region, body = self.em, self.region, self.body
+        rank = len(self.shape)
+        M, N = self.M, self.N
+        vals: dict[int, Val] = {self.mm: Val("acc", "f")}
+        # prologue ops are done; an input may feed both an operand and the epilogue
+        skip = {v for chain in self.prologues for v in chain if v >= self.n_in} | {self.mm}
+        for i, inp in enumerate(region.inputs):
+            if i in skip or not self._used_in_epilogue(i, skip):
+                continue
+            if inp.scalar:
+                vals[i] = em.scalar(self.scalars[i], inp.type.dtype)
+            elif i in self.zero_dim:
+                vals[i] = em.load(f"tl.load({self.zero_dim[i]})", inp.type.dtype)
+            else:
+                vals[i] = self.load_d(i, inp.type.shape, rank)
+
+        def index(op: Op) -> Val:
+            axis = op.attr("axis") + rank - len(op.shape)
+            expr = self.out_index(axis) if op.shape[op.attr("axis")] != 1 else None
+            return literal(0, "i") if expr is None else em.assign(f"({expr}).to(tl.int32)", "i")
+
+        em.run(region, vals, index, skip=lambda v: v in skip)
+        tile_mask = f"(rm[:, None] < {M}) & (rn[None, :] < {N})"
+        for j, v in enumerate(region.outputs):
+            c = self.outs[j]
+            ptrs = self.tile(c, rank, "rm[:, None]", "rn[None, :]", "[BLOCK_M, BLOCK_N]")
+            body(f"tl.store({ptrs}, {em.store_value(vals[v], region.value_type(v).dtype)}, "
+                 f"mask={tile_mask})")
+
+    def _used_in_epilogue(self, i: int, skip: set[int]) -> bool:
+        return any(i in r.operands for k, r in enumerate(self.region.ops)
+                   if self.n_in + k not in skip) or i in self.region.outputs
+
+    def load_d(self, i: int, shape, rank: int) -> Val:
+        """A D tensor at the output tile, read through its strides (broadcast dims: none)."""
+        ref = self.refs[i]
+        lead = rank - len(shape)
+        indices = [self.out_index(lead + k) if shape[k] != 1 else None for k in range(len(shape))]
+        offset = ref.offset(indices)
+        if offset == "0":
+            return self.em.load(f"tl.load({ref.ptr})", self.region.inputs[i].type.dtype)
+        rows = "rm[:, None]" in indices
+        cols = "rn[None, :]" in indices
+        mask = {(True, True): f"(rm[:, None] < {self.M}) & (rn[None, :] < {self.N})",
+                (True, False): f"(rm < {self.M})[:, None]", (False, True): f"(rn < {self.N})[None, :]",
+                (False, False): None}[(rows, cols)]
+        load = (f"tl.load({ref.ptr} + {offset})" if mask is None
+                else f"tl.load({ref.ptr} + {offset}, mask={mask}, other=0)")
+        return self.em.load(load, self.region.inputs[i].type.dtype)
+
+    # --- launch --------------------------------------------------------------------------------
+
+    def launch_rules(self):
+        user = {n: hint(self.hints, n, 0) for n in (*DOT_HINTS, "GROUP_M", "num_warps", "num_stages")}
+        shape = self.shape
+        k_dim = self.region.inputs[self.sources[0]].type.shape[-1]
+        dot = self.op.dtype
+        batch = self.batch
+
+        def sizes(dims: Mapping[str, int]) -> tuple[int, int, int]:
+            m, n, k = (d if isinstance(d, int) else dims[d] for d in (shape[-2], shape[-1], k_dim))
+            return m, n, k
+
+        def config(dims: Mapping[str, int], bm: int, bn: int, bk: int, warps: int,
+                   stages: int) -> LaunchConfig:
+            m, n, _ = sizes(dims)
+            tiles = cdiv(m, bm) * cdiv(n, bn) * numel(batch, dims)
+            constexprs = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": user["GROUP_M"] or 8}
+            return LaunchConfig((tiles,), constexprs, warps, stages)
+
+        def configure(dims: Mapping[str, int], device: str) -> LaunchConfig:
+            m, n, k = sizes(dims)
+            big = 128
+            bk_cap = (64 if dot is not DType.F32 else 32) if device == "cuda" else 128
+            bm = user["BLOCK_M"] or max(16, min(next_pow2(m), big))
+            bn = user["BLOCK_N"] or max(16, min(next_pow2(n), big))
+            bk = user["BLOCK_K"] or max(16, min(next_pow2(k), bk_cap))
+            warps = user["num_warps"] or (8 if bm * bn >= 128 * 128 else 4)
+            return config(dims, bm, bn, bk, warps, user["num_stages"] or 3)
+
+        def candidates(dims: Mapping[str, int], device: str) -> list[LaunchConfig]:
+            """Hopper configurations worth timing for these sizes (none: use `configure`)."""
+            m, n, k = sizes(dims)
+            if device != "cuda" or any(user.values()) or m < 128 or n < 128 or dot is DType.F32:
+                return []
+            return [config(dims, bm, bn, bk, w, s) for bm, bn, bk, w, s in HOPPER_CONFIGS
+                    if bm <= next_pow2(m) and bn <= next_pow2(n) and bk <= max(16, next_pow2(k))]
+
+        return configure, candidates
+
+
+def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKernel:
+    prog = GemmProgram(kernel, hints, allow_tf32)
+    prog.emit()
+    configure, candidates = prog.launch_rules()
+    emitted = finish(kernel, "matmul", prog.sig, prog.body, configure, prog.em)
+    return emitted.with_candidates(candidates)

@@ -20,7 +20,7 @@ from tiledsl.diagnostics import InternalError
 from tiledsl.ir import Graph, KernelOp, Op
 
 from . import matmul, pointwise, rows
-from .base import EmittedKernel, Hints
+from .base import EmittedKernel, Hints, LaunchConfig
 from .cache import load
 from .codegen import DimSize, Numel, Ptr, Scalar, Stride
 from .interpret import interpreting
@@ -134,16 +134,26 @@ class TritonProgram:
             elif isinstance(spec, Scalar):  # bools travel as 0/1 (see Emitter.scalar)
                 value = inputs[spec.index]
                 args.append(int(value) if isinstance(value, bool) else value)
-        cfg = emitted.configure(dims, target)
         fn = step.fns.get(target)
         if fn is None:
             fn = step.fns[target] = load(emitted.source, emitted.fn_name, target, emitted.ir())
-        options = {}
-        if target == "cuda":
-            options = {"num_warps": cfg.num_warps or 4, "num_stages": cfg.num_stages or 3}
+
+        def launch(cfg: LaunchConfig) -> None:
+            options = {}
+            if target == "cuda":
+                options = {"num_warps": cfg.num_warps or 4, "num_stages": cfg.num_stages or 3}
+            fn[cfg.grid](*args, **cfg.constexprs, **options)
+
+        candidates = emitted.launch_candidates(dims, target)
+        if candidates:
+            from .autotune import choose
+
+            cfg = choose(emitted, dims, candidates, launch)
+        else:
+            cfg = emitted.launch_config(dims, target)
         if len(self.launches) < 1024:
             self.launches.add(Launch(emitted, _signature(emitted, args), tuple(sorted(dims.items()))))
-        fn[cfg.grid](*args, **cfg.constexprs, **options)
+        launch(cfg)
 
 
 _POINTER_TYPES = {"float16": "*fp16", "bfloat16": "*bf16", "float32": "*fp32", "int32": "*i32",

@@ -18,7 +18,10 @@ values vary along the axis ([BLOCK_O, BLOCK_R] tiles), "row" values do not
   recurrence); a softmax value is then exp(x - m) / z wherever a loop needs
   it. rmsnorm reads a row twice, layernorm three times, softmax twice.
 
-A row that is all -inf gives softmax 0 and logsumexp -inf, never NaN.
+A row that is all -inf gives softmax 0 and logsumexp -inf, never NaN. Sums
+and means whose IR dtype is f32 accumulate in f64, so an f32 program's row
+sums are as good as correctly rounded (a following exp amplifies any error
+of the sum); f16/bf16 ones accumulate in f32.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from collections.abc import Mapping
 
 from tiledsl.ir import KernelOp, Op, Region
 from tiledsl.passes.fusion.legality import ROW_OPS, RowSpace, row_layouts
+from tiledsl.types import DType
 
 from .base import CAPS, EmittedKernel, Hints, LaunchConfig, cdiv, decompose, finish, numel
 from .codegen import Code, Signature, TensorRef, next_pow2
@@ -201,6 +205,11 @@ class RowProgram:
             return NEG_INF if kind == "max" else 'float("inf")'
         return "-2147483648" if kind == "max" else "2147483647"
 
+    def wide(self, v: int) -> bool:
+        """Accumulate in f64: an f32 sum or mean."""
+        op = self.op(v)
+        return op.kind in ("sum", "mean") and op.dtype is DType.F32
+
     def mean(self, total: Val, v: int) -> Val:
         return self.em.assign(f"{total.text} / {self.length}", "f") if self.op(v).kind == "mean" else total
 
@@ -245,8 +254,11 @@ class RowProgram:
         kind, cat, em = self.op(v).kind, self.reduce_cat(v), self.em
         x = em.convert(x, cat)
         if kind in _COLLAPSE:
+            if self.wide(v):
+                x = em.assign(f"{em.tensor(x).text}.to(tl.float64)", "f")
             xm = self.masked(x, self.identity(kind, cat))
-            return self.mean(em.assign(f"{_COLLAPSE[kind]}({xm}, axis=1)[:, None]", cat), v)
+            total = f"{_COLLAPSE[kind]}({xm}, axis=1)[:, None]"
+            return self.mean(em.assign(total + (".to(tl.float32)" if self.wide(v) else ""), cat), v)
         xm = self.masked(x, NEG_INF)
         m = em.assign(f"tl.max({xm}, axis=1)[:, None]", "f")
         if kind == "logsumexp":
@@ -304,7 +316,7 @@ class RowProgram:
             self.body(f"{name}_m = tl.full([BLOCK_O, 1], {NEG_INF}, tl.float32)")
             self.body(f"{name}_z = tl.zeros([BLOCK_O, 1], tl.float32)")
             return {"m": f"{name}_m", "z": f"{name}_z", "cat": cat}
-        compute = {"f": "tl.float32", "i": "tl.int32"}[cat]
+        compute = "tl.float64" if self.wide(v) else {"f": "tl.float32", "i": "tl.int32"}[cat]
         self.body(f"{name} = tl.full([BLOCK_O, BLOCK_R], {self.identity(kind, cat)}, {compute})")
         return {"acc": name, "cat": cat}
 
@@ -321,6 +333,8 @@ class RowProgram:
                  f"tl.sum(tl.exp({xm} - {m}_safe), axis=1)[:, None]")
             body(f"{m} = {m}_new")
             return
+        if self.wide(v):
+            x = self.em.assign(f"{self.em.tensor(x).text}.to(tl.float64)", "f")
         xm = self.masked(x, self.identity(kind, state["cat"]))
         acc = state["acc"]
         body(f"{acc} = " + {"sum": f"{acc} + {xm}", "mean": f"{acc} + {xm}",
@@ -338,7 +352,8 @@ class RowProgram:
             inv = em.assign(f"tl.where({z} > 0.0, 1.0 / {z}, 0.0)", "f")
             self.softmax_stats[v] = (ms.text, inv.text)
         else:
-            total = em.assign(f"{_COLLAPSE[kind]}({state['acc']}, axis=1)[:, None]", state["cat"])
+            narrow = ".to(tl.float32)" if self.wide(v) else ""
+            total = em.assign(f"{_COLLAPSE[kind]}({state['acc']}, axis=1)[:, None]{narrow}", state["cat"])
             row_vals[v] = self.mean(total, v)
 
     def store(self, vals: dict[int, Val], full: bool) -> None:

@@ -1,0 +1,65 @@
+"""fuse-elementwise: chains of elementwise ops over one iteration space become one kernel.
+
+Before: unary and binary ops, `where`, `cast`, comparisons and index/mask
+expressions, each its own pointwise kernel.
+After: each maximal connected group of them whose results all have the same
+shape is one `pointwise` kernel; inputs of other shapes are broadcast into it
+through their strides (bias `[N]`, row scales `[M, 1]`, scalars), scalar
+(rank-0) ops are computed inside, and values used outside the group are
+stored too.
+
+Refused, with a recorded rule: a producer of a smaller shape broadcast into
+a larger consumer or read through a transpose ("other-index": the consumer
+would read it at another index), and anything that would create a cycle.
+Must run after fuse-epilogue and fuse-rows, which claim the elementwise ops
+around matmuls and reductions first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tiledsl import ops
+from tiledsl.ir import Graph
+from tiledsl.passes.fusion.grow import candidate_kind, grow, rewrite_groups
+from tiledsl.passes.fusion.legality import GroupPlan, describe_node, reads_other_index
+from tiledsl.passes.registry import Pass, PassContext, register
+from tiledsl.types import format_shape
+
+
+@register
+@dataclass(frozen=True)
+class FuseElementwise(Pass):
+    name = "fuse-elementwise"
+
+    def run(self, graph: Graph, ctx: PassContext) -> None:
+        plan = GroupPlan(graph)
+
+        def consider(node: int) -> bool:
+            return candidate_kind(graph, node) and ops.is_elementwise(graph.op(node).kind)
+
+        for seed in graph.topo_order():
+            if plan.grouped(seed) or not consider(seed):
+                continue
+            space = graph.op(seed).shape
+
+            def admit(group: set[int], cand: int, space=space) -> tuple[str, str] | None:
+                return _admit(graph, group, cand, space)
+
+            plan.add_group(grow(plan, seed, admit, self.name, ctx.remarks, consider))
+        rewrite_groups(plan, "pointwise")
+
+
+def _admit(graph: Graph, group: set[int], cand: int, space) -> tuple[str, str] | None:
+    shape = graph.op(cand).shape
+    consumes = any(s in group for s in graph.operands(cand))
+    if shape != space and not (not consumes and shape == ()):
+        smaller, larger = (space, shape) if consumes else (shape, space)
+        if len(smaller) <= len(larger):
+            reader = describe_node(graph, cand) if consumes else "the group"
+            value = "the group's values" if consumes else describe_node(graph, cand)
+            return "other-index", (f"{reader} reads {value} broadcast from {format_shape(smaller)} "
+                                   f"to {format_shape(larger)}")
+        return "tile", f"its shape {format_shape(shape)} is not the group's {format_shape(space)}"
+    why = reads_other_index(graph, cand, group)
+    return ("other-index", why) if why else None

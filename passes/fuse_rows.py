@@ -1,0 +1,69 @@
+"""fuse-rows: row programs become one kernel each.
+
+Before: reductions (sum, max, min, mean, logsumexp) and softmax along an
+axis, surrounded by elementwise ops that read the same rows, each op its own
+kernel (rmsnorm is 8 kernels, layernorm 10).
+After: each maximal such group is one `rows` kernel: the reductions along
+one axis of one shape S, the elementwise ops before and after them whose
+dims map onto S consistently, and further reductions along the same axis
+that depend on earlier ones (layernorm's variance after its mean). Values
+used outside the group are stored by the kernel too.
+
+Refused, with a recorded rule: a reduction along another axis or of another
+shape, an op that reads a group value at another index (a reduced row
+broadcast along the row, a transpose) or does not fit S ("other-index",
+"tile"), a value used outside the group that does not vary along the rows
+("tile": every row would store it), and anything that would create a cycle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tiledsl import ops
+from tiledsl.ir import Graph
+from tiledsl.passes.fusion.grow import candidate_kind, grow, outputs_of, rewrite_groups
+from tiledsl.passes.fusion.legality import ROW_OPS, GroupPlan, RowSpace, result_type, row_layouts
+from tiledsl.passes.regions import outline
+from tiledsl.passes.registry import Pass, PassContext, register
+
+
+@register
+@dataclass(frozen=True)
+class FuseRows(Pass):
+    name = "fuse-rows"
+
+    def run(self, graph: Graph, ctx: PassContext) -> None:
+        plan = GroupPlan(graph)
+        for seed in graph.topo_order():
+            op = graph.op(seed)
+            if plan.grouped(seed) or not candidate_kind(graph, seed) or op.kind not in ROW_OPS:
+                continue
+            space = RowSpace(result_type(graph, *graph.operand_edges(seed)[0]).shape, op.attr("axis"))
+
+            def admit(group: set[int], cand: int, space: RowSpace = space) -> tuple[str, str] | None:
+                return _admit(graph, plan, group, cand, space)
+
+            def consider(node: int) -> bool:
+                kind = graph.op(node).kind
+                return candidate_kind(graph, node) and (ops.is_elementwise(kind) or kind in ROW_OPS)
+
+            plan.add_group(grow(plan, seed, admit, self.name, ctx.remarks, consider))
+        rewrite_groups(plan, "rows")
+
+
+def _admit(graph: Graph, plan: GroupPlan, group: set[int], cand: int,
+           space: RowSpace) -> tuple[str, str] | None:
+    members = sorted(group | {cand}, key=plan.order.__getitem__)
+    region, _ = outline(graph, members, members)
+    layouts = row_layouts(region, space)
+    if isinstance(layouts, str):
+        rule = "other-index" if "index" in layouts or "different dims" in layouts else "tile"
+        return rule, layouts
+    kept = [d for d in range(len(space.shape)) if d != space.axis and space.shape[d] != 1]
+    outputs = set(outputs_of(graph, members))
+    for node, value in zip(members, region.outputs, strict=True):  # outputs = members, in order
+        if node in outputs and not set(kept) <= set(layouts[value]):
+            return "tile", (f"{graph.op(node).kind} is used outside the row program but does not vary "
+                            "along every row dim, so every row would store it")
+    return None
