@@ -48,9 +48,10 @@ def explain(program: Program, dims: Mapping[str, int] | None = None) -> str:
     graph = program.fused_graph()
     kernels = [n for n in graph.kernels()]
     n_ops = sum(len(graph.op(k).covered) for k in kernels)
+    plural = ("s" if len(kernels) != 1 else "", "s" if n_ops != 1 else "")
     lines = [f"fusion report for @{program.name}",
              f"  pipeline: {program.pipeline}",
-             f"  {len(kernels)} kernel{'s' if len(kernels) != 1 else ''} for {n_ops} op{'s' if n_ops != 1 else ''}"]
+             f"  {len(kernels)} kernel{plural[0]} for {n_ops} op{plural[1]}"]
     if not any(p.split("{")[0] in FUSION_PASSES for p in program.pipeline.split(",")):
         lines.append("  no fusion pass ran: every op is its own kernel")
     fused_total = cost.add(*(cost.kernel_traffic(graph.op(k)) for k in kernels))
