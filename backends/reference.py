@@ -97,8 +97,9 @@ _REDUCE = {"sum": torch.sum, "max": torch.amax, "min": torch.amin, "mean": torch
 
 
 def eval_op(op: Op, args: list[Any], dims: Mapping[str, int], float64: bool) -> Any:
-    """One op with torch semantics; weak results stay Python scalars."""
-    out_dtype = compute_dtype(op.dtype, float64)
+    """One op with torch semantics; weak results stay Python scalars, computed in double
+    precision like the Python arithmetic they stand for."""
+    out_dtype = torch.float64 if op.weak and op.dtype.is_float else compute_dtype(op.dtype, float64)
     kind = op.kind
     if kind == "const":
         return op.attr("value")

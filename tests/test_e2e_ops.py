@@ -302,3 +302,11 @@ def test_f32_row_sums_are_accurate_enough_for_exp():
                 randn(17, 113, scale=1.5))
     run_checked("kernel f(x: f32[M, N]) -> f32[M, 1] { return exp(mean(x, keepdims=true) * 40.0) }",
                 randn(3, 5000))
+
+
+def test_weak_scalar_arithmetic_is_double_precision():
+    # exp(113) overflows f32 but not Python's double: weak values compute in f64 (found by the
+    # random programs: exp(N) - exp(N) gave inf - inf)
+    _, out = run_checked("kernel f(x: f32[M, N]) -> f32[M, N] { return x + (exp(N) - exp(N)) + rsqrt(N) }",
+                         randn(17, 113))
+    assert torch.isfinite(out).all()

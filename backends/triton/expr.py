@@ -29,7 +29,7 @@ from tiledsl.types import DType, result_dtype
 
 from .codegen import Code
 
-COMPUTE = {"f": "tl.float32", "i": "tl.int32", "b": "tl.int1"}
+COMPUTE = {"f": "tl.float32", "d": "tl.float64", "i": "tl.int32", "b": "tl.int1"}
 
 # Added to modules that convert bf16. Triton's interpreter truncates f32 -> bf16
 # and mis-converts bf16 subnormals, so when INTERPRETER is set the conversions
@@ -59,6 +59,12 @@ def f32_to_bf16(x, INTERPRETER: tl.constexpr):
 
 def category(dtype: DType) -> str:
     return "f" if dtype.is_float else ("i" if dtype is DType.I32 else "b")
+
+
+def value_category(t) -> str:
+    """The compute category of a value: weak floats (Python-scalar-like) compute in f64,
+    like the Python arithmetic they stand for; other floats in f32."""
+    return "d" if t.weak and t.dtype.is_float else category(t.dtype)
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,16 +198,18 @@ class Emitter:
 
     def op(self, op: Op, args: list[Val], types: tuple) -> Val:
         kind = op.kind
-        out = category(op.dtype)
+        out = value_category(op.type)
         if kind == "cast":
             (a,) = args
-            v = self.convert(a, out)
             if op.dtype in (DType.F16, DType.BF16):
-                v = self.tensor(v)
-                return self.assign(self.widen(self.narrow(v.text, op.dtype), op.dtype), "f")
-            return v
+                v = self.tensor(self.convert(a, "f"))
+                v = self.assign(self.widen(self.narrow(v.text, op.dtype), op.dtype), "f")
+                return self.convert(v, out)
+            return self.convert(a, out)
         if kind in ("lt", "le", "gt", "ge", "eq", "ne"):
             cat = category(result_dtype(types))
+            if cat == "f" and all(t.weak for t in types):
+                cat = "d"
             a, b = (self.convert(x, cat) for x in args)
             return self.assign(f"{a.text} {_CMP[kind]} {b.text}", "b")
         if kind == "where":
@@ -209,7 +217,7 @@ class Emitter:
             a, b = (self.convert(x, out) for x in args[1:])
             return self.assign(f"tl.where({c.text}, {a.text}, {b.text})", out)
         args = [self.convert(x, out) for x in args]
-        precise = op.dtype is DType.F32
+        precise = out == "f" and op.dtype is DType.F32
         if kind == "div" and precise:
             a, b = (self.tensor(x) for x in args)
             return self.assign(f"tl.div_rn({a.text}, {b.text})", out)
@@ -220,7 +228,7 @@ class Emitter:
             return self.assign(_BINARY[kind].format(a=a.text, b=b.text), out)
         if kind in ("maximum", "minimum"):
             a, b = (self.tensor(x) for x in args)
-            nan = ", propagate_nan=tl.PropagateNan.ALL" if out == "f" else ""
+            nan = ", propagate_nan=tl.PropagateNan.ALL" if out in ("f", "d") else ""
             return self.assign(f"tl.{kind}({a.text}, {b.text}{nan})", out)
         (a,) = args
         a = self.tensor(a)
@@ -237,16 +245,16 @@ class Emitter:
             return self.assign(f"tl.div_rn(tl.full([], 1.0, tl.float32), tl.sqrt_rn({x}))", out)
         if kind == "gelu":
             if op.attr("approximate") == "tanh":
-                inner = self.assign(f"0.7978845608028654 * ({x} + 0.044715 * {x} * {x} * {x})", "f")
-                return self.assign(f"0.5 * {x} * (1.0 + {self._tanh(inner).text})", "f")
-            return self.assign(f"0.5 * {x} * (1.0 + tl.erf({x} * 0.7071067811865476))", "f")
+                inner = self.assign(f"0.7978845608028654 * ({x} + 0.044715 * {x} * {x} * {x})", out)
+                return self.assign(f"0.5 * {x} * (1.0 + {self._tanh(inner).text})", out)
+            return self.assign(f"0.5 * {x} * (1.0 + tl.erf({x} * 0.7071067811865476))", out)
         return self.assign(_UNARY[kind].format(x=x), out)
 
     def _tanh(self, a: Val) -> Val:
         # tanh(x) = sign(x) * (1 - e) / (1 + e), e = exp(-2|x|): no overflow for any x.
-        e = self.assign(f"tl.exp(-2.0 * tl.abs({a.text}))", "f")
+        e = self.assign(f"tl.exp(-2.0 * tl.abs({a.text}))", a.cat)
         return self.assign(f"tl.where({a.text} < 0, -1.0, 1.0) * (1.0 - {e.text}) / (1.0 + {e.text})",
-                           "f")
+                           a.cat)
 
 
 _CMP = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}

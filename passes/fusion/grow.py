@@ -9,12 +9,13 @@ planned groups into kernels with `rewrite_groups`.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 
 from tiledsl.ir import Graph, KernelOp, Op
 from tiledsl.passes.regions import replace_with_kernel
 
-from .legality import GroupPlan
+from .legality import Group, GroupPlan
 from .remarks import FusionRemark
 
 Admit = Callable[[set[int], int], "tuple[str, str] | None"]
@@ -28,34 +29,43 @@ def candidate_kind(graph: Graph, node: int) -> bool:
 
 def grow(plan: GroupPlan, seed: int, admit: Admit, pass_name: str,
          remarks: list, consider: Callable[[int], bool]) -> set[int]:
-    """The maximal group around `seed` that `admit` accepts and that creates no cycle."""
+    """The maximal group around `seed` that `admit` accepts and that creates no cycle.
+
+    A worklist visits each new member's producers and users once; candidates
+    refused on the way are retried after the group has grown (a bigger group
+    can absorb what made a cycle), until a round admits nothing.
+    """
     graph = plan.graph
-    group = {seed}
+    group = Group(plan, seed)
     refused: dict[int, tuple[int, str, str]] = {}
-    changed = True
-    while changed:
-        changed = False
-        for member in sorted(group, key=plan.order.__getitem__):
-            neighbours = [(p, member) for p in graph.operands(member)]
-            neighbours += [(member, u) for u, _ in graph.users(member)]
-            for producer, consumer in neighbours:
-                cand = producer if consumer == member else consumer
-                if cand in group or plan.grouped(cand) or not consider(cand):
-                    continue
-                reason = admit(group, cand)
-                if reason is None and plan.creates_cycle(group, cand):
-                    reason = ("cycle", "a value between them is computed outside the group")
-                if reason is None:
-                    group.add(cand)
-                    refused.pop(cand, None)
-                    changed = True
-                else:
-                    refused[cand] = (member, *reason)
+    work = deque([seed])
+
+    def visit(member: int, cand: int) -> None:
+        reason = admit(group, cand)
+        if reason is None and plan.creates_cycle(group, cand):
+            reason = ("cycle", "a value between them is computed outside the group")
+        if reason is None:
+            group.add(cand)
+            refused.pop(cand, None)
+            work.append(cand)
+        else:
+            refused[cand] = (member, *reason)
+
+    while work:
+        while work:
+            member = work.popleft()
+            neighbours = graph.operands(member) + [u for u, _ in graph.users(member)]
+            for cand in dict.fromkeys(neighbours):
+                if cand not in group and not plan.grouped(cand) and consider(cand):
+                    visit(member, cand)
+        for cand, (member, _, _) in list(refused.items()):
+            if cand not in group:
+                visit(member, cand)
     for cand, (member, rule, detail) in refused.items():
         producer, consumer = (cand, member) if cand in graph.operands(member) else (member, cand)
         remarks.append(FusionRemark(pass_name, False, rule, _op(graph, producer), _op(graph, consumer),
                                     detail))
-    return group
+    return set(group)
 
 
 def _op(graph: Graph, node: int) -> Op:

@@ -51,10 +51,16 @@ class GroupPlan:
         Other planned groups count as single nodes (they will be contracted).
         Only nodes ordered before the group's last member can lead back into it.
         """
+        if isinstance(group, Group):
+            limit, starts = group.limit, set(group.frontier)
+        else:
+            limit = max(self.order[n] for n in group)
+            starts = {s for m in group for s in self.graph.nx.successors(m)}
         members = group | {candidate}
-        limit = max(self.order[n] for n in members)
+        limit = max(limit, self.order[candidate])
+        starts.update(self.graph.nx.successors(candidate))
         succ = self.graph.nx.successors
-        stack = [s for m in members for s in succ(m) if s not in members]
+        stack = [s for s in starts if s not in members]
         seen: set[int] = set()
         while stack:
             n = stack.pop()
@@ -72,6 +78,23 @@ class GroupPlan:
                     return True
                 stack.append(s)
         return False
+
+
+class Group(set):
+    """A group being grown, with what the cycle check needs kept up to date:
+    its latest member's position and the nodes just outside it."""
+
+    def __init__(self, plan: GroupPlan, seed: int) -> None:
+        super().__init__([seed])
+        self.plan = plan
+        self.limit = plan.order[seed]
+        self.frontier = set(plan.graph.nx.successors(seed))
+
+    def add(self, node: int) -> None:
+        super().add(node)
+        self.limit = max(self.limit, self.plan.order[node])
+        self.frontier.update(self.plan.graph.nx.successors(node))
+        self.frontier -= self
 
 
 def view_source(graph: Graph, node: int) -> int | None:
