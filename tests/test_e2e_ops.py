@@ -310,3 +310,10 @@ def test_weak_scalar_arithmetic_is_double_precision():
     _, out = run_checked("kernel f(x: f32[M, N]) -> f32[M, N] { return x + (exp(N) - exp(N)) + rsqrt(N) }",
                          randn(17, 113))
     assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("fn", ["exp", "exp2", "log", "log2", "sqrt", "rsqrt", "abs", "tanh", "sigmoid",
+                                "relu", "silu", "erf", "gelu"])
+def test_builtins_on_weak_scalars(fn):
+    # a dim is a Python-scalar-like value: every builtin must work on it in f64
+    run_checked(f"kernel f(x: f32[M, N]) -> f32[M, N] {{ return x + {fn}(N * 0.25) }}", randn(3, 5))

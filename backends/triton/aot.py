@@ -35,3 +35,37 @@ def compile_launch(launch: Launch, target: tuple[str, int, int] = SM90, config: 
     source = ASTSource(fn, signature=signature, constexprs=dict(cfg.constexprs))
     options = {"num_warps": cfg.num_warps or 4, "num_stages": cfg.num_stages or 3}
     return triton.compile(source, target=GPUTarget(*target), options=options)
+
+
+def resource_usage(compiled: Any, arch: int = 90) -> dict[str, int]:
+    """Registers, spill stores/loads and stack frame of a compiled kernel, from `ptxas -v`.
+
+    The numbers a GPU driver would report (`n_spills`, `n_regs`) need a GPU;
+    ptxas gives the same counts from the PTX on any machine.
+    """
+    import re
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    ptx = compiled.asm["ptx"]
+    target = re.search(r"^\.target\s+(\S+)", ptx, re.M)
+    gpu = target.group(1).rstrip(",") if target else f"sm_{arch}a"
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "kernel.ptx"
+        src.write_text(ptx)
+        result = subprocess.run([get_ptxas(arch).path, "-v", f"--gpu-name={gpu}", str(src),
+                                 "-o", str(Path(tmp) / "kernel.cubin")],
+                                capture_output=True, text=True, check=True)
+    text = result.stdout + result.stderr
+
+    def number(pattern: str) -> int:
+        m = re.search(pattern, text)
+        return int(m.group(1)) if m else 0
+
+    return {"registers": number(r"Used (\d+) registers"),
+            "spill_stores": number(r"(\d+) bytes spill stores"),
+            "spill_loads": number(r"(\d+) bytes spill loads"),
+            "stack": number(r"(\d+) bytes stack frame")}

@@ -241,6 +241,8 @@ class Emitter:
             return self._tanh(a)
         if kind in ("exp", "exp2") and precise:
             return self.assign(f"tl.{kind}({x}.to(tl.float64)).to(tl.float32)", out)
+        if kind == "sqrt" and out == "d":  # sqrt_rn is f32 only; f64 sqrt is IEEE anyway
+            return self.assign(f"tl.sqrt({x})", out)
         if kind == "rsqrt" and precise:
             return self.assign(f"tl.div_rn(tl.full([], 1.0, tl.float32), tl.sqrt_rn({x}))", out)
         if kind == "gelu":

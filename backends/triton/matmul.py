@@ -44,9 +44,13 @@ from .codegen import Code, Signature, TensorRef, next_pow2
 from .expr import Emitter, Val, category, literal
 
 DOT_HINTS = ("BLOCK_M", "BLOCK_N", "BLOCK_K")
-# Hopper configurations to autotune among: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
-HOPPER_CONFIGS = ((128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (128, 256, 64, 8, 3),
-                  (128, 256, 64, 8, 4), (256, 128, 64, 8, 3))
+# Hopper configurations to autotune among: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages).
+# With pointer-based loads (no TMA), 4-warp tiles of 128 x 128 and any 128 x 256
+# or 256 x 128 tile spill on sm_90 (ptxas -v), so the list keeps 8-warp tiles.
+HOPPER_CONFIGS = ((128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 32, 8, 4), (64, 256, 64, 8, 3))
+# An epilogue that loads or stores two or more full [M, N] tiles (extra D tensors,
+# extra outputs) spills at 128 x 128; half-width tiles with 8 warps do not.
+HEAVY_EPILOGUE_CONFIGS = ((128, 64, 64, 8, 3), (128, 64, 64, 8, 4), (64, 128, 64, 8, 3))
 
 
 def _depends(region: Region, value: int) -> set[int]:
@@ -78,6 +82,7 @@ class GemmProgram:
         self.batch = self.shape[:-2]
         self.sig, self.body = Signature(), Code()
         self.em = Emitter(self.body)
+        self.full_tiles = 0  # [M, N] tiles the epilogue loads or stores
 
     def _source(self, chain: set[int]) -> int:
         tensors = [v for v in chain if v < self.n_in and not self.region.inputs[v].scalar
@@ -229,6 +234,7 @@ class GemmProgram:
 
         em.run(region, vals, index, skip=lambda v: v in skip)
         tile_mask = f"(rm[:, None] < {M}) & (rn[None, :] < {N})"
+        self.full_tiles += len(region.outputs)
         for j, v in enumerate(region.outputs):
             c = self.outs[j]
             ptrs = self.tile(c, rank, "rm[:, None]", "rn[None, :]", "[BLOCK_M, BLOCK_N]")
@@ -249,6 +255,7 @@ class GemmProgram:
             return self.em.load(f"tl.load({ref.ptr})", self.region.inputs[i].type.dtype)
         rows = "rm[:, None]" in indices
         cols = "rn[None, :]" in indices
+        self.full_tiles += rows and cols
         mask = {(True, True): f"(rm[:, None] < {self.M}) & (rn[None, :] < {self.N})",
                 (True, False): f"(rm < {self.M})[:, None]", (False, True): f"(rn < {self.N})[None, :]",
                 (False, False): None}[(rows, cols)]
@@ -264,6 +271,7 @@ class GemmProgram:
         k_dim = self.region.inputs[self.sources[0]].type.shape[-1]
         dot = self.op.dtype
         batch = self.batch
+        heavy = self.full_tiles >= 2
 
         def sizes(dims: Mapping[str, int]) -> tuple[int, int, int]:
             m, n, k = (d if isinstance(d, int) else dims[d] for d in (shape[-2], shape[-1], k_dim))
@@ -278,8 +286,19 @@ class GemmProgram:
 
         def configure(dims: Mapping[str, int], device: str) -> LaunchConfig:
             m, n, k = sizes(dims)
-            big = 128
-            bk_cap = (64 if dot is not DType.F32 else 32) if device == "cuda" else 128
+            if device == "cuda":
+                # the tiles that do not spill on sm_90 with pointer-based loads: 128 x 128
+                # x 64 with 8 warps (128 x 64 for heavy epilogues), 64 x 64 for small problems
+                if m >= 128 and n >= 128:
+                    bm, bn, bk, warps, stages = (HEAVY_EPILOGUE_CONFIGS if heavy else HOPPER_CONFIGS)[0]
+                    bk = bk if dot is not DType.F32 else 32
+                    return config(dims, user["BLOCK_M"] or bm, user["BLOCK_N"] or bn,
+                                  user["BLOCK_K"] or bk, user["num_warps"] or warps,
+                                  user["num_stages"] or stages)
+                big = 64
+                bk_cap = 64 if dot is not DType.F32 else 32
+            else:  # the interpreter: few, large programs
+                big, bk_cap = 128, 128
             bm = user["BLOCK_M"] or max(16, min(next_pow2(m), big))
             bn = user["BLOCK_N"] or max(16, min(next_pow2(n), big))
             bk = user["BLOCK_K"] or max(16, min(next_pow2(k), bk_cap))
@@ -291,7 +310,8 @@ class GemmProgram:
             m, n, k = sizes(dims)
             if device != "cuda" or any(user.values()) or m < 128 or n < 128 or dot is DType.F32:
                 return []
-            return [config(dims, bm, bn, bk, w, s) for bm, bn, bk, w, s in HOPPER_CONFIGS
+            configs = HEAVY_EPILOGUE_CONFIGS if heavy else HOPPER_CONFIGS
+            return [config(dims, bm, bn, bk, w, s) for bm, bn, bk, w, s in configs
                     if bm <= next_pow2(m) and bn <= next_pow2(n) and bk <= max(16, next_pow2(k))]
 
         return configure, candidates

@@ -1,0 +1,196 @@
+"""Fusion (issue 3): kernel counts and what each kernel covers, numerics of every fused
+kernel against the design section 5 oracle on tail sizes, refusals as records, and the
+GEMM template's PTX on sm_90.
+"""
+
+import pytest
+import torch
+
+import tiledsl
+from helpers import compile_for_sm90, randn, run_checked
+from tiledsl.backends.triton.aot import compile_launch, resource_usage
+from tiledsl.passes.fusion.remarks import FusionRemark
+
+DT = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
+
+
+def structure(fn: tiledsl.Program) -> list[tuple[str, list[str]]]:
+    return [(k.template, [op.kind for op in k.ops]) for k in fn.kernels]
+
+
+# --- the programs of the issue, with their kernel counts ----------------------------------------
+
+PROGRAMS = {
+    "multiply_multiply": (
+        "kernel f(a: {dt}[M, K], b: {dt}[K, N], d: {dt}[M, N], e: {dt}[M, N]) -> {dt}[M, N] {{\n"
+        "    return (a @ b) * d * e\n}}",
+        [("matmul", ["matmul", "mul", "mul"])],
+        lambda dt, m, k, n: [randn(m, k, dtype=dt), randn(k, n, dtype=dt), randn(m, n, dtype=dt),
+                             randn(m, n, dtype=dt)]),
+    "row_col_scales": (
+        "kernel f(a: {dt}[M, K], b: {dt}[K, N], rs: f32[M, 1], cs: f32[1, N]) -> {dt}[M, N] {{\n"
+        "    return (a @ b) * rs * cs\n}}",
+        [("matmul", ["matmul", "mul", "mul", "cast"])],
+        lambda dt, m, k, n: [randn(m, k, dtype=dt), randn(k, n, dtype=dt), randn(m, 1), randn(1, n)]),
+    "gelu_linear": (
+        "kernel f(x: {dt}[M, K], w: {dt}[N, K], bias: {dt}[N]) -> {dt}[M, N] {{\n"
+        "    return gelu(x @ w.T + bias)\n}}",
+        [("matmul", ["matmul", "add", "gelu"])],
+        lambda dt, m, k, n: [randn(m, k, dtype=dt), randn(n, k, dtype=dt), randn(n, dtype=dt)]),
+    "batched_relu_f32_out": (
+        "kernel f(a: {dt}[B, M, K], b: {dt}[B, K, N], r: {dt}[B, M, N]) -> f32[B, M, N] {{\n"
+        "    return relu(a @ b + r)\n}}",
+        [("matmul", ["matmul", "add", "relu", "cast"])],
+        lambda dt, m, k, n: [randn(2, m, k, dtype=dt), randn(2, k, n, dtype=dt), randn(2, m, n, dtype=dt)]),
+    "broadcast_chain": (
+        "kernel f(x: {dt}[M, N], y: {dt}[N], z: {dt}[M, 1], s: f32) -> {dt}[M, N] {{\n"
+        "    return relu((x * y + z) * s - x) / (1.0 + exp(-x))\n}}",
+        [("pointwise", ["mul", "add", "mul", "sub", "relu", "neg", "exp", "add", "div"])],
+        lambda dt, m, k, n: [randn(m, n, dtype=dt), randn(n, dtype=dt), randn(m, 1, dtype=dt), 0.5]),
+    "rmsnorm": (
+        "kernel f(x: {dt}[M, N], w: {dt}[N], eps: f32) -> {dt}[M, N] {{\n"
+        "    xf = cast(x, f32)\n"
+        "    return xf * rsqrt(mean(xf * xf, keepdims=true) + eps) * w\n}}",
+        [("rows", ["cast", "mul", "mean", "add", "rsqrt", "mul", "mul", "cast"])],
+        lambda dt, m, k, n: [randn(m, n, dtype=dt), randn(n, dtype=dt), 1e-6]),
+    "layernorm": (
+        "kernel f(x: {dt}[M, N], w: {dt}[N], b: {dt}[N], eps: f32) -> {dt}[M, N] {{\n"
+        "    mu = mean(x, keepdims=true)\n"
+        "    xc = x - mu\n"
+        "    var = mean(xc * xc, keepdims=true)\n"
+        "    return xc * rsqrt(var + eps) * w + b\n}}",
+        [("rows", ["mean", "sub", "mul", "mean", "add", "rsqrt", "mul", "mul", "add"])],
+        lambda dt, m, k, n: [randn(m, n, dtype=dt), randn(n, dtype=dt), randn(n, dtype=dt), 1e-5]),
+    "softmax_with_epilogue": (
+        "kernel f(x: {dt}[M, N], t: f32) -> ({dt}[M, N], f32[M]) {{\n"
+        "    s = x / t\n"
+        "    return softmax(s) * 2.0 - 1.0, logsumexp(s)\n}}",
+        [("rows", ["div", "softmax", "mul", "sub", "logsumexp", "cast"])],
+        lambda dt, m, k, n: [randn(m, n, dtype=dt, scale=3), 0.7]),
+    "stored_intermediate": (
+        "kernel f(a: {dt}[M, K], b: {dt}[K, N]) -> ({dt}[M, N], {dt}[M, N]) {{\n"
+        "    c = a @ b\n"
+        "    return c, relu(c)\n}}",
+        [("matmul", ["matmul", "relu"])],
+        lambda dt, m, k, n: [randn(m, k, dtype=dt), randn(k, n, dtype=dt)]),
+    "operand_prologue": (
+        "kernel f(x: f32[M, K], w: {dt}[K, N]) -> {dt}[M, N] {{\n"
+        "    return cast(x * 0.5, {dt}) @ w\n}}",
+        [("matmul", ["mul", "cast", "matmul"])],
+        lambda dt, m, k, n: [randn(m, k), randn(k, n, dtype=dt)]),
+}
+
+SIZES = [(1, 1, 1), (17, 33, 113), (113, 64, 17)]
+
+
+@pytest.mark.parametrize("name", PROGRAMS)
+def test_kernel_count_and_coverage(name):
+    src, expected, _ = PROGRAMS[name]
+    fn = tiledsl.compile(src.format(dt="f16"))
+    assert structure(fn) == expected
+    assert not [r for r in fn.remarks if isinstance(r, FusionRemark) and not r.fused]
+
+
+@pytest.mark.parametrize("dt", DT)
+@pytest.mark.parametrize("mkn", SIZES, ids=str)
+@pytest.mark.parametrize("name", PROGRAMS)
+def test_fused_numerics(name, mkn, dt):
+    src, _, make = PROGRAMS[name]
+    fn = tiledsl.compile(src.format(dt=dt))
+    args = make(DT[dt], *mkn)
+    scalars = [a for a in args if not isinstance(a, torch.Tensor)]
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    run_checked(fn, *tensors, *scalars)
+
+
+@pytest.mark.parametrize("n", [4999, 20000])
+def test_long_row_programs_loop(n):
+    src, _, make = PROGRAMS["layernorm"]
+    fn = tiledsl.compile(src.format(dt="f32"))
+    run_checked(fn, *make(torch.float32, 3, 0, n)[:3], 1e-5)
+    src, _, make = PROGRAMS["softmax_with_epilogue"]
+    run_checked(tiledsl.compile(src.format(dt="bf16")), *make(torch.bfloat16, 2, 0, n))
+
+
+def test_c_plus_c_transposed_is_refused_and_recorded():
+    fn, _ = run_checked("kernel f(a: f32[N, K], b: f32[K, N]) -> f32[N, N] {\n    c = a @ b\n    return c + c.T\n}",
+                        randn(17, 33), randn(33, 17))
+    assert structure(fn) == [("matmul", ["matmul"]), ("pointwise", ["add"])]
+    (remark,) = fn.remarks
+    assert (remark.pass_name, remark.fused, remark.rule) == ("fuse-epilogue", False, "other-index")
+    assert (remark.producer.kind, remark.producer.span.line) == ("matmul", 2)
+    assert (remark.consumer.kind, remark.consumer.span.line) == ("add", 3)
+    assert str(remark) == ("[fuse-epilogue] refused: matmul (line 2) -> add (line 3): it reads matmul "
+                           "(line 2) transposed [rule: other-index]")
+    assert str(remark) in fn.explain()
+
+
+def test_an_operand_depending_on_the_product_is_a_cycle():
+    fn, _ = run_checked("kernel f(a: f32[M, K], b: f32[K, N]) -> f32[M, N] {\n    c = a @ b\n"
+                        "    return c * sum(c, keepdims=true)\n}", randn(17, 33), randn(33, 19))
+    rules = {(r.producer.kind, r.consumer.kind, r.rule) for r in fn.remarks}
+    assert ("matmul", "mul", "cycle") in rules
+
+
+def test_broadcast_producer_is_refused_not_recomputed():
+    fn, _ = run_checked("kernel f(x: f32[M, N], y: f32[N]) -> f32[M, N] { return x + exp(y) }",
+                        randn(17, 113), randn(113))
+    assert structure(fn) == [("pointwise", ["exp"]), ("pointwise", ["add"])]
+    assert [(r.rule, r.detail) for r in fn.remarks] == [
+        ("other-index", "add (line 1) reads the group's values broadcast from [N] to [M, N]")]
+
+
+def test_a_reduced_row_read_along_the_row_is_refused():
+    fn, _ = run_checked("kernel f(x: f32[N, N]) -> f32[N, N] { m = max(x, axis=-1); return x - m }",
+                        randn(17, 17))
+    assert structure(fn) == [("rows", ["max"]), ("pointwise", ["sub"])]
+    assert [(r.pass_name, r.rule) for r in fn.remarks] == [("fuse-rows", "other-index")]
+
+
+def test_fusion_never_changes_results_against_the_unfused_program():
+    src = PROGRAMS["layernorm"][0].format(dt="f32")
+    x, w, b = randn(17, 113), randn(113), randn(113)
+    fused = tiledsl.compile(src)(x, w, b, 1e-5)
+    unfused = tiledsl.compile(src, pipeline="canonicalize,cse,dce")(x, w, b, 1e-5)
+    assert (fused - unfused).abs().max() < 1e-5
+
+
+# --- sm_90 ------------------------------------------------------------------------------------------
+
+GPU_SIZES = (512, 256, 384)  # M, K, N: the 128 x 128 x 64 tile with 8 warps
+
+
+@pytest.mark.parametrize("dt", ["f16", "bf16"])
+@pytest.mark.parametrize("name", ["multiply_multiply", "gelu_linear", "row_col_scales",
+                                  "batched_relu_f32_out", "stored_intermediate", "operand_prologue"])
+def test_gemm_epilogue_uses_wgmma_and_does_not_spill(name, dt):
+    src, _, make = PROGRAMS[name]
+    fn = tiledsl.compile(src.format(dt=dt))
+    fn(*make(DT[dt], *GPU_SIZES))
+    (launch,) = fn._triton.launches
+    ck = compile_launch(launch)
+    assert "wgmma.mma_async" in ck.asm["ptx"]
+    usage = resource_usage(ck)
+    assert (usage["spill_stores"], usage["spill_loads"]) == (0, 0), usage
+
+
+@pytest.mark.parametrize("name", ["gelu_linear", "multiply_multiply"])
+def test_autotune_candidates_compile_for_sm90(name):
+    src, _, make = PROGRAMS[name]
+    fn = tiledsl.compile(src.format(dt="bf16"))
+    fn(*make(torch.bfloat16, *GPU_SIZES))
+    (launch,) = fn._triton.launches
+    candidates = launch.kernel.launch_candidates(dict(launch.dims), "cuda")
+    assert len(candidates) >= 3
+    for cfg in candidates:
+        ck = compile_launch(launch, config=cfg)
+        assert "wgmma.mma_async" in ck.asm["ptx"]
+        assert resource_usage(ck)["spill_stores"] == 0, cfg
+
+
+def test_every_fused_kernel_compiles_for_sm90():
+    for name, (src, _, make) in PROGRAMS.items():
+        fn = tiledsl.compile(src.format(dt="bf16"))
+        args = make(torch.bfloat16, 113, 64, 17)
+        fn(*[a for a in args if isinstance(a, torch.Tensor)], *[a for a in args if not isinstance(a, torch.Tensor)])
+        assert all(ck.asm["cubin"] for _, ck in compile_for_sm90(fn)), name
