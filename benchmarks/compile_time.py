@@ -39,10 +39,11 @@ def median_time(source: str, repeat: int) -> float:
     return statistics.median(times)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=30, help="timed compiles per program (attention)")
-    args = parser.parse_args()
+    parser.add_argument("--quick", action="store_true", help="small programs only (a smoke run)")
+    args = parser.parse_args(argv)
 
     cpu = platform.processor() or platform.machine()
     print(f"tiledsl {tiledsl.__version__}, Python {platform.python_version()}, {cpu}")
@@ -51,7 +52,7 @@ def main() -> None:
     print(f"\nexamples/attention.tdsl: median {t * 1e3:.2f} ms over {args.repeat} compiles (target <= 30 ms)")
 
     print("\nelementwise chain       median      per statement")
-    for n in (250, 500, 1000, 2000, 4000):
+    for n in ((50, 100) if args.quick else (250, 500, 1000, 2000, 4000)):
         t = median_time(chain(n), max(3, args.repeat // 10))
         mark = "  (target <= 2 s)" if n == 1000 else ""
         print(f"  {n:5d} statements  {t * 1e3:9.1f} ms  {t / n * 1e6:8.1f} us{mark}")

@@ -130,3 +130,18 @@ def test_fp32_matmul_is_ieee_unless_tf32_is_allowed():
     src = "kernel f(a: f32[M, K], b: f32[K, N]) -> f32[M, N] { return a @ b }"
     assert 'input_precision="ieee"' in tiledsl.compile(src).kernels[0].source
     assert 'input_precision="tf32"' in tiledsl.compile(src, allow_tf32=True).kernels[0].source
+
+
+def test_draw_renders_with_graphviz_or_says_how_to_get_it(attention, tmp_path, monkeypatch):
+    import shutil
+
+    if shutil.which("dot"):
+        out = attention.draw(tmp_path / "g.svg")
+        assert out.read_text().lstrip().startswith(("<?xml", "<svg"))
+    monkeypatch.setenv("PATH", str(tmp_path))  # no Graphviz on the path
+    with pytest.raises(OptionError) as info:
+        attention.draw(tmp_path / "g.svg")
+    assert info.value.message == (
+        "drawing needs Graphviz's 'dot' program, which is not installed (Debian/Ubuntu: apt install "
+        "graphviz; macOS: brew install graphviz; conda: conda install graphviz); fn.to_dot() gives the "
+        "DOT text without it")

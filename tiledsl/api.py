@@ -193,6 +193,25 @@ class Program:
 
         return to_dot(self._graph)
 
+    def draw(self, path: str | os.PathLike, dot_binary: str = "dot") -> Path:
+        """Render the fusion graph with Graphviz; the format follows the suffix (.svg, .png, .pdf)."""
+        import shutil
+        import subprocess
+
+        out = Path(path)
+        exe = shutil.which(dot_binary)
+        if exe is None:
+            raise diag.OptionError(message=(
+                f"drawing needs Graphviz's '{dot_binary}' program, which is not installed "
+                "(Debian/Ubuntu: apt install graphviz; macOS: brew install graphviz; conda: conda "
+                "install graphviz); fn.to_dot() gives the DOT text without it"))
+        fmt = out.suffix.lstrip(".") or "svg"
+        result = subprocess.run([exe, f"-T{fmt}", "-o", str(out)], input=self.to_dot(), text=True,
+                                capture_output=True)
+        if result.returncode != 0:
+            raise diag.OptionError(message=f"Graphviz could not draw {out}: {result.stderr.strip()}")
+        return out
+
     def fused_graph(self) -> Graph:
         return self._graph
 

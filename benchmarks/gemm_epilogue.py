@@ -1,0 +1,102 @@
+"""GEMM with a fused epilogue against torch: composable-kernel's E = (A @ B) * D * E.
+
+    python benchmarks/gemm_epilogue.py                 # on a CUDA GPU: the issue's table
+    python benchmarks/gemm_epilogue.py --device cpu --quick   # a smoke run through the interpreter
+
+For (M, N, K) = (8192, 8192, {1024, 2048, 4096, 8192}) in f16 and bf16 it times,
+in one run and on the same random inputs:
+  fused     tiledsl's one kernel (matmul + both multiplies in the epilogue)
+  matmul    torch.matmul alone (the floor: the epilogue's reads are extra bytes)
+  eager     torch eager, unfused: mm, then each multiply
+  compile   torch.compile of the same function (Inductor)
+and prints times, TFLOP/s (2*M*N*K / time) and the ratios the issue sets goals for:
+fused <= 1.05x matmul, eager >= 1.7x fused at K = 2048 (on an H100).
+
+Timing: triton.testing.do_bench (CUDA events, median) after a warm-up call that
+also runs tiledsl's autotuning; inputs are random normal (never zeros).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+import tiledsl
+
+ROOT = Path(__file__).resolve().parent.parent
+SIZES = [(8192, 8192, k) for k in (1024, 2048, 4096, 8192)]
+DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16}
+
+
+def eager(a, b, d, e):
+    return torch.matmul(a, b) * d * e
+
+
+def bench(fn, device: str) -> float:
+    """Median milliseconds of fn()."""
+    if device == "cuda":
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+    import time
+
+    fn()
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return sorted(times)[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run, not a measurement)")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("gemm_epilogue.py measures on a CUDA GPU and none is available here; nothing was "
+              "measured (use --device cpu --quick for a smoke run)")
+        return 2
+    sizes = [(113, 96, 64)] if args.quick else SIZES
+    device = args.device
+    if device == "cuda":
+        print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    header = (f"{'M':>5} {'N':>5} {'K':>5} {'dtype':>5} | {'fused ms':>8} {'TFLOP/s':>7} | {'matmul':>7} "
+              f"{'eager':>7} {'compile':>7} | {'fused/mm':>8} {'eager/fused':>11} {'compile/fused':>13}")
+    print(header)
+    print("-" * len(header))
+    gen = torch.Generator().manual_seed(0)
+    for name, dtype in DTYPES.items():
+        src = (ROOT / "examples" / "gemm_multiply_multiply.tdsl").read_text().replace("f16", name)
+        fn = tiledsl.compile(src)
+        assert len(fn.kernels) == 1, fn.explain()
+        compiled = None
+        if not args.no_compile and device == "cuda":
+            compiled = torch.compile(eager)
+        for m, n, k in sizes:
+            a, b, d, e = (torch.randn(shape, generator=gen).to(dtype).to(device)
+                          for shape in ((m, k), (k, n), (m, n), (m, n)))
+            out = fn(a, b, d, e)  # warm-up: compiles and autotunes
+            ref = eager(a.float(), b.float(), d.float(), e.float())
+            rel = ((out.float() - ref).norm() / ref.norm()).item()
+            if rel > 2e-2:
+                print(f"  {name} {m}x{n}x{k}: relative error {rel:.2e}: results disagree, not timed")
+                continue
+            t_fused = bench(lambda: fn(a, b, d, e), device)
+            t_mm = bench(lambda: torch.matmul(a, b), device)
+            t_eager = bench(lambda: eager(a, b, d, e), device)
+            t_comp = bench(lambda: compiled(a, b, d, e), device) if compiled else float("nan")
+            tflops = 2 * m * n * k / (t_fused * 1e-3) / 1e12
+            print(f"{m:>5} {n:>5} {k:>5} {name:>5} | {t_fused:8.3f} {tflops:7.1f} | {t_mm:7.3f} "
+                  f"{t_eager:7.3f} {t_comp:7.3f} | {t_fused / t_mm:8.2f} {t_eager / t_fused:11.2f} "
+                  f"{t_comp / t_fused:13.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
