@@ -52,6 +52,14 @@ def bench(fn, device: str) -> float:
     return sorted(times)[1]
 
 
+def time_all(fn, compiled, args: tuple, device: str) -> tuple[float, float, float, float]:
+    """Median ms of: the fused kernel, torch.matmul alone, torch eager, torch.compile."""
+    a, b, _, _ = args
+    return (bench(lambda: fn(*args), device), bench(lambda: torch.matmul(a, b), device),
+            bench(lambda: eager(*args), device),
+            bench(lambda: compiled(*args), device) if compiled else float("nan"))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
@@ -87,10 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             if rel > 2e-2:
                 print(f"  {name} {m}x{n}x{k}: relative error {rel:.2e}: results disagree, not timed")
                 continue
-            t_fused = bench(lambda: fn(a, b, d, e), device)
-            t_mm = bench(lambda: torch.matmul(a, b), device)
-            t_eager = bench(lambda: eager(a, b, d, e), device)
-            t_comp = bench(lambda: compiled(a, b, d, e), device) if compiled else float("nan")
+            t_fused, t_mm, t_eager, t_comp = time_all(fn, compiled, (a, b, d, e), device)
             tflops = 2 * m * n * k / (t_fused * 1e-3) / 1e12
             print(f"{m:>5} {n:>5} {k:>5} {name:>5} | {t_fused:8.3f} {tflops:7.1f} | {t_mm:7.3f} "
                   f"{t_eager:7.3f} {t_comp:7.3f} | {t_fused / t_mm:8.2f} {t_eager / t_fused:11.2f} "
