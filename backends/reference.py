@@ -99,7 +99,8 @@ _REDUCE = {"sum": torch.sum, "max": torch.amax, "min": torch.amin, "mean": torch
 def eval_op(op: Op, args: list[Any], dims: Mapping[str, int], float64: bool) -> Any:
     """One op with torch semantics; weak results stay Python scalars, computed in double
     precision like the Python arithmetic they stand for."""
-    out_dtype = torch.float64 if op.weak and op.dtype.is_float else compute_dtype(op.dtype, float64)
+    weak_double = op.weak and op.dtype.is_float and op.kind != "cast"  # a cast still rounds
+    out_dtype = torch.float64 if weak_double else compute_dtype(op.dtype, float64)
     kind = op.kind
     if kind == "const":
         return op.attr("value")

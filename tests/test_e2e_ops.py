@@ -6,6 +6,7 @@ Every kernel launched here is also compiled for sm_90 (helpers.run_checked).
 import pytest
 import torch
 
+import tiledsl
 from helpers import randn, run_checked
 
 DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
@@ -317,3 +318,12 @@ def test_weak_scalar_arithmetic_is_double_precision():
 def test_builtins_on_weak_scalars(fn):
     # a dim is a Python-scalar-like value: every builtin must work on it in f64
     run_checked(f"kernel f(x: f32[M, N]) -> f32[M, N] {{ return x + {fn}(N * 0.25) }}", randn(3, 5))
+
+
+@pytest.mark.parametrize("pipeline", ["canonicalize,cse,dce", "cse,dce"], ids=["folded", "in-kernel"])
+def test_cast_of_a_weak_value_rounds(pipeline):
+    # cast(exp(0.5), bf16) must round to bf16 whether canonicalize folds it or a kernel computes it
+    fn = tiledsl.compile("kernel f(x: f32[M, N]) -> f32[M, N] { return 0.0 * x + cast(exp(0.5), bf16) }",
+                         pipeline=pipeline)
+    _, out = run_checked(fn, randn(17, 33))
+    assert out[0, 0].item() == torch.tensor(1.6487212707001282).bfloat16().item()
