@@ -42,13 +42,8 @@ def run(graph: Graph, bound: BoundCall, float64: bool = False) -> list[torch.Ten
                 values[(node, i)] = out
         else:
             values[(node, 0)] = eval_op(op, args, bound.dims, float64)
-    outs = []
-    for edge in graph.outputs:
-        v = values[edge]
-        producer = graph.op(edge[0])
-        t = producer.result_types[edge[1]] if isinstance(producer, KernelOp) else producer.type
-        outs.append(_materialize(v, t.dtype, float64, bound.device))
-    return outs
+    return [_materialize(values[edge], t.dtype, float64, bound.device)
+            for edge, t in zip(graph.outputs, graph.returns, strict=True)]
 
 
 def run_region(region: Region, inputs: Sequence[Any], dims: Mapping[str, int],

@@ -90,13 +90,19 @@ _FOLD = {
 _COMPARISONS = ("lt", "le", "gt", "ge", "eq", "ne")
 
 
+def _as_python(dtype: DType) -> DType:
+    """Weak values are Python scalars: floats stay doubles (F32 here means "a Python
+    float", which `_round` leaves as it is); only an explicit cast rounds to f16/bf16."""
+    return DType.F32 if dtype.is_float else dtype
+
+
 def _operand_dtype(op: Op, types: tuple[TensorType, ...]) -> DType | None:
     """The dtype an op reads its operands in (None: as they are)."""
     if op.kind in _COMPARISONS:
-        return result_dtype(types)
+        return _as_python(result_dtype(types))
     if op.kind == "cast":
         return None
-    return op.dtype
+    return _as_python(op.dtype)
 
 
 def const_value(graph: Graph, node: int):
@@ -119,14 +125,14 @@ class FoldConstants(Pattern):
         read_as = _operand_dtype(op, types)
         args = [v if read_as is None else _round(v, read_as) for v in values]
         if op.kind == "where":
-            args = [values[0]] + [_round(v, op.dtype) for v in values[1:]]
+            args = [values[0]] + [_round(v, _as_python(op.dtype)) for v in values[1:]]
         try:
             value = fold(*args, op.attr_map)
         except (ArithmeticError, ValueError, TypeError):
             return False
         if isinstance(value, float) and math.isnan(value):
             return False
-        value = _round(value, op.dtype)
+        value = _round(value, op.dtype if op.kind == "cast" else _as_python(op.dtype))
         t = TensorType(op.dtype, (), True)
         new = rewriter.create(
             Op("const", op.dtype, (), make_attrs(value=value, type=t), op.span, True), [])

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from tiledsl import ops
 from tiledsl.ir import Graph
-from tiledsl.passes.fusion.grow import candidate_kind, grow, rewrite_groups
+from tiledsl.passes.fusion.grow import candidate_kind, fuse_groups
 from tiledsl.passes.fusion.legality import GroupPlan, describe_node, reads_other_index
 from tiledsl.passes.registry import Pass, PassContext, register
 from tiledsl.types import format_shape
@@ -33,21 +33,14 @@ class FuseElementwise(Pass):
     name = "fuse-elementwise"
 
     def run(self, graph: Graph, ctx: PassContext) -> None:
-        plan = GroupPlan(graph)
-
-        def consider(node: int) -> bool:
+        def elementwise(node: int) -> bool:
             return candidate_kind(graph, node) and ops.is_elementwise(graph.op(node).kind)
 
-        for seed in graph.topo_order():
-            if plan.grouped(seed) or not consider(seed):
-                continue
+        def admit_for(plan: GroupPlan, seed: int):
             space = graph.op(seed).shape
+            return lambda group, cand: _admit(graph, group, cand, space)
 
-            def admit(group: set[int], cand: int, space=space) -> tuple[str, str] | None:
-                return _admit(graph, group, cand, space)
-
-            plan.add_group(grow(plan, seed, admit, self.name, ctx.remarks, consider))
-        rewrite_groups(plan, "pointwise")
+        fuse_groups(graph, ctx.remarks, self.name, "pointwise", elementwise, elementwise, admit_for)
 
 
 def _admit(graph: Graph, group: set[int], cand: int, space) -> tuple[str, str] | None:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from tiledsl import ops
 from tiledsl.ir import Graph
-from tiledsl.passes.fusion.grow import candidate_kind, grow, rewrite_groups
+from tiledsl.passes.fusion.grow import candidate_kind, fuse_groups
 from tiledsl.passes.fusion.legality import GroupPlan, reads_other_index, result_type
 from tiledsl.passes.fusion.profitability import MAX_EPILOGUE_INPUTS, prologue_refusal
 from tiledsl.passes.registry import Pass, PassContext, register
@@ -40,25 +40,22 @@ class FuseEpilogue(Pass):
     name = "fuse-epilogue"
 
     def run(self, graph: Graph, ctx: PassContext) -> None:
-        plan = GroupPlan(graph)
-
-        def consider(node: int) -> bool:
+        def elementwise(node: int) -> bool:
             return candidate_kind(graph, node) and ops.is_elementwise(graph.op(node).kind)
 
-        for seed in graph.topo_order():
-            if plan.grouped(seed) or not candidate_kind(graph, seed) or graph.op(seed).kind != "matmul":
-                continue
-            prologue: set[int] = set()
+        def admit_for(plan: GroupPlan, seed: int):
+            prologue: set[int] = set()  # members feeding the matmul's operands
 
-            def admit(group: set[int], cand: int, seed: int = seed,
-                      prologue: set[int] = prologue) -> tuple[str, str] | None:
+            def admit(group: set[int], cand: int) -> tuple[str, str] | None:
                 reason = _admit(graph, group, cand, seed, prologue)
                 if reason is None and _is_prologue(graph, cand, seed, prologue):
                     prologue.add(cand)
                 return reason
 
-            plan.add_group(grow(plan, seed, admit, self.name, ctx.remarks, consider))
-        rewrite_groups(plan, "matmul")
+            return admit
+
+        fuse_groups(graph, ctx.remarks, self.name, "matmul",
+                    lambda node: graph.op(node).kind == "matmul", elementwise, admit_for)
 
 
 def _is_prologue(graph: Graph, cand: int, seed: int, prologue: set[int]) -> bool:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from tiledsl import ops
 from tiledsl.ir import Graph
-from tiledsl.passes.fusion.grow import candidate_kind, grow, outputs_of, rewrite_groups
+from tiledsl.passes.fusion.grow import candidate_kind, fuse_groups, outputs_of
 from tiledsl.passes.fusion.legality import ROW_OPS, GroupPlan, RowSpace, result_type, row_layouts
 from tiledsl.passes.regions import outline
 from tiledsl.passes.registry import Pass, PassContext, register
@@ -34,22 +34,17 @@ class FuseRows(Pass):
     name = "fuse-rows"
 
     def run(self, graph: Graph, ctx: PassContext) -> None:
-        plan = GroupPlan(graph)
-        for seed in graph.topo_order():
-            op = graph.op(seed)
-            if plan.grouped(seed) or not candidate_kind(graph, seed) or op.kind not in ROW_OPS:
-                continue
-            space = RowSpace(result_type(graph, *graph.operand_edges(seed)[0]).shape, op.attr("axis"))
+        def consider(node: int) -> bool:
+            kind = graph.op(node).kind
+            return candidate_kind(graph, node) and (ops.is_elementwise(kind) or kind in ROW_OPS)
 
-            def admit(group: set[int], cand: int, space: RowSpace = space) -> tuple[str, str] | None:
-                return _admit(graph, plan, group, cand, space)
+        def admit_for(plan: GroupPlan, seed: int):
+            x = result_type(graph, *graph.operand_edges(seed)[0])
+            space = RowSpace(x.shape, graph.op(seed).attr("axis"))
+            return lambda group, cand: _admit(graph, plan, group, cand, space)
 
-            def consider(node: int) -> bool:
-                kind = graph.op(node).kind
-                return candidate_kind(graph, node) and (ops.is_elementwise(kind) or kind in ROW_OPS)
-
-            plan.add_group(grow(plan, seed, admit, self.name, ctx.remarks, consider))
-        rewrite_groups(plan, "rows")
+        fuse_groups(graph, ctx.remarks, self.name, "rows",
+                    lambda node: graph.op(node).kind in ROW_OPS, consider, admit_for)
 
 
 def _admit(graph: Graph, plan: GroupPlan, group: set[int], cand: int,

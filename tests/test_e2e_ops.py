@@ -327,3 +327,11 @@ def test_cast_of_a_weak_value_rounds(pipeline):
                          pipeline=pipeline)
     _, out = run_checked(fn, randn(17, 33))
     assert out[0, 0].item() == torch.tensor(1.6487212707001282).bfloat16().item()
+
+
+@pytest.mark.parametrize("pipeline", ["canonicalize,cse,dce", "cse,dce"], ids=["folded", "in-kernel"])
+def test_arithmetic_on_a_weak_bf16_value_is_double_precision(pipeline):
+    # only the cast rounds; exp of the (weak) result is Python arithmetic (found by the random programs)
+    fn = tiledsl.compile("kernel f(x: f32[M, N]) -> f32[M, N] { return 0.0 * x + exp(cast(0.5, bf16)) }",
+                         pipeline=pipeline)
+    run_checked(fn, randn(17, 33))

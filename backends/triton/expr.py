@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from tiledsl import ops
 from tiledsl.ir import Op, Region
-from tiledsl.types import DType, result_dtype
+from tiledsl.types import DType, TensorType, result_dtype
 
 from .codegen import Code
 
@@ -129,9 +129,13 @@ class Emitter:
             return self.assign(f"tl.full([], 0.0, tl.float32) + {name}", "f")
         return Val(name, category(dtype))
 
-    def load(self, text: str, dtype: DType) -> Val:
-        """Assign a `tl.load(...)` of `dtype` values, widened to its compute type."""
-        return self.assign(self.widen(text, dtype), category(dtype))
+    def load(self, text: str, t: TensorType) -> Val:
+        """Assign a `tl.load(...)` of a value of type `t`, widened to its compute type.
+
+        A weak float is stored as f64 (`weak_storage`) and computes in f64."""
+        if t.weak and t.dtype.is_float:
+            return self.assign(text, "d")
+        return self.assign(self.widen(text, t.dtype), category(t.dtype))
 
     def fresh(self, prefix: str = "v") -> str:
         self._count += 1
@@ -159,10 +163,12 @@ class Emitter:
             return val
         return self.assign(f"tl.full([], {val.text}, {COMPUTE[val.cat]})", val.cat)
 
-    def store_value(self, val: Val, dtype: DType) -> str:
-        """Source text converting a compute value to the dtype it is stored as."""
-        val = self.tensor(self.convert(val, category(dtype)))
-        return self.narrow(val.text, dtype)
+    def store_value(self, val: Val, t: TensorType) -> str:
+        """Source text converting a compute value to how a value of type `t` is stored."""
+        if t.weak and t.dtype.is_float:
+            return self.tensor(self.convert(val, "d")).text
+        val = self.tensor(self.convert(val, category(t.dtype)))
+        return self.narrow(val.text, t.dtype)
 
     # --- ops -----------------------------------------------------------------------------
 

@@ -223,7 +223,7 @@ class GemmProgram:
             if inp.scalar:
                 vals[i] = em.scalar(self.scalars[i], inp.type.dtype)
             elif i in self.zero_dim:
-                vals[i] = em.load(f"tl.load({self.zero_dim[i]})", inp.type.dtype)
+                vals[i] = em.load(f"tl.load({self.zero_dim[i]})", inp.type)
             else:
                 vals[i] = self.load_d(i, inp.type.shape, rank)
 
@@ -238,7 +238,7 @@ class GemmProgram:
         for j, v in enumerate(region.outputs):
             c = self.outs[j]
             ptrs = self.tile(c, rank, "rm[:, None]", "rn[None, :]", "[BLOCK_M, BLOCK_N]")
-            body(f"tl.store({ptrs}, {em.store_value(vals[v], region.value_type(v).dtype)}, "
+            body(f"tl.store({ptrs}, {em.store_value(vals[v], region.value_type(v))}, "
                  f"mask={tile_mask})")
 
     def _used_in_epilogue(self, i: int, skip: set[int]) -> bool:
@@ -252,7 +252,7 @@ class GemmProgram:
         indices = [self.out_index(lead + k) if shape[k] != 1 else None for k in range(len(shape))]
         offset = ref.offset(indices)
         if offset == "0":
-            return self.em.load(f"tl.load({ref.ptr})", self.region.inputs[i].type.dtype)
+            return self.em.load(f"tl.load({ref.ptr})", self.region.inputs[i].type)
         rows = "rm[:, None]" in indices
         cols = "rn[None, :]" in indices
         self.full_tiles += rows and cols
@@ -261,7 +261,7 @@ class GemmProgram:
                 (False, False): None}[(rows, cols)]
         load = (f"tl.load({ref.ptr} + {offset})" if mask is None
                 else f"tl.load({ref.ptr} + {offset}, mask={mask}, other=0)")
-        return self.em.load(load, self.region.inputs[i].type.dtype)
+        return self.em.load(load, self.region.inputs[i].type)
 
     # --- launch --------------------------------------------------------------------------------
 

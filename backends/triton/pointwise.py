@@ -62,7 +62,7 @@ def emit(kernel: KernelOp, hints: Hints) -> EmittedKernel:
             offset = ref.offset(index_names[lead:])
             load = (f"tl.load({ref.ptr})" if offset == "0"
                     else f"tl.load({ref.ptr} + {offset}, mask=mask, other=0)")
-        inputs[i] = em.load(load, inp.type.dtype)
+        inputs[i] = em.load(load, inp.type)
 
     def index(op: Op) -> Val:
         axis = op.attr("axis") + rank - len(op.shape)
@@ -71,7 +71,7 @@ def emit(kernel: KernelOp, hints: Hints) -> EmittedKernel:
 
     vals = em.run(region, inputs, index)
     for j, (value, t) in enumerate(zip(region.outputs, out_types, strict=True)):
-        body(f"tl.store({outs[j]} + offs, {em.store_value(vals[value], t.dtype)}, mask=mask)")
+        body(f"tl.store({outs[j]} + offs, {em.store_value(vals[value], t)}, mask=mask)")
 
     def configure(dims: Mapping[str, int], device: str) -> LaunchConfig:
         n = numel(shape, dims)

@@ -95,7 +95,10 @@ class TritonProgram:
         else:
             with interpreting():
                 self._run(values, bound.dims, device, target)
-        return [values[e] for e in self.graph.outputs]
+        # a weak (Python-scalar-like) float travels between kernels as f64; the program
+        # returns what it declares
+        return [v.to(torch_dtype(t.dtype)) if v.dtype != torch_dtype(t.dtype) else v
+                for v, t in zip((values[e] for e in self.graph.outputs), self.graph.returns, strict=True)]
 
     def _run(self, values: dict, dims: Mapping[str, int], device, target: str) -> None:
         import torch
@@ -108,7 +111,7 @@ class TritonProgram:
             if step.kind == "view":
                 values[(step.node, 0)] = args[0].transpose(*step.op.attr("dims"))
                 continue
-            outs = [torch.empty(eval_shape(t.shape, dims), dtype=torch_dtype(t.dtype), device=device)
+            outs = [torch.empty(eval_shape(t.shape, dims), dtype=storage_dtype(t), device=device)
                     for t in step.op.result_types]
             self._launch(step, args, outs, dims, target)
             for i, out in enumerate(outs):
@@ -154,6 +157,14 @@ class TritonProgram:
         if len(self.launches) < 1024:
             self.launches.add(Launch(emitted, _signature(emitted, args), tuple(sorted(dims.items()))))
         launch(cfg)
+
+
+def storage_dtype(t):
+    """How a kernel result is stored: in its dtype, except weak floats, which are f64
+    (the Python float they stand for)."""
+    import torch
+
+    return torch.float64 if t.weak and t.dtype.is_float else torch_dtype(t.dtype)
 
 
 _POINTER_TYPES = {"float16": "*fp16", "bfloat16": "*bf16", "float32": "*fp32", "int32": "*i32",

@@ -141,12 +141,12 @@ class RowProgram:
         return f"{ref.ptr} + {offset}", mask
 
     def load(self, i: int) -> Val:
-        dtype = self.region.inputs[i].type.dtype
+        t = self.region.inputs[i].type
         if i in self.scalars:
-            return self.em.scalar(self.scalars[i], dtype)
+            return self.em.scalar(self.scalars[i], t.dtype)
         ptr, mask = self.access(self.refs[i], i)
         text = f"tl.load({self.refs[i].ptr})" if ptr is None else f"tl.load({ptr}, mask={mask}, other=0)"
-        return self.em.load(text, dtype)
+        return self.em.load(text, t)
 
     def emit_values(self, vals: dict[int, Val], which: set[int] | None) -> None:
         """Emit the loads and elementwise ops (those in `which`, or all) not yet in `vals`."""
@@ -365,7 +365,7 @@ class RowProgram:
                 ptr = f"{self.outs[j].ptr} + o[:, None] * 0"
             if not full:
                 mask = "omask[:, None]"
-            text = self.em.store_value(vals[v], self.region.value_type(v).dtype)
+            text = self.em.store_value(vals[v], self.region.value_type(v))
             self.body(f"tl.store({ptr}, {text}, mask={mask})")
 
 

@@ -79,6 +79,23 @@ def outputs_of(graph: Graph, members: list[int]) -> list[int]:
     return [n for n in members if any(u not in inside for u, _ in graph.users(n))]
 
 
+def fuse_groups(graph: Graph, remarks: list, pass_name: str, template: str,
+                is_seed: Callable[[int], bool], consider: Callable[[int], bool],
+                admit_for: Callable[[GroupPlan, int], Admit]) -> None:
+    """The driver of a fusion pass: grow a group from every seed not yet grouped
+    (in topological order), then rewrite every group into one `template` kernel.
+
+    `admit_for(plan, seed)` gives the legality/profitability rule for that
+    seed's group; `consider` says which neighbours are candidates at all.
+    """
+    plan = GroupPlan(graph)
+    for seed in graph.topo_order():
+        if plan.grouped(seed) or not candidate_kind(graph, seed) or not is_seed(seed):
+            continue
+        plan.add_group(grow(plan, seed, admit_for(plan, seed), pass_name, remarks, consider))
+    rewrite_groups(plan, template)
+
+
 def rewrite_groups(plan: GroupPlan, template: str, min_size: int = 1) -> list[int]:
     """Replace every planned group by one kernel node; returns the new kernel nodes."""
     kernels = []
