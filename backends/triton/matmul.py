@@ -182,12 +182,8 @@ class GemmProgram:
             em.run(region, vals, self.index_unsupported, skip=lambda v: v not in chain)
             result = em.tensor(em.convert(vals[value], category(dot)))
             body(f"{name} = tl.where({mask}, {em.narrow(result.text, dot)}, 0.0)")
-            loaded = dot
-        else:
-            loaded = src_type.dtype
-            if loaded is not dot:  # mixed operands meet in the promoted dtype (f32)
-                body(f"{name} = {em.widen(name, loaded)}")
-                loaded = dot
+        elif src_type.dtype is not dot:  # mixed operands meet in the promoted dtype (f32)
+            body(f"{name} = {em.widen(name, src_type.dtype)}")
         if dot is DType.BF16:
             # the interpreter multiplies bf16 dot operands as raw bits
             body("if INTERPRETER:")
