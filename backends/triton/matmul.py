@@ -45,12 +45,15 @@ from .expr import Emitter, Val, category, literal
 
 DOT_HINTS = ("BLOCK_M", "BLOCK_N", "BLOCK_K")
 # Hopper configurations to autotune among: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages).
-# With pointer-based loads (no TMA), 4-warp tiles of 128 x 128 and any 128 x 256
-# or 256 x 128 tile spill on sm_90 (ptxas -v), so the list keeps 8-warp tiles.
-HOPPER_CONFIGS = ((128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 32, 8, 4), (64, 256, 64, 8, 3))
+# With pointer-based loads (no TMA), 4-warp tiles of 128 x 128 and any 128 x 256,
+# 256 x 128 or 64 x 256 tile spill on sm_90 (ptxas -v, Triton 3.6 and 3.9), so the
+# list keeps 8-warp tiles that compile without spills.
+HOPPER_CONFIGS = ((128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 32, 8, 4),
+                  (128, 64, 64, 8, 3), (64, 128, 64, 8, 3))
 # An epilogue that loads or stores two or more full [M, N] tiles (extra D tensors,
-# extra outputs) spills at 128 x 128; half-width tiles with 8 warps do not.
-HEAVY_EPILOGUE_CONFIGS = ((128, 64, 64, 8, 3), (128, 64, 64, 8, 4), (64, 128, 64, 8, 3))
+# extra outputs), or an operand prologue (its tile passes through registers),
+# spills at 128 x 128; half-width tiles with 8 warps and 3 stages do not.
+HEAVY_CONFIGS = ((128, 64, 64, 8, 3), (64, 128, 64, 8, 3))
 
 
 def _depends(region: Region, value: int) -> set[int]:
@@ -267,7 +270,8 @@ class GemmProgram:
         k_dim = self.region.inputs[self.sources[0]].type.shape[-1]
         dot = self.op.dtype
         batch = self.batch
-        heavy = self.full_tiles >= 2
+        heavy = self.full_tiles >= 2 or any(v != src for v, src in
+                                            zip((self.a_val, self.b_val), self.sources, strict=True))
 
         def sizes(dims: Mapping[str, int]) -> tuple[int, int, int]:
             m, n, k = (d if isinstance(d, int) else dims[d] for d in (shape[-2], shape[-1], k_dim))
@@ -286,7 +290,7 @@ class GemmProgram:
                 # the tiles that do not spill on sm_90 with pointer-based loads: 128 x 128
                 # x 64 with 8 warps (128 x 64 for heavy epilogues), 64 x 64 for small problems
                 if m >= 128 and n >= 128:
-                    bm, bn, bk, warps, stages = (HEAVY_EPILOGUE_CONFIGS if heavy else HOPPER_CONFIGS)[0]
+                    bm, bn, bk, warps, stages = (HEAVY_CONFIGS if heavy else HOPPER_CONFIGS)[0]
                     bk = bk if dot is not DType.F32 else 32
                     return config(dims, user["BLOCK_M"] or bm, user["BLOCK_N"] or bn,
                                   user["BLOCK_K"] or bk, user["num_warps"] or warps,
@@ -306,7 +310,7 @@ class GemmProgram:
             m, n, k = sizes(dims)
             if device != "cuda" or any(user.values()) or m < 128 or n < 128 or dot is DType.F32:
                 return []
-            configs = HEAVY_EPILOGUE_CONFIGS if heavy else HOPPER_CONFIGS
+            configs = HEAVY_CONFIGS if heavy else HOPPER_CONFIGS
             return [config(dims, bm, bn, bk, w, s) for bm, bn, bk, w, s in configs
                     if bm <= next_pow2(m) and bn <= next_pow2(n) and bk <= max(16, next_pow2(k))]
 
