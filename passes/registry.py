@@ -28,7 +28,6 @@ class PassContext:
     """
 
     remarks: list[Any] = field(default_factory=list)
-    options: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ PY_SCALAR = {DType.F32: 0.5, DType.I32: 3, DType.BOOL: True}
 def torch_operand(t: TensorType):
     if t.weak:
         return PY_SCALAR[t.dtype]
-    return torch.ones((2,) * t.rank, dtype=TORCH[t.dtype])
+    return torch.ones((2,) * t.rank, dtype=TORCH[t.dtype])  # result_type reads only dtypes and ranks
 
 
 KINDS = [TensorType(d, ("N",)) for d in DType] + [TensorType(d, ()) for d in DType] + [

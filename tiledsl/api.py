@@ -101,7 +101,7 @@ def compile_text(text: str, name: str, kernel: str | None = None, backend: str =
         manager = PassManager(manager.pipeline + ",lower-kernels" if manager.passes
                               else "lower-kernels", verify=verify)
     try:
-        result = manager.run(graph, PassContext(options={"allow_tf32": allow_tf32}))
+        result = manager.run(graph, PassContext())
         return Program(result, backend, manager.pipeline, allow_tf32)
     except diag.TileDSLError:
         raise
