@@ -19,9 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tiledsl import ops
 from tiledsl.ir import Graph
-from tiledsl.passes.fusion.grow import candidate_kind, fuse_groups
+from tiledsl.passes.fusion.grow import elementwise_candidate, fuse_groups
 from tiledsl.passes.fusion.legality import GroupPlan, describe_node, reads_other_index
 from tiledsl.passes.registry import Pass, PassContext, register
 from tiledsl.types import format_shape
@@ -34,7 +33,7 @@ class FuseElementwise(Pass):
 
     def run(self, graph: Graph, ctx: PassContext) -> None:
         def elementwise(node: int) -> bool:
-            return candidate_kind(graph, node) and ops.is_elementwise(graph.op(node).kind)
+            return elementwise_candidate(graph, node)
 
         def admit_for(plan: GroupPlan, seed: int):
             space = graph.op(seed).shape

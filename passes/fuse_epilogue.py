@@ -25,9 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tiledsl import ops
 from tiledsl.ir import Graph
-from tiledsl.passes.fusion.grow import candidate_kind, fuse_groups
+from tiledsl.passes.fusion.grow import elementwise_candidate, fuse_groups
 from tiledsl.passes.fusion.legality import GroupPlan, reads_other_index, result_type
 from tiledsl.passes.fusion.profitability import MAX_EPILOGUE_INPUTS, prologue_refusal
 from tiledsl.passes.registry import Pass, PassContext, register
@@ -41,7 +40,7 @@ class FuseEpilogue(Pass):
 
     def run(self, graph: Graph, ctx: PassContext) -> None:
         def elementwise(node: int) -> bool:
-            return candidate_kind(graph, node) and ops.is_elementwise(graph.op(node).kind)
+            return elementwise_candidate(graph, node)
 
         def admit_for(plan: GroupPlan, seed: int):
             prologue: set[int] = set()  # members feeding the matmul's operands

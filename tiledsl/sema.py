@@ -129,7 +129,7 @@ class _KernelBuilder:
         scalar = param.type.dims is None
         op = Op("param", t.dtype, t.shape,
                 make_attrs(name=param.name, index=index, scalar=scalar, type=t), param.span)
-        self.scope[param.name] = (self._add(op, []), param.name_span)
+        self.scope[param.name] = (self.graph.add(op, []), param.name_span)
 
     def _type(self, texpr: ast.TypeExpr, owner: str | None) -> TensorType:
         dtype = DTYPES.get(texpr.dtype)
@@ -180,10 +180,6 @@ class _KernelBuilder:
 
     # --- expressions --------------------------------------------------------------------
 
-    def _add(self, op: Op, operands: list[int]) -> int:
-        node = self.graph.add(op, operands)
-        return node
-
     def _emit(self, kind: str, operands: list[tuple[int, Span]], span: Span, **attrs: Any) -> int:
         """Add an op, inferring its type; a refused rule becomes a located error."""
         types = tuple(self.graph.op(n).type for n, _ in operands)
@@ -196,15 +192,15 @@ class _KernelBuilder:
             ]
             raise err.cls(span, notes, **err.fields) from None
         op = Op(kind, t.dtype, t.shape, make_attrs(**attrs), span, t.weak)
-        return self._add(op, [n for n, _ in operands])
+        return self.graph.add(op, [n for n, _ in operands])
 
     def _const(self, value: object, dtype: DType, span: Span) -> int:
         t = TensorType(dtype, (), True)
-        return self._add(Op("const", dtype, (), make_attrs(value=value, type=t), span, True), [])
+        return self.graph.add(Op("const", dtype, (), make_attrs(value=value, type=t), span, True), [])
 
     def _dim(self, symbol: str, span: Span) -> int:
         t = TensorType(DType.I32, (), True)
-        return self._add(Op("dim", DType.I32, (), make_attrs(symbol=symbol, type=t), span, True), [])
+        return self.graph.add(Op("dim", DType.I32, (), make_attrs(symbol=symbol, type=t), span, True), [])
 
     def expr(self, e: ast.Expr) -> int:
         method = getattr(self, "_" + type(e).__name__)

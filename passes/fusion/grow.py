@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
+from tiledsl import ops
 from tiledsl.ir import Graph, KernelOp, Op
 from tiledsl.passes.regions import replace_with_kernel
 
@@ -25,6 +26,11 @@ def candidate_kind(graph: Graph, node: int) -> bool:
     """Ops a fusion pass may consider at all (not params, dims, views, returns, kernels)."""
     op = graph.op(node)
     return isinstance(op, Op) and op.kind not in ("param", "dim", "const", "transpose", "return")
+
+
+def elementwise_candidate(graph: Graph, node: int) -> bool:
+    """An elementwise op a fusion pass may take (see `candidate_kind`)."""
+    return candidate_kind(graph, node) and ops.is_elementwise(graph.op(node).kind)
 
 
 def grow(plan: GroupPlan, seed: int, admit: Admit, pass_name: str,
