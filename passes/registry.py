@@ -116,8 +116,10 @@ def _load_builtin_passes() -> None:
         canonicalize,
         cse,
         dce,
+        fuse_attention,
         fuse_elementwise,
         fuse_epilogue,
         fuse_rows,
         lower_kernels,
+        online_softmax,
     )

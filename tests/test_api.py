@@ -36,26 +36,26 @@ def test_arguments_bind_positionally_or_by_name(attention):
 
 
 def test_kernels_in_launch_order(attention):
-    assert [(k.name, k.template) for k in attention.kernels] == [("k0", "matmul"), ("k1", "rows"), ("k2", "matmul")]
+    assert [(k.name, k.template) for k in attention.kernels] == [("k0", "attention")]
     k0 = attention.kernels[0]
-    assert [op.kind for op in k0.ops] == ["matmul", "mul", "index", "index", "ge", "where"]
+    assert [op.kind for op in k0.ops] == ["matmul", "mul", "index", "index", "ge", "where", "softmax", "matmul"]
     assert "@triton.jit" in k0.source and f"def {k0.fn_name}(" in k0.source
-    assert k0.lines == (5, 6)
+    assert k0.lines == (5, 6, 7, 8)
 
 
 def test_graph_is_the_fused_networkx_graph(attention):
     g = attention.graph
     assert isinstance(g, nx.DiGraph)
     kinds = [g.nodes[n]["op"].kind for n in nx.topological_sort(g)]
-    assert kinds.count("kernel") == 3 and kinds.count("param") == 4
+    assert kinds.count("kernel") == 1 and kinds.count("param") == 4
 
 
 def test_ir_stages(attention):
-    assert attention.stages == ["graph", "canonicalize", "cse", "dce", "fuse-epilogue", "fuse-rows",
-                                "fuse-elementwise", "lower-kernels", "fused"]
+    assert attention.stages == ["graph", "canonicalize", "cse", "dce", "online-softmax", "fuse-attention",
+                                "fuse-epilogue", "fuse-rows", "fuse-elementwise", "lower-kernels", "fused"]
     assert "%7 = neg %6 : weak f32" in attention.ir("graph")
     assert "const -inf" in attention.ir("canonicalize")
-    assert "kernel @k? matmul(" in attention.ir("fuse-epilogue")  # named at lower-kernels
+    assert "kernel @k? attention(" in attention.ir("fuse-attention")  # named at lower-kernels
     assert attention.ir("fused") == attention.ir("lower-kernels")
     assert "loc(6:9)" in attention.ir("graph", locations=True)
     with pytest.raises(OptionError) as info:
@@ -67,16 +67,26 @@ def test_explain_reports_kernels_traffic_and_fusions_not_made(attention):
     text = attention.explain()
     assert text.splitlines()[:5] == [
         "fusion report for @attention",
-        "  pipeline: canonicalize,cse,dce,fuse-epilogue,fuse-rows,fuse-elementwise,lower-kernels",
-        "  3 kernels for 8 ops",
-        "  modeled HBM traffic: 4·B·D·H·M + 4·B·D·H·N + 8·B·H·M·N B fused; "
+        "  pipeline: canonicalize,cse,dce,online-softmax,fuse-attention,fuse-epilogue,fuse-rows,"
+        "fuse-elementwise,lower-kernels",
+        "  1 kernel for 8 ops",
+        "  modeled HBM traffic: 4·B·D·H·M + 4·B·D·H·N B fused; "
         "4·B·D·H·M + 4·B·D·H·N + 34·B·H·M·N B op by op",
-        "  saved: 26·B·H·M·N B",
+        "  saved: 34·B·H·M·N B",
     ]
-    assert "  k0  matmul    matmul (line 5), mul (line 5), index (line 6), index (line 6), ge (line 6), where (line 6)" in text
-    assert "        in:  q: f16[B, H, M, D], k.T: f16[B, H, D, N], scale: f32 (by value)" in text
-    assert "        out: f16[B, H, M, N] -> k1" in text
-    assert text.rstrip().splitlines()[-2:] == [
+    assert ("  k0  attention matmul (line 5), mul (line 5), index (line 6), index (line 6), ge (line 6), "
+            "where (line 6), softmax (line 7), matmul (line 8)") in text
+    assert "        in:  q: f16[B, H, M, D], k.T: f16[B, H, D, N], scale: f32 (by value), v: f16[B, H, N, D]" in text
+    assert "        out: f16[B, H, M, D] -> return" in text
+    assert ("        structure: q @ k.T: matmul (line 5); score modification: mul (line 5), index (line 6), "
+            "index (line 6), ge (line 6), where (line 6); online softmax: softmax (line 7); p @ v: matmul "
+            "(line 8); key blocks past the mask's bound are skipped") in text
+    assert text.rstrip().splitlines()[-1] == "fusions not made: none"
+
+
+def test_explain_shows_fusions_not_made():
+    fn = tiledsl.compile(ATTENTION, pipeline="canonicalize,cse,dce,fuse-epilogue,fuse-rows,lower-kernels")
+    assert fn.explain().rstrip().splitlines()[-2:] == [
         "  where (line 6) -> softmax (line 7): no fusion pass joins a matmul kernel (k0) to a rows kernel (k1) [rule: op]",
         "  softmax (line 7) -> matmul (line 8): no fusion pass joins a rows kernel (k1) to a matmul kernel (k2) [rule: op]",
     ]
@@ -98,8 +108,8 @@ def test_explain_without_fusion_says_so():
 def test_to_dot_has_one_cluster_per_kernel(attention):
     dot = attention.to_dot()
     assert dot.startswith('digraph "attention" {')
-    assert dot.count("subgraph cluster_k") == 3
-    assert 'label="k0 (matmul)"' in dot and 'label="k1 (rows)"' in dot
+    assert dot.count("subgraph cluster_k") == 1
+    assert 'label="k0 (attention)"' in dot
     assert 'label="matmul\\nf16[B, H, M, N]"' in dot
     assert 'label="transpose\\nf16[B, H, D, N]", style=dashed' in dot
 

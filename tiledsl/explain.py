@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from tiledsl import cost
 from tiledsl.ir import Graph, KernelOp, Op
+from tiledsl.passes.fusion.attention import attention_parts
 from tiledsl.passes.fusion.remarks import FusionRemark, describe
 
 if TYPE_CHECKING:
@@ -74,6 +75,8 @@ def explain(program: Program, dims: Mapping[str, int] | None = None) -> str:
                             if graph.operand_edges(u)[slot] == (k, r)})
             outs.append(f"{t} -> {', '.join(users)}")
         lines.append(f"  {'':<{width}}    out: {'; '.join(outs)}")
+        if op.template == "attention":
+            lines.append(f"  {'':<{width}}    structure: {_attention_structure(op)}")
         fused, alone = cost.kernel_traffic(op), cost.op_by_op_traffic(op.region)
         lines.append(f"  {'':<{width}}    traffic: {_traffic(fused, dims)}"
                      + (f" (op by op: {_traffic(alone, dims)})" if alone != fused else ""))
@@ -85,6 +88,20 @@ def explain(program: Program, dims: Mapping[str, int] | None = None) -> str:
     else:
         lines.append("fusions not made: none")
     return "\n".join(lines) + "\n"
+
+
+def _attention_structure(kernel: KernelOp) -> str:
+    """Which op of an attention kernel plays which role, in region order."""
+    parts = attention_parts(kernel.region)
+    n_in = len(kernel.region.inputs)
+    roles: dict[str, list[str]] = {}
+    for i, rop in enumerate(kernel.region.ops):
+        if rop.op.kind not in ("const", "transpose"):
+            roles.setdefault(parts.role(n_in + i), []).append(describe(rop.op))
+    text = "; ".join(f"{role}: {', '.join(ops)}" for role, ops in roles.items())
+    if parts.bound is not None:
+        text += "; key blocks past the mask's bound are skipped"
+    return text
 
 
 def _user_name(graph: Graph, node: int) -> str:

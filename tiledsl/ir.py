@@ -98,6 +98,18 @@ class Region:
     def output_types(self) -> tuple[TensorType, ...]:
         return tuple(self.value_type(v) for v in self.outputs)
 
+    def depends(self, value: int) -> set[int]:
+        """The values `value` is computed from, itself included."""
+        n_in = len(self.inputs)
+        out, stack = set(), [value]
+        while stack:
+            v = stack.pop()
+            if v not in out:
+                out.add(v)
+                if v >= n_in:
+                    stack.extend(self.ops[v - n_in].operands)
+        return out
+
 
 @dataclass(frozen=True, slots=True)
 class KernelOp:

@@ -56,18 +56,56 @@ HOPPER_CONFIGS = ((128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 32, 8, 
 HEAVY_CONFIGS = ((128, 64, 64, 8, 3), (64, 128, 64, 8, 3))
 
 
-def _depends(region: Region, value: int) -> set[int]:
-    """Region values `value` is computed from (itself included)."""
-    n_in = len(region.inputs)
-    out, stack = set(), [value]
-    while stack:
-        v = stack.pop()
-        if v in out:
-            continue
-        out.add(v)
-        if v >= n_in:
-            stack.extend(region.ops[v - n_in].operands)
-    return out
+def batch_base(ref: TensorRef, rank: int, bnames: list[str | None]) -> str:
+    """The pointer of this program's batch element of a matrix tensor (batch dims right-aligned
+    to `bnames`, the program's batch indices; broadcast dims have none)."""
+    if rank <= 2:
+        return ref.ptr
+    off = ref.offset(bnames[len(bnames) - (rank - 2):] + [None, None])
+    return ref.ptr if off == "0" else f"{ref.ptr} + {off}"
+
+
+def tile_ptrs(ref: TensorRef, rank: int, bnames: list[str | None], rows: str, cols: str, shape: str) -> str:
+    """Pointers of a matrix tile; broadcast when a literal size-1 dim has no stride."""
+    ptrs = f"{batch_base(ref, rank, bnames)} + {ref.offset([None] * (rank - 2) + [rows, cols])}"
+    if ref.strides[-2] is None or ref.strides[-1] is None:
+        ptrs = f"tl.broadcast_to({ptrs}, {shape})"
+    return ptrs
+
+
+def operand_tile(em: Emitter, region: Region, name: str, ptrs: str, mask: str, value: int, src: int,
+                 chain: set[int], scalars: Mapping[int, str], dot: DType) -> str:
+    """Load a dot operand tile of `src` into `name`, apply the prologue `chain` (the values
+    `value` is computed from: elementwise ops with scalars, and transposes, which the
+    pointers already account for) in f32, and bring it to the dot's dtype. The prologue
+    result is masked back to 0 outside the tile, so tails add nothing to the dot."""
+    body, n_in = em.code, len(region.inputs)
+    src_type = region.inputs[src].type
+    body(f"{name} = tl.load({ptrs}, mask={mask}, other=0.0)")
+    if value != src:
+        vals = {src: em.assign(em.widen(name, src_type.dtype), category(src_type.dtype))}
+        for i in chain:
+            if i < n_in and i != src:
+                vals[i] = em.scalar(scalars[i], region.inputs[i].type.dtype)
+        for v in sorted(v for v in chain if v >= n_in):
+            rop = region.ops[v - n_in]
+            if rop.op.kind == "transpose":
+                vals[v] = vals[rop.operands[0]]
+            elif rop.op.kind == "const":
+                vals[v] = literal(rop.op.attr("value"), category(rop.op.dtype))
+            else:
+                types = tuple(region.value_type(o) for o in rop.operands)
+                vals[v] = em.op(rop.op, [vals[o] for o in rop.operands], types)
+        result = em.tensor(em.convert(vals[value], category(dot)))
+        body(f"{name} = tl.where({mask}, {em.narrow(result.text, dot)}, 0.0)")
+    elif src_type.dtype is not dot:  # mixed operands meet in the promoted dtype (f32)
+        body(f"{name} = {em.widen(name, src_type.dtype)}")
+    if dot is DType.BF16:
+        # the interpreter multiplies bf16 dot operands as raw bits
+        body("if INTERPRETER:")
+        with body.indent():
+            body(f"{name} = {em.widen(name, DType.BF16)}")
+    return name
 
 
 class GemmProgram:
@@ -79,7 +117,7 @@ class GemmProgram:
         self.mm = find_op(kernel, "matmul")
         self.op: Op = region.ops[self.mm - self.n_in].op
         self.a_val, self.b_val = region.ops[self.mm - self.n_in].operands
-        self.prologues = [_depends(region, v) for v in (self.a_val, self.b_val)]
+        self.prologues = [region.depends(v) for v in (self.a_val, self.b_val)]
         self.sources = [self._source(p) for p in self.prologues]
         self.shape = self.op.shape
         self.batch = self.shape[:-2]
@@ -153,49 +191,14 @@ class GemmProgram:
             return ""
         return ', input_precision="tf32"' if self.allow_tf32 else ', input_precision="ieee"'
 
-    def base(self, ref: TensorRef, rank: int) -> str:
-        """The pointer of this program's batch element of a tensor."""
-        if rank <= 2:
-            return ref.ptr
-        lead = len(self.batch) - (rank - 2)
-        off = ref.offset(self.bnames[lead:] + [None, None])
-        return ref.ptr if off == "0" else f"{ref.ptr} + {off}"
-
     def tile(self, ref: TensorRef, rank: int, rows: str, cols: str, shape: str) -> str:
-        """Pointers of a matrix tile; broadcast when a literal size-1 dim has no stride."""
-        ptrs = f"{self.base(ref, rank)} + {ref.offset([None] * (rank - 2) + [rows, cols])}"
-        if ref.strides[-2] is None or ref.strides[-1] is None:
-            ptrs = f"tl.broadcast_to({ptrs}, {shape})"
-        return ptrs
+        return tile_ptrs(ref, rank, self.bnames, rows, cols, shape)
 
     def operand(self, name: str, which: int, mask: str) -> str:
         """Load one operand tile, apply its prologue, and bring it to the dot's dtype."""
-        body, em, region = self.body, self.em, self.region
         value = (self.a_val, self.b_val)[which]
-        src = self.sources[which]
-        dot = self.op.dtype
-        src_type = region.inputs[src].type
-        body(f"{name} = tl.load({name}_ptrs, mask={mask}, other=0.0)")
-        if value != src:  # a prologue: compute on the tile, zero the K tail again
-            vals = {src: em.assign(em.widen(name, src_type.dtype), category(src_type.dtype))}
-            for i, inp in enumerate(region.inputs):
-                if inp.scalar:
-                    vals[i] = em.scalar(self.scalars[i], inp.type.dtype)
-            chain = self.prologues[which]
-            em.run(region, vals, self.index_unsupported, skip=lambda v: v not in chain)
-            result = em.tensor(em.convert(vals[value], category(dot)))
-            body(f"{name} = tl.where({mask}, {em.narrow(result.text, dot)}, 0.0)")
-        elif src_type.dtype is not dot:  # mixed operands meet in the promoted dtype (f32)
-            body(f"{name} = {em.widen(name, src_type.dtype)}")
-        if dot is DType.BF16:
-            # the interpreter multiplies bf16 dot operands as raw bits
-            body("if INTERPRETER:")
-            with body.indent():
-                body(f"{name} = {em.widen(name, DType.BF16)}")
-        return name
-
-    def index_unsupported(self, op: Op) -> Val:
-        raise AssertionError("index ops are not part of a GEMM prologue")
+        return operand_tile(self.em, self.region, name, f"{name}_ptrs", mask, value,
+                            self.sources[which], self.prologues[which], self.scalars, self.op.dtype)
 
     def out_index(self, dim: int) -> str | None:
         """Index of an output dim at the tile: batch scalars, rows, columns."""

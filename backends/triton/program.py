@@ -19,7 +19,7 @@ from tiledsl.binding import BoundCall, eval_shape, torch_dtype
 from tiledsl.diagnostics import InternalError
 from tiledsl.ir import Graph, KernelOp, Op
 
-from . import matmul, pointwise, rows
+from . import attention, matmul, pointwise, rows
 from .base import EmittedKernel, Hints, LaunchConfig
 from .cache import load
 from .codegen import DimSize, Numel, Ptr, Scalar, Stride
@@ -29,6 +29,7 @@ TEMPLATES = {
     "pointwise": pointwise.emit,
     "rows": rows.emit,
     "matmul": matmul.emit,
+    "attention": attention.emit,
 }
 
 
@@ -36,8 +37,8 @@ def emit_kernel(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> Emi
     emit = TEMPLATES.get(kernel.template)
     if emit is None:
         raise InternalError(kernel.span, message=f"no Triton template named '{kernel.template}'")
-    if kernel.template == "matmul":
-        return matmul.emit(kernel, hints, allow_tf32)
+    if kernel.template in ("matmul", "attention"):
+        return emit(kernel, hints, allow_tf32)
     return emit(kernel, hints)
 
 

@@ -18,6 +18,8 @@ RULES = {
     "other-index": "the consumer reads the producer at another index (transposed or broadcast)",
     "tile": "the group's tile cannot hold it (shape or axis does not fit the kernel's iteration space)",
     "op": "no fusion pattern takes this op here",
+    "materialize": "a value the fused kernel never holds whole is needed whole outside it",
+    "profit": "legal, but the fused kernel would repeat more work than it saves",
 }
 
 

@@ -1,0 +1,311 @@
+"""The flash-attention template: softmax(score_mod(q @ k.T)) @ v, one kernel, scores never
+stored.
+
+One program per (query block, batch element): it loads its q tile once, then
+walks the keys in blocks of BLOCK_N. Per key block: the k tile (in K^T
+orientation, through strides, so `k.T`, a pre-transposed `kt` and [B, N, H, D]
+views all work), s = q @ kt in f32, the score modification (scales, biases
+read at the [BLOCK_M, BLOCK_N] tile, index masks, soft-capping; any
+elementwise ops, in f32), then the online softmax in base 2: the scores are
+scaled by log2(e) once, the running max `m` and sum `l` are updated, the
+accumulator is rescaled by exp2(m_old - m_new), and P, cast to v's dtype,
+meets the v tile in the second dot. One normalisation at the end; the
+epilogue runs on the normalised f32 tile before the one store.
+
+Masks are true -inf. The running max is guarded where it is -inf, so rows
+whose scores are all masked give 0 (and logsumexp -inf), never NaN. Columns
+past the sequence end are masked to -inf, head dims are padded to a power of
+two (BLOCK_D >= 16, tl.dot's smallest) with zeros. When the last op before
+the softmax is a mask with a known key bound (`causal`, or any
+`index(-2) + a >= index(-1) + b`), key blocks past the bound of the block's
+last row are not visited, and query blocks run heaviest first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from tiledsl.ir import KernelOp, Op
+from tiledsl.passes.fusion.attention import attention_parts
+from tiledsl.types import DType
+
+from .base import EmittedKernel, Hints, LaunchConfig, cdiv, decompose, finish, hint, numel, require_dot_hints
+from .codegen import Code, Signature, next_pow2
+from .expr import Emitter, Val, literal
+from .matmul import operand_tile, tile_ptrs
+
+NEG_INF = '-float("inf")'
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+DOT_HINTS = ("BLOCK_M", "BLOCK_N")
+# Hopper configurations to autotune among: (BLOCK_M, BLOCK_N, warps, stages).
+HOPPER_CONFIGS = ((128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 4),
+                  (128, 128, 8, 2), (64, 64, 4, 3), (64, 128, 4, 3))
+
+
+class AttentionProgram:
+    def __init__(self, kernel: KernelOp, hints: Hints, allow_tf32: bool) -> None:
+        require_dot_hints(hints, DOT_HINTS)
+        self.kernel, self.hints, self.allow_tf32 = kernel, hints, allow_tf32
+        self.region = region = kernel.region
+        self.parts = parts = attention_parts(region)
+        self.n_in = n_in = len(region.inputs)
+        self.qk_op: Op = region.ops[parts.qk - n_in].op
+        self.pv_op: Op = region.ops[parts.pv - n_in].op
+        self.a_val, self.b_val = region.ops[parts.qk - n_in].operands
+        self.v_val = region.ops[parts.pv - n_in].operands[1]
+        self.q_src = self._source(parts.q_chain)
+        self.k_src = self._source(parts.k_chain)
+        transposes = sum(region.ops[v - n_in].op.kind == "transpose" for v in parts.k_chain if v >= n_in)
+        self.k_flipped = transposes % 2 == 1  # the k tensor is [.., N, D], read as K^T
+        self.score_shape, self.out_shape = self.qk_op.shape, self.pv_op.shape
+        self.batch = self.out_shape[:-2]
+        self.sig, self.body = Signature(), Code()
+        self.em = Emitter(self.body)
+
+    def _source(self, chain: frozenset[int]) -> int:
+        tensors = [v for v in chain if v < self.n_in and not self.region.inputs[v].scalar
+                   and self.region.inputs[v].type.rank > 0]
+        assert len(tensors) == 1, f"{self.kernel.name}: a matmul operand comes from one tensor"
+        return tensors[0]
+
+    def value_type(self, v: int):
+        return self.region.value_type(v)
+
+    # --- emission ---------------------------------------------------------------------------
+
+    def emit(self) -> None:
+        sig, body, region, em, parts = self.sig, self.body, self.region, self.em, self.parts
+        self.refs = {i: sig.tensor("in", i, inp.type.shape) for i, inp in enumerate(region.inputs)
+                     if not inp.scalar}
+        self.scalars = {i: sig.scalar(i) for i, inp in enumerate(region.inputs) if inp.scalar}
+        self.outs = [sig.tensor("out", j, self.value_type(v).shape) for j, v in enumerate(region.outputs)]
+        self.M, self.N = sig.size(self.score_shape[-2]), sig.size(self.score_shape[-1])
+        self.D = sig.size(self.value_type(self.q_src).shape[-1])
+        self.DV = sig.size(self.out_shape[-1])
+        for name in ("BLOCK_M", "BLOCK_N", "BLOCK_D", "BLOCK_DV"):
+            sig.constexpr(name)
+        M, N, D, DV = self.M, self.N, self.D, self.DV
+
+        body("pid = tl.program_id(0)")
+        body(f"m_blocks = tl.cdiv({M}, BLOCK_M)")
+        body("pid_b = pid // m_blocks")
+        if parts.bound is not None:  # the longest rows first: they bound the launch's tail
+            body("pid_m = m_blocks - 1 - pid % m_blocks")
+        else:
+            body("pid_m = pid % m_blocks")
+        self.bnames: list[str | None] = [None if d == 1 else f"b{i}" for i, d in enumerate(self.batch)]
+        if self.batch:
+            body("pb = pid_b.to(tl.int64)")
+            decompose(body, "pb", self.batch, self.bnames, sig.size, "pq")
+        body("rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)")
+        body("rd = tl.arange(0, BLOCK_D)")
+        body("rdv = tl.arange(0, BLOCK_DV)")
+        body("rn_base = tl.arange(0, BLOCK_N)")
+
+        body(f"q_ptrs = {self.tile(self.q_src, 'rm[:, None]', 'rd[None, :]', '[BLOCK_M, BLOCK_D]')}")
+        operand_tile(em, region, "q", "q_ptrs", f"(rm[:, None] < {M}) & (rd[None, :] < {D})", self.a_val,
+                     self.q_src, set(parts.q_chain), self.scalars, self.qk_op.dtype)
+
+        # values known for the whole program: scalars, rank-0 tensors, inputs that do not
+        # vary along the keys
+        outer: dict[int, Val] = {}
+        score_inputs = self.inputs_of(parts.score_ops)
+        for i in score_inputs:
+            if not self.varies_along_keys(i):
+                outer[i] = self.load(i, "score")
+        self.run(outer, tuple(v for v in parts.score_ops if self.value_type(v).rank == 0), "score")
+        self.outer = outer
+
+        body(f"m_i = tl.full([BLOCK_M], {NEG_INF}, tl.float32)")
+        body("l_i = tl.zeros([BLOCK_M], dtype=tl.float32)")
+        body("acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)")
+        body(f"for n0 in range(0, {self.key_limit()}, BLOCK_N):")
+        with body.indent():
+            body("rn = n0 + rn_base")
+            k_rows, k_cols = ("rn[None, :]", "rd[:, None]") if self.k_flipped else \
+                ("rd[:, None]", "rn[None, :]")
+            body(f"k_ptrs = {self.tile(self.k_src, k_rows, k_cols, '[BLOCK_D, BLOCK_N]')}")
+            operand_tile(em, region, "kt", "k_ptrs", f"(rd[:, None] < {D}) & (rn[None, :] < {N})",
+                         self.b_val, self.k_src, set(parts.k_chain), self.scalars, self.qk_op.dtype)
+            body(f"s = tl.dot(q, kt{self.precision(self.qk_op.dtype)})")
+            vals = dict(outer)
+            vals[parts.qk] = Val("s", "f")
+            for i in score_inputs:
+                if i not in vals:
+                    vals[i] = self.load(i, "score")
+            self.run(vals, parts.score_ops, "score")
+            x = em.tensor(em.convert(vals[parts.scores], "f"))
+            # the online softmax in base 2; columns past the keys are -inf
+            body(f"t = tl.where((rn < {N})[None, :], {x.text} * {LOG2E!r}, {NEG_INF})")
+            body("m_new = tl.maximum(m_i, tl.max(t, 1))")
+            body(f"m_safe = tl.where(m_new == {NEG_INF}, 0.0, m_new)")
+            body("alpha = tl.exp2(m_i - m_safe)")
+            body("p = tl.exp2(t - m_safe[:, None])")
+            body("l_i = l_i * alpha + tl.sum(p, 1)")
+            body(f"v_ptrs = {self.tile(self.v_val, 'rn[:, None]', 'rdv[None, :]', '[BLOCK_N, BLOCK_DV]')}")
+            operand_tile(em, region, "vt", "v_ptrs", f"(rn[:, None] < {N}) & (rdv[None, :] < {DV})",
+                         self.v_val, self.v_val, {self.v_val}, self.scalars, self.pv_op.dtype)
+            pv_dtype = self.pv_op.dtype
+            body(f"p = {em.narrow('p', pv_dtype)}")
+            if pv_dtype is DType.BF16:
+                body("if INTERPRETER:")
+                with body.indent():
+                    body(f"p = {em.widen('p', DType.BF16)}")
+            body("acc = acc * alpha[:, None]")
+            body(f"acc = tl.dot(p, vt, acc{self.precision(pv_dtype)})")
+            body("m_i = m_new")
+        self.finish_rows()
+
+    def key_limit(self) -> str:
+        """How far this program walks the keys: all of them, or up to a mask's bound."""
+        bound = self.parts.bound
+        if bound is None:
+            return self.N
+        limit = "(pid_m + 1) * BLOCK_M"
+        for sign, v in bound.offsets:
+            limit += f" {'-' if sign < 0 else '+'} {self.em.tensor(self.outer[v]).text}"
+        if constant := bound.constant - int(bound.strict):
+            limit += f" {'-' if constant < 0 else '+'} {abs(constant)}"
+        return f"tl.minimum({self.N}, tl.maximum(0, {limit}))"
+
+    def finish_rows(self) -> None:
+        """Normalise once, compute logsumexp, run the epilogue, store."""
+        body, em, region, parts = self.body, self.em, self.region, self.parts
+        body("inv = tl.where(l_i > 0.0, 1.0 / l_i, 0.0)")
+        body("o = acc * inv[:, None]")
+        vals: dict[int, Val] = {parts.pv: Val("o", "f")}
+        if parts.lse:
+            body(f"lse = tl.where(l_i > 0.0, (m_i + tl.log2(l_i)) * {LN2!r}, {NEG_INF})")
+            for v in parts.lse:
+                vals[v] = Val("lse", "f")
+        for i in self.inputs_of(parts.epilogue):
+            vals[i] = self.load(i, "out")
+        self.run(vals, parts.epilogue, "out")
+        M, DV = self.M, self.DV
+        for j, v in enumerate(region.outputs):
+            t = self.value_type(v)
+            text = em.store_value(vals[v], t)
+            ref = self.outs[j]
+            if v in parts.lse:  # one value per query row
+                shape = t.shape[:len(self.score_shape) - 1]  # without a kept size-1 key dim
+                rows = [*self.space_indices("score")[:-2], "rm"]
+                idx = [None if d == 1 else rows[len(rows) - len(shape) + k] for k, d in enumerate(shape)]
+                offset = ref.offset(idx + [None] * (t.rank - len(shape)))
+                body(f"tl.store({ref.ptr} + {offset}, {text}, mask=rm < {M})")
+            else:
+                ptrs = tile_ptrs(ref, t.rank, self.bnames, "rm[:, None]", "rdv[None, :]",
+                                 "[BLOCK_M, BLOCK_DV]")
+                body(f"tl.store({ptrs}, {text}, mask=(rm[:, None] < {M}) & (rdv[None, :] < {DV}))")
+
+    # --- helpers -------------------------------------------------------------------------------
+
+    def precision(self, dtype: DType) -> str:
+        if dtype is not DType.F32:
+            return ""
+        return ', input_precision="tf32"' if self.allow_tf32 else ', input_precision="ieee"'
+
+    def tile(self, i: int, rows: str, cols: str, shape: str) -> str:
+        return tile_ptrs(self.refs[i], self.value_type(i).rank, self.bnames, rows, cols, shape)
+
+    def run(self, vals: dict[int, Val], values: tuple[int, ...], space: str) -> None:
+        """Emit the elementwise ops `values` (and the constants they read) at a tile."""
+        n_in, wanted = self.n_in, set(values)
+        wanted |= {o for v in values for o in self.region.ops[v - n_in].operands
+                   if o >= n_in and self.region.ops[o - n_in].op.kind == "const"}
+        self.em.run(self.region, vals, lambda op: self.index(op, space), skip=lambda v: v not in wanted)
+
+    def inputs_of(self, values) -> list[int]:
+        """Region inputs the given ops read (other than the matmul results they start from)."""
+        found: dict[int, None] = {}
+        for v in values:
+            for o in self.region.ops[v - self.n_in].operands:
+                if o < self.n_in:
+                    found[o] = None
+        return list(found)
+
+    def space_indices(self, space: str) -> list[str | None]:
+        """Index expressions of each dim of the score tile or the output tile."""
+        shape = self.score_shape if space == "score" else self.out_shape
+        names = self.bnames[len(self.bnames) - (len(shape) - 2):]
+        col = "rn[None, :]" if space == "score" else "rdv[None, :]"
+        return [*names, "rm[:, None]", col]
+
+    def indices_of(self, i: int, space: str) -> list[str | None]:
+        shape = self.value_type(i).shape
+        full = self.space_indices(space)
+        return [None if d == 1 else full[len(full) - len(shape) + k] for k, d in enumerate(shape)]
+
+    def varies_along_keys(self, i: int) -> bool:
+        return not self.region.inputs[i].scalar and "rn[None, :]" in self.indices_of(i, "score")
+
+    def load(self, i: int, space: str) -> Val:
+        """A region input at the score tile or the output tile, read through its strides."""
+        inp = self.region.inputs[i]
+        if inp.scalar:
+            return self.em.scalar(self.scalars[i], inp.type.dtype)
+        ref = self.refs[i]
+        idx = self.indices_of(i, space)
+        offset = ref.offset(idx)
+        if offset == "0":
+            return self.em.load(f"tl.load({ref.ptr})", inp.type)
+        col = "rn" if space == "score" else "rdv"
+        limit = self.N if space == "score" else self.DV
+        masks = []
+        if "rm[:, None]" in idx:
+            masks.append(f"(rm < {self.M})[:, None]")
+        if f"{col}[None, :]" in idx:
+            masks.append(f"({col} < {limit})[None, :]")
+        mask = " & ".join(masks)
+        text = f"tl.load({ref.ptr} + {offset}" + (f", mask={mask}, other=0)" if mask else ")")
+        return self.em.load(text, inp.type)
+
+    def index(self, op: Op, space: str) -> Val:
+        axis = op.attr("axis")
+        full = self.space_indices(space)
+        expr = None if op.shape[axis] == 1 else full[len(full) - len(op.shape) + axis]
+        return literal(0, "i") if expr is None else self.em.assign(f"({expr}).to(tl.int32)", "i")
+
+    # --- launch ----------------------------------------------------------------------------------
+
+    def launch_rules(self):
+        user = {n: hint(self.hints, n, 0) for n in (*DOT_HINTS, "num_warps", "num_stages")}
+        dims_of = (self.score_shape[-2], self.score_shape[-1], self.value_type(self.q_src).shape[-1],
+                   self.out_shape[-1])
+        batch = self.batch
+        half = self.qk_op.dtype is not DType.F32
+
+        def sizes(dims: Mapping[str, int]) -> tuple[int, ...]:
+            return tuple(d if isinstance(d, int) else dims[d] for d in dims_of)
+
+        def config(dims, bm: int, bn: int, warps: int | None, stages: int | None) -> LaunchConfig:
+            m, n, d, dv = sizes(dims)
+            constexprs = {"BLOCK_M": user["BLOCK_M"] or bm, "BLOCK_N": user["BLOCK_N"] or bn,
+                          "BLOCK_D": max(16, next_pow2(d)), "BLOCK_DV": max(16, next_pow2(dv))}
+            grid = (cdiv(m, constexprs["BLOCK_M"]) * numel(batch, dims),)
+            return LaunchConfig(grid, constexprs, user["num_warps"] or warps, user["num_stages"] or stages)
+
+        def configure(dims: Mapping[str, int], device: str) -> LaunchConfig:
+            m, n, d, dv = sizes(dims)
+            if device == "cuda":
+                wide = max(next_pow2(d), next_pow2(dv)) >= 256
+                bm = 64 if wide or m <= 64 else 128
+                return config(dims, bm, 64 if half else 32, 8 if max(d, dv) > 64 else 4, 2 if wide else 3)
+            # the interpreter: few, large programs
+            return config(dims, max(16, min(next_pow2(m), 128)), max(16, min(next_pow2(n), 128)), 4, 1)
+
+        def candidates(dims: Mapping[str, int], device: str) -> list[LaunchConfig]:
+            m, n, d, dv = sizes(dims)
+            if device != "cuda" or any(user.values()) or not half or max(d, dv) > 128 or m < 128:
+                return []
+            return [config(dims, bm, bn, w, s) for bm, bn, w, s in HOPPER_CONFIGS if bn <= next_pow2(n)]
+
+        return configure, candidates
+
+
+def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKernel:
+    prog = AttentionProgram(kernel, hints, allow_tf32)
+    prog.emit()
+    configure, candidates = prog.launch_rules()
+    emitted = finish(kernel, "attention", prog.sig, prog.body, configure, prog.em)
+    return emitted.with_candidates(candidates)

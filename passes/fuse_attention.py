@@ -1,0 +1,220 @@
+"""fuse-attention: q @ k.T, score modification, softmax, @ v and epilogue as one kernel.
+
+Before: `s = q @ k.T`, elementwise ops on the scores, `softmax(s)` over the
+keys, `p @ v`, elementwise ops on the output: three or more kernels, with the
+[.., M, N] score matrix written to memory and read back.
+After: one `attention` kernel that never stores the scores.
+
+Recognised by the algebra of the graph, not a list of patterns. From every
+softmax whose result is the left operand of a matmul (`p @ v`):
+- the score modification is every elementwise op of the score shape that the
+  softmax's input is computed from, walking back to the one matmul that
+  produced the scores (`q @ kt`): scales, biases of any broadcastable shape,
+  `where` masks built from `index`/`causal`, tanh soft-capping, scalar
+  params and dims. Side values computed without the scores stay outside
+  and are read at the score tile;
+- a cheap elementwise prologue on either matmul operand (`(q * scale) @ k.T`,
+  `q @ (k * scale).T`) is applied to each loaded tile;
+- `logsumexp` of the same scores over the keys is stored by the kernel too;
+- the epilogue is every elementwise op that consumes the output element for
+  element, as in fuse-epilogue.
+
+Refused, with a recorded rule: softmax along another axis than the keys
+("tile"), scores or probabilities that something else needs whole (a
+reduction over the keys other than the softmax, a second consumer, a
+transposed read: "materialize"), scores that come from two matmuls ("op"),
+and anything that would create a cycle. The ops are then left to the other
+fusion passes and the program still runs correctly. Must run before
+fuse-epilogue and fuse-rows, which would otherwise take the pieces.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from tiledsl.ir import Graph, Op
+from tiledsl.passes.fusion.grow import elementwise_candidate, rewrite_groups
+from tiledsl.passes.fusion.legality import Group, GroupPlan, describe_node, reads_other_index
+from tiledsl.passes.fusion.profitability import MAX_EPILOGUE_INPUTS, PROLOGUE_KINDS
+from tiledsl.passes.fusion.remarks import FusionRemark
+from tiledsl.passes.registry import Pass, PassContext, register
+from tiledsl.types import format_shape
+
+NAME = "fuse-attention"
+
+
+@register
+@dataclass(frozen=True)
+class FuseAttention(Pass):
+    name = NAME
+
+    def run(self, graph: Graph, ctx: PassContext) -> None:
+        plan = GroupPlan(graph)
+        for node in graph.topo_order():
+            if _is(graph, node, "softmax") and not plan.grouped(node):
+                members = _Match(graph, plan, node, ctx.remarks).members()
+                if members is not None:
+                    plan.add_group(members)
+        rewrite_groups(plan, "attention")
+
+
+def _is(graph: Graph, node: int, kind: str) -> bool:
+    op = graph.op(node)
+    return isinstance(op, Op) and op.kind == kind
+
+
+class _Match:
+    """The attention structure around one softmax, or the reason there is none."""
+
+    def __init__(self, graph: Graph, plan: GroupPlan, softmax: int, remarks: list) -> None:
+        self.graph, self.plan, self.softmax, self.remarks = graph, plan, softmax, remarks
+
+    def refuse(self, rule: str, producer: int, consumer: int, detail: str) -> None:
+        self.remarks.append(FusionRemark(NAME, False, rule, self.graph.op(producer),
+                                         self.graph.op(consumer), detail))
+
+    def members(self) -> list[int] | None:
+        graph, sm = self.graph, self.softmax
+        pv = [u for u, slot in graph.users(sm) if slot == 0 and _is(graph, u, "matmul")]
+        if not pv:
+            return None  # not attention: fuse-rows takes the softmax
+        pv = pv[0]
+        op = graph.op(sm)
+        if op.attr("axis") != len(op.shape) - 1:
+            return self.refuse("tile", sm, pv, f"the softmax runs along axis {op.attr('axis')}, not "
+                               "along the keys (the last axis), so p @ v cannot consume it block by block")
+        other = [u for u, slot in graph.users(sm) if (u, slot) != (pv, 0)]
+        if other:
+            return self.refuse("materialize", sm, other[0], self._whole("the probabilities", other[0]))
+        (x,) = graph.operands(sm)
+        found = self._scores(x, op.shape)
+        if found is None:
+            return None
+        qk, chain = found
+        lse = [u for u, _ in graph.users(x) if _is(graph, u, "logsumexp")
+               and graph.op(u).attr("axis") == len(op.shape) - 1]
+        inside = set(chain) | {sm, *lse}
+        for n in [qk, *chain]:
+            for u, _ in graph.users(n):
+                if u not in inside:
+                    return self.refuse("materialize", n, u, self._whole("the scores", u))
+        members = {qk, sm, pv, *chain, *lse}
+        for operand in (0, 1):
+            members |= self._prologue(qk, operand)
+        if self.plan.creates_cycle(members - {qk}, qk):
+            return self.refuse("cycle", qk, pv, "a value the attention needs depends on its result")
+        group = Group(self.plan, qk)
+        for n in members - {qk}:
+            group.add(n)
+        self._epilogue(group, pv)
+        detail = "flash attention" + (f" (score modification: {len(chain)} ops)" if chain else "")
+        self.remarks.append(FusionRemark(NAME, True, "fused", graph.op(qk), graph.op(pv), detail))
+        return list(group)
+
+    def _whole(self, what: str, user: int) -> str:
+        return (f"{what} are also used by {describe_node(self.graph, user)}, which needs them whole; "
+                "the flash-attention kernel never stores them")
+
+    def _scores(self, x: int, shape) -> tuple[int, list[int]] | None:
+        """The matmul that computes the scores and the elementwise ops from it to `x`."""
+        graph = self.graph
+        reach: list[int] = []
+        matmuls: list[int] = []
+        seen: set[int] = set()
+        work = deque([x])
+        while work:
+            n = work.popleft()
+            if n in seen:
+                continue
+            seen.add(n)
+            op = graph.op(n)
+            if not isinstance(op, Op) or op.shape not in (shape, ()) or self.plan.grouped(n):
+                continue
+            if op.kind == "matmul" and op.shape == shape:
+                matmuls.append(n)
+            elif elementwise_candidate(graph, n):
+                reach.append(n)
+                work.extend(graph.operands(n))
+        if not matmuls:
+            return None  # softmax of something else: not attention
+        if len(matmuls) > 1:
+            first, second = sorted(matmuls, key=self.plan.order.__getitem__)[:2]
+            return self.refuse("op", second, self.softmax,
+                               f"the scores come from two matmuls ({describe_node(graph, first)} and "
+                               f"{describe_node(graph, second)}); a flash kernel computes one")
+        (qk,) = matmuls
+        order = sorted(reach, key=self.plan.order.__getitem__)
+        uses_qk: dict[int, bool] = {}
+        for n in order:
+            uses_qk[n] = any(o == qk or uses_qk.get(o, False) for o in graph.operands(n))
+        if x != qk and not uses_qk.get(x):
+            return None
+        # Side values (a bias computed from other tensors, a scalar expression like `N - M`)
+        # join when only the scores use them; ones that something else also needs stay
+        # outside: they are stored anyway, and the kernel reads them at the score tile.
+        chain = set(order)
+        changed = True
+        while changed:
+            changed = False
+            for n in order:
+                if n in chain and not uses_qk[n] and any(
+                        u not in chain and u != self.softmax for u, _ in graph.users(n)):
+                    chain.discard(n)
+                    changed = True
+        return qk, [n for n in order if n in chain]
+
+    def _prologue(self, qk: int, slot: int) -> set[int]:
+        """Cheap elementwise ops on one matmul operand, from one tensor plus scalars, that only
+        the matmul uses (through a transpose of the last two dims for k)."""
+        graph = self.graph
+        out: set[int] = set()
+        node, user = graph.operands(qk)[slot], qk
+        while not self.plan.grouped(node) and [u for u, _ in graph.users(node)] == [user]:
+            op = graph.op(node)
+            if isinstance(op, Op) and op.kind == "transpose" and slot == 1 and op.attr("dims") == (
+                    op.type.rank - 2, op.type.rank - 1) and not any(
+                    graph.op(n).kind == "transpose" for n in out):
+                nxt = graph.operands(node)[0]
+                if not elementwise_candidate(graph, nxt):
+                    break  # a plain `k.T`: read in place through its strides
+            elif elementwise_candidate(graph, node) and op.kind in PROLOGUE_KINDS:
+                tensors = [s for s in graph.operands(node) if graph.op(s).type.rank > 0]
+                if len(tensors) != 1 or graph.op(tensors[0]).shape != op.shape:
+                    break
+                nxt = tensors[0]
+            else:
+                break
+            out.add(node)
+            node, user = nxt, node
+        return out
+
+    def _epilogue(self, group: Group, pv: int) -> None:
+        """Elementwise consumers of the output, element for element, as in fuse-epilogue."""
+        graph = self.graph
+        shape = graph.op(pv).shape
+        epilogue: set[int] = set()
+        work = deque([pv])
+        while work:
+            member = work.popleft()
+            for cand, _ in graph.users(member):
+                if cand in group or self.plan.grouped(cand) or not elementwise_candidate(graph, cand):
+                    continue
+                why = None
+                if graph.op(cand).shape != shape:
+                    why = ("tile", f"its result {format_shape(graph.op(cand).shape)} is not the "
+                           f"attention output's {format_shape(shape)}")
+                elif other := reads_other_index(graph, cand, group):
+                    why = ("other-index", other)
+                elif len({e for m in (*epilogue, cand) for e in graph.operands(m)
+                          if e not in group and graph.op(e).type.rank > 0}) > MAX_EPILOGUE_INPUTS:
+                    why = ("profit", f"the epilogue would read more than {MAX_EPILOGUE_INPUTS} "
+                           "extra tensors")
+                elif self.plan.creates_cycle(group, cand):
+                    why = ("cycle", "a value between them is computed outside the group")
+                if why is not None:
+                    self.refuse(why[0], member, cand, why[1])
+                    continue
+                group.add(cand)
+                epilogue.add(cand)
+                work.append(cand)

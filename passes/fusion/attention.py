@@ -1,0 +1,151 @@
+"""The structure of an attention kernel's region, for the template and for explain().
+
+`fuse-attention` builds the region; `attention_parts` reads back which value
+plays which role: the two matmuls, the operand prologues, the score
+modification, the softmax, stored `logsumexp`s, the epilogue, and the
+key-block bound a mask allows (`KeyBound`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from tiledsl.ir import Op, Region
+
+
+@dataclass(frozen=True)
+class KeyBound:
+    """A mask `where(i + a >= j + b, s, -inf)` (or >, or the mirrored <=, <) keeps key j
+    of query row i only while j <= i + a - b (j < for strict): key blocks past the last
+    row's bound are skipped. `offsets` are (sign, value id) terms of a - b, `strict`
+    subtracts one more."""
+
+    offsets: tuple[tuple[int, int], ...]
+    constant: int
+    strict: bool
+
+
+@dataclass(frozen=True)
+class AttentionParts:
+    qk: int  # q @ kt
+    pv: int  # p @ v
+    softmax: int
+    scores: int  # the softmax's input (after the score modification)
+    q_chain: frozenset[int]  # values the left operand of qk is computed from
+    k_chain: frozenset[int]
+    score_ops: tuple[int, ...]  # ops between qk and the softmax, in order
+    lse: tuple[int, ...]  # logsumexp of the scores, stored too
+    epilogue: tuple[int, ...]  # ops after pv
+    bound: KeyBound | None
+
+    def role(self, value: int) -> str:
+        if value in self.q_chain:
+            return "q prologue"
+        if value in self.k_chain:
+            return "k prologue"
+        if value in self.score_ops:
+            return "score modification"
+        if value in self.lse:
+            return "logsumexp"
+        if value in self.epilogue:
+            return "epilogue"
+        return {self.qk: "q @ k.T", self.softmax: "online softmax", self.pv: "p @ v"}[value]
+
+
+def attention_parts(region: Region) -> AttentionParts:
+    n_in = len(region.inputs)
+    ops = {n_in + i: r for i, r in enumerate(region.ops)}
+    (sm,) = [v for v, r in ops.items() if r.op.kind == "softmax"]
+    (pv,) = [v for v, r in ops.items() if r.op.kind == "matmul" and r.operands[0] == sm]
+    (qk,) = [v for v, r in ops.items() if r.op.kind == "matmul" and v != pv]
+    scores = ops[sm].operands[0]
+    a, b = ops[qk].operands
+    q_chain, k_chain = frozenset(region.depends(a)), frozenset(region.depends(b))
+    before = region.depends(scores)
+    score_ops = tuple(v for v in ops if v in before and v not in q_chain | k_chain and v != qk
+                      and ops[v].op.kind != "const")
+    lse = tuple(v for v, r in ops.items() if r.op.kind == "logsumexp")
+    after = set(ops) - before - q_chain - k_chain - {qk, sm, pv, *lse}
+    epilogue = tuple(v for v in ops if v in after and ops[v].op.kind != "const")
+    return AttentionParts(qk, pv, sm, scores, q_chain, k_chain, score_ops, lse, epilogue,
+                          _key_bound(region, scores))
+
+
+def _key_bound(region: Region, scores: int) -> KeyBound | None:
+    """The bound of a mask applied last: `softmax(where(cond, s, -inf))`."""
+    n_in = len(region.inputs)
+    if scores < n_in or region.ops[scores - n_in].op.kind != "where":
+        return None
+    cond, _, masked = region.ops[scores - n_in].operands
+    if _const(region, masked) != -math.inf:
+        return None
+    return _cond_bound(region, cond, len(region.value_type(scores).shape))
+
+
+def _cond_bound(region: Region, cond: int, rank: int) -> KeyBound | None:
+    n_in = len(region.inputs)
+    if cond < n_in:
+        return None
+    rop = region.ops[cond - n_in]
+    if rop.op.kind == "and":  # any conjunct's bound holds for the conjunction
+        for c in rop.operands:
+            if (bound := _cond_bound(region, c, rank)) is not None:
+                return bound
+        return None
+    if rop.op.kind not in ("ge", "gt", "le", "lt"):
+        return None
+    lhs, rhs = (_linear(region, v, rank) for v in rop.operands)
+    if lhs is None or rhs is None:
+        return None
+    if rop.op.kind in ("le", "lt"):
+        lhs, rhs = rhs, lhs
+    (row_axis, a_terms, a_const), (col_axis, b_terms, b_const) = lhs, rhs
+    if (row_axis, col_axis) != (rank - 2, rank - 1):
+        return None
+    terms = a_terms + tuple((-s, v) for s, v in b_terms)
+    return KeyBound(terms, a_const - b_const, rop.op.kind in ("gt", "lt"))
+
+
+def _linear(region: Region, value: int, rank: int):
+    """`index(axis) + sum(sign * scalar) + constant` as (axis, terms, constant), or None."""
+    n_in = len(region.inputs)
+    if value < n_in:
+        return None
+    rop = region.ops[value - n_in]
+    op: Op = rop.op
+    if op.kind == "index":
+        return op.attr("axis") + rank - len(op.shape), (), 0
+    if op.kind in ("add", "sub"):
+        x, y = rop.operands
+        inner, offset = _linear(region, x, rank), y
+        if inner is None and op.kind == "add":
+            inner, offset = _linear(region, y, rank), x
+        if inner is None or not _is_scalar(region, offset):
+            return None
+        axis, terms, const = inner
+        sign = -1 if op.kind == "sub" else 1
+        c = _const(region, offset)
+        if c is not None:
+            return (axis, terms, const + sign * int(c)) if float(c).is_integer() else None
+        return axis, terms + ((sign, offset),), const
+    return None
+
+
+def _const(region: Region, value: int):
+    n_in = len(region.inputs)
+    if value < n_in:
+        return None
+    op = region.ops[value - n_in].op
+    return op.attr("value") if op.kind == "const" else None
+
+
+def _is_scalar(region: Region, value: int) -> bool:
+    """An integer value known for the whole kernel: computed from literals and scalars
+    passed by value only (the template computes it before the key loop)."""
+    t = region.value_type(value)
+    if t.rank != 0 or t.dtype.is_float:
+        return False
+    n_in = len(region.inputs)
+    return all(region.inputs[v].scalar if v < n_in else region.value_type(v).rank == 0
+               for v in region.depends(value))
