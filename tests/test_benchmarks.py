@@ -24,3 +24,19 @@ def test_compile_time_smoke_run(capsys):
     load("compile_time").main(["--quick", "--repeat", "2"])
     out = capsys.readouterr().out
     assert "examples/attention.tdsl: median" in out and "100 statements" in out
+
+
+def test_attention_smoke_run(capsys):
+    assert load("attention").main(["--device", "cpu", "--quick"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split("|")[0].split() == ["B", "H", "N", "D", "causal", "dtype"]
+    rows = [line.split() for line in lines[2:-1]]
+    assert [(r[4], r[5]) for r in rows] == [("False", "f16"), ("True", "f16"), ("False", "bf16"), ("True", "bf16")]
+    assert lines[-1].startswith("causal / non-causal time: f16 N=77 D=64: ")
+
+
+def test_softmax_smoke_run(capsys):
+    assert load("softmax").main(["--device", "cpu", "--quick"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split("|")[0].split() == ["M", "N", "dtype", "one", "block"]
+    assert [line.split()[2] for line in lines[2:]] == ["f16", "f32"]

@@ -38,9 +38,14 @@ NEG_INF = '-float("inf")'
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 DOT_HINTS = ("BLOCK_M", "BLOCK_N")
-# Hopper configurations to autotune among: (BLOCK_M, BLOCK_N, warps, stages).
-HOPPER_CONFIGS = ((128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 4),
-                  (128, 128, 8, 2), (64, 64, 4, 3), (64, 128, 4, 3))
+# Hopper configurations, (BLOCK_M, BLOCK_N, warps, stages), by padded head dim. With
+# pointer-based loads (no TMA) every k and v element's address lives in registers, so
+# tiles are smaller than a TMA kernel's: ptxas -v (sm_90, Triton 3.9) shows 128 x 64 tiles
+# spilling at head dim 64 (4 warps) and 128 (8 warps); these compile without spills.
+HOPPER_CONFIGS = {
+    64: ((128, 32, 8, 3), (64, 64, 8, 3), (64, 64, 4, 3), (64, 128, 8, 3), (64, 32, 4, 3)),
+    128: ((64, 64, 8, 3), (64, 32, 8, 3), (64, 32, 4, 3), (128, 32, 8, 3)),
+}
 
 
 class AttentionProgram:
@@ -285,20 +290,24 @@ class AttentionProgram:
             grid = (cdiv(m, constexprs["BLOCK_M"]) * numel(batch, dims),)
             return LaunchConfig(grid, constexprs, user["num_warps"] or warps, user["num_stages"] or stages)
 
+        def hopper(d: int, dv: int) -> tuple:
+            width = max(16, next_pow2(d), next_pow2(dv))
+            return HOPPER_CONFIGS[64] if width <= 64 else HOPPER_CONFIGS.get(width, ((64, 32, 8, 2),))
+
         def configure(dims: Mapping[str, int], device: str) -> LaunchConfig:
             m, n, d, dv = sizes(dims)
             if device == "cuda":
-                wide = max(next_pow2(d), next_pow2(dv)) >= 256
-                bm = 64 if wide or m <= 64 else 128
-                return config(dims, bm, 64 if half else 32, 8 if max(d, dv) > 64 else 4, 2 if wide else 3)
+                bm, bn, warps, stages = hopper(d, dv)[0]
+                bm = min(bm, max(64, next_pow2(m)))
+                return config(dims, bm, bn if half else min(bn, 32), warps, stages)
             # the interpreter: few, large programs
             return config(dims, max(16, min(next_pow2(m), 128)), max(16, min(next_pow2(n), 128)), 4, 1)
 
         def candidates(dims: Mapping[str, int], device: str) -> list[LaunchConfig]:
             m, n, d, dv = sizes(dims)
-            if device != "cuda" or any(user.values()) or not half or max(d, dv) > 128 or m < 128:
+            if device != "cuda" or any(user.values()) or not half or m < 128:
                 return []
-            return [config(dims, bm, bn, w, s) for bm, bn, w, s in HOPPER_CONFIGS if bn <= next_pow2(n)]
+            return [config(dims, bm, bn, w, s) for bm, bn, w, s in hopper(d, dv) if bn <= next_pow2(n)]
 
         return configure, candidates
 

@@ -1,0 +1,82 @@
+"""Row softmax against torch.softmax and against a device copy of the same bytes.
+
+    python benchmarks/softmax.py                    # on a CUDA GPU: the issue's table
+    python benchmarks/softmax.py --device cpu --quick    # a smoke run through the interpreter
+
+For rows of 4k to 32k columns (f16 and f32, 64 MiB of input per case) it
+times, in one run and on the same random inputs:
+  ours     tiledsl's row kernel (online softmax: one read when a row fits a
+           block, two when it does not, one write)
+  torch    torch.softmax
+  copy     a device-to-device copy of the same tensor (one read, one write)
+and prints GB/s (bytes read once plus bytes written once, over time) and the
+ratios the issue sets goals for: ours >= torch.softmax, and >= 0.85x copy
+bandwidth for rows that fit in one block (on an H100).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gemm_epilogue import bench  # noqa: E402
+
+import tiledsl  # noqa: E402
+
+SOURCE = "kernel softmax_rows(x: {dt}[M, N]) -> {dt}[M, N] {{ return softmax(x) }}"
+DTYPES = {"f16": torch.float16, "f32": torch.float32}
+COLUMNS = (4096, 8192, 16384, 32768)
+BYTES = 64 << 20  # input bytes per case
+
+
+def time_all(fn, x, device: str) -> tuple[float, float, float]:
+    """Median ms of: ours, torch.softmax, a copy of x."""
+    return (bench(lambda: fn(x), device), bench(lambda: torch.softmax(x, dim=-1), device),
+            bench(lambda: x.clone(), device))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run, not a measurement)")
+    args = parser.parse_args(argv)
+    device = args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        print("softmax.py measures on a CUDA GPU and none is available here; nothing was measured "
+              "(use --device cpu --quick for a smoke run)")
+        return 2
+    if device == "cuda":
+        print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    header = (f"{'M':>6} {'N':>6} {'dtype':>5} {'one block':>9} | {'ours ms':>8} {'GB/s':>7} | {'torch':>7} "
+              f"{'copy':>7} | {'ours/torch':>10} {'ours/copy':>9}")
+    print(header)
+    print("-" * len(header))
+    gen = torch.Generator().manual_seed(0)
+    for name, dtype in DTYPES.items():
+        fn = tiledsl.compile(SOURCE.format(dt=name))
+        assert [k.template for k in fn.kernels] == ["rows"], fn.explain()
+        for n in ((96,) if args.quick else COLUMNS):
+            m = 33 if args.quick else BYTES // (n * dtype.itemsize)
+            x = (torch.randn((m, n), generator=gen) * 4).to(dtype).to(device)
+            out = fn(x)  # warm-up: compiles
+            ref = torch.softmax(x.double(), dim=-1)
+            err = (out.double() - ref).abs().max().item()
+            if err > (1e-2 if dtype is torch.float16 else 1e-5):
+                print(f"  {name} {m}x{n}: max error {err:.2e}: results disagree, not timed")
+                continue
+            (launch,) = [la for la in fn._triton.launches if dict(la.dims)["N"] == n]
+            one_block = launch.kernel.launch_config(dict(launch.dims), device if device == "cuda"
+                                                    else "interpreter").constexprs["ONE_PASS"]
+            t_ours, t_torch, t_copy = time_all(fn, x, device)
+            gbs = 2 * x.numel() * dtype.itemsize / (t_ours * 1e-3) / 1e9
+            print(f"{m:>6} {n:>6} {name:>5} {str(one_block):>9} | {t_ours:8.3f} {gbs:7.1f} | {t_torch:7.3f} "
+                  f"{t_copy:7.3f} | {t_torch / t_ours:10.2f} {t_copy / t_ours:9.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
