@@ -34,7 +34,7 @@ def main() -> int:
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     where = "GPU" if device == "cuda" else "CPU (Triton interpreter)"
-    print(f"compiled @{fn.name}: {len(fn.kernels)} Triton kernels; ran on {where} in "
+    print(f"compiled @{fn.name}: {len(fn.kernels)} Triton kernel(s); ran on {where} in "
           f"{elapsed * 1e3:.0f} ms (first call, includes Triton compilation)")
     print(f"  q, k, v: {tuple(q.shape)} {q.dtype} -> out {tuple(out.shape)} {out.dtype}")
 

@@ -62,3 +62,13 @@ def test_new_runtime_dims_do_not_recompile():
     fn(cuda_randn(19, 117))  # same block size, same divisibility class
     after = sum(len(c[0]) for c in jit.device_caches.values())
     assert after == before
+
+
+@pytest.mark.parametrize("dt", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m, n", [(113, 203), (1023, 1024)])
+def test_causal_softcap_attention_on_gpu(m, n, dt):
+    name = {torch.bfloat16: "bf16", torch.float32: "f32"}[dt]
+    fn = tiledsl.compile((EXAMPLES / "causal_softcap_attention.tdsl").read_text().replace("bf16", name))
+    assert [k.template for k in fn.kernels] == ["attention"]
+    q, k, v = (cuda_randn(2, 2, s, 128, dtype=dt, seed=i) for i, s in enumerate((m, n, n)))
+    check_cuda(fn, q, k, v, scale=128**-0.5, cap=20.0)
