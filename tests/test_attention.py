@@ -54,6 +54,11 @@ def test_flash_attention_grid(m, n, d, causal):
     assert out.shape == (b, 2, m, d)
 
 
+@pytest.mark.parametrize("d", [111, 256])
+def test_more_head_dims(d):
+    run_checked(attention("f16", True), *qkv(1, 2, 113, 203, d), scale=d**-0.5)
+
+
 @pytest.mark.parametrize("dt", ["bf16", "f32"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_dtypes(dt, causal):
