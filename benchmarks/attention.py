@@ -21,7 +21,6 @@ each result is checked against SDPA before it is timed.
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from pathlib import Path
@@ -29,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gemm_epilogue import bench  # noqa: E402
+from common import arguments, bench, open_device, print_header  # noqa: E402
 
 import tiledsl  # noqa: E402
 
@@ -83,22 +82,14 @@ def time_all(fn, q, k, v, scale: float, causal: bool, device: str) -> tuple[floa
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    parser.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run, not a measurement)")
-    args = parser.parse_args(argv)
+    args = arguments(__doc__).parse_args(argv)
     device = args.device
-    if device == "cuda" and not torch.cuda.is_available():
-        print("attention.py measures on a CUDA GPU and none is available here; nothing was measured "
-              "(use --device cpu --quick for a smoke run)")
+    if not open_device("attention.py", device):
         return 2
-    if device == "cuda":
-        print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     header = (f"{'B':>3} {'H':>3} {'N':>6} {'D':>4} {'causal':>6} {'dtype':>5} | {'ours ms':>8} "
               f"{'TFLOP/s':>7} | {'flash':>7} {'default':>7} {'math':>7} | {'flash/ours':>10} "
               f"{'default/ours':>12} {'math/ours':>9}")
-    print(header)
-    print("-" * len(header))
+    print_header(header)
     gen = torch.Generator().manual_seed(0)
     timed: dict[tuple, float] = {}
     for name, dtype in DTYPES.items():

@@ -18,13 +18,15 @@ also runs tiledsl's autotuning; inputs are random normal (never zeros).
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import torch
 
-import tiledsl
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import arguments, bench, open_device, print_header  # noqa: E402
+
+import tiledsl  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZES = [(8192, 8192, k) for k in (1024, 2048, 4096, 8192)]
@@ -33,23 +35,6 @@ DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16}
 
 def eager(a, b, d, e):
     return torch.matmul(a, b) * d * e
-
-
-def bench(fn, device: str) -> float:
-    """Median milliseconds of fn()."""
-    if device == "cuda":
-        import triton.testing
-
-        return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
-    import time
-
-    fn()
-    times = []
-    for _ in range(3):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return sorted(times)[1]
 
 
 def time_all(fn, compiled, args: tuple, device: str) -> tuple[float, float, float, float]:
@@ -61,23 +46,16 @@ def time_all(fn, compiled, args: tuple, device: str) -> tuple[float, float, floa
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    parser.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run, not a measurement)")
+    parser = arguments(__doc__)
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     args = parser.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("gemm_epilogue.py measures on a CUDA GPU and none is available here; nothing was "
-              "measured (use --device cpu --quick for a smoke run)")
+    if not open_device("gemm_epilogue.py", args.device):
         return 2
     sizes = [(113, 96, 64)] if args.quick else SIZES
     device = args.device
-    if device == "cuda":
-        print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     header = (f"{'M':>5} {'N':>5} {'K':>5} {'dtype':>5} | {'fused ms':>8} {'TFLOP/s':>7} | {'matmul':>7} "
               f"{'eager':>7} {'compile':>7} | {'fused/mm':>8} {'eager/fused':>11} {'compile/fused':>13}")
-    print(header)
-    print("-" * len(header))
+    print_header(header)
     gen = torch.Generator().manual_seed(0)
     for name, dtype in DTYPES.items():
         src = (ROOT / "examples" / "gemm_multiply_multiply.tdsl").read_text().replace("f16", name)

@@ -16,14 +16,13 @@ bandwidth for rows that fit in one block (on an H100).
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gemm_epilogue import bench  # noqa: E402
+from common import arguments, bench, open_device, print_header  # noqa: E402
 
 import tiledsl  # noqa: E402
 
@@ -40,21 +39,13 @@ def time_all(fn, x, device: str) -> tuple[float, float, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    parser.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run, not a measurement)")
-    args = parser.parse_args(argv)
+    args = arguments(__doc__).parse_args(argv)
     device = args.device
-    if device == "cuda" and not torch.cuda.is_available():
-        print("softmax.py measures on a CUDA GPU and none is available here; nothing was measured "
-              "(use --device cpu --quick for a smoke run)")
+    if not open_device("softmax.py", device):
         return 2
-    if device == "cuda":
-        print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     header = (f"{'M':>6} {'N':>6} {'dtype':>5} {'one block':>9} | {'ours ms':>8} {'GB/s':>7} | {'torch':>7} "
               f"{'copy':>7} | {'ours/torch':>10} {'ours/copy':>9}")
-    print(header)
-    print("-" * len(header))
+    print_header(header)
     gen = torch.Generator().manual_seed(0)
     for name, dtype in DTYPES.items():
         fn = tiledsl.compile(SOURCE.format(dt=name))
