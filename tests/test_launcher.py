@@ -35,13 +35,6 @@ def test_cache_directory_is_private(private_cache):
     assert all(name.startswith("tdsl_") and name.endswith(".py") for name in cached_files(private_cache))
 
 
-def test_too_open_cache_directory_is_tightened(private_cache):
-    private_cache.mkdir(mode=0o755)
-    os.chmod(private_cache, 0o755)
-    cache.cache_dir()
-    assert stat.S_IMODE(os.stat(private_cache).st_mode) == 0o700
-
-
 def test_modules_are_content_addressed_and_keyed_by_versions_and_target(private_cache, monkeypatch):
     fn = tiledsl.compile(SRC)
     fn(randn(3, 5), randn(5))

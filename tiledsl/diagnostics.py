@@ -246,6 +246,10 @@ class OptionError(TileDSLError):
     template = "{message}"
 
 
+class CacheError(TileDSLError):
+    """The kernel cache directory cannot be used safely (or at all)."""
+
+
 class InternalError(TileDSLError):
     """A compiler bug surfaced as a located error rather than a traceback."""
 
