@@ -10,7 +10,8 @@ After: every compute op is inside a `KernelOp` whose template implements it:
 
 What stays outside kernels: parameters, dims, `transpose` (a view: consumers
 read it through permuted strides, no copy), and the return. Constants are
-inlined into the kernels that use them. A returned value that no kernel
+inlined into the kernels that use them, and so are scalar expressions
+(`rsqrt(D) * N`): only a returned one becomes a kernel. A returned value that no kernel
 produces (a parameter, a view, a constant) gets a pointwise copy kernel, so
 every output is a fresh tensor. Finally all kernels are named k0, k1, ... in
 launch (topological) order. Must run last.
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 
 from tiledsl import ops
 from tiledsl.ir import Graph, KernelOp, Op, Region, RegionInput, RegionOp
-from tiledsl.passes.regions import is_by_value, replace_with_kernel
+from tiledsl.passes.regions import is_by_value, is_clonable, replace_with_kernel
 from tiledsl.passes.registry import Pass, PassContext, register
 
 TEMPLATES = {"elementwise": "pointwise", "reduction": "rows", "softmax": "rows",
@@ -38,9 +39,14 @@ class LowerKernels(Pass):
 
     def run(self, graph: Graph, ctx: PassContext) -> None:
         for node in graph.topo_order():
+            if node not in graph.nx:  # a scalar expression cloned into all its users
+                continue
             op = graph.op(node)
             if isinstance(op, KernelOp):
                 continue
+            returned = any(user == graph.output for user, _ in graph.users(node))
+            if is_clonable(graph, node) and not returned:
+                continue  # cloned into the kernels that read it
             template = TEMPLATES.get(ops.category(op.kind))
             if template is not None:
                 replace_with_kernel(graph, [node], [node], template)

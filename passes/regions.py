@@ -2,8 +2,11 @@
 
 Shared by every pass that forms kernels (lower-kernels now, the fusion passes
 later): given the nodes a kernel will compute, `outline` builds its `Region`
-and the list of values that flow in from outside. Constants are cloned into
-the region instead of becoming inputs; scalar parameters and dims become
+and the list of values that flow in from outside. Constants and scalar
+expressions (rank-0 elementwise ops on constants, dims and scalar parameters,
+like `rsqrt(D) * N`) are cloned into every region that reads them instead of
+becoming inputs: they cost nothing to recompute, and a 0-d value never has to
+be stored by one kernel for another. Scalar parameters and dims become
 by-value inputs.
 """
 
@@ -11,12 +14,32 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from tiledsl import ops
 from tiledsl.ir import Graph, KernelOp, Op, Region, RegionInput, RegionOp
 
 
 def is_by_value(op: Op | KernelOp) -> bool:
     """Values passed to kernels by value rather than through a pointer."""
     return isinstance(op, Op) and (op.kind == "dim" or (op.kind == "param" and op.attr("scalar")))
+
+
+def is_clonable(graph: Graph, node: int) -> bool:
+    """A constant or a scalar expression: cloned into each kernel that reads it."""
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        op = graph.op(n)
+        if not isinstance(op, Op):
+            return False
+        if op.kind == "const" or (n != node and is_by_value(op)):
+            continue
+        if op.shape != () or not ops.is_elementwise(op.kind) or op.kind == "index":
+            return False
+        stack.extend(graph.operands(n))
+    return True
 
 
 def outline(
@@ -32,28 +55,46 @@ def outline(
     inputs: list[RegionInput] = []
     external: list[tuple[int, int]] = []
     body: list[RegionOp] = []
-    consts: dict[int, int] = {}
+    clonable: dict[int, bool] = {}
 
-    # Inputs first: their value ids precede every op's.
-    for node in nodes:
-        for edge in graph.operand_edges(node):
-            src = edge[0]
-            if src in members or edge in values or _is_const(graph, src):
-                continue
-            producer = graph.op(src)
-            t = producer.result_types[edge[1]] if isinstance(producer, KernelOp) else producer.type
-            values[edge] = len(inputs)
-            inputs.append(RegionInput(t, is_by_value(producer)))
-            external.append(edge)
+    def clone(node: int) -> bool:
+        if node not in clonable:
+            clonable[node] = is_clonable(graph, node)
+        return clonable[node]
+
+    # Inputs first: their value ids precede every op's. The leaves of a cloned
+    # scalar expression (dims, scalar parameters) are inputs too.
+    stack = [e for node in reversed(nodes) for e in reversed(graph.operand_edges(node))]
+    while stack:
+        edge = stack.pop()
+        src = edge[0]
+        if src in members or edge in values:
+            continue
+        if clone(src):
+            stack.extend(reversed(graph.operand_edges(src)))
+            continue
+        producer = graph.op(src)
+        t = producer.result_types[edge[1]] if isinstance(producer, KernelOp) else producer.type
+        values[edge] = len(inputs)
+        inputs.append(RegionInput(t, is_by_value(producer)))
+        external.append(edge)
 
     def value_of(edge: tuple[int, int]) -> int:
         if edge in values:
             return values[edge]
-        # a constant from outside: clone it into the region once
-        if edge[0] not in consts:
-            consts[edge[0]] = len(inputs) + len(body)
-            body.append(RegionOp(graph.op(edge[0]), ()))
-        return consts[edge[0]]
+        # a constant or scalar expression from outside: clone it into the region once
+        pending = [edge[0]]
+        while pending:
+            n = pending[-1]
+            missing = [e[0] for e in graph.operand_edges(n) if e not in values]
+            if missing:
+                pending.extend(missing)
+                continue
+            pending.pop()
+            if (n, 0) not in values:
+                values[(n, 0)] = len(inputs) + len(body)
+                body.append(RegionOp(graph.op(n), tuple(values[e] for e in graph.operand_edges(n))))
+        return values[edge]
 
     for node in nodes:
         operands = tuple(value_of(e) for e in graph.operand_edges(node))
@@ -61,11 +102,6 @@ def outline(
         body.append(RegionOp(graph.op(node), operands))
     region = Region(tuple(inputs), tuple(body), tuple(values[(n, 0)] for n in outputs))
     return region, external
-
-
-def _is_const(graph: Graph, node: int) -> bool:
-    op = graph.op(node)
-    return isinstance(op, Op) and op.kind == "const"
 
 
 def replace_with_kernel(graph: Graph, nodes: Sequence[int], outputs: Sequence[int],
@@ -84,11 +120,21 @@ def replace_with_kernel(graph: Graph, nodes: Sequence[int], outputs: Sequence[in
     kernel = graph.add(KernelOp(name, template, region, span), external)
     for i, out in enumerate(outputs):
         graph.replace_uses(out, kernel, new_res=i)
-    dead = list(reversed(nodes))
-    for n in dead:
+    for n in reversed(nodes):
         operands = graph.operands(n)
         graph.remove(n)
-        for src in operands:
-            if _is_const(graph, src) and graph.nx.out_degree(src) == 0:
-                graph.remove(src)
+        remove_dead_clonables(graph, operands)
     return kernel
+
+
+def remove_dead_clonables(graph: Graph, nodes: Sequence[int]) -> None:
+    """Remove the constants and scalar expressions among `nodes` (and, in turn, among
+    their operands) that nothing uses any more."""
+    stack = list(nodes)
+    while stack:
+        n = stack.pop()
+        if n in graph.nx and graph.nx.out_degree(n) == 0 and graph.output != n \
+                and is_clonable(graph, n) and not is_by_value(graph.op(n)):
+            operands = graph.operands(n)
+            graph.remove(n)
+            stack.extend(operands)

@@ -217,8 +217,9 @@ class GemmProgram:
         rank = len(self.shape)
         M, N = self.M, self.N
         vals: dict[int, Val] = {self.mm: Val("acc", "f")}
-        # prologue ops are done; an input may feed both an operand and the epilogue
-        skip = {v for chain in self.prologues for v in chain if v >= self.n_in} | {self.mm}
+        # prologue ops are done inside the K loop; an input may feed both an operand and the
+        # epilogue, and so may a constant or scalar op, which the epilogue computes again
+        skip = self._prologue_only() | {self.mm}
         for i, inp in enumerate(region.inputs):
             if i in skip or not self._used_in_epilogue(i, skip):
                 continue
@@ -242,6 +243,22 @@ class GemmProgram:
             ptrs = self.tile(c, rank, "rm[:, None]", "rn[None, :]", "[BLOCK_M, BLOCK_N]")
             body(f"tl.store({ptrs}, {em.store_value(vals[v], region.value_type(v))}, "
                  f"mask={tile_mask})")
+
+    def _prologue_only(self) -> set[int]:
+        """Prologue ops whose values the epilogue does not read."""
+        n_in, ops = self.n_in, self.region.ops
+        prologue = {v for chain in self.prologues for v in chain if v >= n_in}
+        stack = list(self.region.outputs)
+        stack += [o for k, r in enumerate(ops) if n_in + k not in prologue and n_in + k != self.mm
+                  for o in r.operands]
+        needed: set[int] = set()
+        while stack:
+            v = stack.pop()
+            if v in needed or v == self.mm or v < n_in:
+                continue
+            needed.add(v)
+            stack.extend(ops[v - n_in].operands)
+        return prologue - needed
 
     def _used_in_epilogue(self, i: int, skip: set[int]) -> bool:
         return any(i in r.operands for k, r in enumerate(self.region.ops)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from tiledsl import ops
 from tiledsl.ir import Graph, KernelOp, Op
-from tiledsl.passes.regions import replace_with_kernel
+from tiledsl.passes.regions import is_clonable, replace_with_kernel
 
 from .legality import Group, GroupPlan
 from .remarks import FusionRemark
@@ -23,9 +23,11 @@ Admit = Callable[[set[int], int], "tuple[str, str] | None"]
 
 
 def candidate_kind(graph: Graph, node: int) -> bool:
-    """Ops a fusion pass may consider at all (not params, dims, views, returns, kernels)."""
+    """Ops a fusion pass may consider at all: not params, dims, views, returns, kernels,
+    nor constants and scalar expressions, which every kernel reading them clones."""
     op = graph.op(node)
-    return isinstance(op, Op) and op.kind not in ("param", "dim", "const", "transpose", "return")
+    return (isinstance(op, Op) and op.kind not in ("param", "dim", "const", "transpose", "return")
+            and not is_clonable(graph, node))
 
 
 def elementwise_candidate(graph: Graph, node: int) -> bool:
