@@ -68,6 +68,7 @@ def bind(graph: Graph, args: Sequence[Any], kwargs: Mapping[str, Any]) -> BoundC
         if not isinstance(value, torch.Tensor):
             raise ArgumentError(op.span, message=(
                 f"argument '{name}' must be a torch.Tensor of {t}, got {type(value).__name__}"))
+        value = _dense(value, name, op.span, torch)
         if value.dim() != t.rank:
             raise ArgumentError(op.span, message=(
                 f"argument '{name}' has {value.dim()} dimension(s) {list(value.shape)}, but "
@@ -107,13 +108,38 @@ def bind(graph: Graph, args: Sequence[Any], kwargs: Mapping[str, Any]) -> BoundC
     return BoundCall(values, {k: v for k, (v, _) in dims.items()}, device)
 
 
+def _dense(value: Any, name: str, span, torch) -> Any:
+    """The tensor as kernels read it: strided, its lazy negation/conjugation applied; and
+    never one whose gradient would be silently dropped."""
+    if value.layout != torch.strided:
+        raise ArgumentError(span, message=(
+            f"argument '{name}' is a {str(value.layout).removeprefix('torch.')} tensor; tiledsl "
+            f"kernels read dense (strided) tensors: pass {name}.to_dense()"))
+    if value.requires_grad and torch.is_grad_enabled():
+        raise ArgumentError(span, message=(
+            f"argument '{name}' requires grad, but tiledsl programs have no autograd yet and its "
+            f"gradient would be silently lost: pass {name}.detach() or call under torch.no_grad()"))
+    # x.conj().imag and friends are views with the negative (or conjugate) bit set: the
+    # sign lives in the bit, not the memory the kernel reads
+    return value.resolve_conj().resolve_neg()
+
+
 def _scalar(value: Any, name: str, t: TensorType, span, torch) -> Any:
     if isinstance(value, torch.Tensor):
         if value.dim() != 0:
             raise ArgumentError(span, message=(
                 f"argument '{name}' must be a scalar ({t.dtype}), got a tensor of shape "
                 f"{list(value.shape)}"))
-        value = value.item()
+        if value.requires_grad and torch.is_grad_enabled():
+            raise ArgumentError(span, message=(
+                f"argument '{name}' requires grad, but tiledsl programs have no autograd yet and "
+                f"its gradient would be silently lost: pass {name}.detach() or call under "
+                "torch.no_grad()"))
+        value = value.resolve_conj().resolve_neg().item()
+    import numpy as np
+
+    if isinstance(value, np.bool_):
+        value = bool(value)
     if t.dtype is DType.BOOL:
         if not isinstance(value, bool):
             raise ArgumentError(span, message=f"argument '{name}' must be a bool, got "
@@ -129,7 +155,12 @@ def _scalar(value: Any, name: str, t: TensorType, span, torch) -> Any:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ArgumentError(span, message=f"argument '{name}' must be a number ({t.dtype}), got "
                             f"{type(value).__name__}")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:
+        raise ArgumentError(span, message=(
+            f"argument '{name}' is an int of {int(value).bit_length()} bits, too large for "
+            f"{t.dtype}")) from None
 
 
 def eval_shape(shape, dims: Mapping[str, int]) -> tuple[int, ...]:

@@ -12,9 +12,10 @@ accumulator is rescaled by exp2(m_old - m_new), and P, cast to v's dtype,
 meets the v tile in the second dot. One normalisation at the end; the
 epilogue runs on the normalised f32 tile before the one store.
 
-Masks are true -inf. The running max is guarded where it is -inf, so rows
-whose scores are all masked give 0 (and logsumexp -inf), never NaN. Columns
-past the sequence end are masked to -inf, head dims are padded to a power of
+Masks are true -inf. The running max is guarded where it is infinite, so rows
+whose scores are all masked give 0 (and logsumexp -inf), never NaN; a row
+with a NaN or +inf score is NaN, with logsumexp NaN or +inf, as torch gives.
+Columns past the sequence end are masked to -inf, head dims are padded to a power of
 two (BLOCK_D >= 16, tl.dot's smallest) with zeros. When the last op before
 the softmax is a mask with a known key bound (`causal`, or any
 `index(-2) + a >= index(-1) + b`), key blocks past the bound of the block's
@@ -144,8 +145,10 @@ class AttentionProgram:
             # the online softmax in base 2; columns past the keys are -inf
             body(f"t = tl.where((rn < {N})[None, :], {x.text} * {LOG2E!r}, {NEG_INF})")
             body("m_new = tl.maximum(m_i, tl.max(t, 1))")
-            body(f"m_safe = tl.where(m_new == {NEG_INF}, 0.0, m_new)")
-            body("alpha = tl.exp2(m_i - m_safe)")
+            # an infinite max is replaced by 0: -inf (all masked so far) gives p = 0, +inf
+            # (torch: a NaN row, logsumexp +inf) gives l_i = +inf, never inf - inf
+            body('m_safe = tl.where(tl.abs(m_new) == float("inf"), 0.0, m_new)')
+            body("alpha = tl.where(m_i == m_new, 1.0, tl.exp2(m_i - m_safe))")
             body("p = tl.exp2(t - m_safe[:, None])")
             body("l_i = l_i * alpha + tl.sum(p, 1)")
             body(f"v_ptrs = {self.tile(self.v_val, 'rn[:, None]', 'rdv[None, :]', '[BLOCK_N, BLOCK_DV]')}")
@@ -177,11 +180,16 @@ class AttentionProgram:
     def finish_rows(self) -> None:
         """Normalise once, compute logsumexp, run the epilogue, store."""
         body, em, region, parts = self.body, self.em, self.region, self.parts
-        body("inv = tl.where(l_i > 0.0, 1.0 / l_i, 0.0)")
+        # all masked: l_i == 0, output 0, lse -inf; a NaN score makes l_i NaN and a +inf one
+        # m_i +inf: the row is NaN like torch's softmax, lse NaN or +inf like torch's logsumexp
+        body('nan_row = (m_i == float("inf")) | (l_i != l_i)')
+        body('inv = tl.where(nan_row, float("nan"), tl.where(l_i > 0.0, 1.0 / l_i, 0.0))')
         body("o = acc * inv[:, None]")
         vals: dict[int, Val] = {parts.pv: Val("o", "f")}
         if parts.lse:
-            body(f"lse = tl.where(l_i > 0.0, (m_i + tl.log2(l_i)) * {LN2!r}, {NEG_INF})")
+            body('m_fin = tl.where(m_i == float("inf"), 0.0, m_i)')
+            body(f"lse = tl.where(l_i > 0.0, (m_fin + tl.log2(l_i)) * {LN2!r}, "
+                 f'tl.where(l_i == 0.0, {NEG_INF}, float("nan")))')
             for v in parts.lse:
                 vals[v] = Val("lse", "f")
         for i in self.inputs_of(parts.epilogue):

@@ -18,8 +18,10 @@ values vary along the axis ([BLOCK_O, BLOCK_R] tiles), "row" values do not
   recurrence); a softmax value is then exp(x - m) / z wherever a loop needs
   it. rmsnorm reads a row twice, layernorm three times, softmax twice.
 
-A row that is all -inf gives softmax 0 and logsumexp -inf, never NaN. Sums
-and means whose IR dtype is f32 accumulate in f64, so an f32 program's row
+A row that is all -inf gives softmax 0 and logsumexp -inf, never NaN.
+Otherwise special values follow torch: max/min propagate NaN, a softmax row
+holding a NaN or +inf is all NaN, logsumexp of a row holding +inf is +inf.
+Sums and means whose IR dtype is f32 accumulate in f64, so an f32 program's row
 sums are as good as correctly rounded (a following exp amplifies any error
 of the sum); f16/bf16 ones accumulate in f32.
 """
@@ -257,7 +259,7 @@ class RowProgram:
             if self.wide(v):
                 x = em.assign(f"{em.tensor(x).text}.to(tl.float64)", "f")
             xm = self.masked(x, self.identity(kind, cat))
-            total = f"{_COLLAPSE[kind]}({xm}, axis=1)[:, None]"
+            total = self.collapse(kind, cat, xm)
             return self.mean(em.assign(total + (".to(tl.float32)" if self.wide(v) else ""), cat), v)
         xm = self.masked(x, NEG_INF)
         m = em.assign(f"tl.max({xm}, axis=1)[:, None]", "f")
@@ -269,7 +271,22 @@ class RowProgram:
         z = em.assign(f"tl.sum({e.text}, axis=1)[:, None]", "f")
         if kind == "logsumexp":
             return em.assign(f"{ms.text} + tl.log({z.text})", "f")
-        return em.assign(f"{e.text} * tl.where({z.text} > 0.0, 1.0 / {z.text}, 0.0)", "f")
+        return em.assign(f"{e.text} * {self.inverse_sum(m.text, z.text)}", "f")
+
+    def collapse(self, kind: str, cat: str, x: str) -> str:
+        """The reduction of tile `x` along the row; float max/min propagate NaN, like torch."""
+        total = f"{_COLLAPSE[kind]}({x}, axis=1)[:, None]"
+        if kind not in ("max", "min") or cat != "f":
+            return total
+        nan = f"tl.max(({x} != {x}).to(tl.int32), axis=1)[:, None] > 0"
+        return f'tl.where({nan}, float("nan"), {total})'
+
+    def inverse_sum(self, m: str, z: str) -> str:
+        """1 / z for softmax: 0 for a row that is all -inf (z == 0), NaN where torch gives NaN
+        (a NaN in the row makes z NaN; a +inf makes the max +inf)."""
+        inv = self.em.assign(f"tl.where({z} > 0.0, 1.0 / {z}, 0.0)", "f")
+        return self.em.assign(f'tl.where(({m} == float("inf")) | ({z} != {z}), float("nan"), '
+                              f"{inv.text})", "f").text
 
     def emit_phases(self) -> None:
         """Rows longer than a block: one loop per reduction phase, then one to write."""
@@ -337,8 +354,10 @@ class RowProgram:
             x = self.em.assign(f"{self.em.tensor(x).text}.to(tl.float64)", "f")
         xm = self.masked(x, self.identity(kind, state["cat"]))
         acc = state["acc"]
+        nan = ", propagate_nan=tl.PropagateNan.ALL" if state["cat"] == "f" else ""
         body(f"{acc} = " + {"sum": f"{acc} + {xm}", "mean": f"{acc} + {xm}",
-                           "max": f"tl.maximum({acc}, {xm})", "min": f"tl.minimum({acc}, {xm})"}[kind])
+                           "max": f"tl.maximum({acc}, {xm}{nan})",
+                           "min": f"tl.minimum({acc}, {xm}{nan})"}[kind])
 
     def finalize(self, v: int, state: dict[str, str], row_vals: dict[int, Val]) -> None:
         kind, em = self.op(v).kind, self.em
@@ -349,11 +368,10 @@ class RowProgram:
         elif kind == "softmax":  # a full value: later loops compute exp(x - m) / z from these
             m, z = state["m"], state["z"]
             ms = em.assign(f"tl.where({m} == {NEG_INF}, 0.0, {m})", "f")
-            inv = em.assign(f"tl.where({z} > 0.0, 1.0 / {z}, 0.0)", "f")
-            self.softmax_stats[v] = (ms.text, inv.text)
+            self.softmax_stats[v] = (ms.text, self.inverse_sum(m, z))
         else:
             narrow = ".to(tl.float32)" if self.wide(v) else ""
-            total = em.assign(f"{_COLLAPSE[kind]}({state['acc']}, axis=1)[:, None]{narrow}", state["cat"])
+            total = em.assign(self.collapse(kind, state["cat"], state["acc"]) + narrow, state["cat"])
             row_vals[v] = self.mean(total, v)
 
     def store(self, vals: dict[int, Val], full: bool) -> None:
