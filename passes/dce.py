@@ -23,4 +23,4 @@ class DCE(Pass):
 
     def run(self, graph: Graph, ctx: PassContext) -> None:
         live = nx.ancestors(graph.nx, graph.output) | {graph.output} | set(graph.params)
-        graph.nx.remove_nodes_from([n for n in list(graph.nx.nodes) if n not in live])
+        graph.remove_all([n for n in list(graph.nx.nodes) if n not in live])

@@ -13,7 +13,9 @@ Refused, with a recorded rule: a reduction along another axis or of another
 shape, an op that reads a group value at another index (a reduced row
 broadcast along the row, a transpose) or does not fit S ("other-index",
 "tile"), a value used outside the group that does not vary along the rows
-("tile": every row would store it), and anything that would create a cycle.
+("tile": every row would store it), and anything that would create a cycle;
+and, as not worth it ("profit"), a group past `MAX_ROW_PHASES` dependent
+reductions or `MAX_ROW_OPS` ops.
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tiledsl import ops
-from tiledsl.ir import Graph
+from tiledsl.ir import Graph, Region
 from tiledsl.passes.fusion.grow import candidate_kind, fuse_groups, outputs_of
 from tiledsl.passes.fusion.legality import ROW_OPS, GroupPlan, RowSpace, result_type, row_layouts
+from tiledsl.passes.fusion.profitability import MAX_ROW_OPS, MAX_ROW_PHASES
 from tiledsl.passes.regions import outline
 from tiledsl.passes.registry import Pass, PassContext, register
 
@@ -49,8 +52,13 @@ class FuseRows(Pass):
 
 def _admit(graph: Graph, plan: GroupPlan, group: set[int], cand: int,
            space: RowSpace) -> tuple[str, str] | None:
+    if len(group) >= MAX_ROW_OPS:
+        return "profit", f"a row program holds at most {MAX_ROW_OPS} ops"
     members = sorted(group | {cand}, key=plan.order.__getitem__)
     region, _ = outline(graph, members, members)
+    if _phases(region) > MAX_ROW_PHASES:
+        return "profit", (f"a row program reads its rows at most {MAX_ROW_PHASES + 1} times "
+                          f"({MAX_ROW_PHASES} dependent reductions); storing an intermediate costs less")
     layouts = row_layouts(region, space)
     if isinstance(layouts, str):
         rule = "other-index" if "index" in layouts or "different dims" in layouts else "tile"
@@ -62,3 +70,13 @@ def _admit(graph: Graph, plan: GroupPlan, group: set[int], cand: int,
             return "tile", (f"{graph.op(node).kind} is used outside the row program but does not vary "
                             "along every row dim, so every row would store it")
     return None
+
+
+def _phases(region: Region) -> int:
+    """The longest chain of reductions that each need the one before (layernorm: 2)."""
+    n_in = len(region.inputs)
+    phase = [0] * (n_in + len(region.ops))
+    for i, rop in enumerate(region.ops):
+        p = max((phase[o] for o in rop.operands), default=0)
+        phase[n_in + i] = p + 1 if rop.op.kind in ROW_OPS else p
+    return max(phase, default=0)

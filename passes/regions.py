@@ -23,44 +23,56 @@ def is_by_value(op: Op | KernelOp) -> bool:
     return isinstance(op, Op) and (op.kind == "dim" or (op.kind == "param" and op.attr("scalar")))
 
 
-def is_clonable(graph: Graph, node: int) -> bool:
-    """A constant or a scalar expression: cloned into each kernel that reads it."""
-    stack, seen = [node], set()
+def is_clonable(graph: Graph, node: int, memo: dict[int, bool] | None = None) -> bool:
+    """A constant or a scalar expression: cloned into each kernel that reads it.
+
+    Answers are memoized on the graph until it changes (or in `memo`), which keeps
+    a long chain of scalar statements linear.
+    """
+    memo = graph.memo("clonable") if memo is None else memo
+    stack = [node]
     while stack:
-        n = stack.pop()
-        if n in seen:
+        n = stack[-1]
+        if n in memo:
+            stack.pop()
             continue
-        seen.add(n)
         op = graph.op(n)
         if not isinstance(op, Op):
-            return False
-        if op.kind == "const" or (n != node and is_by_value(op)):
-            continue
-        if op.shape != () or not ops.is_elementwise(op.kind) or op.kind == "index":
-            return False
-        stack.extend(graph.operands(n))
-    return True
+            memo[n] = False
+        elif op.kind == "const":
+            memo[n] = True
+        elif op.shape != () or not ops.is_elementwise(op.kind) or op.kind == "index":
+            memo[n] = False
+        else:
+            pending = [o for o in graph.operands(n) if o not in memo and not _leaf(graph, o)]
+            if pending:
+                stack.extend(pending)
+                continue
+            memo[n] = all(_leaf(graph, o) or memo[o] for o in graph.operands(n))
+        stack.pop()
+    return memo[node]
+
+
+def _leaf(graph: Graph, node: int) -> bool:
+    """A value a cloned scalar expression reads from outside: a dim or a scalar parameter."""
+    return is_by_value(graph.op(node))
 
 
 def outline(
-    graph: Graph, nodes: Sequence[int], outputs: Sequence[int]
+    graph: Graph, nodes: Sequence[int], outputs: Sequence[int], memo: dict[int, bool] | None = None
 ) -> tuple[Region, list[tuple[int, int]]]:
     """The region computing `outputs` from `nodes` (in dependency order).
 
     Returns the region and, for each region input, the (node, result) it
-    reads from outside the group.
+    reads from outside the group. `memo`: see `is_clonable`.
     """
     members = set(nodes)
     values: dict[tuple[int, int], int] = {}
     inputs: list[RegionInput] = []
     external: list[tuple[int, int]] = []
     body: list[RegionOp] = []
-    clonable: dict[int, bool] = {}
-
     def clone(node: int) -> bool:
-        if node not in clonable:
-            clonable[node] = is_clonable(graph, node)
-        return clonable[node]
+        return is_clonable(graph, node, memo)
 
     # Inputs first: their value ids precede every op's. The leaves of a cloned
     # scalar expression (dims, scalar parameters) are inputs too.
@@ -111,7 +123,9 @@ def replace_with_kernel(graph: Graph, nodes: Sequence[int], outputs: Sequence[in
     Every use of output i moves to result i of the kernel; the grouped nodes
     (and constants only they used) are removed.
     """
-    region, external = outline(graph, nodes, outputs)
+    # removing members changes no answer about what they read (only about their users)
+    memo: dict[int, bool] = {}
+    region, external = outline(graph, nodes, outputs, memo)
     span = None
     for n in nodes:
         s = graph.op(n).span
@@ -123,18 +137,20 @@ def replace_with_kernel(graph: Graph, nodes: Sequence[int], outputs: Sequence[in
     for n in reversed(nodes):
         operands = graph.operands(n)
         graph.remove(n)
-        remove_dead_clonables(graph, operands)
+        remove_dead_clonables(graph, operands, memo)
     return kernel
 
 
-def remove_dead_clonables(graph: Graph, nodes: Sequence[int]) -> None:
+def remove_dead_clonables(graph: Graph, nodes: Sequence[int],
+                          memo: dict[int, bool] | None = None) -> None:
     """Remove the constants and scalar expressions among `nodes` (and, in turn, among
-    their operands) that nothing uses any more."""
+    their operands) that nothing uses any more. `memo`: see `is_clonable`."""
+    memo = {} if memo is None else memo
     stack = list(nodes)
     while stack:
         n = stack.pop()
         if n in graph.nx and graph.nx.out_degree(n) == 0 and graph.output != n \
-                and is_clonable(graph, n) and not is_by_value(graph.op(n)):
+                and is_clonable(graph, n, memo) and not is_by_value(graph.op(n)):
             operands = graph.operands(n)
             graph.remove(n)
             stack.extend(operands)

@@ -146,6 +146,7 @@ class Graph:
         self.span = span
         self.hints: dict[str, tuple[int, Span]] = dict(hints or {})
         self.nx = nx.MultiDiGraph()
+        self._memos: dict[str, dict] = {}
         self.params: list[int] = []
         self.output: int | None = None
         self.returns: tuple[TensorType, ...] = ()  # the declared return types
@@ -155,6 +156,7 @@ class Graph:
 
     def add(self, op: Payload, operands: Iterable[int | tuple[int, int]] = ()) -> int:
         """Add a node; operands are node ids or (node, result index) pairs."""
+        self._changed()
         node = next(self._ids)
         self.nx.add_node(node, op=op)
         for slot, operand in enumerate(operands):
@@ -175,9 +177,18 @@ class Graph:
         other.returns = self.returns
         start = max(self.nx.nodes, default=-1) + 1
         other._ids = itertools.count(start)
+        other._memos = {}
         return other
 
     # queries ----------------------------------------------------------------------
+
+    def memo(self, name: str) -> dict:
+        """A dict for derived facts about nodes (`name` says which), emptied by every
+        mutation: analyses stay linear without going stale."""
+        return self._memos.setdefault(name, {})
+
+    def _changed(self) -> None:
+        self._memos.clear()
 
     def op(self, node: int) -> Payload:
         return self.nx.nodes[node]["op"]
@@ -211,9 +222,11 @@ class Graph:
     # mutation -----------------------------------------------------------------------
 
     def set_op(self, node: int, op: Payload) -> None:
+        self._changed()
         self.nx.nodes[node]["op"] = op
 
     def set_operands(self, node: int, operands: Iterable[int | tuple[int, int]]) -> None:
+        self._changed()
         self.nx.remove_edges_from(list(self.nx.in_edges(node, keys=True)))
         for slot, operand in enumerate(operands):
             src, res = operand if isinstance(operand, tuple) else (operand, 0)
@@ -221,13 +234,20 @@ class Graph:
 
     def replace_uses(self, old: int, new: int, new_res: int = 0, old_res: int | None = None) -> None:
         """Point every use of `old` (or of its result `old_res`) at `new`."""
+        self._changed()
         for _, user, slot, res in list(self.nx.out_edges(old, keys=True, data="res")):
             if old_res is not None and res != old_res:
                 continue
             self.nx.remove_edge(old, user, key=slot)
             self.nx.add_edge(new, user, key=slot, res=new_res)
 
+    def remove_all(self, nodes: Iterable[int]) -> None:
+        """Remove nodes whose uses are all among themselves (dead code)."""
+        self._changed()
+        self.nx.remove_nodes_from(list(nodes))
+
     def remove(self, node: int) -> None:
+        self._changed()
         assert self.nx.out_degree(node) == 0, f"removing node {node} that still has uses"
         self.nx.remove_node(node)
         if node in self.params:

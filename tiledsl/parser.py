@@ -28,9 +28,13 @@ from tiledsl.diagnostics import (
 )
 from tiledsl.source import Source, Span
 
-MAX_SOURCE_CHARS = 4_000_000
-MAX_STATEMENTS = 50_000
+# Checked before parsing (size) or while the tokens stream in (the others), so that
+# an oversized input is refused in well under a second, not after a long parse.
+MAX_SOURCE_CHARS = 1_000_000
+MAX_STATEMENTS = 5_000  # in a program, all kernels together
+MAX_STATEMENT_TOKENS = 20_000
 MAX_EXPR_DEPTH = 200
+MAX_INT_DIGITS = 18  # longer integers fit no i32 value, dim or hint (and Python refuses > 4300)
 
 # How terminals are named in "expected one of ..." messages.
 _TERMINAL_NAMES = {
@@ -44,13 +48,22 @@ _TERMINAL_NAMES = {
 }
 
 
+class _TooLarge(Exception):
+    """Raised from the token stream; `parse` turns it into a located `LimitError`."""
+
+    def __init__(self, tok: Token, what: str, limit: int) -> None:
+        super().__init__(what)
+        self.tok, self.what, self.limit = tok, what, limit
+
+
 class _Newlines:
-    """Post-lexer: a newline inside (...) or [...] does not end a statement."""
+    """Post-lexer: a newline inside (...) or [...] does not end a statement. It also
+    counts statements and tokens as they stream in, so the parser stops at a limit."""
 
     always_accept = ("_NL",)
 
     def process(self, stream: Iterator[Token]) -> Iterator[Token]:
-        depth = 0
+        depth = statements = tokens = 0  # tokens: since the last statement boundary
         for tok in stream:
             if tok.type in ("LPAR", "LSQB"):
                 depth += 1
@@ -58,11 +71,20 @@ class _Newlines:
                 depth = max(0, depth - 1)
             elif tok.type == "_NL" and depth:
                 continue
+            if tok.type in ("_NL", "SEMICOLON", "LBRACE", "RBRACE"):
+                statements += tokens > 0 and tok.type != "LBRACE"  # not the kernel's header
+                tokens = 0
+                if statements > MAX_STATEMENTS:
+                    raise _TooLarge(tok, "the number of statements in a program", MAX_STATEMENTS)
+            else:
+                tokens += 1
+                if tokens > MAX_STATEMENT_TOKENS:
+                    raise _TooLarge(tok, "the number of tokens in a statement", MAX_STATEMENT_TOKENS)
             yield tok
 
 
 class _Builder(lark.visitors.Transformer_NonRecursive):
-    """Builds `tiledsl.ast` nodes; runs inline in the LALR parser."""
+    """Builds `tiledsl.ast` nodes from the parse tree, without recursion."""
 
     def __init__(self, source: Source) -> None:
         super().__init__()
@@ -77,6 +99,13 @@ class _Builder(lark.visitors.Transformer_NonRecursive):
 
     def _tok(self, tok: Token) -> Span:
         return Span(self.src, tok.start_pos, tok.end_pos)
+
+    def _int(self, tok: Token) -> int:
+        digits = len(str(tok).lstrip("0"))
+        if digits > MAX_INT_DIGITS:
+            raise LimitError(self._tok(tok), what=f"the length of an integer literal ({digits} digits)",
+                             limit=f"{MAX_INT_DIGITS} digits")
+        return int(tok)
 
     def _nested(self, span: Span, *children: ast.Expr) -> int:
         d = 1 + max((ast.depth(c) for c in children), default=0)
@@ -140,7 +169,7 @@ class _Builder(lark.visitors.Transformer_NonRecursive):
 
     def dim_literal(self, children):
         (tok,) = children
-        return ast.DimExpr(int(tok), self._tok(tok))
+        return ast.DimExpr(self._int(tok), self._tok(tok))
 
     @lark.v_args(meta=True)
     def ret_single(self, meta, children):
@@ -152,9 +181,6 @@ class _Builder(lark.visitors.Transformer_NonRecursive):
 
     @lark.v_args(meta=True)
     def block(self, meta, stmts):
-        if len(stmts) > MAX_STATEMENTS:
-            raise LimitError(stmts[MAX_STATEMENTS].span, what="the number of statements in a kernel",
-                             limit=MAX_STATEMENTS)
         return tuple(stmts)
 
     @lark.v_args(meta=True)
@@ -247,7 +273,7 @@ class _Builder(lark.visitors.Transformer_NonRecursive):
 
     def int_lit(self, children):
         (tok,) = children
-        return ast.IntLit(self._tok(tok), int(tok))
+        return ast.IntLit(self._tok(tok), self._int(tok))
 
     def float_lit(self, children):
         (tok,) = children
@@ -293,6 +319,10 @@ def parse(text: str, name: str = "<string>") -> ast.Program:
         tree = _lark().parse(text)
     except UnexpectedInput as err:
         raise _syntax_error(source, err) from None
+    except _TooLarge as err:
+        start = err.tok.start_pos or 0
+        raise LimitError(Span(source, start, max(start, err.tok.end_pos or start)), what=err.what,
+                         limit=err.limit) from None
     try:
         program = _Builder(source).transform(tree)
     except lark.exceptions.VisitError as err:

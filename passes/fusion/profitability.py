@@ -11,13 +11,22 @@ weigh here is work that a fused kernel repeats:
 - a prologue value that something else also uses must be stored anyway, so
   fusing it would only duplicate work;
 - an epilogue is capped at `MAX_EPILOGUE_INPUTS` extra tensors, beyond which
-  the loads and registers outgrow the benefit.
+  the loads and registers outgrow the benefit;
+- a row program longer than a block reads its rows once per reduction phase
+  (a reduction that needs an earlier one's result, like layernorm's variance
+  after its mean) and recomputes every value between them in each loop, so
+  it is capped at `MAX_ROW_PHASES` phases, where storing an intermediate row
+  and starting a new kernel costs less; and at `MAX_ROW_OPS` ops, which keeps
+  each kernel's registers, source and compile time bounded (and compile time
+  linear in the program's length).
 """
 
 from __future__ import annotations
 
 PROLOGUE_KINDS = frozenset({"cast", "mul", "add", "sub", "neg", "abs", "relu", "maximum", "minimum"})
 MAX_EPILOGUE_INPUTS = 8
+MAX_ROW_PHASES = 8
+MAX_ROW_OPS = 256
 
 
 def prologue_refusal(kind: str, users_outside: bool) -> str | None:
