@@ -48,21 +48,43 @@ class Kernel:
         return tuple(sorted({op.span.line for op in self.ops if op.span is not None}))
 
 
+def check_option(where: str, name: str, value: Any, expected: str, *types: type) -> None:
+    """An `OptionError` unless `value` is one of `types` (bool is not an int here)."""
+    if isinstance(value, bool) and bool not in types:
+        ok = False
+    else:
+        ok = isinstance(value, types)
+    if not ok:
+        raise diag.OptionError(message=(
+            f"{where}: '{name}' must be {expected}, got {type(value).__name__}"))
+
+
 def load_source(source: str | os.PathLike) -> tuple[str, str]:
     """(text, display name) of program text or a path to a .tdsl file."""
+    check_option("compile()", "source", source, "program text or a path", str, os.PathLike)
     if isinstance(source, os.PathLike) or (
-        isinstance(source, str) and "\n" not in source and "{" not in source
+        "\n" not in source and "{" not in source
         and (source.endswith(".tdsl") or os.path.isfile(source))
     ):
-        path = Path(source)
-        try:
-            return path.read_text(encoding="utf-8"), str(path)
-        except OSError as err:
-            raise diag.OptionError(message=f"cannot read {path}: {err.strerror}") from None
-    if not isinstance(source, str):
-        raise diag.OptionError(message=(
-            f"compile() takes program text or a path, got {type(source).__name__}"))
+        return read_program(Path(source))
     return source, "<string>"
+
+
+def read_program(path: Path) -> tuple[str, str]:
+    """(text, display name) of a program file, or an `OptionError` saying why not."""
+    shown = str(path)  # messages escape control characters themselves
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise diag.OptionError(message=f"cannot read {shown}: {err.strerror}") from None
+    except (ValueError, UnicodeError):  # a NUL byte or an unencodable character in the path
+        raise diag.OptionError(message=f"cannot read {shown}: not a valid file name") from None
+    try:
+        return data.decode("utf-8"), str(path)
+    except UnicodeDecodeError as err:
+        raise diag.OptionError(message=(
+            f"cannot read {shown}: it is not UTF-8 text (byte 0x{data[err.start]:02x} at offset "
+            f"{err.start})")) from None
 
 
 def compile(  # noqa: A001 - the public name is part of the design
@@ -90,6 +112,12 @@ def compile_text(text: str, name: str, kernel: str | None = None, backend: str =
                  pipeline: str | None = None, allow_tf32: bool = False,
                  verify: bool | None = None) -> Program:
     """`compile` of program text, reporting diagnostics under `name`."""
+    check_option("compile()", "kernel", kernel, "a kernel name (str) or None", str, type(None))
+    check_option("compile()", "backend", backend, "a str", str)
+    check_option("compile()", "pipeline", pipeline, "a comma-separated str of pass names or None",
+                 str, type(None))
+    check_option("compile()", "allow_tf32", allow_tf32, "a bool", bool)
+    check_option("compile()", "verify", verify, "a bool or None", bool, type(None))
     if backend not in BACKENDS:
         raise diag.OptionError(message=(
             f"unknown backend '{backend}'{diag.did_you_mean(backend, BACKENDS)} "
@@ -149,6 +177,7 @@ class Program:
         """The same program run op by op in torch (float64=True: the golden result)."""
         from tiledsl.backends import reference
 
+        check_option("reference()", "float64", float64, "a bool", bool)
         bound = bind(self._graph, args, kwargs)
         outs = reference.run(self._result.stages["graph"], bound, float64=float64)
         return outs[0] if len(outs) == 1 else tuple(outs)
@@ -166,6 +195,8 @@ class Program:
 
     def ir(self, stage: str = "fused", locations: bool = False) -> str:
         """The IR text after a stage: "graph", a pass name, or "fused"."""
+        check_option("ir()", "stage", stage, "a stage name (str)", str)
+        check_option("ir()", "locations", locations, "a bool", bool)
         stages = self._result.stages
         if stage == "fused":
             return print_graph(self._graph, locations)
@@ -187,7 +218,28 @@ class Program:
         """The fusion report; with `dims`, traffic in bytes at those sizes."""
         from tiledsl.explain import explain
 
-        return explain(self, dims)
+        return explain(self, None if dims is None else self._explain_dims(dims))
+
+    def _explain_dims(self, dims: Any) -> dict[str, int]:
+        check_option("explain()", "dims", dims, "a mapping of dim names to sizes", Mapping)
+        symbols = sorted({d for p in self._graph.params for d in self._graph.op(p).type.shape
+                          if isinstance(d, str)})
+        out = {}
+        for name, size in dims.items():
+            if name not in symbols:
+                raise diag.OptionError(message=(
+                    f"explain(): '{name}' is not a dim of '{self.name}'"
+                    f"{diag.did_you_mean(str(name), symbols)} (dims: {', '.join(symbols) or 'none'})"))
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise diag.OptionError(message=(
+                    f"explain(): dim {name} must be a positive int, got {repr(size)[:40]}"))
+            out[name] = size
+        missing = [d for d in symbols if d not in out]
+        if missing:
+            raise diag.OptionError(message=(
+                f"explain(): dims= needs a size for every dim of '{self.name}'; missing "
+                f"{', '.join(missing)}"))
+        return out
 
     def to_dot(self) -> str:
         from tiledsl.dot import to_dot
@@ -199,6 +251,7 @@ class Program:
         import shutil
         import subprocess
 
+        check_option("draw()", "path", path, "a path", str, os.PathLike)
         out = Path(path)
         exe = shutil.which(dot_binary)
         if exe is None:

@@ -15,6 +15,7 @@ several kernels. Errors print as compiler diagnostics and exit with status 1.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -73,10 +74,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _read(path: str) -> tuple[str, str]:
-    """(text, display name) of a program file, or of standard input for '-'."""
-    from tiledsl.api import load_source
+    """(text, display name) of a program file, or of standard input for '-'. The argument
+    is always a file name: a missing file is an error, never program text."""
+    from pathlib import Path
 
-    return (sys.stdin.read(), "<stdin>") if path == "-" else load_source(path)
+    from tiledsl.api import read_program
+
+    return (sys.stdin.read(), "<stdin>") if path == "-" else read_program(Path(path))
 
 
 def _compile(args, **kw):
@@ -104,6 +108,12 @@ def _cmd_opt(args) -> int:
     if not args.no_lower and args.passes is not None and not pipeline.rstrip().endswith("lower-kernels"):
         pipeline = f"{pipeline},lower-kernels" if pipeline.strip() else "lower-kernels"
     wanted = set(args.print_ir_after)
+    stages = ["graph"] + [p.strip() for p in pipeline.split(",") if p.strip()]
+    for stage in args.print_ir_after:
+        if stage not in stages:
+            raise diag.OptionError(message=(
+                f"--print-ir-after {stage}: no such stage in this pipeline"
+                f"{diag.did_you_mean(stage, stages)} (stages: {', '.join(stages)})"))
     dump = print_ir_to(sys.stdout, args.locations)
 
     def after(stage: str, g) -> None:
@@ -151,22 +161,29 @@ def _parse_assignments(items: Sequence[str], what: str) -> dict[str, str]:
         key, sep, value = item.partition("=")
         if not sep or not key.strip() or not value.strip():
             raise diag.OptionError(message=f"{what} must look like NAME=VALUE, got {item!r}")
+        if key.strip() in out:
+            raise diag.OptionError(message=f"{what} gives {key.strip()} twice")
         out[key.strip()] = value.strip()
     return out
 
 
-def _cmd_run(args) -> int:
-    import torch
+MAX_RUN_DIM = 2**31 - 1
+MAX_RUN_ELEMENTS = 2**31
 
+
+def _run_dims(fn, text: str) -> dict[str, int]:
     from tiledsl import testing
 
-    fn = _compile(args, backend=args.backend)
     dims: dict[str, int] = {}
-    for key, value in _parse_assignments([args.dims], "--dims").items():
+    for key, value in _parse_assignments([text], "--dims").items():
         try:
             dims[key] = int(value)
         except ValueError:
-            raise diag.OptionError(message=f"--dims {key}={value}: the size must be an integer") from None
+            raise diag.OptionError(message=f"--dims {key}={value[:40]}: the size must be an integer") \
+                from None
+        if not 1 <= dims[key] <= MAX_RUN_DIM:
+            raise diag.OptionError(message=(
+                f"--dims {key}={value[:40]}: the size must be between 1 and {MAX_RUN_DIM}"))
     needed = testing.needed_dims(fn)
     missing = [d for d in needed if d not in dims]
     if missing:
@@ -178,12 +195,87 @@ def _cmd_run(args) -> int:
         raise diag.OptionError(message=(
             f"--dims names {', '.join(unknown)}, which '{fn.name}' does not use "
             f"(its dims: {', '.join(needed) or 'none'})"))
-    scalars = {k: float(v) if any(c in v for c in ".eE") else (v == "true" if v in ("true", "false")
-               else int(v)) for k, v in _parse_assignments(args.scalar, "--scalar").items()}
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    graph = fn.fused_graph()
+    for node in graph.params:
+        t = graph.op(node).attr("type")
+        numel = math.prod(d if isinstance(d, int) else dims[d] for d in t.shape)
+        if numel > MAX_RUN_ELEMENTS:
+            raise diag.OptionError(message=(
+                f"--dims gives '{graph.op(node).attr('name')}' {numel} elements; tiledsl run draws "
+                f"random inputs of at most {MAX_RUN_ELEMENTS}"))
+    return dims
+
+
+def _run_scalars(fn, items: Sequence[str]) -> dict[str, object]:
+    """--scalar values, each read as its parameter's type (floats take inf and nan)."""
+    from tiledsl.types import DType
+
+    graph = fn.fused_graph()
+    params = {graph.op(n).attr("name"): graph.op(n) for n in graph.params if graph.op(n).attr("scalar")}
+    out: dict[str, object] = {}
+    for name, value in _parse_assignments(items, "--scalar").items():
+        if name not in params:
+            raise diag.OptionError(message=(
+                f"--scalar {name}: '{fn.name}' has no scalar parameter '{name}'"
+                f"{diag.did_you_mean(name, params)} (scalars: {', '.join(params) or 'none'})"))
+        dtype = params[name].attr("type").dtype
+        shown = f"--scalar {name}={value[:40]}"
+        if dtype is DType.BOOL:
+            if value not in ("true", "false"):
+                raise diag.OptionError(message=f"{shown}: {name} is a bool: give true or false")
+            out[name] = value == "true"
+        elif dtype is DType.I32:
+            try:
+                out[name] = int(value)
+            except ValueError:
+                raise diag.OptionError(message=f"{shown}: {name} is an i32: give an integer") from None
+            if not -(2**31) <= out[name] < 2**31:
+                raise diag.OptionError(message=f"{shown}: {name} is an i32: the value does not fit")
+        else:
+            try:
+                out[name] = float(value)
+            except ValueError:
+                raise diag.OptionError(message=(
+                    f"{shown}: {name} is {dtype}: give a number (inf and nan too)")) from None
+    return out
+
+
+def _run_device(requested: str | None) -> str:
+    import torch
+
+    if requested is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(requested)
+    except (RuntimeError, ValueError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise diag.OptionError(message=f"--device {requested}: tiledsl runs on cpu or cuda (cuda:N)")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise diag.OptionError(message=f"--device {requested}: no CUDA device is available here")
+        if device.index is not None and device.index >= count:
+            raise diag.OptionError(message=f"--device {requested}: there are {count} CUDA device(s)")
+    return str(device)
+
+
+def _cmd_run(args) -> int:
+    import torch
+
+    from tiledsl import testing
+
+    device = _run_device(args.device)
+    fn = _compile(args, backend=args.backend)
+    dims = _run_dims(fn, args.dims)
+    scalars = _run_scalars(fn, args.scalar)
     gen = torch.Generator().manual_seed(args.seed)
-    inputs = testing.random_inputs(fn, dims, "cpu", gen, scalars)
-    inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    try:
+        inputs = testing.random_inputs(fn, dims, "cpu", gen, scalars)
+        inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    except (RuntimeError, MemoryError) as err:  # torch's out-of-memory is a RuntimeError
+        raise diag.OptionError(message=(
+            f"cannot allocate random inputs at these sizes ({str(err).splitlines()[0][:120]})")) from None
     start = time.perf_counter()
     outputs = fn(**inputs)
     _sync(device)

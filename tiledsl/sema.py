@@ -143,6 +143,9 @@ class _KernelBuilder:
             if isinstance(d.value, int):
                 if d.value < 1:
                     raise diag.RankError(d.span, message=f"dim sizes must be at least 1, got {d.value}")
+                if d.value > I32_MAX:  # dims are i32 values in the language and in kernels
+                    raise diag.RankError(d.span, message=(
+                        f"dim sizes must be at most {I32_MAX}, got {d.value}"))
             elif owner is not None and d.value not in self.dims:
                 self.dims[d.value] = (owner, d.span)
         return TensorType(dtype, tuple(d.value for d in dims))
