@@ -156,10 +156,12 @@ def _binary(op: Op, args: list[Any], out_dtype: torch.dtype, float64: bool) -> A
                                         for v in args)
         if wide:
             a, b = (v.to(torch.float64) if isinstance(v, torch.Tensor) else v for v in (a, b))
+    if op.kind in _COMPARE and not isinstance(a, torch.Tensor):  # torch.lt(2, t) is refused
+        return _BINARY[_COMPARE[op.kind]](b, a)
     return _BINARY[op.kind](a, b)
 
 
-_COMPARE = ("lt", "le", "gt", "ge", "eq", "ne")
+_COMPARE = {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le", "eq": "eq", "ne": "ne"}  # -> mirrored
 
 
 def _softmax(x: torch.Tensor, axis: int) -> torch.Tensor:

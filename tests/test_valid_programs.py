@@ -72,3 +72,39 @@ def test_a_smaller_value_used_inside_and_outside_a_pointwise_group():
         u = exp(y) * 2.0
         return x * u, u
     }""", randn(17, 33), randn(33))
+
+
+SHARED = "x: f16[M, N], w: f16[N, N], s: f32"
+
+
+@pytest.mark.parametrize("body, templates", [
+    ("return maximum(softmax(x @ w.T * rsqrt(N), axis=-1) @ w, abs(rsqrt(N)))", ["attention"]),
+    ("return softmax((x * rsqrt(N)) @ w.T * rsqrt(N)) @ w", ["attention"]),
+    ("return softmax(x @ (w * (s + N)).T * (s + N)) @ w * (s + N)", ["attention"]),
+    ("return softmax(where(causal(x), x @ w.T * rsqrt(N), -inf)) @ (w * rsqrt(N))", ["pointwise", "attention"]),
+    ("return relu((x * (s * 2.0)) @ w) + s * 2.0", ["matmul"]),
+    ("return sum(x * rsqrt(N), keepdims=true) * rsqrt(N) + x * rsqrt(N)", ["rows"]),
+])
+def test_a_scalar_expression_read_in_several_places_of_one_kernel(body, templates):
+    # found by the program fuzzer: the epilogue of an attention kernel reading a scalar the
+    # score modification also reads
+    fn, _ = run_checked(f"kernel f({SHARED}) -> f16[M, N] {{\n    {body}\n}}",
+                        randn(33, 33, dtype=torch.float16), randn(33, 33, dtype=torch.float16), 0.3)
+    assert [k.template for k in fn.kernels] == templates
+
+
+def test_a_constant_shared_by_an_attention_epilogue_and_its_logsumexp():
+    fn, _ = run_checked(f"""
+    kernel f({SHARED}) -> (f16[M, N], f32[M]) {{
+        t = softmax(x @ w.T * 0.5, axis=-1) @ w
+        return t * 0.5, logsumexp(x @ w.T * 0.5) + 0.5
+    }}""", randn(17, 33, dtype=torch.float16), randn(33, 33, dtype=torch.float16), 0.3)
+    assert [k.template for k in fn.kernels] == ["attention", "pointwise"]
+
+
+def test_or_of_a_scalar_comparison_and_a_mask():
+    # Triton's interpreter cannot `|` a 0-d comparison result: and/or are selects
+    fn, _ = run_checked("""
+    kernel f(x: f32[M, N], mask: bool[M, N], s: f32) -> f32[M, N] {
+        return where(((0.5 == (s + N)) | mask) & (s < x), x, -inf)
+    }""", randn(17, 33), randn(17, 33) > 0, -0.25)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from tiledsl import ops
 from tiledsl.ir import KernelOp, Op
 from tiledsl.passes.fusion.attention import attention_parts
 from tiledsl.types import DType
@@ -224,8 +225,20 @@ class AttentionProgram:
     def run(self, vals: dict[int, Val], values: tuple[int, ...], space: str) -> None:
         """Emit the elementwise ops `values` (and the constants they read) at a tile."""
         n_in, wanted = self.n_in, set(values)
-        wanted |= {o for v in values for o in self.region.ops[v - n_in].operands
-                   if o >= n_in and self.region.ops[o - n_in].op.kind == "const"}
+        # and the constants and scalar expressions they read, which outlining cloned once
+        # for the whole region: each place that reads one computes it
+        stack = [o for v in values for o in self.region.ops[v - n_in].operands]
+        while stack:
+            o = stack.pop()
+            kind = self.region.ops[o - n_in].op.kind if o >= n_in else None
+            if o >= n_in and o not in wanted and o not in vals and self.region.value_type(o).rank == 0 \
+                    and (kind == "const" or ops.is_elementwise(kind)):
+                wanted.add(o)
+                stack.extend(self.region.ops[o - n_in].operands)
+        for v in wanted:
+            for i in self.region.ops[v - n_in].operands:
+                if i < n_in and i not in vals:
+                    vals[i] = self.load(i, space)
         self.em.run(self.region, vals, lambda op: self.index(op, space), skip=lambda v: v not in wanted)
 
     def inputs_of(self, values) -> list[int]:

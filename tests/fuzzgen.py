@@ -1,0 +1,312 @@
+"""Random well-typed tiledsl programs for differential testing.
+
+A program has a few statements over parameters of mixed shapes and dtypes,
+then returns one to three of its values. Expressions mix elementwise builtins,
+operators, comparisons and `where`, reductions, softmax, logsumexp, matmul,
+casts and transposes; leaves include constants, dims, scalar parameters and
+scalar-only subexpressions (`rsqrt(N) * s`), so constants shared between
+kernels, 0-d values and multi-output mixes of row and pointwise kernels all
+come up. Shapes are tracked while generating, so nearly every program is
+valid; whatever tiledsl rejects must be a located error, never an internal
+one. Values are kept in range: log, sqrt, rsqrt and division get positive
+arguments.
+
+    program = generate(random.Random(seed))
+    outcome = run(program)        # None when it passes, else a description
+
+`scripts/fuzz_programs.py` runs many; `tests/test_fuzz_programs.py` a bounded number.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+Shape = tuple[str, ...]
+
+UNARY = ["exp", "tanh", "sigmoid", "relu", "silu", "erf", "gelu", "abs", "-"]
+SAFE_UNARY = {"log": "log(abs({}) + 1.0)", "sqrt": "sqrt(abs({}))", "rsqrt": "rsqrt(abs({}) + 0.5)",
+              "log2": "log2(abs({}) + 0.5)", "exp2": "exp2(tanh({}))", "div": "({} / (abs({}) + 1.0))"}
+BINARY = ["+", "-", "*", "maximum", "minimum"]
+REDUCE = ["sum", "max", "min", "mean", "logsumexp"]
+CONSTANTS = ["0.5", "2", "1.0", "-3", "1e-3", "0.0"]
+SCALAR_EXPRS = ["rsqrt(N)", "(s * 2.0)", "(N - 1)", "(s + N)", "(1.0 / N)", "log2(8.0)", "sqrt(2.0)"]
+DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Value:
+    text: str
+    shape: Shape
+    kind: str = "float"  # float | bool
+
+
+@dataclass(frozen=True)
+class Program:
+    source: str
+    dtype: str
+    m: int
+    n: int
+    seed: int
+
+    def args(self) -> dict:
+        g = torch.Generator().manual_seed(self.seed)
+        dt = DTYPES[self.dtype]
+        m, n = self.m, self.n
+        return {
+            "x": torch.randn(m, n, generator=g).to(dt), "y": torch.randn(n, generator=g).to(dt),
+            "z": torch.randn(m, 1, generator=g).to(dt), "w": (torch.randn(n, n, generator=g) / n**0.5).to(dt),
+            "mask": torch.rand(m, n, generator=g) > 0.4, "s": 0.75, "flag": bool(seed_bit(self.seed)),
+        }
+
+
+def seed_bit(seed: int) -> int:
+    return seed & 1
+
+
+PARAMS = "x: {dt}[M, N], y: {dt}[N], z: {dt}[M, 1], w: {dt}[N, N], mask: bool[M, N], s: f32, flag: bool"
+
+
+def broadcast(a: Shape, b: Shape) -> Shape | None:
+    out = []
+    for i in range(1, max(len(a), len(b)) + 1):
+        da = a[-i] if i <= len(a) else "1"
+        db = b[-i] if i <= len(b) else "1"
+        if da == db or db == "1":
+            out.append(da)
+        elif da == "1":
+            out.append(db)
+        else:
+            return None
+    return tuple(reversed(out))
+
+
+class Generator:
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+        self.values: list[Value] = [
+            Value("x", ("M", "N")), Value("y", ("N",)), Value("z", ("M", "1")), Value("s", ()),
+            Value("mask", ("M", "N"), "bool"), Value("flag", (), "bool")]
+
+    def leaf(self) -> Value:
+        r = self.rng.random()
+        if r < 0.15:
+            return Value(self.rng.choice(CONSTANTS), ())
+        if r < 0.25:
+            return Value(self.rng.choice(SCALAR_EXPRS), ())
+        if r < 0.3:
+            a = self.rng.choice([v for v in self.values if v.kind == "float" and v.shape])
+            axis = self.rng.randrange(len(a.shape))
+            return Value(f"(index({a.text}, {axis}) * 0.01)", a.shape)
+        floats = [v for v in self.values if v.kind == "float"]
+        return self.rng.choice(floats)
+
+    def cond(self, depth: int) -> Value:
+        r = self.rng.random()
+        bools = [v for v in self.values if v.kind == "bool"]
+        if r < 0.3:
+            return self.rng.choice(bools)
+        if r < 0.4:
+            a = self.rng.choice([v for v in self.values if v.kind == "float" and len(v.shape) == 2])
+            if self.rng.random() < 0.5:
+                return Value(f"causal({a.text})", a.shape, "bool")
+            return Value(f"(index({a.text}, 0) + {self.rng.randint(-3, 3)} >= index({a.text}, 1))",
+                         a.shape, "bool")
+        a, b = self.expr(depth - 1), self.leaf()
+        shape = broadcast(a.shape, b.shape)
+        if shape is None:
+            return self.rng.choice(bools)
+        op = self.rng.choice(["<", "<=", ">", ">=", "!=", "=="])
+        c = Value(f"({a.text} {op} {b.text})", shape, "bool")
+        if self.rng.random() < 0.2:
+            other = self.rng.choice(bools)
+            s2 = broadcast(c.shape, other.shape)
+            if s2 is not None:
+                return Value(f"({c.text} {self.rng.choice('&|')} {other.text})", s2, "bool")
+        return c
+
+    def expr(self, depth: int) -> Value:
+        if depth <= 0 or self.rng.random() < 0.25:
+            return self.leaf()
+        r = self.rng.random()
+        if r < 0.22:
+            a = self.expr(depth - 1)
+            op = self.rng.choice(UNARY)
+            return Value(f"-({a.text})" if op == "-" else f"{op}({a.text})", a.shape)
+        if r < 0.32:
+            a = self.expr(depth - 1)
+            key = self.rng.choice(sorted(SAFE_UNARY))
+            if key == "div":
+                b = self.expr(depth - 1)
+                shape = broadcast(a.shape, b.shape)
+                return a if shape is None else Value(SAFE_UNARY[key].format(a.text, b.text), shape)
+            return Value(SAFE_UNARY[key].format(a.text), a.shape)
+        if r < 0.55:
+            a, b = self.expr(depth - 1), self.expr(depth - 1)
+            shape = broadcast(a.shape, b.shape)
+            if shape is None:
+                return a
+            op = self.rng.choice(BINARY)
+            text = f"{op}({a.text}, {b.text})" if op[0].isalpha() else f"({a.text} {op} {b.text})"
+            return Value(text, shape)
+        if r < 0.65:
+            c, a, b = self.cond(depth - 1), self.expr(depth - 1), self.expr(depth - 1)
+            if self.rng.random() < 0.3:
+                b = Value("-inf", ())
+            shape = broadcast(c.shape, a.shape)
+            shape = shape and broadcast(shape, b.shape)
+            return a if shape is None else Value(f"where({c.text}, {a.text}, {b.text})", shape)
+        if r < 0.78:
+            a = self.expr(depth - 1)
+            if not a.shape:
+                return a
+            axis = self.rng.choice([-1, 0]) if len(a.shape) > 1 else -1
+            keep = self.rng.random() < 0.5
+            ax = axis % len(a.shape)
+            out = a.shape[:ax] + (("1",) if keep else ()) + a.shape[ax + 1:]
+            op = self.rng.choice(REDUCE)
+            return Value(f"{op}({a.text}, axis={axis}, keepdims={'true' if keep else 'false'})", out)
+        if r < 0.85:
+            a = self.expr(depth - 1)
+            if not a.shape:
+                return a
+            axis = self.rng.choice([-1, 0]) if len(a.shape) > 1 else -1
+            return Value(f"softmax({a.text}, axis={axis})", a.shape)
+        if r < 0.9:
+            a = self.expr(depth - 1)
+            if len(a.shape) != 2 or a.shape[-1] != "N":
+                a = self.values[0]  # x: [M, N]
+            if self.rng.random() < 0.4:  # attention-shaped: softmax of scores, then @ w
+                scores = Value(f"({a.text} @ w.T * {self.rng.choice(['0.125', 's', 'rsqrt(N)'])})", a.shape)
+                if self.rng.random() < 0.5:
+                    scores = Value(f"where({self.cond(0).text}, {scores.text}, -inf)", a.shape)
+                return Value(f"(softmax({scores.text}, axis=-1) @ w)", a.shape)
+            return Value(f"({a.text} @ w)", a.shape)
+        if r < 0.96:
+            a = self.expr(depth - 1)
+            return Value(f"cast({a.text}, {self.rng.choice(['f16', 'bf16', 'f32'])})", a.shape)
+        a = self.expr(depth - 1)
+        if len(a.shape) != 2:
+            return a
+        return Value(f"transpose({a.text}, 0, 1)", (a.shape[1], a.shape[0]))
+
+    def statement(self, i: int) -> str:
+        v = self.expr(self.rng.randint(1, 3))
+        name = f"t{i}"
+        self.values.append(Value(name, v.shape, v.kind))
+        # a scalar may be integer-valued (`N - 1`); `* 1.0` makes it a float, exactly
+        return f"    {name} = {v.text}" + (" * 1.0" if not v.shape else "")
+
+
+def _type(v: Value, dt: str) -> str:
+    return f"{dt}[{', '.join(v.shape)}]" if v.shape else dt
+
+
+def generate(rng: random.Random, seed: int | None = None) -> Program:
+    gen = Generator(rng)
+    dt = rng.choice(sorted(DTYPES))
+    lines = [gen.statement(i) for i in range(rng.randint(1, 5))]
+    temps = gen.values[len(Generator(rng).values):]
+    outs = rng.sample(temps, k=min(len(temps), rng.randint(1, 3)))
+    rtypes = [_type(v, rng.choice(["f32", dt])) for v in outs]
+    ret = rtypes[0] if len(rtypes) == 1 else f"({', '.join(rtypes)})"
+    body = "\n".join(lines) + f"\n    return {', '.join(v.text for v in outs)}"
+    src = f"kernel f({PARAMS.format(dt=dt)}) -> {ret} {{\n{body}\n}}\n"
+    return Program(src, dt, rng.choice([17, 33]), rng.choice([33, 113]),
+                   rng.randrange(2**31) if seed is None else seed)
+
+
+def run(program: Program, sm90: bool = False) -> str | None:
+    """None if the program is rejected with a located error or meets the oracle (and,
+    with `sm90`, every kernel it launched compiles for H100); otherwise what went wrong."""
+    import tiledsl
+    from tiledsl import testing
+
+    try:
+        fn = tiledsl.compile(program.source)
+    except tiledsl.TileDSLError as err:
+        if isinstance(err, tiledsl.diagnostics.InternalError) or err.line < 1:
+            return f"compile: {err}"
+        return None
+    args = program.args()
+    try:
+        outputs = fn(**args)
+        golden = fn.reference(**args, float64=True)
+        eager = fn.reference(**args)
+    except Exception as err:  # noqa: BLE001 - any failure here is a finding
+        return f"run: {type(err).__name__}: {err}"
+    report = testing.compare(outputs, golden, eager)
+    if not report.ok:
+        return f"numerics: {report}"
+    if sm90:
+        from helpers import compile_for_sm90
+
+        try:
+            compile_for_sm90(fn)
+        except Exception as err:  # noqa: BLE001
+            return f"sm90: {type(err).__name__}: {str(err)[:500]}"
+    return None
+
+
+# --- mutation fuzzing of program text -------------------------------------------------------
+
+PIECES = ["kernel", "f", "(", ")", "x", ":", "f32", "f16", "bool", "i32", "[", "]", "N", "M", "1", ",",
+          "->", "{", "}", "return", "=", "+", "-", "*", "/", "@", ".T", "softmax", "sum", "axis=", "-1",
+          "keepdims=true", "1e3", "\n", ";", "#", '"s"', "inf", "-inf", "where", "<", ">=", "&", "|",
+          "@tile", "BLOCK_M=64", "cast", "index", "causal", "transpose", "0", "99999999999", "\t",
+          "\x00", "\u00e9", "\u202e", "\ud800", "(((", ")))", "x.T", "maximum", "gelu", 'approximate="tanh"']
+
+
+def seeds() -> list[str]:
+    """The programs mutations start from: the examples and the FileCheck inputs."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    files = sorted(root.glob("examples/*.tdsl")) + sorted(root.glob("tests/filecheck/*.tdsl"))
+    return [f.read_text() for f in files]
+
+
+def mutate(rng: random.Random, text: str) -> str:
+    """One to four random edits: delete, duplicate or move a span, insert a piece or a
+    random character, swap two tokens, truncate."""
+    for _ in range(rng.randint(1, 4)):
+        n = len(text)
+        i, j = sorted(rng.randrange(n + 1) for _ in range(2))
+        r = rng.random()
+        if r < 0.2:
+            text = text[:i] + text[j:]
+        elif r < 0.35:
+            text = text[:j] + text[i:j] + text[j:]
+        elif r < 0.65:
+            text = text[:i] + rng.choice(PIECES) + text[i:]
+        elif r < 0.75:
+            text = text[:i] + chr(rng.choice([rng.randrange(32, 127), rng.randrange(0, 32),
+                                              rng.randrange(128, 0x3000)])) + text[i:]
+        elif r < 0.9:
+            words = text.split(" ")
+            if len(words) > 2:
+                a, b = rng.randrange(len(words)), rng.randrange(len(words))
+                words[a], words[b] = words[b], words[a]
+                text = " ".join(words)
+        else:
+            text = text[:j]
+    return text
+
+
+def compile_outcome(text: str) -> str | None:
+    """None when `text` compiles or is refused with a located, non-internal error."""
+    import tiledsl
+
+    try:
+        tiledsl.compile(text)
+    except tiledsl.TileDSLError as err:
+        if isinstance(err, tiledsl.diagnostics.InternalError):
+            return f"internal: {err}"
+        if err.line < 1 and not isinstance(err, tiledsl.diagnostics.OptionError):
+            return f"unlocated: {err}"
+        str(err)  # renders
+    except Exception as err:  # noqa: BLE001 - any raw exception is a finding
+        return f"raw: {type(err).__name__}: {err}"
+    return None
