@@ -194,3 +194,34 @@ def test_every_fused_kernel_compiles_for_sm90():
         args = make(torch.bfloat16, 113, 64, 17)
         fn(*[a for a in args if isinstance(a, torch.Tensor)], *[a for a in args if not isinstance(a, torch.Tensor)])
         assert all(ck.asm["cubin"] for _, ck in compile_for_sm90(fn)), name
+
+
+def centered(n: int) -> str:
+    return "kernel k(x: f32[M, N]) -> f32[M, N] {\n" + "    x = x - mean(x, keepdims=true)\n" * n + \
+        "    return x\n}\n"
+
+
+def test_row_programs_stop_at_eight_dependent_reductions():
+    fn, _ = run_checked(centered(20), randn(17, 113))
+    assert [(k.template, [op.kind for op in k.ops].count("mean")) for k in fn.kernels] == [
+        ("rows", 8), ("rows", 8), ("rows", 4)]
+    refused = [str(r) for r in fn.remarks if r.rule == "profit"]
+    assert refused == [
+        f"[fuse-rows] refused: sub (line {line}) -> mean (line {line + 1}): a row program reads its rows at "
+        "most 9 times (8 dependent reductions); storing an intermediate costs less [rule: profit]"
+        for line in (9, 17)]
+
+
+def test_generated_source_grows_linearly():
+    # a program n statements long: each row kernel is bounded, so bytes per statement stay flat
+    per_statement = [sum(len(k.source) for k in tiledsl.compile(centered(n)).kernels) / n for n in (40, 320)]
+    assert per_statement[1] < 1.05 * per_statement[0]
+
+
+def test_row_programs_stop_at_256_ops():
+    src = ("kernel k(x: f32[M, N]) -> f32[M, N] {\n    x = x - max(x, keepdims=true)\n"
+           + "    x = exp(x) * 0.5\n" * 200 + "    return sum(x, keepdims=true) + x\n}\n")
+    fn = tiledsl.compile(src)
+    assert all(len(k.ops) <= 256 for k in fn.kernels)
+    assert any(r.rule == "profit" and "at most 256 ops" in str(r) for r in fn.remarks)
+    run_checked(fn, randn(17, 33))

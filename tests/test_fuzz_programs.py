@@ -1,11 +1,13 @@
 """Differential testing on random programs (tests/fuzzgen.py): every program either is
 rejected with a located, non-internal TileDSLError or compiles, runs through the
 Triton backend and meets the design section 5 oracle; every fifth also compiles
-for H100.
+for H100. And mutation fuzzing of the example programs' text: every mutant
+compiles or is refused with a located error.
 
-A bounded run: CHUNKS x PER_CHUNK programs per test session, drawn from
-TILEDSL_FUZZ_SEED (default 0; CI can vary it). `scripts/fuzz_programs.py` runs
-the same generator at scale; a failure there or here reproduces from its seed.
+Bounded runs: 200 programs and 600 mutants per test session, drawn from
+TILEDSL_FUZZ_SEED (default 0; CI can vary it). `scripts/fuzz_programs.py` and
+`scripts/fuzz_parser.py` run the same generators at scale; a failure there or
+here reproduces from its seed.
 """
 
 import os
@@ -44,3 +46,16 @@ def test_generated_programs_are_mostly_valid_and_cover_every_template():
         templates |= {k.template for k in fn.kernels}
     assert valid >= 190
     assert templates == {"pointwise", "rows", "matmul", "attention"}
+
+
+@pytest.mark.parametrize("chunk", range(4))
+def test_mutated_programs_compile_or_raise_located_errors(chunk):
+    sources = fuzzgen.seeds()
+    failures = []
+    for i in range(chunk * 150, (chunk + 1) * 150):
+        rng = random.Random(f"{SEED}:mutant:{i}")
+        text = fuzzgen.mutate(rng, rng.choice(sources))
+        outcome = fuzzgen.compile_outcome(text)
+        if outcome is not None:
+            failures.append(f"seed {SEED}, mutant {i}: {outcome}\n{text!r}")
+    assert not failures, "\n".join(failures)
