@@ -130,12 +130,7 @@ def _scalar(value: Any, name: str, t: TensorType, span, torch) -> Any:
             raise ArgumentError(span, message=(
                 f"argument '{name}' must be a scalar ({t.dtype}), got a tensor of shape "
                 f"{list(value.shape)}"))
-        if value.requires_grad and torch.is_grad_enabled():
-            raise ArgumentError(span, message=(
-                f"argument '{name}' requires grad, but tiledsl programs have no autograd yet and "
-                f"its gradient would be silently lost: pass {name}.detach() or call under "
-                "torch.no_grad()"))
-        value = value.resolve_conj().resolve_neg().item()
+        value = _dense(value, name, span, torch).item()
     import numpy as np
 
     if isinstance(value, np.bool_):
