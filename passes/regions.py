@@ -1,7 +1,7 @@
 """Building kernel regions from groups of graph nodes.
 
-Shared by every pass that forms kernels (lower-kernels now, the fusion passes
-later): given the nodes a kernel will compute, `outline` builds its `Region`
+Shared by every pass that forms kernels (the fusion passes and lower-kernels):
+given the nodes a kernel will compute, `outline` builds its `Region`
 and the list of values that flow in from outside. Constants and scalar
 expressions (rank-0 elementwise ops on constants, dims and scalar parameters,
 like `rsqrt(D) * N`) are cloned into every region that reads them instead of

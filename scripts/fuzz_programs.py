@@ -4,8 +4,10 @@
     python scripts/fuzz_programs.py --count 20000 --jobs 2 [--seed 0] [--sm90-every 10] [--out F]
 
 Program i is generated from seed (base seed, i), so any finding reproduces
-with `--seed S --first I --count 1`. Prints a summary line, and each failing
-program (source, sizes, what went wrong); exits 1 if anything failed.
+with `--seed S --first I --count 1`. Prints each failing program (source,
+sizes, what went wrong) and a summary with how many passed the oracle, were
+rejected with a located error, or overflowed in their own dtypes (see
+`fuzzgen.run`); exits 1 if anything failed.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
 
-def one(job: tuple[int, int, int]) -> tuple[int, str, str | None]:
+def one(job: tuple[int, int, int]) -> tuple[int, str, str, str]:
     import fuzzgen
 
     base, i, sm90_every = job
@@ -31,8 +33,8 @@ def one(job: tuple[int, int, int]) -> tuple[int, str, str | None]:
     try:
         outcome = fuzzgen.run(program, sm90=sm90_every > 0 and i % sm90_every == 0)
     except Exception as err:  # noqa: BLE001 - the driver reports, never dies
-        outcome = f"driver: {type(err).__name__}: {err}"
-    return i, f"# M={program.m} N={program.n} seed={i}\n{program.source}", outcome
+        outcome = fuzzgen.Outcome("fail", f"driver: {type(err).__name__}: {err}")
+    return i, f"# M={program.m} N={program.n} seed={i}\n{program.source}", outcome.status, outcome.detail
 
 
 def main() -> int:
@@ -48,17 +50,17 @@ def main() -> int:
     start = time.perf_counter()
     jobs = [(args.seed, i, args.sm90_every) for i in range(args.first, args.first + args.count)]
     failures = []
-    kinds: collections.Counter = collections.Counter()
+    statuses: collections.Counter = collections.Counter()
     with multiprocessing.get_context("spawn").Pool(args.jobs, maxtasksperchild=500) as pool:
-        for done, (i, source, outcome) in enumerate(pool.imap_unordered(one, jobs, chunksize=8), 1):
-            if outcome is not None:
-                failures.append((i, source, outcome))
-                kinds[outcome.split(":")[0]] += 1
-                print(f"FAIL {i}: {outcome[:300]}\n{source}", flush=True)
+        for done, (i, source, status, detail) in enumerate(pool.imap_unordered(one, jobs, chunksize=8), 1):
+            statuses[status] += 1
+            if status == "fail":
+                failures.append((i, source, detail))
+                print(f"FAIL {i}: {detail[:300]}\n{source}", flush=True)
             if done % 500 == 0:
                 print(f"... {done}/{len(jobs)} programs, {len(failures)} failing, "
                       f"{time.perf_counter() - start:.0f} s", flush=True)
-    summary = (f"{len(jobs)} programs, {len(failures)} failing ({dict(kinds)}), "
+    summary = (f"{len(jobs)} programs, {len(failures)} failing ({dict(sorted(statuses.items()))}), "
                f"{time.perf_counter() - start:.0f} s")
     print(summary)
     if args.out:
