@@ -227,10 +227,10 @@ class Emitter:
         if kind == "div" and precise:
             a, b = (self.tensor(x) for x in args)
             return self.assign(f"tl.div_rn({a.text}, {b.text})", out)
-        if kind in ("and", "or"):
-            # as a select: Triton's interpreter cannot `|` a 0-d comparison result (its value is
-            # a NumPy scalar), and on a GPU the select compiles to the same predicate logic
-            a, b = (self.tensor(self.convert(x, "b")) for x in args)
+        if kind in ("and", "or") and out == "b":
+            # masks as a select: Triton's interpreter cannot `|` a 0-d comparison result (its
+            # value is a NumPy scalar); on a GPU the select compiles to the same predicate logic
+            a, b = (self.tensor(x) for x in args)
             pick = f"{b.text}, False" if kind == "and" else f"True, {b.text}"
             return self.assign(f"tl.where({a.text}, {pick})", "b")
         if kind in _BINARY:
@@ -272,7 +272,8 @@ class Emitter:
 
 
 _CMP = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
-_BINARY = {"add": "{a} + {b}", "sub": "{a} - {b}", "mul": "{a} * {b}", "div": "{a} / {b}"}
+_BINARY = {"add": "{a} + {b}", "sub": "{a} - {b}", "mul": "{a} * {b}", "div": "{a} / {b}",
+           "and": "{a} & {b}", "or": "{a} | {b}"}  # and/or on i32: bitwise
 _UNARY = {
     "exp": "tl.exp({x})", "exp2": "tl.exp2({x})", "log": "tl.log({x})", "log2": "tl.log2({x})",
     "sqrt": "tl.sqrt_rn({x})", "rsqrt": "tl.rsqrt({x})", "abs": "tl.abs({x})",
