@@ -149,8 +149,9 @@ def remove_dead_clonables(graph: Graph, nodes: Sequence[int],
     stack = list(nodes)
     while stack:
         n = stack.pop()
-        if n in graph.nx and graph.nx.out_degree(n) == 0 and graph.output != n \
-                and is_clonable(graph, n, memo) and not is_by_value(graph.op(n)):
+        # `not succ[n]` is O(1); a multigraph's out_degree counts every edge (a dim has many)
+        if n in graph.nx and not is_by_value(graph.op(n)) and not graph.nx.succ[n] \
+                and graph.output != n and is_clonable(graph, n, memo):
             operands = graph.operands(n)
             graph.remove(n)
             stack.extend(operands)

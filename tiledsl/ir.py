@@ -248,7 +248,7 @@ class Graph:
 
     def remove(self, node: int) -> None:
         self._changed()
-        assert self.nx.out_degree(node) == 0, f"removing node {node} that still has uses"
+        assert not self.nx.succ[node], f"removing node {node} that still has uses"
         self.nx.remove_node(node)
         if node in self.params:
             self.params.remove(node)
