@@ -59,6 +59,7 @@ class Program:
             "x": torch.randn(m, n, generator=g).to(dt), "y": torch.randn(n, generator=g).to(dt),
             "z": torch.randn(m, 1, generator=g).to(dt), "w": (torch.randn(n, n, generator=g) / n**0.5).to(dt),
             "mask": torch.rand(m, n, generator=g) > 0.4, "s": 0.75, "flag": bool(seed_bit(self.seed)),
+            "k": torch.randint(-50, 50, (m, n), generator=g, dtype=torch.int32),
         }
 
 
@@ -66,7 +67,9 @@ def seed_bit(seed: int) -> int:
     return seed & 1
 
 
-PARAMS = "x: {dt}[M, N], y: {dt}[N], z: {dt}[M, 1], w: {dt}[N, N], mask: bool[M, N], s: f32, flag: bool"
+PARAMS = ("x: {dt}[M, N], y: {dt}[N], z: {dt}[M, 1], w: {dt}[N, N], mask: bool[M, N], s: f32, flag: bool, "
+          "k: i32[M, N]")
+INT_EXPRS = ["(k & 7)", "((k & 12) | 1)", "(k - 3)", "(k * 2)", "maximum(k, 0)", "abs(k)"]
 
 
 def broadcast(a: Shape, b: Shape) -> Shape | None:
@@ -100,6 +103,8 @@ class Generator:
             a = self.rng.choice([v for v in self.values if v.kind == "float" and v.shape])
             axis = self.rng.randrange(len(a.shape))
             return Value(f"(index({a.text}, {axis}) * 0.01)", a.shape)
+        if r < 0.35:  # integer arithmetic and bitwise ops on an i32 tensor, then a float
+            return Value(f"(cast({self.rng.choice(INT_EXPRS)}, f32) * 0.05)", ("M", "N"))
         floats = [v for v in self.values if v.kind == "float"]
         return self.rng.choice(floats)
 
@@ -108,6 +113,9 @@ class Generator:
         bools = [v for v in self.values if v.kind == "bool"]
         if r < 0.3:
             return self.rng.choice(bools)
+        if r < 0.35:
+            return Value(f"({self.rng.choice(INT_EXPRS)} {self.rng.choice(['>', '==', '<='])} 3)", ("M", "N"),
+                         "bool")
         if r < 0.4:
             a = self.rng.choice([v for v in self.values if v.kind == "float" and len(v.shape) == 2])
             if self.rng.random() < 0.5:
