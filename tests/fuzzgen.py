@@ -8,8 +8,11 @@ scalar-only subexpressions (`rsqrt(N) * s`), so constants shared between
 kernels, 0-d values and multi-output mixes of row and pointwise kernels all
 come up. Shapes are tracked while generating, so nearly every program is
 valid; whatever tiledsl rejects must be a located error, never an internal
-one. Values are kept in range: log, sqrt, rsqrt and division get positive
-arguments.
+one. Values are kept where the functions are well conditioned: log, sqrt,
+rsqrt and division get arguments bounded away from 0. (The oracle compares
+worst-case errors with eager's; next to a singularity, such as sqrt at 0,
+that comparison measures luck: seen with an attention output of 1e-5 under
+a sqrt, where our 4x smaller max error still lost to eager's at one element.)
 
     program = generate(random.Random(seed))
     outcome = run(program)        # Outcome: pass, rejected, overflow or fail
@@ -27,7 +30,7 @@ import torch
 Shape = tuple[str, ...]
 
 UNARY = ["exp", "tanh", "sigmoid", "relu", "silu", "erf", "gelu", "abs", "-"]
-SAFE_UNARY = {"log": "log(abs({}) + 1.0)", "sqrt": "sqrt(abs({}))", "rsqrt": "rsqrt(abs({}) + 0.5)",
+SAFE_UNARY = {"log": "log(abs({}) + 1.0)", "sqrt": "sqrt(abs({}) + 0.25)", "rsqrt": "rsqrt(abs({}) + 0.5)",
               "log2": "log2(abs({}) + 0.5)", "exp2": "exp2(tanh({}))", "div": "({} / (abs({}) + 1.0))"}
 BINARY = ["+", "-", "*", "maximum", "minimum"]
 REDUCE = ["sum", "max", "min", "mean", "logsumexp"]
