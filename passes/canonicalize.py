@@ -5,9 +5,10 @@ Before: the graph as sema built it, e.g. `neg(const inf)`, `x * 1`,
 After: constant scalar expressions are single `const` nodes (Python-scalar
 semantics: computed in double precision, rounded to the result dtype);
 `x * 1`, `1 * x`, `x + 0`, `0 + x`, `x - 0`, `x / 1`, `--x`, casts to the same
-type and double transposes are replaced by `x` when that leaves every type
-unchanged. Results that are NaN or that Python cannot compute (`log(0)`) are
-left for run time.
+type (but not a cast to f16/bf16 of a computed value, which rounds it) and
+double transposes are replaced by `x` when that leaves every type unchanged.
+Results that are NaN or that Python cannot compute (`log(0)`) are left for
+run time.
 """
 
 from __future__ import annotations
@@ -162,16 +163,21 @@ class RemoveIdentity(Pattern):
 
 
 class RemoveNoOpCast(Pattern):
-    """A cast to the type a value already has is the value."""
+    """A cast to the type a value already has is the value, except a cast to f16/bf16 of a
+    computed value: kernels hold those in f32, and an explicit cast is where they round
+    (design section 5), so `cast(a * b, bf16)` of a bf16 product stays."""
 
     def apply(self, graph: Graph, node: int, op: Op, rewriter: Rewriter) -> bool:
         if op.kind != "cast":
             return False
         (x,) = graph.operands(node)
-        if graph.op(x).type == op.type:
-            rewriter.replace(node, x)
-            return True
-        return False
+        x_op = graph.op(x)
+        if x_op.type != op.type:
+            return False
+        if op.dtype in (DType.F16, DType.BF16) and not (isinstance(x_op, Op) and x_op.kind == "param"):
+            return False
+        rewriter.replace(node, x)
+        return True
 
 
 class CancelInvolution(Pattern):

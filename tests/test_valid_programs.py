@@ -108,3 +108,11 @@ def test_or_of_a_scalar_comparison_and_a_mask():
     kernel f(x: f32[M, N], mask: bool[M, N], s: f32) -> f32[M, N] {
         return where(((0.5 == (s + N)) | mask) & (s < x), x, -inf)
     }""", randn(17, 33), randn(17, 33) > 0, -0.25)
+
+
+def test_an_explicit_cast_to_the_same_half_dtype_still_rounds():
+    # found by the program fuzzer: canonicalize dropped cast(x - s, bf16) of a bf16 value,
+    # but kernels hold x - s in f32, so the cast is where the program rounds
+    x = randn(17, 113, dtype=torch.bfloat16)
+    fn, out = run_checked("kernel f(x: bf16[M, N], s: f32) -> f32[M, N] { return cast(x - s, bf16) }", x, 0.3)
+    assert torch.equal(out, (x.float() - 0.3).bfloat16().float())
