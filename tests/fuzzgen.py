@@ -3,7 +3,8 @@
 A program has a few statements over parameters of mixed shapes and dtypes,
 then returns one to three of its values. Expressions mix elementwise builtins,
 operators, comparisons and `where`, reductions, softmax, logsumexp, matmul,
-casts and transposes; leaves include constants, dims, scalar parameters and
+casts and transposes, and integer and bitwise arithmetic on an i32 tensor;
+leaves include constants, dims, scalar parameters, `index` values and
 scalar-only subexpressions (`rsqrt(N) * s`), so constants shared between
 kernels, 0-d values and multi-output mixes of row and pointwise kernels all
 come up. Shapes are tracked while generating, so nearly every program is
@@ -61,13 +62,9 @@ class Program:
         return {
             "x": torch.randn(m, n, generator=g).to(dt), "y": torch.randn(n, generator=g).to(dt),
             "z": torch.randn(m, 1, generator=g).to(dt), "w": (torch.randn(n, n, generator=g) / n**0.5).to(dt),
-            "mask": torch.rand(m, n, generator=g) > 0.4, "s": 0.75, "flag": bool(seed_bit(self.seed)),
+            "mask": torch.rand(m, n, generator=g) > 0.4, "s": 0.75, "flag": bool(self.seed & 1),
             "k": torch.randint(-50, 50, (m, n), generator=g, dtype=torch.int32),
         }
-
-
-def seed_bit(seed: int) -> int:
-    return seed & 1
 
 
 PARAMS = ("x: {dt}[M, N], y: {dt}[N], z: {dt}[M, 1], w: {dt}[N, N], mask: bool[M, N], s: f32, flag: bool, "
