@@ -44,9 +44,8 @@ class LowerKernels(Pass):
             op = graph.op(node)
             if isinstance(op, KernelOp):
                 continue
-            returned = any(user == graph.output for user, _ in graph.users(node))
-            if is_clonable(graph, node) and not returned:
-                continue  # cloned into the kernels that read it
+            if is_clonable(graph, node) and not any(u == graph.output for u, _ in graph.users(node)):
+                continue  # cloned into the kernels that read it; only a returned one is stored
             template = TEMPLATES.get(ops.category(op.kind))
             if template is not None:
                 replace_with_kernel(graph, [node], [node], template)

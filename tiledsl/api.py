@@ -50,11 +50,7 @@ class Kernel:
 
 def check_option(where: str, name: str, value: Any, expected: str, *types: type) -> None:
     """An `OptionError` unless `value` is one of `types` (bool is not an int here)."""
-    if isinstance(value, bool) and bool not in types:
-        ok = False
-    else:
-        ok = isinstance(value, types)
-    if not ok:
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
         raise diag.OptionError(message=(
             f"{where}: '{name}' must be {expected}, got {type(value).__name__}"))
 
