@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from tiledsl import ops
 from tiledsl.ir import Graph, KernelOp, Op, Region, RegionInput, RegionOp
+from tiledsl.passes.fusion.planning import pointwise_plan
 from tiledsl.passes.regions import is_by_value, is_clonable, replace_with_kernel
 from tiledsl.passes.registry import Pass, PassContext, register
 
@@ -62,11 +63,12 @@ class LowerKernels(Pass):
                 new_outputs.append((src, res))
                 continue
             if op.kind == "const":
-                region = Region((), (RegionOp(op, ()),), (0,))
-                copy = graph.add(KernelOp("k?", "pointwise", region, op.span), [])
+                region, operands = Region((), (RegionOp(op, ()),), (0,)), []
             else:
                 region = Region((RegionInput(op.type, is_by_value(op)),), (), (0,))
-                copy = graph.add(KernelOp("k?", "pointwise", region, op.span), [(src, res)])
+                operands = [(src, res)]
+            kernel = KernelOp("k?", "pointwise", region, op.span, plan=pointwise_plan(region))
+            copy = graph.add(kernel, operands)
             new_outputs.append((copy, 0))
         if new_outputs != outputs:
             graph.set_operands(graph.output, new_outputs)

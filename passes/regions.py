@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 from tiledsl import ops
 from tiledsl.ir import Graph, KernelOp, Op, Region, RegionInput, RegionOp
+from tiledsl.passes.fusion.planning import plan_kernel
 
 
 def is_by_value(op: Op | KernelOp) -> bool:
@@ -118,7 +119,8 @@ def outline(
 
 def replace_with_kernel(graph: Graph, nodes: Sequence[int], outputs: Sequence[int],
                         template: str, name: str = "k?") -> int:
-    """Replace `nodes` by one kernel node computing `outputs`; returns the kernel node.
+    """Replace `nodes` by one kernel node computing `outputs`, planned for `template`
+    (`fusion.planning`); returns the kernel node.
 
     Every use of output i moves to result i of the kernel; the grouped nodes
     (and constants only they used) are removed.
@@ -131,7 +133,8 @@ def replace_with_kernel(graph: Graph, nodes: Sequence[int], outputs: Sequence[in
         s = graph.op(n).span
         if s is not None:
             span = s if span is None else span.to(s)
-    kernel = graph.add(KernelOp(name, template, region, span), external)
+    kernel = graph.add(KernelOp(name, template, region, span, plan=plan_kernel(template, region)),
+                       external)
     for i, out in enumerate(outputs):
         graph.replace_uses(out, kernel, new_res=i)
     for n in reversed(nodes):

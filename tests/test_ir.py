@@ -112,3 +112,29 @@ def test_op_attrs_are_sorted_and_hashable():
     a = Op("sum", DType.F32, ("M",), make_attrs(keepdims=False, axis=1))
     b = Op("sum", DType.F32, ("M",), make_attrs(axis=1, keepdims=False))
     assert a == b and hash(a) == hash(b) and a.attr("axis") == 1
+
+
+def test_verifier_checks_kernel_plans():
+    """A kernel carries the plan its template consumes, and the plan matches its region."""
+    from tiledsl.api import compile as compile_program
+    from tiledsl.plans import GemmPlan, PointwisePlan
+
+    fn = compile_program("kernel f(a: f32[M, K], b: f32[K, N]) -> f32[M, N] { return relu(a @ b) }")
+    g = fn.fused_graph().copy()
+    (k,) = g.kernels()
+    kernel = g.op(k)
+    assert isinstance(kernel.plan, GemmPlan) and kernel.plan.epilogue == (3,)
+    g.set_op(k, kernel.replace(plan=None))
+    with pytest.raises(VerificationError, match=r"kernel @k0 \(matmul\) carries NoneType, expected GemmPlan"):
+        verify(g)
+    g.set_op(k, kernel.replace(plan=PointwisePlan(("M", "N"))))
+    with pytest.raises(VerificationError, match="carries PointwisePlan, expected GemmPlan"):
+        verify(g)
+    swapped = GemmPlan(2, 1, 0, 1, 0, frozenset({1}), frozenset({0}), frozenset(), (3,))
+    g.set_op(k, kernel.replace(plan=swapped))
+    with pytest.raises(VerificationError, match="kernel @k0: its plan's operands are not the matmul's"):
+        verify(g)
+    g.set_op(k, kernel.replace(plan=GemmPlan(2, 0, 1, 0, 1, frozenset({0}), frozenset({1}),
+                                              frozenset(), (9,))))
+    with pytest.raises(VerificationError, match="its plan names value 9, which the region does not define"):
+        verify(g)

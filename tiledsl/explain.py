@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING
 
 from tiledsl import cost
 from tiledsl.ir import Graph, KernelOp, Op
-from tiledsl.passes.fusion.attention import attention_parts
 from tiledsl.passes.fusion.remarks import FusionRemark, describe
 
 if TYPE_CHECKING:
@@ -92,7 +91,7 @@ def explain(program: Program, dims: Mapping[str, int] | None = None) -> str:
 
 def _attention_structure(kernel: KernelOp) -> str:
     """Which op of an attention kernel plays which role, in region order."""
-    parts = attention_parts(kernel.region)
+    parts = kernel.plan
     n_in = len(kernel.region.inputs)
     roles: dict[str, list[str]] = {}
     for i, rop in enumerate(kernel.region.ops):

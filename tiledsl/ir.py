@@ -8,9 +8,10 @@ say that result `i` of `u` is operand `slot` of `v`. A MultiDiGraph so that
 Payloads:
 - `Op`: one tensor op of the graph IR (kind, dtype, shape, attrs, span).
 - `KernelOp`: a kernel-level op of the fused IR, owning a `Region` (an
-  immutable SSA sub-program over its inputs) and naming the code template
-  that implements it. Fusion passes build bigger regions; `lower-kernels`
-  wraps every op that is left into a region of its own.
+  immutable SSA sub-program over its inputs), naming the code template
+  that implements it and carrying the plan (`tiledsl.plans`) that template
+  consumes. Fusion passes build bigger regions; `lower-kernels` wraps every
+  op that is left into a region of its own.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 
 import networkx as nx
 
+from tiledsl.plans import Plan
 from tiledsl.source import Span
 from tiledsl.types import DType, Shape, TensorType
 
@@ -113,13 +115,15 @@ class Region:
 
 @dataclass(frozen=True, slots=True)
 class KernelOp:
-    """A kernel of the fused IR: a code template applied to a region."""
+    """A kernel of the fused IR: a code template applied to a region, with the plan the
+    pass that formed it decided (`tiledsl.plans`)."""
 
     name: str  # compiler-owned, e.g. "k3"
-    template: str  # pointwise | reduce | softmax | matmul
+    template: str  # pointwise | rows | matmul | attention
     region: Region
     span: Span | None = None
     kind: str = "kernel"
+    plan: Plan | None = None
 
     @property
     def result_types(self) -> tuple[TensorType, ...]:

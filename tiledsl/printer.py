@@ -11,12 +11,14 @@ the same program always prints the same text (golden tests rely on it).
       return %5
     }
 
-Kernel nodes of the fused IR print their region indented under them:
+Kernel nodes of the fused IR print their region indented under them, and
+the plan the pass that formed the kernel recorded (`tiledsl.plans`):
 
-      %2 = kernel @k1 reduce(%0) : f32[M, 1] {
+      %2 = kernel @k1 rows(%0) : f32[M, 1] {
       ^(%a0: f32[M, N]):
         %r0 = mean %a0 {axis = 1, keepdims = true} : f32[M, 1]
         yield %r0
+        plan rows {space = [M, N], axis = 1, phases = 1, reducing = (%r0), layouts = (...)}
       }
 """
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 import math
 
 from tiledsl.ir import Graph, KernelOp, Op, Region
+from tiledsl.plans import Plan, format_plan
 from tiledsl.types import DType, TensorType
 
 # attrs that are implied by the result type or the signature
@@ -103,7 +106,7 @@ def print_graph(graph: Graph, locations: bool = False) -> str:
             types = ", ".join(str(t) for t in op.result_types)
             lines.append(f"  {lhs} = kernel @{op.name} {op.template}({', '.join(args)}) : "
                          f"{types}{_loc(op, locations)} {{")
-            lines.extend("  " + line for line in print_region(op.region, locations))
+            lines.extend("  " + line for line in print_region(op.region, locations, op.plan))
             lines.append("  }")
         else:
             names[(node, 0)] = name
@@ -113,7 +116,8 @@ def print_graph(graph: Graph, locations: bool = False) -> str:
     return "\n".join(lines) + "\n"
 
 
-def print_region(region: Region, locations: bool = False) -> list[str]:
+def print_region(region: Region, locations: bool = False, plan: Plan | None = None) -> list[str]:
+    """A region's lines; with its kernel's plan, the plan after the yield."""
     names = [f"%a{i}" for i in range(len(region.inputs))]
     sig = ", ".join(f"{names[i]}: {_input_type(inp.type, inp.scalar)}"
                     for i, inp in enumerate(region.inputs))
@@ -125,6 +129,8 @@ def print_region(region: Region, locations: bool = False) -> list[str]:
         lines.append(f"  {name} = {_op_head(rop.op, operands)}{_attrs(rop.op)} : {rop.op.type}"
                      f"{_loc(rop.op, locations)}")
     lines.append("  yield " + ", ".join(names[v] for v in region.outputs))
+    if plan is not None:
+        lines.append("  " + format_plan(plan, names.__getitem__))
     return lines
 
 

@@ -4,7 +4,8 @@ Checked: the graph is acyclic; every node has a payload; every op has its
 kind's arity and the type its rule infers from its operands; parameters are
 listed in order; exactly one `return`, with no users; every kernel region is
 well formed (operands defined before use, types re-inferred, inputs typed as
-their producers' results). A violation is a compiler bug and raises
+their producers' results), and every kernel carries the plan its template
+consumes, consistent with its region. A violation is a compiler bug and raises
 `VerificationError` naming the node and the pass that broke it.
 """
 
@@ -15,6 +16,7 @@ import networkx as nx
 from tiledsl import ops
 from tiledsl.diagnostics import InternalError
 from tiledsl.ir import Graph, KernelOp, Op, Region
+from tiledsl.plans import PLAN_TYPES, AttentionPlan, GemmPlan, PointwisePlan, RowPlan
 from tiledsl.types import TensorType
 
 
@@ -98,3 +100,58 @@ def _verify_kernel(k: KernelOp, types: tuple[TensorType, ...], fail) -> None:
     for v in region.outputs:
         if not 0 <= v < n + len(region.ops):
             fail(f"kernel @{k.name} yields undefined value {v}", k.span)
+    _verify_plan(k, fail)
+
+
+def _verify_plan(k: KernelOp, fail) -> None:
+    region, plan = k.region, k.plan
+    want = PLAN_TYPES.get(k.template)
+    if want is None:
+        fail(f"kernel @{k.name} names no template ('{k.template}')", k.span)
+    if not isinstance(plan, want):
+        fail(f"kernel @{k.name} ({k.template}) carries {type(plan).__name__}, expected "
+             f"{want.__name__}", k.span)
+    n_in, n_values = len(region.inputs), len(region.inputs) + len(region.ops)
+
+    def kind(v: int) -> str | None:
+        if not 0 <= v < n_values:
+            fail(f"kernel @{k.name}: its plan names value {v}, which the region does not define",
+                 k.span)
+        return region.ops[v - n_in].op.kind if v >= n_in else None
+
+    def expect(v: int, kinds: tuple, role: str) -> None:
+        if kind(v) not in kinds:
+            fail(f"kernel @{k.name}: its plan's {role} is {kind(v) or 'an input'}", k.span)
+
+    if isinstance(plan, PointwisePlan):
+        if any(t.shape != plan.shape for t in region.output_types):
+            fail(f"kernel @{k.name}: an output does not have the plan's shape", k.span)
+    elif isinstance(plan, RowPlan):
+        if not (len(plan.layouts) == len(plan.phases) == n_values and 0 <= plan.axis < len(plan.shape)):
+            fail(f"kernel @{k.name}: its row plan does not cover its region", k.span)
+        for v, layout in enumerate(plan.layouts):
+            if layout is not None and len(layout) != region.value_type(v).rank:
+                fail(f"kernel @{k.name}: value {v} has a layout of the wrong rank", k.span)
+        for v in plan.reducing:
+            expect(v, ("sum", "max", "min", "mean", "logsumexp", "softmax"), "reduction")
+    elif isinstance(plan, GemmPlan):
+        expect(plan.matmul, ("matmul",), "matmul")
+        if region.ops[plan.matmul - n_in].operands != (plan.a, plan.b):
+            fail(f"kernel @{k.name}: its plan's operands are not the matmul's", k.span)
+        for source, chain in ((plan.a_source, plan.a_prologue), (plan.b_source, plan.b_prologue)):
+            expect(source, (None,), "operand source")
+            if source not in chain:
+                fail(f"kernel @{k.name}: an operand source is outside its prologue", k.span)
+        for v in plan.epilogue:
+            kind(v)
+    elif isinstance(plan, AttentionPlan):
+        expect(plan.qk, ("matmul",), "q @ k.T")
+        expect(plan.pv, ("matmul",), "p @ v")
+        expect(plan.softmax, ("softmax",), "softmax")
+        if region.ops[plan.pv - n_in].operands != (plan.softmax, plan.v) \
+                or region.ops[plan.softmax - n_in].operands != (plan.scores,):
+            fail(f"kernel @{k.name}: its attention plan does not match p @ v", k.span)
+        for v in (plan.q_source, plan.k_source, plan.v):
+            expect(v, (None,), "q, k or v")
+        for v in (*plan.score_ops, *plan.lse, *plan.epilogue):
+            kind(v)

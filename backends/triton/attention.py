@@ -28,7 +28,7 @@ from collections.abc import Mapping
 
 from tiledsl import ops
 from tiledsl.ir import KernelOp, Op
-from tiledsl.passes.fusion.attention import attention_parts
+from tiledsl.plans import AttentionPlan
 from tiledsl.types import DType
 
 from .base import EmittedKernel, Hints, LaunchConfig, cdiv, decompose, finish, hint, numel, require_dot_hints
@@ -55,26 +55,19 @@ class AttentionProgram:
         require_dot_hints(hints, DOT_HINTS)
         self.kernel, self.hints, self.allow_tf32 = kernel, hints, allow_tf32
         self.region = region = kernel.region
-        self.parts = parts = attention_parts(region)
+        self.parts: AttentionPlan = kernel.plan
+        parts = self.parts
         self.n_in = n_in = len(region.inputs)
         self.qk_op: Op = region.ops[parts.qk - n_in].op
         self.pv_op: Op = region.ops[parts.pv - n_in].op
         self.a_val, self.b_val = region.ops[parts.qk - n_in].operands
-        self.v_val = region.ops[parts.pv - n_in].operands[1]
-        self.q_src = self._source(parts.q_chain)
-        self.k_src = self._source(parts.k_chain)
-        transposes = sum(region.ops[v - n_in].op.kind == "transpose" for v in parts.k_chain if v >= n_in)
-        self.k_flipped = transposes % 2 == 1  # the k tensor is [.., N, D], read as K^T
+        self.v_val = parts.v
+        self.q_src, self.k_src = parts.q_source, parts.k_source
+        self.k_flipped = parts.k_transposed  # the k tensor is [.., N, D], read as K^T
         self.score_shape, self.out_shape = self.qk_op.shape, self.pv_op.shape
         self.batch = self.out_shape[:-2]
         self.sig, self.body = Signature(), Code()
         self.em = Emitter(self.body)
-
-    def _source(self, chain: frozenset[int]) -> int:
-        tensors = [v for v in chain if v < self.n_in and not self.region.inputs[v].scalar
-                   and self.region.inputs[v].type.rank > 0]
-        assert len(tensors) == 1, f"{self.kernel.name}: a matmul operand comes from one tensor"
-        return tensors[0]
 
     def value_type(self, v: int):
         return self.region.value_type(v)

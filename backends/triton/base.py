@@ -14,7 +14,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tiledsl import ops
 from tiledsl.diagnostics import TileHintError
 from tiledsl.ir import KernelOp
 from tiledsl.source import Span
@@ -64,19 +63,10 @@ class EmittedKernel:
         """The kernel's IR as text (part of its cache key)."""
         from tiledsl.printer import print_region
 
-        return "\n".join(print_region(self.kernel.region))
+        return "\n".join(print_region(self.kernel.region, plan=self.kernel.plan))
 
 
 Hints = Mapping[str, tuple[int, Span]]
-
-
-def find_op(kernel: KernelOp, category: str) -> int:
-    """The value id of the single op of `category` in a kernel's region."""
-    region = kernel.region
-    found = [len(region.inputs) + i for i, r in enumerate(region.ops)
-             if ops.category(r.op.kind) == category]
-    assert len(found) == 1, f"{kernel.name}: the template computes exactly one {category}"
-    return found[0]
 
 
 def hint(hints: Hints, name: str, default: int) -> int:

@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from tiledsl.ir import KernelOp, Op, Region
+from tiledsl.plans import GemmPlan
 from tiledsl.types import DType
 
 from .base import (
@@ -34,7 +35,6 @@ from .base import (
     LaunchConfig,
     cdiv,
     decompose,
-    find_op,
     finish,
     hint,
     numel,
@@ -113,23 +113,19 @@ class GemmProgram:
         require_dot_hints(hints, DOT_HINTS)
         self.kernel, self.hints, self.allow_tf32 = kernel, hints, allow_tf32
         self.region = region = kernel.region
+        self.plan: GemmPlan = kernel.plan
+        plan = self.plan
         self.n_in = len(region.inputs)
-        self.mm = find_op(kernel, "matmul")
+        self.mm = plan.matmul
         self.op: Op = region.ops[self.mm - self.n_in].op
-        self.a_val, self.b_val = region.ops[self.mm - self.n_in].operands
-        self.prologues = [region.depends(v) for v in (self.a_val, self.b_val)]
-        self.sources = [self._source(p) for p in self.prologues]
+        self.a_val, self.b_val = plan.a, plan.b
+        self.prologues = [plan.a_prologue, plan.b_prologue]
+        self.sources = [plan.a_source, plan.b_source]
         self.shape = self.op.shape
         self.batch = self.shape[:-2]
         self.sig, self.body = Signature(), Code()
         self.em = Emitter(self.body)
         self.full_tiles = 0  # [M, N] tiles the epilogue loads or stores
-
-    def _source(self, chain: set[int]) -> int:
-        tensors = [v for v in chain if v < self.n_in and not self.region.inputs[v].scalar
-                   and self.region.inputs[v].type.rank > 0]
-        assert len(tensors) == 1, f"{self.kernel.name}: a GEMM operand comes from one tensor"
-        return tensors[0]
 
     # --- emission ----------------------------------------------------------------------------
 
@@ -219,7 +215,7 @@ class GemmProgram:
         vals: dict[int, Val] = {self.mm: Val("acc", "f")}
         # prologue ops are done inside the K loop; an input may feed both an operand and the
         # epilogue, and so may a constant or scalar op, which the epilogue computes again
-        skip = self._prologue_only() | {self.mm}
+        skip = self.plan.prologue_only | {self.mm}
         for i, inp in enumerate(region.inputs):
             if i in skip or not self._used_in_epilogue(i, skip):
                 continue
@@ -243,22 +239,6 @@ class GemmProgram:
             ptrs = self.tile(c, rank, "rm[:, None]", "rn[None, :]", "[BLOCK_M, BLOCK_N]")
             body(f"tl.store({ptrs}, {em.store_value(vals[v], region.value_type(v))}, "
                  f"mask={tile_mask})")
-
-    def _prologue_only(self) -> set[int]:
-        """Prologue ops whose values the epilogue does not read."""
-        n_in, ops = self.n_in, self.region.ops
-        prologue = {v for chain in self.prologues for v in chain if v >= n_in}
-        stack = list(self.region.outputs)
-        stack += [o for k, r in enumerate(ops) if n_in + k not in prologue and n_in + k != self.mm
-                  for o in r.operands]
-        needed: set[int] = set()
-        while stack:
-            v = stack.pop()
-            if v in needed or v == self.mm or v < n_in:
-                continue
-            needed.add(v)
-            stack.extend(ops[v - n_in].operands)
-        return prologue - needed
 
     def _used_in_epilogue(self, i: int, skip: set[int]) -> bool:
         return any(i in r.operands for k, r in enumerate(self.region.ops)
@@ -290,8 +270,7 @@ class GemmProgram:
         k_dim = self.region.inputs[self.sources[0]].type.shape[-1]
         dot = self.op.dtype
         batch = self.batch
-        heavy = self.full_tiles >= 2 or any(v != src for v, src in
-                                            zip((self.a_val, self.b_val), self.sources, strict=True))
+        heavy = self.full_tiles >= 2 or self.plan.has_prologue
 
         def sizes(dims: Mapping[str, int]) -> tuple[int, int, int]:
             m, n, k = (d if isinstance(d, int) else dims[d] for d in (shape[-2], shape[-1], k_dim))

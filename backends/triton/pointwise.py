@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from tiledsl.ir import KernelOp, Op
-from tiledsl.types import broadcast_shapes
 
 from .base import CAPS, EmittedKernel, Hints, LaunchConfig, cdiv, decompose, finish, numel
 from .codegen import Code, Signature, next_pow2
@@ -22,8 +21,7 @@ from .expr import Emitter, Val
 def emit(kernel: KernelOp, hints: Hints) -> EmittedKernel:
     region = kernel.region
     out_types = region.output_types
-    shape = broadcast_shapes(*(t.shape for t in out_types))
-    assert all(t.shape == shape for t in out_types), "pointwise outputs must share one shape"
+    shape = kernel.plan.shape
     rank = len(shape)
     sig = Signature()
     body = Code()

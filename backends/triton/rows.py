@@ -4,7 +4,7 @@ elementwise ops around them, in one kernel.
 A row program's iteration space is a shape S and an axis: the other ("kept")
 dims index rows, the axis indexes positions in a row. A program owns BLOCK_O
 rows and walks them in chunks of BLOCK_R. Every value has a layout (which
-dims of S it varies along; `passes.fusion.legality.row_layouts`): "full"
+dims of S it varies along, recorded in the kernel's `RowPlan`): "full"
 values vary along the axis ([BLOCK_O, BLOCK_R] tiles), "row" values do not
 ([BLOCK_O, 1]).
 
@@ -30,8 +30,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from tiledsl.ir import KernelOp, Op, Region
-from tiledsl.passes.fusion.legality import ROW_OPS, RowSpace, row_layouts
+from tiledsl import ops
+from tiledsl.ir import KernelOp, Op
+from tiledsl.plans import RowPlan
 from tiledsl.types import DType
 
 from .base import CAPS, EmittedKernel, Hints, LaunchConfig, cdiv, decompose, finish, numel
@@ -42,27 +43,16 @@ NEG_INF = '-float("inf")'
 _COLLAPSE = {"sum": "tl.sum", "mean": "tl.sum", "max": "tl.max", "min": "tl.min"}
 
 
-def row_space(region: Region) -> RowSpace:
-    """The space of a row program: the shape and axis of its first reduction or softmax."""
-    for rop in region.ops:
-        if rop.op.kind in ROW_OPS:
-            (x,) = rop.operands
-            return RowSpace(region.value_type(x).shape, rop.op.attr("axis"))
-    raise AssertionError("a row program has at least one reduction or softmax")
-
-
 class RowProgram:
     def __init__(self, kernel: KernelOp) -> None:
         self.region = region = kernel.region
-        self.space = row_space(region)
-        layouts = row_layouts(region, self.space)
-        assert isinstance(layouts, dict), f"{kernel.name}: not a row program: {layouts}"
-        self.layouts = layouts
+        self.plan: RowPlan = kernel.plan
+        self.layouts = self.plan.layouts
         self.n_in = len(region.inputs)
         self.values = range(self.n_in + len(region.ops))
         self.sig, self.body = Signature(), Code()
         self.em = Emitter(self.body)
-        shape, axis = self.space.shape, self.space.axis
+        shape, axis = self.plan.shape, self.plan.axis
         self.kept = [d for d in range(len(shape)) if d != axis]
         self.refs: dict[int, TensorRef] = {}
         self.scalars: dict[int, str] = {}
@@ -74,7 +64,6 @@ class RowProgram:
         self.outs = [self.sig.tensor("out", j, region.value_type(v).shape)
                      for j, v in enumerate(region.outputs)]
         self.length = self.sig.size(shape[axis])
-        self.phase = self._phases()
         self.softmax_stats: dict[int, tuple[str, str]] = {}  # softmax value -> (m, 1/z) names
 
     # --- analysis --------------------------------------------------------------------------
@@ -89,20 +78,11 @@ class RowProgram:
         """A reduction or softmax that really reduces: its operand varies along the axis.
 
         One over a literal size-1 axis is elementwise (see `trivial_reduce`)."""
-        op = self.op(v)
-        return op is not None and op.kind in ROW_OPS and self.full(self.operands(v)[0])
+        return v in self.plan.reducing
 
     def full(self, v: int) -> bool:
         """Does the value vary along the reduction axis?"""
-        return self.space.axis in self.layouts.get(v, ())
-
-    def _phases(self) -> dict[int, int]:
-        """Each value's phase: the latest reduction phase it depends on (0: none)."""
-        phase: dict[int, int] = {}
-        for v in self.values:
-            p = max((phase[o] for o in self.operands(v)), default=0)
-            phase[v] = p + 1 if self.is_row_op(v) else p
-        return phase
+        return self.plan.full(v)
 
     def needed(self, targets: list[int]) -> set[int]:
         """What a loop over the row computes to produce `targets`: full values back to
@@ -125,9 +105,9 @@ class RowProgram:
     # --- emission helpers -------------------------------------------------------------------
 
     def index(self, dim: int | None) -> str | None:
-        if dim is None or self.space.shape[dim] == 1:
+        if dim is None or self.plan.shape[dim] == 1:
             return None
-        return "r[None, :]" if dim == self.space.axis else f"j{dim}[:, None]"
+        return "r[None, :]" if dim == self.plan.axis else f"j{dim}[:, None]"
 
     def access(self, ref: TensorRef, v: int) -> tuple[str | None, str | None]:
         """(pointer, mask) of a value's tensor at the tile, or (None, None) for one element."""
@@ -135,7 +115,7 @@ class RowProgram:
         offset = ref.offset([self.index(d) for d in layout])
         if offset == "0":
             return None, None
-        axis = self.space.axis
+        axis = self.plan.axis
         rows = any(self.index(d) for d in layout if d is not None and d != axis)
         cols = any(self.index(d) for d in layout if d == axis)
         mask = {(True, True): "tmask", (True, False): "omask[:, None]",
@@ -172,7 +152,7 @@ class RowProgram:
                     ms, inv = self.softmax_stats[v]
                     xt = em.tensor(em.convert(vals[x], "f"))
                     vals[v] = em.assign(f"tl.exp({xt.text} - {ms}) * {inv}", "f")
-            elif op.kind in ROW_OPS and not self.is_row_op(v):
+            elif ops.category(op.kind) in ("reduction", "softmax") and not self.is_row_op(v):
                 if self.operands(v)[0] in vals:
                     vals[v] = self.trivial_reduce(op, vals[self.operands(v)[0]])
             elif not self.is_row_op(v) and all(o in vals for o in self.operands(v)):
@@ -219,7 +199,7 @@ class RowProgram:
 
     def emit(self) -> None:
         body, sig = self.body, self.sig
-        shape = self.space.shape
+        shape = self.plan.shape
         rows = sig.numel(tuple(shape[d] for d in self.kept), "n_rows")
         for name in ("BLOCK_O", "BLOCK_R", "ONE_PASS"):
             sig.constexpr(name)
@@ -294,8 +274,8 @@ class RowProgram:
         row_vals: dict[int, Val] = {}
         self.emit_row_values(row_vals)
         reductions = [v for v in self.values if self.is_row_op(v)]
-        for p in range(1, max((self.phase[v] for v in reductions), default=0) + 1):
-            current = [v for v in reductions if self.phase[v] == p]
+        for p in range(1, max((self.plan.phases[v] for v in reductions), default=0) + 1):
+            current = [v for v in reductions if self.plan.phases[v] == p]
             state = {v: self.init_state(v) for v in current}
             need = self.needed([self.operands(v)[0] for v in current])
             body(f"for r0 in range(0, {self.length}, BLOCK_R):")
@@ -390,7 +370,7 @@ class RowProgram:
 def emit(kernel: KernelOp, hints: Hints) -> EmittedKernel:
     prog = RowProgram(kernel)
     prog.emit()
-    shape, axis = prog.space.shape, prog.space.axis
+    shape, axis = prog.plan.shape, prog.plan.axis
 
     def configure(dims: Mapping[str, int], device: str) -> LaunchConfig:
         length = shape[axis] if isinstance(shape[axis], int) else dims[shape[axis]]

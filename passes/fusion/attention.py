@@ -1,59 +1,22 @@
-"""The structure of an attention kernel's region, for the template and for explain().
+"""The plan of an attention kernel: which value of its region plays which role.
 
-`fuse-attention` builds the region; `attention_parts` reads back which value
-plays which role: the two matmuls, the operand prologues, the score
+`fuse-attention` builds the region; `attention_plan` records the two matmuls,
+the operand prologues and the tensors q, k and v are loaded from, the score
 modification, the softmax, stored `logsumexp`s, the epilogue, and the
-key-block bound a mask allows (`KeyBound`).
+key-block bound a mask allows (`KeyBound`). The template and `explain()` read
+the plan; nothing analyses the region again.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 from tiledsl.ir import Op, Region
+from tiledsl.plans import AttentionPlan, KeyBound
 
 
-@dataclass(frozen=True)
-class KeyBound:
-    """A mask `where(i + a >= j + b, s, -inf)` (or >, or the mirrored <=, <) keeps key j
-    of query row i only while j <= i + a - b (j < for strict): key blocks past the last
-    row's bound are skipped. `offsets` are (sign, value id) terms of a - b, `strict`
-    subtracts one more."""
-
-    offsets: tuple[tuple[int, int], ...]
-    constant: int
-    strict: bool
-
-
-@dataclass(frozen=True)
-class AttentionParts:
-    qk: int  # q @ kt
-    pv: int  # p @ v
-    softmax: int
-    scores: int  # the softmax's input (after the score modification)
-    q_chain: frozenset[int]  # values the left operand of qk is computed from
-    k_chain: frozenset[int]
-    score_ops: tuple[int, ...]  # ops between qk and the softmax, in order
-    lse: tuple[int, ...]  # logsumexp of the scores, stored too
-    epilogue: tuple[int, ...]  # ops after pv
-    bound: KeyBound | None
-
-    def role(self, value: int) -> str:
-        if value in self.q_chain:
-            return "q prologue"
-        if value in self.k_chain:
-            return "k prologue"
-        if value in self.score_ops:
-            return "score modification"
-        if value in self.lse:
-            return "logsumexp"
-        if value in self.epilogue:
-            return "epilogue"
-        return {self.qk: "q @ k.T", self.softmax: "online softmax", self.pv: "p @ v"}[value]
-
-
-def attention_parts(region: Region) -> AttentionParts:
+def attention_plan(region: Region) -> AttentionPlan:
+    """The roles of an attention kernel's values (the region fuse-attention built)."""
     n_in = len(region.inputs)
     ops = {n_in + i: r for i, r in enumerate(region.ops)}
     (sm,) = [v for v, r in ops.items() if r.op.kind == "softmax"]
@@ -68,8 +31,18 @@ def attention_parts(region: Region) -> AttentionParts:
     lse = tuple(v for v, r in ops.items() if r.op.kind == "logsumexp")
     after = set(ops) - before - q_chain - k_chain - {qk, sm, pv, *lse}
     epilogue = tuple(v for v in ops if v in after and ops[v].op.kind != "const")
-    return AttentionParts(qk, pv, sm, scores, q_chain, k_chain, score_ops, lse, epilogue,
-                          _key_bound(region, scores))
+    transposes = sum(ops[v].op.kind == "transpose" for v in k_chain if v >= n_in)
+    return AttentionPlan(qk, pv, sm, scores, q_chain, k_chain, operand_source(region, q_chain),
+                         operand_source(region, k_chain), ops[pv].operands[1], transposes % 2 == 1,
+                         score_ops, lse, epilogue, _key_bound(region, scores))
+
+
+def operand_source(region: Region, chain: frozenset[int]) -> int:
+    """The one tensor input a dot operand is loaded from (its prologue adds only scalars)."""
+    tensors = [v for v in chain if v < len(region.inputs) and not region.inputs[v].scalar
+               and region.inputs[v].type.rank > 0]
+    assert len(tensors) == 1, "a dot operand is computed from one tensor"
+    return tensors[0]
 
 
 def _key_bound(region: Region, scores: int) -> KeyBound | None:

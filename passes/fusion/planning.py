@@ -1,0 +1,94 @@
+"""Building the plan a kernel carries, from the region a pass has just formed.
+
+Every pass that forms kernels (the fusion passes and lower-kernels) goes
+through `regions.replace_with_kernel`, which outlines the group's region and
+asks `plan_kernel` for the plan of its template. The plans themselves, and
+what each field means, are in `tiledsl.plans`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from tiledsl import ops
+from tiledsl.ir import Region
+from tiledsl.plans import GemmPlan, Plan, PointwisePlan, RowPlan
+from tiledsl.types import broadcast_shapes
+
+from .attention import attention_plan, operand_source
+from .legality import ROW_OPS, RowSpace, row_layouts
+
+
+def pointwise_plan(region: Region) -> PointwisePlan:
+    shape = broadcast_shapes(*(t.shape for t in region.output_types))
+    assert all(t.shape == shape for t in region.output_types), "pointwise outputs share one shape"
+    return PointwisePlan(shape)
+
+
+def row_space(region: Region) -> RowSpace:
+    """The space of a row program: the shape and axis of its first reduction or softmax."""
+    for rop in region.ops:
+        if rop.op.kind in ROW_OPS:
+            (x,) = rop.operands
+            return RowSpace(region.value_type(x).shape, rop.op.attr("axis"))
+    raise AssertionError("a row program has at least one reduction or softmax")
+
+
+def row_plan(region: Region) -> RowPlan:
+    space = row_space(region)
+    layouts = row_layouts(region, space)
+    assert isinstance(layouts, dict), f"not a row program: {layouts}"
+    n_in = len(region.inputs)
+    values = range(n_in + len(region.ops))
+    reducing, phases = set(), []
+    for v in values:
+        rop = region.ops[v - n_in] if v >= n_in else None
+        operands = rop.operands if rop is not None else ()
+        reduces = rop is not None and rop.op.kind in ROW_OPS and space.axis in layouts.get(operands[0], ())
+        if reduces:
+            reducing.add(v)
+        phases.append(max((phases[o] for o in operands), default=0) + reduces)
+    return RowPlan(space.shape, space.axis, tuple(layouts.get(v) for v in values),
+                   frozenset(reducing), tuple(phases))
+
+
+def gemm_plan(region: Region) -> GemmPlan:
+    n_in = len(region.inputs)
+    (mm,) = [n_in + i for i, r in enumerate(region.ops) if ops.category(r.op.kind) == "matmul"]
+    a, b = region.ops[mm - n_in].operands
+    a_chain, b_chain = frozenset(region.depends(a)), frozenset(region.depends(b))
+    prologue_only = _prologue_only(region, mm, a_chain | b_chain)
+    epilogue = tuple(v for v in range(n_in, n_in + len(region.ops))
+                     if v != mm and v not in prologue_only)
+    return GemmPlan(mm, a, b, operand_source(region, a_chain), operand_source(region, b_chain),
+                    a_chain, b_chain, prologue_only, epilogue)
+
+
+def _prologue_only(region: Region, mm: int, prologue: frozenset[int]) -> frozenset[int]:
+    """Prologue ops whose values the epilogue does not read (an input, a constant or a scalar
+    op may feed both an operand and the epilogue, which then computes it again)."""
+    n_in, body = len(region.inputs), region.ops
+    ops_in = {v for v in prologue if v >= n_in}
+    stack = list(region.outputs)
+    stack += [o for k, r in enumerate(body) if n_in + k not in ops_in and n_in + k != mm
+              for o in r.operands]
+    needed: set[int] = set()
+    while stack:
+        v = stack.pop()
+        if v in needed or v == mm or v < n_in:
+            continue
+        needed.add(v)
+        stack.extend(body[v - n_in].operands)
+    return frozenset(ops_in - needed)
+
+
+PLANNERS: dict[str, Callable[[Region], Plan]] = {
+    "pointwise": pointwise_plan,
+    "rows": row_plan,
+    "matmul": gemm_plan,
+    "attention": attention_plan,
+}
+
+
+def plan_kernel(template: str, region: Region) -> Plan:
+    return PLANNERS[template](region)

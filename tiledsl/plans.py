@@ -1,0 +1,178 @@
+"""Kernel plans: what a fusion pass decided about a kernel, carried by its `KernelOp`.
+
+A pass that forms a kernel knows things about it that its region alone does
+not say: which values play which role, how every value maps onto the kernel's
+iteration space. It records them once, in a frozen plan; the verifier checks
+the plan against the region, the printer shows it, `explain()` reads it, and
+the code templates consume it without analysing the region again. Value ids
+are the region's (inputs first, then ops).
+
+    pointwise  -> PointwisePlan   one iteration space
+    rows       -> RowPlan         the row space, every value's layout, reduction phases
+    matmul     -> GemmPlan        operands, their prologues and sources, the epilogue
+    attention  -> AttentionPlan   q/k/v roles, score modification, mask bound, lse, epilogue
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tiledsl.types import Shape, format_shape
+
+# Per dim of a value: the row-space dim it is read along, or None (size 1 or broadcast).
+Layout = tuple[int | None, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PointwisePlan:
+    """An elementwise region over one iteration space (the outputs' shape)."""
+
+    shape: Shape
+
+
+@dataclass(frozen=True, slots=True)
+class RowPlan:
+    """Reductions along `axis` of the space `shape`, with the elementwise ops around them.
+
+    `layouts[v]`: how value v maps onto the space (None: an input no op reads).
+    `reducing`: the reductions and softmaxes that really reduce (their operand
+    varies along the axis; one over a size-1 axis is elementwise).
+    `phases[v]`: how many dependent reductions v needs (layernorm's output: 2).
+    """
+
+    shape: Shape
+    axis: int
+    layouts: tuple[Layout | None, ...]
+    reducing: frozenset[int]
+    phases: tuple[int, ...]
+
+    def full(self, value: int) -> bool:
+        """Does the value vary along the reduction axis?"""
+        layout = self.layouts[value]
+        return layout is not None and self.axis in layout
+
+
+@dataclass(frozen=True, slots=True)
+class GemmPlan:
+    """C = A @ B with operand prologues and an epilogue on the f32 accumulator.
+
+    `a`, `b`: the matmul's operand values; `a_source`, `b_source`: the region
+    inputs their tiles are loaded from; `a_prologue`, `b_prologue`: the values
+    each operand is computed from (source and scalars included), applied per
+    loaded tile; `prologue_only`: prologue ops the epilogue does not read;
+    `epilogue`: the ops computed at the output tile, in order.
+    """
+
+    matmul: int
+    a: int
+    b: int
+    a_source: int
+    b_source: int
+    a_prologue: frozenset[int]
+    b_prologue: frozenset[int]
+    prologue_only: frozenset[int]
+    epilogue: tuple[int, ...]
+
+    @property
+    def has_prologue(self) -> bool:
+        return self.a != self.a_source or self.b != self.b_source
+
+
+@dataclass(frozen=True, slots=True)
+class KeyBound:
+    """A mask `where(i + a >= j + b, s, -inf)` (or >, or the mirrored <=, <) keeps key j
+    of query row i only while j <= i + a - b (j < for strict): key blocks past the last
+    row's bound are skipped. `offsets` are (sign, value id) terms of a - b, `strict`
+    subtracts one more."""
+
+    offsets: tuple[tuple[int, int], ...]
+    constant: int
+    strict: bool
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionPlan:
+    """softmax(score_mod(q @ kt)) @ v with its prologues, logsumexp and epilogue.
+
+    `q_source`, `k_source`, `v`: the region inputs the q, k and v tiles are
+    loaded from; `k_transposed`: the k tensor is [.., N, D] and read as K^T.
+    """
+
+    qk: int
+    pv: int
+    softmax: int
+    scores: int  # the softmax's input (after the score modification)
+    q_chain: frozenset[int]  # values the left operand of qk is computed from
+    k_chain: frozenset[int]
+    q_source: int
+    k_source: int
+    v: int
+    k_transposed: bool
+    score_ops: tuple[int, ...]  # ops between qk and the softmax, in order
+    lse: tuple[int, ...]  # logsumexp of the scores, stored too
+    epilogue: tuple[int, ...]  # ops after pv
+    bound: KeyBound | None
+
+    def role(self, value: int) -> str:
+        if value in self.q_chain:
+            return "q prologue"
+        if value in self.k_chain:
+            return "k prologue"
+        if value in self.score_ops:
+            return "score modification"
+        if value in self.lse:
+            return "logsumexp"
+        if value in self.epilogue:
+            return "epilogue"
+        return {self.qk: "q @ k.T", self.softmax: "online softmax", self.pv: "p @ v"}[value]
+
+
+Plan = PointwisePlan | RowPlan | GemmPlan | AttentionPlan
+
+# which plan each template consumes
+PLAN_TYPES: dict[str, type] = {"pointwise": PointwisePlan, "rows": RowPlan, "matmul": GemmPlan,
+                               "attention": AttentionPlan}
+
+
+# --- text ---------------------------------------------------------------------------------
+
+
+def format_plan(plan: Plan, name) -> str:
+    """One line for the printer; `name(v)` gives a value's printed name (%a0, %r3)."""
+
+    def names(values) -> str:
+        return "(" + ", ".join(name(v) for v in sorted(values)) + ")"
+
+    if isinstance(plan, PointwisePlan):
+        return f"plan pointwise {{space = {format_shape(plan.shape)}}}"
+    if isinstance(plan, RowPlan):
+        layouts = ", ".join(f"{name(v)} = {_layout(lay)}" for v, lay in enumerate(plan.layouts)
+                            if lay is not None)
+        return (f"plan rows {{space = {format_shape(plan.shape)}, axis = {plan.axis}, "
+                f"phases = {max(plan.phases, default=0)}, reducing = {names(plan.reducing)}, "
+                f"layouts = ({layouts})}}")
+    if isinstance(plan, GemmPlan):
+        def operand(value: int, source: int, chain: frozenset[int]) -> str:
+            if value == source:
+                return name(value)
+            return f"{name(value)} (prologue {names(chain - {source})} on {name(source)})"
+
+        return (f"plan gemm {{matmul = {name(plan.matmul)}, "
+                f"a = {operand(plan.a, plan.a_source, plan.a_prologue)}, "
+                f"b = {operand(plan.b, plan.b_source, plan.b_prologue)}, "
+                f"epilogue = {names(plan.epilogue)}}}")
+    bound = "none"
+    if plan.bound is not None:
+        c = plan.bound.constant
+        terms = "".join(f" {'+' if s > 0 else '-'} {name(v)}" for s, v in plan.bound.offsets)
+        terms += f" {'+' if c > 0 else '-'} {abs(c)}" if c else ""
+        bound = f"j {'<' if plan.bound.strict else '<='} i{terms}"
+    return (f"plan attention {{qk = {name(plan.qk)}, softmax = {name(plan.softmax)}, "
+            f"pv = {name(plan.pv)}, q = {name(plan.q_source)}, "
+            f"k = {name(plan.k_source)}{' (transposed)' if plan.k_transposed else ''}, "
+            f"v = {name(plan.v)}, score_mod = {names(plan.score_ops)}, lse = {names(plan.lse)}, "
+            f"epilogue = {names(plan.epilogue)}, key_bound = {bound}}}")
+
+
+def _layout(layout: Layout) -> str:
+    return "[" + ", ".join("_" if d is None else str(d) for d in layout) + "]"
