@@ -22,9 +22,24 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from tiledsl.backends.interface import Backend, Kernel
 from tiledsl.binding import BoundCall, torch_dtype
 from tiledsl.ir import Graph, KernelOp, Op, Region
 from tiledsl.types import DType
+
+
+class ReferenceBackend(Backend):
+    """The fused graph run op by op (its kernels are regions evaluated in torch)."""
+
+    name = "reference"
+
+    @property
+    def kernels(self) -> list[Kernel]:
+        return [Kernel(k.name, k.template, k.covered, None)
+                for k in (self.graph.op(n) for n in self.graph.kernels())]
+
+    def run(self, bound: BoundCall) -> list[Any]:
+        return run(self.graph, bound)
 
 
 def run(graph: Graph, bound: BoundCall, float64: bool = False) -> list[torch.Tensor]:

@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
             if err > (1e-2 if dtype is torch.float16 else 1e-5):
                 print(f"  {name} {m}x{n}: max error {err:.2e}: results disagree, not timed")
                 continue
-            (launch,) = [la for la in fn._triton.launches if dict(la.dims)["N"] == n]
+            (launch,) = [la for la in fn.launches if dict(la.dims)["N"] == n]
             one_block = launch.kernel.launch_config(dict(launch.dims), device if device == "cuda"
                                                     else "interpreter").constexprs["ONE_PASS"]
             t_ours, t_torch, t_copy = time_all(fn, x, device)

@@ -29,7 +29,7 @@ def compile_for_sm90(fn: tiledsl.Program) -> list:
     from tiledsl.backends.triton.aot import compile_launch
 
     out = []
-    for launch in sorted(fn._triton.launches, key=lambda l: l.kernel.fn_name):
+    for launch in sorted(fn.launches, key=lambda l: l.kernel.fn_name):
         cfg = launch.kernel.launch_config(dict(launch.dims), "cuda")
         key = (launch.kernel.source, launch.signature, tuple(sorted(cfg.constexprs.items())))
         if key in _compiled_for_gpu:

@@ -257,7 +257,7 @@ def test_sm90_wgmma_and_no_spills(dt, d):
     """The default Hopper configuration (f16: and every autotune candidate) at head dims 64 and 128."""
     fn = tiledsl.compile(ATTENTION.format(dt=dt, mask=CAUSAL))
     fn(*qkv(1, 2, 256, 256, d, dt), scale=0.125)
-    (launch,) = fn._triton.launches
+    (launch,) = fn.launches
     dims = dict(launch.dims)
     configs = [launch.kernel.launch_config(dims, "cuda")]
     if dt == "f16":

@@ -12,7 +12,7 @@ from tiledsl.backends.triton import autotune
 def emitted_gemm():
     fn = tiledsl.compile("kernel f(x: f16[M, K], w: f16[N, K], b: f16[N]) -> f16[M, N] { return gelu(x @ w.T + b) }")
     fn(randn(512, 256, dtype=torch.float16), randn(384, 256, dtype=torch.float16), randn(384, dtype=torch.float16))
-    (launch,) = fn._triton.launches
+    (launch,) = fn.launches
     return launch.kernel, dict(launch.dims)
 
 
@@ -44,7 +44,7 @@ def test_choose_times_once_then_remembers(monkeypatch, tmp_path):
 def test_user_tile_hints_turn_autotuning_off():
     fn = tiledsl.compile("@tile(BLOCK_M=64, BLOCK_N=64)\nkernel f(a: f16[M, K], b: f16[K, N]) -> f16[M, N] { return a @ b }")
     fn(randn(512, 256, dtype=torch.float16), randn(256, 512, dtype=torch.float16))
-    (launch,) = fn._triton.launches
+    (launch,) = fn.launches
     assert launch.kernel.launch_candidates(dict(launch.dims), "cuda") == []
     cfg = launch.kernel.launch_config(dict(launch.dims), "cuda")
     assert (cfg.constexprs["BLOCK_M"], cfg.constexprs["BLOCK_N"]) == (64, 64)

@@ -40,3 +40,13 @@ def test_softmax_smoke_run(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split("|")[0].split() == ["M", "N", "dtype", "one", "block"]
     assert [line.split()[2] for line in lines[2:]] == ["f16", "f32"]
+
+
+def test_host_overhead_smoke_run(capsys):
+    import json
+
+    load("host_overhead").main(["--json", "--calls", "3"])
+    result = json.loads(capsys.readouterr().out)
+    assert sorted(result) == ["attention", "gemm_multiply_multiply", "rmsnorm", "softmax"]
+    for row in result.values():
+        assert row["kernels"] == 1 and row["tiledsl_us"] > 0 and row["triton_dispatch_us"] > 0

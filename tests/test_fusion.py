@@ -167,7 +167,7 @@ def test_gemm_epilogue_uses_wgmma_and_does_not_spill(name, dt):
     src, _, make = PROGRAMS[name]
     fn = tiledsl.compile(src.format(dt=dt))
     fn(*make(DT[dt], *GPU_SIZES))
-    (launch,) = fn._triton.launches
+    (launch,) = fn.launches
     ck = compile_launch(launch)
     assert "wgmma.mma_async" in ck.asm["ptx"]
     usage = resource_usage(ck)
@@ -179,7 +179,7 @@ def test_autotune_candidates_compile_for_sm90(name):
     src, _, make = PROGRAMS[name]
     fn = tiledsl.compile(src.format(dt="bf16"))
     fn(*make(torch.bfloat16, *GPU_SIZES))
-    (launch,) = fn._triton.launches
+    (launch,) = fn.launches
     candidates = launch.kernel.launch_candidates(dict(launch.dims), "cuda")
     assert len(candidates) >= 2
     for cfg in candidates:

@@ -56,8 +56,7 @@ def test_examples_on_gpu(name):
 def test_new_runtime_dims_do_not_recompile():
     fn = tiledsl.compile("kernel f(x: f32[M, N]) -> f32[M, N] { return exp(x) * 2 }")
     fn(cuda_randn(17, 113))
-    step = fn._triton.steps[0]
-    jit = step.fns["cuda"]
+    jit = fn.runtime.load(fn.runtime.emitted[0], "cuda")
     before = sum(len(c[0]) for c in jit.device_caches.values())
     fn(cuda_randn(19, 117))  # same block size, same divisibility class
     after = sum(len(c[0]) for c in jit.device_caches.values())

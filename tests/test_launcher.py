@@ -42,7 +42,7 @@ def test_modules_are_content_addressed_and_keyed_by_versions_and_target(private_
     assert len(first) == len(fn.kernels)
     tiledsl.compile(SRC)(randn(4, 6), randn(6))  # same program, new sizes
     assert cached_files(private_cache) == first
-    for e in fn._triton.emitted:
+    for e in fn.runtime.emitted:
         key = cache.cache_key(e.source, "interpreter", e.ir())
         assert (private_cache / f"tdsl_{key[:40]}.py").read_text() == e.source
     source = fn.kernels[0].source
@@ -74,8 +74,8 @@ def test_changing_a_runtime_dim_does_not_regenerate_kernels(private_cache):
     assert cached_files(private_cache) == files
     assert cache._loaded == loaded
     # a size that moves a block size only changes launch constants, never the source
-    cfg_small = fn._triton.emitted[0].launch_config({"M": 3, "N": 100}, "cuda")
-    cfg_long = fn._triton.emitted[0].launch_config({"M": 3, "N": 100_000}, "cuda")
+    cfg_small = fn.runtime.emitted[0].launch_config({"M": 3, "N": 100}, "cuda")
+    cfg_long = fn.runtime.emitted[0].launch_config({"M": 3, "N": 100_000}, "cuda")
     assert cfg_small.constexprs["BLOCK_R"] != cfg_long.constexprs["BLOCK_R"]
 
 

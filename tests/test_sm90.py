@@ -16,7 +16,7 @@ def compiled(src: str, *args, **kwargs):
     fn(*args, **kwargs)
     from tiledsl.backends.triton.aot import compile_launch
 
-    return {launch.kernel.fn_name: compile_launch(launch) for launch in fn._triton.launches}
+    return {launch.kernel.fn_name: compile_launch(launch) for launch in fn.launches}
 
 
 @pytest.mark.parametrize("dt", ["f16", "bf16"])

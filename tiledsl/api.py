@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import networkx as nx
 
 from tiledsl import diagnostics as diag
+from tiledsl.backends.interface import BACKENDS, Backend, Kernel, make_backend
 from tiledsl.binding import bind
-from tiledsl.ir import Graph, KernelOp, Op
+from tiledsl.ir import Graph, KernelOp
 from tiledsl.parser import parse
 from tiledsl.passes.manager import PassManager, PipelineResult
 from tiledsl.passes.registry import PassContext
@@ -26,26 +26,6 @@ from tiledsl.sema import analyze, select_kernel
 
 DEFAULT_PIPELINE = ("canonicalize,cse,dce,online-softmax,fuse-attention,fuse-epilogue,fuse-rows,"
                     "fuse-elementwise,lower-kernels")
-BACKENDS = ("triton", "reference")
-
-
-@dataclass(frozen=True)
-class Kernel:
-    """One generated kernel, in launch order.
-
-    `ops` are the DSL ops it computes (each with `.kind` and `.span`);
-    `source` is the Triton module text (None for the reference backend).
-    """
-
-    name: str
-    template: str
-    ops: tuple[Op, ...]
-    source: str | None
-    fn_name: str | None = None
-
-    @property
-    def lines(self) -> tuple[int, ...]:
-        return tuple(sorted({op.span.line for op in self.ops if op.span is not None}))
 
 
 def check_option(where: str, name: str, value: Any, expected: str, *types: type) -> None:
@@ -146,28 +126,21 @@ class Program:
         self.name = self._graph.name
         self.backend = backend
         self.pipeline = pipeline
-        self._triton = None
-        if backend == "triton":
-            from tiledsl.backends.triton.program import TritonProgram
-
-            self._triton = TritonProgram(self._graph, allow_tf32)
-            self.kernels = [Kernel(e.kernel.name, e.kernel.template, e.kernel.covered, e.source,
-                                   e.fn_name) for e in self._triton.emitted]
-        else:
-            self.kernels = [Kernel(k.name, k.template, k.covered, None)
-                            for k in (self._graph.op(n) for n in self._graph.kernels())]
+        self.runtime: Backend = make_backend(backend, self._graph, allow_tf32)
+        self.kernels: list[Kernel] = self.runtime.kernels
 
     # --- running --------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        bound = bind(self._graph, args, kwargs)
-        if self._triton is not None:
-            outs = self._triton.run(bound)
-        else:
-            from tiledsl.backends import reference
-
-            outs = reference.run(self._graph, bound)
+        runtime = self.runtime
+        outs = runtime.run(runtime.binder(args, kwargs))
         return outs[0] if len(outs) == 1 else tuple(outs)
+
+    @property
+    def launches(self) -> list[Any]:
+        """The launches made so far, one per kernel and size class (argument types and
+        sizes): what `backends.triton.aot.compile_launch` compiles ahead of time."""
+        return self.runtime.launches
 
     def reference(self, *args: Any, float64: bool = False, **kwargs: Any) -> Any:
         """The same program run op by op in torch (float64=True: the golden result)."""

@@ -1,0 +1,126 @@
+"""Launch plans: everything about a call that its sizes decide, computed once.
+
+A `LaunchPlan` belongs to one (target, device, dim sizes) class of calls. For
+each kernel it holds the loaded function, the grid and launch options
+(autotuned on a GPU), the shapes and dtypes of the outputs to allocate, and
+an argument function that turns the call's values into the kernel's
+arguments: tensors and their strides (a transposed view is read as its
+source tensor through permuted strides), by-value scalars, and constants for
+everything the sizes fix (dims, element counts, the strides of the fresh
+contiguous outputs). A call then costs a dict lookup, the output
+allocations, one argument function and one Triton launch per kernel: no IR
+printing, hashing or configuration on the call path.
+
+Argument functions are generated Python (compiler-owned names and integers
+only), because a flat tuple expression is several times cheaper than
+interpreting a list of argument specs on every call.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tiledsl.types import DType
+
+from .base import EmittedKernel, LaunchConfig
+from .codegen import DimSize, Numel, Ptr, Scalar, Stride
+
+# a slot of the call's values read by a kernel: (slot, permutation of a transposed view)
+Read = tuple[int, "tuple[int, ...] | None"]
+
+
+@dataclass(frozen=True, slots=True)
+class KernelStep:
+    """A kernel of the program: what it reads and the first slot its results fill."""
+
+    emitted: EmittedKernel
+    reads: tuple[Read, ...]
+    slot: int
+
+
+@dataclass(frozen=True, slots=True)
+class KernelLaunch:
+    """One kernel's launch at a plan's sizes."""
+
+    launch: Callable[..., Any]
+    args: Callable[[list, list], tuple]
+    options: Mapping[str, Any]  # grid, constexprs, warps and stages
+    outputs: tuple[tuple[tuple[int, ...], Any], ...]  # (shape, torch dtype) to allocate
+    slot: int
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchPlan:
+    dims: tuple[tuple[int, int], ...]  # (slot, size) of every dim value the graph reads
+    kernels: tuple[KernelLaunch, ...]
+
+
+def argument_function(emitted: EmittedKernel, reads: Sequence[Read], out_shapes: Sequence[tuple],
+                      dims: Mapping[str, int]) -> Callable[[list, list], tuple]:
+    """`args(values, outputs)`: the kernel's arguments, in its parameter order."""
+    region = emitted.kernel.region
+    strides: dict[int, None] = {}
+    exprs = []
+    for _, spec in emitted.params:
+        if isinstance(spec, Ptr):
+            exprs.append(f"v[{reads[spec.index][0]}]" if spec.role == "in" else f"o[{spec.index}]")
+        elif isinstance(spec, Stride) and spec.role == "in":
+            slot, perm = reads[spec.index]
+            strides[slot] = None
+            exprs.append(f"s{slot}[{spec.dim if perm is None else perm[spec.dim]}]")
+        elif isinstance(spec, Stride):  # outputs are fresh and contiguous
+            exprs.append(str(contiguous_strides(out_shapes[spec.index])[spec.dim]))
+        elif isinstance(spec, DimSize):
+            exprs.append(str(dims[spec.symbol]))
+        elif isinstance(spec, Numel):
+            total = 1
+            for d in spec.shape:
+                total *= d if isinstance(d, int) else dims[d]
+            exprs.append(str(total))
+        elif isinstance(spec, Scalar):  # bools travel as 0/1 (see Emitter.scalar)
+            value = f"v[{reads[spec.index][0]}]"
+            exprs.append(f"int({value})" if region.inputs[spec.index].type.dtype is DType.BOOL
+                         else value)
+    lines = ["def args(v, o):"]
+    lines += [f"    s{slot} = v[{slot}].stride()" for slot in strides]
+    lines.append(f"    return ({''.join(e + ', ' for e in exprs)})")
+    namespace: dict[str, Any] = {}
+    exec(compile("\n".join(lines) + "\n", f"<arguments of {emitted.fn_name}>", "exec"), namespace)
+    return namespace["args"]
+
+
+def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    out, step = [], 1
+    for d in reversed(shape):
+        out.append(step)
+        step *= d
+    return tuple(reversed(out))
+
+
+def swap_axes(rank: int, axes: tuple[int, int]) -> tuple[int, ...]:
+    """The permutation a transpose of two axes applies (view axis i reads source axis p[i])."""
+    perm = list(range(rank))
+    a, b = axes
+    perm[a], perm[b] = perm[b], perm[a]
+    return tuple(perm)
+
+
+def launcher(fn: Any, target: str) -> Callable[..., Any]:
+    """`launch(*args, grid=..., **options)` for a loaded kernel function."""
+    if target == "cuda":
+        return functools.partial(fn.run, warmup=False)
+
+    def launch_interpreted(*args: Any, grid: tuple, **options: Any) -> Any:
+        return fn[grid](*args, **options)
+
+    return launch_interpreted
+
+
+def launch_options(cfg: LaunchConfig, target: str) -> dict[str, Any]:
+    options = {"grid": cfg.grid, **cfg.constexprs}
+    if target == "cuda":
+        options.update(num_warps=cfg.num_warps or 4, num_stages=cfg.num_stages or 3)
+    return options
