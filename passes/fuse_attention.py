@@ -34,12 +34,11 @@ from collections import deque
 from dataclasses import dataclass
 
 from tiledsl.ir import Graph, Op
+from tiledsl.passes.fusion.admission import epilogue_refusal, prologue_op_refusal
 from tiledsl.passes.fusion.grow import elementwise_candidate, rewrite_groups
-from tiledsl.passes.fusion.legality import Group, GroupPlan, describe_node, reads_other_index
-from tiledsl.passes.fusion.profitability import MAX_EPILOGUE_INPUTS, PROLOGUE_KINDS
-from tiledsl.passes.fusion.remarks import FusionRemark
+from tiledsl.passes.fusion.legality import Group, GroupPlan, describe_node
+from tiledsl.passes.fusion.remarks import FusionRemark, Refusal, Rule
 from tiledsl.passes.registry import Pass, PassContext, register
-from tiledsl.types import format_shape
 
 NAME = "fuse-attention"
 
@@ -70,9 +69,9 @@ class _Match:
     def __init__(self, graph: Graph, plan: GroupPlan, softmax: int, remarks: list) -> None:
         self.graph, self.plan, self.softmax, self.remarks = graph, plan, softmax, remarks
 
-    def refuse(self, rule: str, producer: int, consumer: int, detail: str) -> None:
-        self.remarks.append(FusionRemark(NAME, False, rule, self.graph.op(producer),
-                                         self.graph.op(consumer), detail))
+    def refuse(self, rule: Rule, producer: int, consumer: int, detail: str) -> None:
+        self.remarks.append(FusionRemark.refused(NAME, Refusal(rule, detail), self.graph.op(producer),
+                                                 self.graph.op(consumer)))
 
     def members(self) -> list[int] | None:
         graph, sm = self.graph, self.softmax
@@ -82,11 +81,11 @@ class _Match:
         pv = pv[0]
         op = graph.op(sm)
         if op.attr("axis") != len(op.shape) - 1:
-            return self.refuse("tile", sm, pv, f"the softmax runs along axis {op.attr('axis')}, not "
+            return self.refuse(Rule.TILE, sm, pv, f"the softmax runs along axis {op.attr('axis')}, not "
                                "along the keys (the last axis), so p @ v cannot consume it block by block")
         other = [u for u, slot in graph.users(sm) if (u, slot) != (pv, 0)]
         if other:
-            return self.refuse("materialize", sm, other[0], self._whole("the probabilities", other[0]))
+            return self.refuse(Rule.MATERIALIZE, sm, other[0], self._whole("the probabilities", other[0]))
         (x,) = graph.operands(sm)
         found = self._scores(x, op.shape)
         if found is None:
@@ -98,18 +97,18 @@ class _Match:
         for n in [qk, *chain]:
             for u, _ in graph.users(n):
                 if u not in inside:
-                    return self.refuse("materialize", n, u, self._whole("the scores", u))
+                    return self.refuse(Rule.MATERIALIZE, n, u, self._whole("the scores", u))
         members = {qk, sm, pv, *chain, *lse}
         for operand in (0, 1):
             members |= self._prologue(qk, operand)
         if self.plan.creates_cycle(members - {qk}, qk):
-            return self.refuse("cycle", qk, pv, "a value the attention needs depends on its result")
+            return self.refuse(Rule.CYCLE, qk, pv, "a value the attention needs depends on its result")
         group = Group(self.plan, qk)
         for n in members - {qk}:
             group.add(n)
         self._epilogue(group, pv)
         detail = "flash attention" + (f" (score modification: {len(chain)} ops)" if chain else "")
-        self.remarks.append(FusionRemark(NAME, True, "fused", graph.op(qk), graph.op(pv), detail))
+        self.remarks.append(FusionRemark(NAME, True, None, graph.op(qk), graph.op(pv), detail))
         return list(group)
 
     def _whole(self, what: str, user: int) -> str:
@@ -140,7 +139,7 @@ class _Match:
             return None  # softmax of something else: not attention
         if len(matmuls) > 1:
             first, second = sorted(matmuls, key=self.plan.order.__getitem__)[:2]
-            return self.refuse("op", second, self.softmax,
+            return self.refuse(Rule.OP, second, self.softmax,
                                f"the scores come from two matmuls ({describe_node(graph, first)} and "
                                f"{describe_node(graph, second)}); a flash kernel computes one")
         (qk,) = matmuls
@@ -178,11 +177,8 @@ class _Match:
                 nxt = graph.operands(node)[0]
                 if not elementwise_candidate(graph, nxt):
                     break  # a plain `k.T`: read in place through its strides
-            elif elementwise_candidate(graph, node) and op.kind in PROLOGUE_KINDS:
-                tensors = [s for s in graph.operands(node) if graph.op(s).type.rank > 0]
-                if len(tensors) != 1 or graph.op(tensors[0]).shape != op.shape:
-                    break
-                nxt = tensors[0]
+            elif elementwise_candidate(graph, node) and prologue_op_refusal(graph, node, False) is None:
+                nxt = next(s for s in graph.operands(node) if graph.op(s).type.rank > 0)
             else:
                 break
             out.add(node)
@@ -200,20 +196,11 @@ class _Match:
             for cand, _ in graph.users(member):
                 if cand in group or self.plan.grouped(cand) or not elementwise_candidate(graph, cand):
                     continue
-                why = None
-                if graph.op(cand).shape != shape:
-                    why = ("tile", f"its result {format_shape(graph.op(cand).shape)} is not the "
-                           f"attention output's {format_shape(shape)}")
-                elif other := reads_other_index(graph, cand, group):
-                    why = ("other-index", other)
-                elif len({e for m in (*epilogue, cand) for e in graph.operands(m)
-                          if e not in group and graph.op(e).type.rank > 0}) > MAX_EPILOGUE_INPUTS:
-                    why = ("profit", f"the epilogue would read more than {MAX_EPILOGUE_INPUTS} "
-                           "extra tensors")
-                elif self.plan.creates_cycle(group, cand):
-                    why = ("cycle", "a value between them is computed outside the group")
+                why = epilogue_refusal(graph, group, cand, shape, "the attention output", epilogue)
+                if why is None and self.plan.creates_cycle(group, cand):
+                    why = Refusal(Rule.CYCLE, "a value between them is computed outside the group")
                 if why is not None:
-                    self.refuse(why[0], member, cand, why[1])
+                    self.refuse(why.rule, member, cand, why.detail)
                     continue
                 group.add(cand)
                 epilogue.add(cand)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from tiledsl.ir import Graph
 from tiledsl.passes.fusion.grow import elementwise_candidate, fuse_groups
 from tiledsl.passes.fusion.legality import GroupPlan, describe_node, reads_other_index
+from tiledsl.passes.fusion.remarks import Refusal, Rule
 from tiledsl.passes.registry import Pass, PassContext, register
 from tiledsl.types import format_shape
 
@@ -42,7 +43,7 @@ class FuseElementwise(Pass):
         fuse_groups(graph, ctx.remarks, self.name, "pointwise", elementwise, elementwise, admit_for)
 
 
-def _admit(graph: Graph, group: set[int], cand: int, space) -> tuple[str, str] | None:
+def _admit(graph: Graph, group: set[int], cand: int, space) -> Refusal | None:
     shape = graph.op(cand).shape
     consumes = any(s in group for s in graph.operands(cand))
     if shape != space and not (not consumes and shape == ()):
@@ -50,8 +51,8 @@ def _admit(graph: Graph, group: set[int], cand: int, space) -> tuple[str, str] |
         if len(smaller) <= len(larger):
             reader = describe_node(graph, cand) if consumes else "the group"
             value = "the group's values" if consumes else describe_node(graph, cand)
-            return "other-index", (f"{reader} reads {value} broadcast from {format_shape(smaller)} "
-                                   f"to {format_shape(larger)}")
-        return "tile", f"its shape {format_shape(shape)} is not the group's {format_shape(space)}"
+            return Refusal(Rule.OTHER_INDEX, f"{reader} reads {value} broadcast from "
+                           f"{format_shape(smaller)} to {format_shape(larger)}")
+        return Refusal(Rule.TILE, f"its shape {format_shape(shape)} is not the group's {format_shape(space)}")
     why = reads_other_index(graph, cand, group)
-    return ("other-index", why) if why else None
+    return Refusal(Rule.OTHER_INDEX, why) if why else None

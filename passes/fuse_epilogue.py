@@ -26,11 +26,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tiledsl.ir import Graph
+from tiledsl.passes.fusion.admission import epilogue_refusal, prologue_op_refusal
 from tiledsl.passes.fusion.grow import elementwise_candidate, fuse_groups
-from tiledsl.passes.fusion.legality import GroupPlan, reads_other_index, result_type
-from tiledsl.passes.fusion.profitability import MAX_EPILOGUE_INPUTS, prologue_refusal
+from tiledsl.passes.fusion.legality import GroupPlan
+from tiledsl.passes.fusion.remarks import Refusal, Rule
 from tiledsl.passes.registry import Pass, PassContext, register
-from tiledsl.types import format_shape
 
 
 @register
@@ -45,7 +45,7 @@ class FuseEpilogue(Pass):
         def admit_for(plan: GroupPlan, seed: int):
             prologue: set[int] = set()  # members feeding the matmul's operands
 
-            def admit(group: set[int], cand: int) -> tuple[str, str] | None:
+            def admit(group: set[int], cand: int) -> Refusal | None:
                 reason = _admit(graph, group, cand, seed, prologue)
                 if reason is None and _is_prologue(graph, cand, seed, prologue):
                     prologue.add(cand)
@@ -63,31 +63,11 @@ def _is_prologue(graph: Graph, cand: int, seed: int, prologue: set[int]) -> bool
 
 
 def _admit(graph: Graph, group: set[int], cand: int, seed: int,
-           prologue: set[int]) -> tuple[str, str] | None:
-    op = graph.op(cand)
+           prologue: set[int]) -> Refusal | None:
     users = [u for u, _ in graph.users(cand)]
     if _is_prologue(graph, cand, seed, prologue):
         if any(u in group and u != seed and u not in prologue for u in users):
-            return "other-index", "it feeds both a matmul operand and the epilogue"
-        why = prologue_refusal(op.kind, any(u not in group for u in users))
-        if why:
-            return "profit", why
-        tensors = [s for s in graph.operand_edges(cand) if result_type(graph, *s).rank > 0]
-        if len(tensors) != 1 or result_type(graph, *tensors[0]).shape != op.shape:
-            return "other-index", "a prologue reads one operand tensor element for element (plus scalars)"
-        return None
-    product = graph.op(seed).shape
-    if op.shape != product:
-        consumer = any(s in group for s in graph.operands(cand))
-        if not consumer and len(op.shape) <= len(product):
-            return "other-index", (f"the epilogue would read it broadcast from "
-                                   f"{format_shape(op.shape)} to {format_shape(product)}")
-        return "tile", f"its result {format_shape(op.shape)} is not the product's {format_shape(product)}"
-    why = reads_other_index(graph, cand, group)
-    if why:
-        return "other-index", why
-    extra = {e for m in group | {cand} for e in graph.operand_edges(m)
-             if e[0] not in group and e[0] != cand and result_type(graph, *e).rank > 0}
-    if len(extra) > MAX_EPILOGUE_INPUTS + 2:
-        return "profit", f"the epilogue would read more than {MAX_EPILOGUE_INPUTS} extra tensors"
-    return None
+            return Refusal(Rule.OTHER_INDEX, "it feeds both a matmul operand and the epilogue")
+        return prologue_op_refusal(graph, cand, any(u not in group for u in users))
+    epilogue = [m for m in group if m != seed and m not in prologue]
+    return epilogue_refusal(graph, group, cand, graph.op(seed).shape, "the product", epilogue)

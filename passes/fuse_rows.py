@@ -27,6 +27,7 @@ from tiledsl.ir import Graph, Region
 from tiledsl.passes.fusion.grow import candidate_kind, fuse_groups, outputs_of
 from tiledsl.passes.fusion.legality import ROW_OPS, GroupPlan, RowSpace, result_type, row_layouts
 from tiledsl.passes.fusion.profitability import MAX_ROW_OPS, MAX_ROW_PHASES
+from tiledsl.passes.fusion.remarks import Refusal, Rule
 from tiledsl.passes.regions import outline
 from tiledsl.passes.registry import Pass, PassContext, register
 
@@ -51,24 +52,23 @@ class FuseRows(Pass):
 
 
 def _admit(graph: Graph, plan: GroupPlan, group: set[int], cand: int,
-           space: RowSpace) -> tuple[str, str] | None:
+           space: RowSpace) -> Refusal | None:
     if len(group) >= MAX_ROW_OPS:
-        return "profit", f"a row program holds at most {MAX_ROW_OPS} ops"
+        return Refusal(Rule.PROFIT, f"a row program holds at most {MAX_ROW_OPS} ops")
     members = sorted(group | {cand}, key=plan.order.__getitem__)
     region, _ = outline(graph, members, members)
     if _phases(region) > MAX_ROW_PHASES:
-        return "profit", (f"a row program reads its rows at most {MAX_ROW_PHASES + 1} times "
-                          f"({MAX_ROW_PHASES} dependent reductions); storing an intermediate costs less")
+        return Refusal(Rule.PROFIT, f"a row program reads its rows at most {MAX_ROW_PHASES + 1} times "
+                       f"({MAX_ROW_PHASES} dependent reductions); storing an intermediate costs less")
     layouts = row_layouts(region, space)
-    if isinstance(layouts, str):
-        rule = "other-index" if "index" in layouts or "different dims" in layouts else "tile"
-        return rule, layouts
+    if isinstance(layouts, Refusal):
+        return layouts
     kept = [d for d in range(len(space.shape)) if d != space.axis and space.shape[d] != 1]
     outputs = set(outputs_of(graph, members))
     for node, value in zip(members, region.outputs, strict=True):  # outputs = members, in order
         if node in outputs and not set(kept) <= set(layouts[value]):
-            return "tile", (f"{graph.op(node).kind} is used outside the row program but does not vary "
-                            "along every row dim, so every row would store it")
+            return Refusal(Rule.TILE, f"{graph.op(node).kind} is used outside the row program but does "
+                           "not vary along every row dim, so every row would store it")
     return None
 
 

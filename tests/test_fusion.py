@@ -8,8 +8,9 @@ import torch
 
 import tiledsl
 from helpers import compile_for_sm90, randn, run_checked
+from tiledsl import testing
 from tiledsl.backends.triton.aot import compile_launch, resource_usage
-from tiledsl.passes.fusion.remarks import FusionRemark
+from tiledsl.passes.fusion.remarks import FusionRemark, Rule
 
 DT = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
 
@@ -117,7 +118,7 @@ def test_c_plus_c_transposed_is_refused_and_recorded():
                         randn(17, 33), randn(33, 17))
     assert structure(fn) == [("matmul", ["matmul"]), ("pointwise", ["add"])]
     (remark,) = fn.remarks
-    assert (remark.pass_name, remark.fused, remark.rule) == ("fuse-epilogue", False, "other-index")
+    assert (remark.pass_name, remark.fused, remark.rule) == ("fuse-epilogue", False, Rule.OTHER_INDEX)
     assert (remark.producer.kind, remark.producer.span.line) == ("matmul", 2)
     assert (remark.consumer.kind, remark.consumer.span.line) == ("add", 3)
     assert str(remark) == ("[fuse-epilogue] refused: matmul (line 2) -> add (line 3): it reads matmul "
@@ -225,3 +226,23 @@ def test_row_programs_stop_at_256_ops():
     assert all(len(k.ops) <= 256 for k in fn.kernels)
     assert any(r.rule == "profit" and "at most 256 ops" in str(r) for r in fn.remarks)
     run_checked(fn, randn(17, 33))
+
+
+@pytest.mark.parametrize("head, operands", [
+    ("a: f32[M, K], b: f32[K, N]", "a @ b"),
+    ("q: f32[M, K], k: f32[N, K], v: f32[N, N]", "softmax(q @ k.T) @ v"),
+])
+def test_gemm_and_attention_epilogues_share_one_input_limit(head, operands):
+    """One admission module: both kernels take 8 extra tensors and refuse the 9th alike."""
+    ds = [f"d{i}" for i in range(10)]
+    src = (f"kernel f({head}, {', '.join(d + ': f32[M, N]' for d in ds)}) -> f32[M, N] {{\n"
+           f"    return {operands} + {' + '.join(ds)}\n}}")
+    fn = tiledsl.compile(src)
+    sizes = {"M": 17, "N": 33, "K": 5}
+    args = testing.random_inputs(fn, sizes, generator=torch.Generator().manual_seed(3))
+    run_checked(fn, **args, sm90=False)
+    (fused, rest) = structure(fn)
+    assert fused[1].count("add") == 8 and rest == ("pointwise", ["add", "add"])
+    refusals = [r for r in fn.remarks if not r.fused]
+    assert [(r.rule, r.detail) for r in refusals] == [
+        (Rule.PROFIT, "the epilogue would read more than 8 extra tensors")]

@@ -1,7 +1,7 @@
 """Growing a fusion group: the driver the fusion passes share.
 
 A pass supplies a seed and an `admit(group, candidate)` callback that returns
-None (admit) or a (rule, detail) refusal. The driver visits the producers and
+None (admit) or a `Refusal` (its rule and why). The driver visits the producers and
 users of the group until nothing new is admitted, checks for cycles itself,
 and records a remark for every refused neighbour. Passes then rewrite the
 planned groups into kernels with `rewrite_groups`.
@@ -17,9 +17,9 @@ from tiledsl.ir import Graph, KernelOp, Op
 from tiledsl.passes.regions import is_clonable, replace_with_kernel
 
 from .legality import Group, GroupPlan
-from .remarks import FusionRemark
+from .remarks import FusionRemark, Refusal, Rule
 
-Admit = Callable[[set[int], int], "tuple[str, str] | None"]
+Admit = Callable[[set[int], int], "Refusal | None"]
 
 
 def candidate_kind(graph: Graph, node: int) -> bool:
@@ -45,19 +45,19 @@ def grow(plan: GroupPlan, seed: int, admit: Admit, pass_name: str,
     """
     graph = plan.graph
     group = Group(plan, seed)
-    refused: dict[int, tuple[int, str, str]] = {}
+    refused: dict[int, tuple[int, Refusal]] = {}
     work = deque([seed])
 
     def visit(member: int, cand: int) -> None:
         reason = admit(group, cand)
         if reason is None and plan.creates_cycle(group, cand):
-            reason = ("cycle", "a value between them is computed outside the group")
+            reason = Refusal(Rule.CYCLE, "a value between them is computed outside the group")
         if reason is None:
             group.add(cand)
             refused.pop(cand, None)
             work.append(cand)
         else:
-            refused[cand] = (member, *reason)
+            refused[cand] = (member, reason)
 
     while work:
         while work:
@@ -66,13 +66,12 @@ def grow(plan: GroupPlan, seed: int, admit: Admit, pass_name: str,
             for cand in dict.fromkeys(neighbours):
                 if cand not in group and not plan.grouped(cand) and consider(cand):
                     visit(member, cand)
-        for cand, (member, _, _) in list(refused.items()):
+        for cand, (member, _) in list(refused.items()):
             if cand not in group:
                 visit(member, cand)
-    for cand, (member, rule, detail) in refused.items():
+    for cand, (member, refusal) in refused.items():
         producer, consumer = (cand, member) if cand in graph.operands(member) else (member, cand)
-        remarks.append(FusionRemark(pass_name, False, rule, _op(graph, producer), _op(graph, consumer),
-                                    detail))
+        remarks.append(FusionRemark.refused(pass_name, refusal, _op(graph, producer), _op(graph, consumer)))
     return set(group)
 
 

@@ -23,6 +23,8 @@ from tiledsl import ops
 from tiledsl.ir import Graph, KernelOp, Op, Region
 from tiledsl.types import Shape, TensorType, format_shape
 
+from .remarks import Refusal, Rule
+
 Layout = tuple  # per dim of a value: the index of the row-space dim it is read along, or None
 
 
@@ -166,18 +168,19 @@ class RowSpace:
 ROW_OPS = ("sum", "max", "min", "mean", "logsumexp", "softmax")
 
 
-def row_layouts(region: Region, space: RowSpace) -> dict[int, Layout] | str:
+def row_layouts(region: Region, space: RowSpace) -> dict[int, Layout] | Refusal:
     """How every value of a region maps onto the row space, or why it cannot.
 
-    Returns value id -> layout (inputs and ops), or a message naming the op
-    that reads a value at another index or does not fit the space.
+    Returns value id -> layout (inputs and ops), or a refusal naming the op
+    that reads a value at another index ("other-index") or does not fit the
+    space ("tile").
     """
     n_in = len(region.inputs)
     layouts: dict[int, Layout] = {}
 
-    def fit(v: int, layout: Layout) -> str | None:
+    def fit(v: int, layout: Layout) -> Refusal | None:
         if v in layouts and layouts[v] != layout:
-            return "one value is read along two different dims"
+            return Refusal(Rule.OTHER_INDEX, "one value is read along two different dims")
         layouts[v] = layout
         return None
 
@@ -193,7 +196,7 @@ def row_layouts(region: Region, space: RowSpace) -> dict[int, Layout] | str:
             along = lx is not None and (lx[op.attr("axis")] == space.axis or (
                 xt.shape[op.attr("axis")] == 1 and space.shape[space.axis] == 1))
             if not along:
-                return f"{op.kind} runs along another axis than the row program"
+                return Refusal(Rule.TILE, f"{op.kind} runs along another axis than the row program")
             if x not in layouts and (err := fit(x, lx)):
                 return err
             axis = op.attr("axis")
@@ -205,7 +208,7 @@ def row_layouts(region: Region, space: RowSpace) -> dict[int, Layout] | str:
                 layouts[vid] = lx[:axis] + lx[axis + 1:]
             continue
         if not ops.is_elementwise(op.kind):
-            return f"{op.kind} is not part of a row program"
+            return Refusal(Rule.TILE, f"{op.kind} is not part of a row program")
         shape = op.shape
         result: list[int | None] = [None] * len(shape)
         for v in rop.operands:
@@ -216,19 +219,20 @@ def row_layouts(region: Region, space: RowSpace) -> dict[int, Layout] | str:
                 if dim is None:
                     continue
                 if result[lead + k] not in (None, dim):
-                    return f"{op.kind} combines values read along different dims"
+                    return Refusal(Rule.OTHER_INDEX, f"{op.kind} combines values read along different dims")
                 result[lead + k] = dim
         default = space.default_layout(shape)
         for j, d in enumerate(shape):
             if result[j] is None and d != 1:
                 if default is None or default[j] is None:
-                    return f"{op.kind} of shape {format_shape(shape)} does not fit the row space"
+                    return Refusal(Rule.TILE, f"{op.kind} of shape {format_shape(shape)} does not fit "
+                                   "the row space")
                 result[j] = default[j]
         for j, dim in enumerate(result):
             if dim is not None and space.shape[dim] != shape[j]:
-                return f"{op.kind} reads a value at another index"
+                return Refusal(Rule.OTHER_INDEX, f"{op.kind} reads a value at another index")
         if len({d for d in result if d is not None}) < sum(d is not None for d in result):
-            return f"{op.kind} reads one row-space dim twice"
+            return Refusal(Rule.TILE, f"{op.kind} reads one row-space dim twice")
         layouts[vid] = tuple(result)
         for v in rop.operands:  # external inputs take the layout their consumer reads them with
             if v < n_in:

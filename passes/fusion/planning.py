@@ -37,7 +37,7 @@ def row_space(region: Region) -> RowSpace:
 def row_plan(region: Region) -> RowPlan:
     space = row_space(region)
     layouts = row_layouts(region, space)
-    assert isinstance(layouts, dict), f"not a row program: {layouts}"
+    assert isinstance(layouts, dict), f"not a row program: {layouts.detail}"
     n_in = len(region.inputs)
     values = range(n_in + len(region.ops))
     reducing, phases = set(), []

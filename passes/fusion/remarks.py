@@ -7,20 +7,48 @@ tests assert on.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 from tiledsl.ir import Op
 from tiledsl.source import Span
 
-# The rules a refusal can cite.
-RULES = {
-    "cycle": "fusing would create a cycle: a value the group needs depends on the group",
-    "other-index": "the consumer reads the producer at another index (transposed or broadcast)",
-    "tile": "the group's tile cannot hold it (shape or axis does not fit the kernel's iteration space)",
-    "op": "no fusion pattern takes this op here",
-    "materialize": "a value the fused kernel never holds whole is needed whole outside it",
-    "profit": "legal, but the fused kernel would repeat more work than it saves",
+
+class Rule(str, enum.Enum):
+    """The rules a refusal can cite (their values are what reports print)."""
+
+    CYCLE = "cycle"
+    OTHER_INDEX = "other-index"
+    TILE = "tile"
+    OP = "op"
+    MATERIALIZE = "materialize"
+    PROFIT = "profit"
+
+    @property
+    def meaning(self) -> str:
+        return _MEANINGS[self]
+
+    def __str__(self) -> str:
+        return self.value
+
+
+_MEANINGS = {
+    Rule.CYCLE: "fusing would create a cycle: a value the group needs depends on the group",
+    Rule.OTHER_INDEX: "the consumer reads the producer at another index (transposed or broadcast)",
+    Rule.TILE: "the group's tile cannot hold it (shape or axis does not fit the kernel's iteration space)",
+    Rule.OP: "no fusion pattern takes this op here",
+    Rule.MATERIALIZE: "a value the fused kernel never holds whole is needed whole outside it",
+    Rule.PROFIT: "legal, but the fused kernel would repeat more work than it saves",
 }
+RULES = {rule.value: rule.meaning for rule in Rule}
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """A legality or profitability check saying no: the rule, and why in words."""
+
+    rule: Rule
+    detail: str
 
 
 def describe(op: Op) -> str:
@@ -30,14 +58,25 @@ def describe(op: Op) -> str:
 
 @dataclass(frozen=True)
 class FusionRemark:
-    """One decision of a fusion pass about a producer/consumer pair or a group."""
+    """One decision of a fusion pass about a producer/consumer pair or a group.
+
+    A refusal carries the `Rule` that refused it; a fusion made has none.
+    """
 
     pass_name: str
     fused: bool
-    rule: str  # a key of RULES for refusals; "fused" for fusions made
+    rule: Rule | None
     producer: Op
     consumer: Op
     detail: str
+
+    @classmethod
+    def refused(cls, pass_name: str, refusal: Refusal, producer: Op, consumer: Op) -> FusionRemark:
+        return cls(pass_name, False, refusal.rule, producer, consumer, refusal.detail)
+
+    @property
+    def ops(self) -> tuple[Op, Op]:
+        return self.producer, self.consumer
 
     @property
     def spans(self) -> tuple[Span | None, Span | None]:
@@ -46,4 +85,4 @@ class FusionRemark:
     def __str__(self) -> str:
         verb = "fused" if self.fused else "refused"
         head = f"[{self.pass_name}] {verb}: {describe(self.producer)} -> {describe(self.consumer)}"
-        return f"{head}: {self.detail}" + ("" if self.fused else f" [rule: {self.rule}]")
+        return f"{head}: {self.detail}" + ("" if self.fused else f" [rule: {self.rule.value}]")
