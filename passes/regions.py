@@ -1,8 +1,9 @@
 """Building kernel regions from groups of graph nodes.
 
 Shared by every pass that forms kernels (the fusion passes and lower-kernels):
-given the nodes a kernel will compute, `outline` builds its `Region`
-and the list of values that flow in from outside. Constants and scalar
+given the nodes a kernel will compute, `outline` builds its `Region` and the
+list of values that flow in from outside, and `replace_with_kernel` puts the
+kernel, with its plan (`fusion.planning`), in their place. Constants and scalar
 expressions (rank-0 elementwise ops on constants, dims and scalar parameters,
 like `rsqrt(D) * N`) are cloned into every region that reads them instead of
 becoming inputs: they cost nothing to recompute, and a 0-d value never has to

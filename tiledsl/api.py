@@ -74,10 +74,11 @@ def compile(  # noqa: A001 - the public name is part of the design
 ) -> Program:
     """Compile one kernel of a tiledsl program.
 
-    `pipeline` replaces the default pass pipeline ("canonicalize,cse,dce,
-    lower-kernels"); `lower-kernels` is appended when missing, since backends
-    run kernels. `allow_tf32` lets fp32 matmuls use tf32 on GPUs. `verify`
-    checks the IR after every pass (default: the TILEDSL_VERIFY env var).
+    `pipeline` replaces the default pass pipeline (`DEFAULT_PIPELINE`: clean-up,
+    online softmax, the fusion passes, lower-kernels); `lower-kernels` is
+    appended when missing, since backends run kernels. `allow_tf32` lets fp32
+    matmuls use tf32 on GPUs. `verify` checks the IR after every pass (default:
+    the TILEDSL_VERIFY env var).
     """
     text, name = load_source(source)
     return compile_text(text, name, kernel, backend, pipeline=pipeline, allow_tf32=allow_tf32,

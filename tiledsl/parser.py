@@ -1,9 +1,10 @@
 """Text -> AST.
 
-One LALR parser, built once per process and applied with the AST builder as
-its inline transformer (no intermediate parse tree). Every Lark exception is
-translated into a located `TileDSLError`; size and nesting limits are checked
-while building, so no input reaches a `RecursionError` later.
+One LALR parser, built once per process. It builds a Lark parse tree, which a
+non-recursive transformer turns into the AST (so deep nesting never reaches
+Python's recursion limit). Every Lark exception is translated into a located
+`TileDSLError`; size limits are checked while streaming tokens, before any
+tree is built.
 """
 
 from __future__ import annotations
