@@ -71,3 +71,20 @@ def test_causal_softcap_attention_on_gpu(m, n, dt):
     assert [k.template for k in fn.kernels] == ["attention"]
     q, k, v = (cuda_randn(2, 2, s, 128, dtype=dt, seed=i) for i, s in enumerate((m, n, n)))
     check_cuda(fn, q, k, v, scale=128**-0.5, cap=20.0)
+
+
+def test_cuda_graph_capture_and_replay():
+    fn = tiledsl.compile(EXAMPLES / "rmsnorm.tdsl")
+    x, w = cuda_randn(17, 4099, dtype=torch.float16), cuda_randn(4099, dtype=torch.float16, seed=1)
+    captured = fn.cuda_graph(x, w, 1e-6)
+    for seed in (2, 3):
+        x2, w2 = (cuda_randn(*t.shape, dtype=torch.float16, seed=seed + i) for i, t in enumerate((x, w)))
+        before = torch.cuda.memory_allocated()
+        out = captured(x2, w2, 1e-6)
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() == before  # a replay allocates nothing
+        assert torch.equal(out, fn(x2, w2, 1e-6))
+    with pytest.raises(tiledsl.TileDSLError, match="replays at the sizes it was captured with"):
+        captured(cuda_randn(3, 4099, dtype=torch.float16), w, 1e-6)
+    with pytest.raises(tiledsl.TileDSLError, match="scalar 'eps' was captured as 1e-06"):
+        captured(x, w, 1e-5)

@@ -80,3 +80,11 @@ def test_weak_float_outputs_come_back_in_the_declared_dtype():
     fn = tiledsl.compile("kernel f(x: f32[N]) -> (f32[N], f32) { return x * 2, 1.5 * 2 }")
     a, b = fn(randn(5))
     assert a.dtype == torch.float32 and b.dtype == torch.float32 and b.item() == 3.0
+
+
+def test_cuda_graph_capture_needs_cuda_tensors():
+    fn = tiledsl.compile("kernel f(x: f32[N], s: f32) -> f32[N] { return x * s }")
+    with pytest.raises(tiledsl.TileDSLError) as err:
+        fn.cuda_graph(randn(5), 2.0)
+    assert str(err.value).endswith(
+        "error: cuda_graph() captures a call on CUDA tensors; these arguments are on cpu")

@@ -137,6 +137,17 @@ class Program:
         outs = runtime.run(runtime.binder(args, kwargs))
         return outs[0] if len(outs) == 1 else tuple(outs)
 
+    def cuda_graph(self, *args: Any, **kwargs: Any) -> CapturedCall:
+        """Capture one call on CUDA tensors in a CUDA graph; replaying it launches every
+        kernel with no Python and no launch gaps (static shapes). See `CapturedCall`."""
+        runtime = self.runtime
+        bound = runtime.binder(args, kwargs)
+        if bound.device is None or bound.device.type != "cuda":
+            raise diag.OptionError(message=(
+                "cuda_graph() captures a call on CUDA tensors; these arguments are on "
+                f"{bound.device or 'no device (scalars only)'}"))
+        return CapturedCall(runtime, bound)
+
     @property
     def launches(self) -> list[Any]:
         """The launches made so far, one per kernel and size class (argument types and
@@ -241,3 +252,60 @@ class Program:
 
     def kernel_ops(self) -> Sequence[KernelOp]:
         return [self._graph.op(n) for n in self._graph.kernels()]
+
+
+class CapturedCall:
+    """A call captured in a CUDA graph (`Program.cuda_graph`).
+
+    The capture owns static copies of the tensor arguments and the outputs.
+    Calling it with new tensors of the captured shapes, dtypes and device
+    copies them into the static inputs and replays the graph; it returns the
+    static outputs, which the next replay overwrites (clone them to keep
+    them). Scalars and sizes are part of the capture: a call with others is
+    an error. A replay allocates nothing: outputs and the kernels' arguments
+    were fixed when the graph was captured.
+    """
+
+    def __init__(self, runtime: Backend, bound: Any) -> None:
+        import torch
+
+        self.runtime = runtime
+        self.dims = dict(bound.dims)
+        self.scalars = [None if isinstance(v, torch.Tensor) else v for v in bound.values]
+        self.inputs = [v.clone() if isinstance(v, torch.Tensor) else v for v in bound.values]
+        static = type(bound)(self.inputs, self.dims, bound.device)
+        runtime.run(static)  # builds the launch plan (compiles, autotunes) outside the capture
+        side = torch.cuda.Stream(bound.device)
+        side.wait_stream(torch.cuda.current_stream(bound.device))
+        with torch.cuda.stream(side):
+            runtime.run(static)  # warm up on a side stream, as torch.cuda.graph asks
+        torch.cuda.current_stream(bound.device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            outs = runtime.run(static)
+        self.outputs = outs[0] if len(outs) == 1 else tuple(outs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        bound = self.runtime.binder(args, kwargs)
+        if bound.dims != self.dims:
+            raise diag.ArgumentError(self.runtime.graph.span, message=(
+                f"a captured call replays at the sizes it was captured with "
+                f"({_sizes(self.dims)}), got {_sizes(bound.dims)}; capture again for new sizes"))
+        for i, (value, scalar) in enumerate(zip(bound.values, self.scalars, strict=True)):
+            if scalar is None:
+                if value.device != self.inputs[i].device:
+                    raise diag.ArgumentError(self.runtime.graph.span, message=(
+                        f"a captured call replays on {self.inputs[i].device}, got a tensor on "
+                        f"{value.device}"))
+                self.inputs[i].copy_(value)
+            elif value != scalar and not (value != value and scalar != scalar):  # NaN is NaN
+                name = self.runtime.graph.op(self.runtime.graph.params[i]).attr("name")
+                raise diag.ArgumentError(self.runtime.graph.span, message=(
+                    f"scalar '{name}' was captured as {scalar!r}; a replay cannot change it to "
+                    f"{value!r} (declare it a tensor parameter, e.g. f32[1], to vary it, or capture again)"))
+        self.graph.replay()
+        return self.outputs
+
+
+def _sizes(dims: Mapping[str, int]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in sorted(dims.items()))
