@@ -153,9 +153,7 @@ def triton_dispatch(launches: list, calls: int) -> float:
 def gpu_latency(fn: tiledsl.Program, args: list, calls: int) -> tuple[float, float]:
     """Real per-call latency on the GPU: the compiled program and torch eager, in µs."""
     def batch(call):
-        def run():
-            call()
-        run()
+        call()
         torch.cuda.synchronize()
         times = []
         for _ in range(7):

@@ -16,7 +16,7 @@ import networkx as nx
 
 from tiledsl import diagnostics as diag
 from tiledsl.backends.interface import BACKENDS, Backend, Kernel, make_backend
-from tiledsl.binding import bind
+from tiledsl.binding import BoundCall, bind
 from tiledsl.ir import Graph, KernelOp
 from tiledsl.parser import parse
 from tiledsl.passes.manager import PassManager, PipelineResult
@@ -271,9 +271,8 @@ class CapturedCall:
 
         self.runtime = runtime
         self.dims = dict(bound.dims)
-        self.scalars = [None if isinstance(v, torch.Tensor) else v for v in bound.values]
         self.inputs = [v.clone() if isinstance(v, torch.Tensor) else v for v in bound.values]
-        static = type(bound)(self.inputs, self.dims, bound.device)
+        static = BoundCall(self.inputs, self.dims, bound.device)
         runtime.run(static)  # builds the launch plan (compiles, autotunes) outside the capture
         side = torch.cuda.Stream(bound.device)
         side.wait_stream(torch.cuda.current_stream(bound.device))
@@ -291,17 +290,16 @@ class CapturedCall:
             raise diag.ArgumentError(self.runtime.graph.span, message=(
                 f"a captured call replays at the sizes it was captured with "
                 f"({_sizes(self.dims)}), got {_sizes(bound.dims)}; capture again for new sizes"))
-        for i, (value, scalar) in enumerate(zip(bound.values, self.scalars, strict=True)):
-            if scalar is None:
-                if value.device != self.inputs[i].device:
+        for i, (value, static) in enumerate(zip(bound.values, self.inputs, strict=True)):
+            if hasattr(static, "copy_"):  # a tensor argument
+                if value.device != static.device:
                     raise diag.ArgumentError(self.runtime.graph.span, message=(
-                        f"a captured call replays on {self.inputs[i].device}, got a tensor on "
-                        f"{value.device}"))
-                self.inputs[i].copy_(value)
-            elif value != scalar and not (value != value and scalar != scalar):  # NaN is NaN
+                        f"a captured call replays on {static.device}, got a tensor on {value.device}"))
+                static.copy_(value)
+            elif value != static and not (value != value and static != static):  # NaN is NaN
                 name = self.runtime.graph.op(self.runtime.graph.params[i]).attr("name")
                 raise diag.ArgumentError(self.runtime.graph.span, message=(
-                    f"scalar '{name}' was captured as {scalar!r}; a replay cannot change it to "
+                    f"scalar '{name}' was captured as {static!r}; a replay cannot change it to "
                     f"{value!r} (declare it a tensor parameter, e.g. f32[1], to vary it, or capture again)"))
         self.graph.replay()
         return self.outputs

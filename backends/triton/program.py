@@ -34,6 +34,7 @@ from .launch import (
     swap_axes,
 )
 
+MAX_PLANS = 4096  # launch plans kept per program (one per size class)
 _CPU_DEVICE = _torch.device("cpu")
 _empty = _torch.empty
 _current_device = _torch.cuda.current_device
@@ -157,7 +158,9 @@ class TritonBackend(Backend):
     def _run(self, plan: LaunchPlan | None, key: tuple, bound: BoundCall, values: list, device,
              target: str) -> None:
         if plan is None:
-            plan = self._plans[key] = self._plan(bound, values, device, target)
+            if len(self._plans) >= MAX_PLANS:  # sizes that never repeat: keep memory bounded
+                self._plans.clear()
+            self._plans[key] = self._plan(bound, values, device, target)
             return  # building the plan ran the call
         for slot, size in plan.dims:
             values[slot] = size

@@ -17,30 +17,15 @@ from tiledsl.source import Span
 class Rule(str, enum.Enum):
     """The rules a refusal can cite (their values are what reports print)."""
 
-    CYCLE = "cycle"
-    OTHER_INDEX = "other-index"
-    TILE = "tile"
-    OP = "op"
-    MATERIALIZE = "materialize"
-    PROFIT = "profit"
-
-    @property
-    def meaning(self) -> str:
-        return _MEANINGS[self]
+    CYCLE = "cycle"  # a value the group needs depends on the group
+    OTHER_INDEX = "other-index"  # the consumer reads the producer transposed or broadcast
+    TILE = "tile"  # shape or axis does not fit the kernel's iteration space
+    OP = "op"  # no fusion pattern takes this op here
+    MATERIALIZE = "materialize"  # a value the kernel never holds whole is needed whole outside
+    PROFIT = "profit"  # legal, but the kernel would repeat more work than it saves
 
     def __str__(self) -> str:
         return self.value
-
-
-_MEANINGS = {
-    Rule.CYCLE: "fusing would create a cycle: a value the group needs depends on the group",
-    Rule.OTHER_INDEX: "the consumer reads the producer at another index (transposed or broadcast)",
-    Rule.TILE: "the group's tile cannot hold it (shape or axis does not fit the kernel's iteration space)",
-    Rule.OP: "no fusion pattern takes this op here",
-    Rule.MATERIALIZE: "a value the fused kernel never holds whole is needed whole outside it",
-    Rule.PROFIT: "legal, but the fused kernel would repeat more work than it saves",
-}
-RULES = {rule.value: rule.meaning for rule in Rule}
 
 
 @dataclass(frozen=True, slots=True)
