@@ -17,7 +17,9 @@ import math
 import struct
 from dataclasses import dataclass
 
+from tiledsl import ops
 from tiledsl.ir import Graph, Op, make_attrs
+from tiledsl.ops import Reads
 from tiledsl.passes.registry import Pass, PassContext, register
 from tiledsl.passes.rewrite import Pattern, Rewriter, apply_patterns
 from tiledsl.types import DType, TensorType, result_dtype
@@ -44,66 +46,20 @@ def _round(value: float | int | bool, dtype: DType) -> float | int | bool:
     return struct.unpack("<f", struct.pack("<I", bits))[0]
 
 
-def _sigmoid(x: float) -> float:
-    return 1.0 / (1.0 + math.exp(-x))
-
-
-def _gelu(x: float, approximate: str) -> float:
-    if approximate == "tanh":
-        return 0.5 * x * (1.0 + math.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
-    return 0.5 * x * (1.0 + math.erf(x / math.sqrt(2.0)))
-
-
-_FOLD = {
-    "neg": lambda a, at: -a,
-    "abs": lambda a, at: abs(a),
-    "relu": lambda a, at: max(a, 0),
-    "exp": lambda a, at: math.exp(a),
-    "exp2": lambda a, at: 2.0**a,
-    "log": lambda a, at: math.log(a),
-    "log2": lambda a, at: math.log2(a),
-    "sqrt": lambda a, at: math.sqrt(a),
-    "rsqrt": lambda a, at: 1.0 / math.sqrt(a),
-    "tanh": lambda a, at: math.tanh(a),
-    "sigmoid": lambda a, at: _sigmoid(a),
-    "silu": lambda a, at: a * _sigmoid(a),
-    "erf": lambda a, at: math.erf(a),
-    "gelu": lambda a, at: _gelu(a, at["approximate"]),
-    "cast": lambda a, at: a,
-    "add": lambda a, b, at: a + b,
-    "sub": lambda a, b, at: a - b,
-    "mul": lambda a, b, at: a * b,
-    "div": lambda a, b, at: a / b,
-    "maximum": lambda a, b, at: max(a, b),
-    "minimum": lambda a, b, at: min(a, b),
-    "lt": lambda a, b, at: a < b,
-    "le": lambda a, b, at: a <= b,
-    "gt": lambda a, b, at: a > b,
-    "ge": lambda a, b, at: a >= b,
-    "eq": lambda a, b, at: a == b,
-    "ne": lambda a, b, at: a != b,
-    "and": lambda a, b, at: a & b,
-    "or": lambda a, b, at: a | b,
-    "where": lambda c, a, b, at: a if c else b,
-}
-
-
-_COMPARISONS = ("lt", "le", "gt", "ge", "eq", "ne")
-
-
 def _as_python(dtype: DType) -> DType:
     """Weak values are Python scalars: floats stay doubles (F32 here means "a Python
     float", which `_round` leaves as it is); only an explicit cast rounds to f16/bf16."""
     return DType.F32 if dtype.is_float else dtype
 
 
-def _operand_dtype(op: Op, types: tuple[TensorType, ...]) -> DType | None:
-    """The dtype an op reads its operands in (None: as they are)."""
-    if op.kind in _COMPARISONS:
-        return _as_python(result_dtype(types))
-    if op.kind == "cast":
-        return None
-    return _as_python(op.dtype)
+def _read_as(op: Op, types: tuple[TensorType, ...]) -> tuple[DType | None, ...]:
+    """The dtype the op reads each operand in (None: as it is), as its `Reads` says."""
+    reads = ops.OPS[op.kind].reads
+    if reads is Reads.COMPARE:
+        return (_as_python(result_dtype(types)),) * len(types)
+    if reads is Reads.SELECT:
+        return (None,) + (_as_python(op.dtype),) * (len(types) - 1)
+    return (_as_python(op.dtype),) * len(types)
 
 
 def const_value(graph: Graph, node: int):
@@ -115,7 +71,7 @@ class FoldConstants(Pattern):
     """An elementwise op of constants becomes one constant."""
 
     def apply(self, graph: Graph, node: int, op: Op, rewriter: Rewriter) -> bool:
-        fold = _FOLD.get(op.kind)
+        fold = ops.OPS[op.kind].fold
         operands = graph.operands(node)
         if fold is None or not operands or op.shape or not op.weak:
             return False
@@ -123,12 +79,10 @@ class FoldConstants(Pattern):
         if any(v is None for v in values):
             return False
         types = tuple(graph.op(n).type for n in operands)
-        read_as = _operand_dtype(op, types)
-        args = [v if read_as is None else _round(v, read_as) for v in values]
-        if op.kind == "where":
-            args = [values[0]] + [_round(v, _as_python(op.dtype)) for v in values[1:]]
+        args = [v if dtype is None else _round(v, dtype)
+                for v, dtype in zip(values, _read_as(op, types), strict=True)]
         try:
-            value = fold(*args, op.attr_map)
+            value = fold(*args, **op.attr_map)
         except (ArithmeticError, ValueError, TypeError):
             return False
         if isinstance(value, float) and math.isnan(value):

@@ -23,12 +23,13 @@ from dataclasses import dataclass
 
 from tiledsl import ops
 from tiledsl.ir import Graph, KernelOp, Op, Region, RegionInput, RegionOp
+from tiledsl.ops import Category
 from tiledsl.passes.fusion.planning import pointwise_plan
 from tiledsl.passes.regions import is_by_value, is_clonable, replace_with_kernel
 from tiledsl.passes.registry import Pass, PassContext, register
 
-TEMPLATES = {"elementwise": "pointwise", "reduction": "rows", "softmax": "rows",
-             "matmul": "matmul"}
+TEMPLATES = {Category.ELEMENTWISE: "pointwise", Category.REDUCTION: "rows",
+             Category.SOFTMAX: "rows", Category.MATMUL: "matmul"}
 # ops that never become kernels of their own
 VIEWS = ("transpose",)
 

@@ -23,8 +23,11 @@ def away_from_zero(*shape, dtype):
     return (sign * (0.5 + torch.rand(shape, generator=g))).to(dtype)
 
 
+# tests/test_ops.py checks that these lists cover every elementwise op in the registry
 UNARY = ["exp", "exp2", "tanh", "sigmoid", "relu", "silu", "erf", "gelu", "abs"]
 UNARY_POSITIVE = ["log", "log2", "sqrt", "rsqrt"]
+BINARY = ["+", "-", "*", "/", "maximum", "minimum"]
+COMPARISONS = ["<", "<=", ">", ">=", "==", "!="]
 
 
 @pytest.mark.parametrize("dt", DTYPES)
@@ -48,7 +51,7 @@ def test_tanh_extremes_do_not_overflow():
 
 
 @pytest.mark.parametrize("dt", DTYPES)
-@pytest.mark.parametrize("op", ["+", "-", "*", "/", "maximum", "minimum"])
+@pytest.mark.parametrize("op", BINARY)
 @pytest.mark.parametrize("yshape", ["[M, N]", "[N]", "[M, 1]", "[1, N]"])
 def test_binary_arithmetic_with_broadcasting(op, yshape, dt):
     sizes = {"[M, N]": (17, 113), "[N]": (113,), "[M, 1]": (17, 1), "[1, N]": (1, 113)}
@@ -66,7 +69,7 @@ def test_mixed_dtype_arithmetic_promotes():
 
 
 @pytest.mark.parametrize("dt", DTYPES)
-@pytest.mark.parametrize("op", ["<", "<=", ">", ">=", "==", "!="])
+@pytest.mark.parametrize("op", COMPARISONS)
 def test_comparisons(op, dt):
     x = randn(17, 113, dtype=DTYPES[dt])
     y = torch.where(torch.rand(17, 113, generator=torch.Generator().manual_seed(3)) > 0.5, x, -x)

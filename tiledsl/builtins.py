@@ -1,25 +1,19 @@
-"""The DSL's builtin functions: their parameters and how they map onto IR ops.
+"""The DSL's builtin functions: every op's signature, plus the macros.
 
 A builtin's parameters bind like Python's (positionally, then by keyword, with
-defaults). A parameter's `kind` says what the argument must be: a tensor
-expression ("value") or a compile-time constant ("int", "bool", "dtype",
-"str"). Sema owns what each builtin builds; this table owns the signatures,
-so arity and keyword errors are uniform.
+defaults). An op called by name declares its parameters in its `OpDef`
+(`tiledsl/ops`); this module collects them, and adds the builtins that build
+several ops (`causal`). Sema binds arguments against these signatures, so
+arity and keyword errors are uniform.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-REQUIRED = object()
+from tiledsl.ops import OPS, REQUIRED, BParam
 
-
-@dataclass(frozen=True, slots=True)
-class BParam:
-    name: str
-    kind: str = "value"  # value | int | bool | dtype | str
-    default: object = REQUIRED
-    choices: tuple[str, ...] = ()
+__all__ = ["BUILTINS", "REQUIRED", "TILE_HINTS", "BParam", "Builtin"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,31 +31,11 @@ class Builtin:
         return f"{count} argument{'s' if hi != 1 else ''}"
 
 
-def _b(name: str, *params: BParam) -> Builtin:
-    return Builtin(name, params)
+BUILTINS: dict[str, Builtin] = {
+    kind: Builtin(kind, d.params) for kind, d in OPS.items() if d.params is not None
+}
+# macros: causal(x) is index(x, -2) >= index(x, -1)
+BUILTINS["causal"] = Builtin("causal", (BParam("x"),))
 
-
-X = BParam("x")
-AXIS = BParam("axis", "int", -1)
-KEEPDIMS = BParam("keepdims", "bool", False)
-
-UNARY = ("exp", "exp2", "log", "log2", "sqrt", "rsqrt", "abs", "tanh", "sigmoid", "relu",
-         "silu", "erf")
-REDUCTIONS = ("sum", "max", "min", "mean", "logsumexp")
-
-BUILTINS: dict[str, Builtin] = {name: _b(name, X) for name in UNARY}
-BUILTINS.update({
-    "gelu": _b("gelu", X, BParam("approximate", "str", "none", ("none", "tanh"))),
-    "maximum": _b("maximum", BParam("a"), BParam("b")),
-    "minimum": _b("minimum", BParam("a"), BParam("b")),
-    "where": _b("where", BParam("cond"), BParam("a"), BParam("b")),
-    "cast": _b("cast", X, BParam("dtype", "dtype")),
-    "softmax": _b("softmax", X, AXIS),
-    "transpose": _b("transpose", X, BParam("a", "int"), BParam("b", "int")),
-    "index": _b("index", X, BParam("axis", "int")),
-    "causal": _b("causal", X),
-})
-BUILTINS.update({name: _b(name, X, AXIS, KEEPDIMS) for name in REDUCTIONS})
-
-# @tile(...) hints: name -> (check, description)
+# @tile(...) hints
 TILE_HINTS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")

@@ -14,7 +14,7 @@ from typing import Any
 
 from tiledsl import ast, ops
 from tiledsl import diagnostics as diag
-from tiledsl.builtins import BUILTINS, REQUIRED, TILE_HINTS, Builtin
+from tiledsl.builtins import BUILTINS, REQUIRED, TILE_HINTS, BParam, Builtin
 from tiledsl.ir import Graph, Op, make_attrs
 from tiledsl.source import Span
 from tiledsl.types import (
@@ -272,7 +272,7 @@ class _KernelBuilder:
             raise diag.UnknownFunctionError(e.func_span, name=e.func,
                                             hint=diag.did_you_mean(e.func, BUILTINS))
         args = _bind(builtin, e)
-        return getattr(self, "_call_" + _HANDLERS.get(e.func, "unary"))(e, builtin, args)
+        return getattr(self, "_call_" + _HANDLERS.get(e.func, "op"))(e, builtin, args)
 
     # --- builtins --------------------------------------------------------------------------
 
@@ -280,27 +280,13 @@ class _KernelBuilder:
         expr = args[name]
         return self.expr(expr), expr.span
 
-    def _call_unary(self, e: ast.Call, b: Builtin, args: dict[str, ast.Expr]) -> int:
-        return self._emit(e.func, [self._value(args, "x")], e.span)
-
-    def _call_gelu(self, e: ast.Call, b: Builtin, args: dict[str, ast.Expr]) -> int:
-        approximate = _const_str(args.get("approximate"), b.params[1], "none")
-        return self._emit("gelu", [self._value(args, "x")], e.span, approximate=approximate)
-
-    def _call_binary(self, e: ast.Call, b: Builtin, args: dict[str, ast.Expr]) -> int:
-        return self._emit(e.func, [self._value(args, "a"), self._value(args, "b")], e.span)
-
-    def _call_where(self, e: ast.Call, b: Builtin, args: dict[str, ast.Expr]) -> int:
-        operands = [self._value(args, n) for n in ("cond", "a", "b")]
-        return self._emit("where", operands, e.span)
-
-    def _call_cast(self, e: ast.Call, b: Builtin, args: dict[str, ast.Expr]) -> int:
-        target = args["dtype"]
-        if not isinstance(target, ast.Name) or target.id not in DTYPES:
-            name = target.id if isinstance(target, ast.Name) else target.span.text
-            raise diag.UnknownDTypeError(target.span, name=name,
-                                         hint=diag.did_you_mean(name, PARAM_DTYPES))
-        return self._emit("cast", [self._value(args, "x")], e.span, dtype=DTYPES[target.id])
+    def _call_op(self, e: ast.Call, b: Builtin, args: dict[str, ast.Expr]) -> int:
+        """An op called by name: its value parameters are its operands, its constant
+        parameters the attributes of the same name."""
+        attrs = {p.name: _constant(args.get(p.name), p, e.func)
+                 for p in b.params if p.kind != "value"}
+        operands = [self._value(args, p.name) for p in b.params if p.kind == "value"]
+        return self._emit(e.func, operands, e.span, **attrs)
 
     def _axis_arg(self, e: ast.Call, args: dict[str, ast.Expr], name: str, rank: int,
                   default: int | None = -1) -> int:
@@ -352,8 +338,8 @@ class _KernelBuilder:
         return self._emit("ge", [(row, e.span), (col, e.span)], e.span)
 
 
+# builtins that need more than `_call_op` (axes checked against the operand's rank, macros)
 _HANDLERS = {
-    "gelu": "gelu", "maximum": "binary", "minimum": "binary", "where": "where", "cast": "cast",
     "sum": "reduce", "max": "reduce", "min": "reduce", "mean": "reduce", "logsumexp": "reduce",
     "softmax": "softmax", "transpose": "transpose", "index": "index", "causal": "causal",
 }
@@ -383,6 +369,23 @@ def _bind(b: Builtin, call: ast.Call) -> dict[str, ast.Expr]:
         if arg is not None and p.kind == "value" and isinstance(arg, ast.StrLit):
             raise diag.DTypeError(arg.span, message=f"'{p.name}' of '{b.name}' cannot be a string")
     return bound
+
+
+def _constant(expr: ast.Expr | None, param: BParam, func: str) -> object:
+    """The value of a constant argument (its default when not given)."""
+    if param.kind == "dtype":
+        if not isinstance(expr, ast.Name) or expr.id not in DTYPES:
+            name = expr.id if isinstance(expr, ast.Name) else expr.span.text
+            raise diag.UnknownDTypeError(expr.span, name=name,
+                                         hint=diag.did_you_mean(name, PARAM_DTYPES))
+        return DTYPES[expr.id]
+    if param.kind == "str":
+        return _const_str(expr, param, param.default)
+    if expr is None:
+        return param.default
+    if param.kind == "bool":
+        return _const_bool(expr, f"'{param.name}' of '{func}'")
+    return _const_int(expr, f"'{param.name}' of '{func}'")
 
 
 def _const_int(expr: ast.Expr, what: str) -> int:

@@ -104,6 +104,31 @@ def result_dtype(types: Sequence[TensorType]) -> DType:
     return out
 
 
+class Compute(enum.Enum):
+    """The type a value computes in inside a kernel (the numerics contract, design section 5):
+    floats in f32, weak floats in f64 like the Python arithmetic they stand for, integers in
+    i32, bools in i1. Values round to their dtype only when stored."""
+
+    F32 = "f32"
+    F64 = "f64"
+    I32 = "i32"
+    BOOL = "i1"
+
+    @property
+    def is_float(self) -> bool:
+        return self in (Compute.F32, Compute.F64)
+
+
+def compute_type(dtype: DType) -> Compute:
+    """The compute type of a stored (non-weak) value of `dtype`."""
+    return Compute.F32 if dtype.is_float else (Compute.I32 if dtype is DType.I32 else Compute.BOOL)
+
+
+def value_compute(t: TensorType) -> Compute:
+    """The compute type of a value of type `t`: weak floats compute in f64."""
+    return Compute.F64 if t.weak and t.dtype.is_float else compute_type(t.dtype)
+
+
 def all_weak(types: Sequence[TensorType]) -> bool:
     return bool(types) and all(t.weak for t in types)
 

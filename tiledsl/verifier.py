@@ -133,7 +133,7 @@ def _verify_plan(k: KernelOp, fail) -> None:
             if layout is not None and len(layout) != region.value_type(v).rank:
                 fail(f"kernel @{k.name}: value {v} has a layout of the wrong rank", k.span)
         for v in plan.reducing:
-            expect(v, ("sum", "max", "min", "mean", "logsumexp", "softmax"), "reduction")
+            expect(v, ops.ROW_KINDS, "reduction")
     elif isinstance(plan, GemmPlan):
         expect(plan.matmul, ("matmul",), "matmul")
         if region.ops[plan.matmul - n_in].operands != (plan.a, plan.b):

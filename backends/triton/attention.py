@@ -29,11 +29,11 @@ from collections.abc import Mapping
 from tiledsl import ops
 from tiledsl.ir import KernelOp, Op
 from tiledsl.plans import AttentionPlan
-from tiledsl.types import DType
+from tiledsl.types import Compute, DType
 
 from .base import EmittedKernel, Hints, LaunchConfig, cdiv, decompose, finish, hint, numel, require_dot_hints
 from .codegen import Code, Signature, next_pow2
-from .expr import Emitter, Val, literal
+from .expr import Emitter, Val
 from .matmul import operand_tile, tile_ptrs
 
 NEG_INF = '-float("inf")'
@@ -130,12 +130,12 @@ class AttentionProgram:
                          self.b_val, self.k_src, set(parts.k_chain), self.scalars, self.qk_op.dtype)
             body(f"s = tl.dot(q, kt{self.precision(self.qk_op.dtype)})")
             vals = dict(outer)
-            vals[parts.qk] = Val("s", "f")
+            vals[parts.qk] = Val("s", Compute.F32)
             for i in score_inputs:
                 if i not in vals:
                     vals[i] = self.load(i, "score")
             self.run(vals, parts.score_ops, "score")
-            x = em.tensor(em.convert(vals[parts.scores], "f"))
+            x = em.tensor(em.convert(vals[parts.scores], Compute.F32))
             # the online softmax in base 2; columns past the keys are -inf
             body(f"t = tl.where((rn < {N})[None, :], {x.text} * {LOG2E!r}, {NEG_INF})")
             body("m_new = tl.maximum(m_i, tl.max(t, 1))")
@@ -179,13 +179,13 @@ class AttentionProgram:
         body('nan_row = (m_i == float("inf")) | (l_i != l_i)')
         body('inv = tl.where(nan_row, float("nan"), tl.where(l_i > 0.0, 1.0 / l_i, 0.0))')
         body("o = acc * inv[:, None]")
-        vals: dict[int, Val] = {parts.pv: Val("o", "f")}
+        vals: dict[int, Val] = {parts.pv: Val("o", Compute.F32)}
         if parts.lse:
             body('m_fin = tl.where(m_i == float("inf"), 0.0, m_i)')
             body(f"lse = tl.where(l_i > 0.0, (m_fin + tl.log2(l_i)) * {LN2!r}, "
                  f'tl.where(l_i == 0.0, {NEG_INF}, float("nan")))')
             for v in parts.lse:
-                vals[v] = Val("lse", "f")
+                vals[v] = Val("lse", Compute.F32)
         for i in self.inputs_of(parts.epilogue):
             vals[i] = self.load(i, "out")
         self.run(vals, parts.epilogue, "out")
@@ -283,7 +283,7 @@ class AttentionProgram:
         axis = op.attr("axis")
         full = self.space_indices(space)
         expr = None if op.shape[axis] == 1 else full[len(full) - len(op.shape) + axis]
-        return literal(0, "i") if expr is None else self.em.assign(f"({expr}).to(tl.int32)", "i")
+        return self.em.index(expr)
 
     # --- launch ----------------------------------------------------------------------------------
 

@@ -1,20 +1,14 @@
 """Elementwise ops as Triton statements, shared by every template.
 
-Inside a kernel all elementwise math runs in a compute type per category:
-floats in fp32, integers in int32, bools in int1 (the numerics contract:
-rounded once, at the store). An explicit `cast` to f16/bf16 rounds there,
-because the user asked for it. Literals stay Python literals so Triton folds
+Inside a kernel every value computes in its `Compute` type: floats in fp32,
+weak floats in fp64, integers in int32, bools in int1 (the numerics contract:
+rounded once, at the store). Literals stay Python literals so Triton folds
 them; everything else is assigned to a fresh compiler-owned name `v<n>`.
 
-Ops whose IR dtype is f32 get f32-accurate math: `exp`/`exp2` go through f64
-and division and `rsqrt` are correctly rounded, because the fast forms (a GPU's
-`ex2.approx` and `div.full`, NumPy's SIMD f32 `exp` in the interpreter) are
-off by 2 ulp or more, which the test oracle (2 x a correctly rounded eager
-error) does not allow at large magnitudes. f16/bf16 ops keep the fast f32
-forms: their error is far below a half-precision ulp.
-
-Templates supply how to read region inputs (`inputs`) and how to compute
-`index` ops over their tile (`index`); `Emitter.run` emits the rest.
+What each op renders to is its `triton` entry in the op registry
+(`tiledsl/ops`); the emitter reads the operands as the op's `Reads` says and
+hands them over. Templates supply how to read region inputs and how to
+compute `index` ops over their tile (`index`); `Emitter.run` emits the rest.
 """
 
 from __future__ import annotations
@@ -25,11 +19,13 @@ from dataclasses import dataclass
 
 from tiledsl import ops
 from tiledsl.ir import Op, Region
-from tiledsl.types import DType, TensorType, result_dtype
+from tiledsl.ops import Reads
+from tiledsl.types import Compute, DType, TensorType, compute_type, result_dtype, value_compute
 
 from .codegen import Code
 
-COMPUTE = {"f": "tl.float32", "d": "tl.float64", "i": "tl.int32", "b": "tl.int1"}
+TRITON_TYPE = {Compute.F32: "tl.float32", Compute.F64: "tl.float64", Compute.I32: "tl.int32",
+               Compute.BOOL: "tl.int1"}
 
 # Added to modules that convert bf16. Triton's interpreter truncates f32 -> bf16
 # and mis-converts bf16 subnormals, so when INTERPRETER is set the conversions
@@ -57,31 +53,21 @@ def f32_to_bf16(x, INTERPRETER: tl.constexpr):
 """
 
 
-def category(dtype: DType) -> str:
-    return "f" if dtype.is_float else ("i" if dtype is DType.I32 else "b")
-
-
-def value_category(t) -> str:
-    """The compute category of a value: weak floats (Python-scalar-like) compute in f64,
-    like the Python arithmetic they stand for; other floats in f32."""
-    return "d" if t.weak and t.dtype.is_float else category(t.dtype)
-
-
 @dataclass(frozen=True, slots=True)
 class Val:
-    """A value during emission: source text, compute category, and whether it is a literal."""
+    """A value during emission: source text, compute type, and whether it is a literal."""
 
     text: str
-    cat: str
+    cat: Compute
     literal: bool = False
     value: object = None  # the Python value of a literal
 
 
-def literal(value: object, cat: str) -> Val:
-    if cat == "b":
+def literal(value: object, cat: Compute) -> Val:
+    if cat is Compute.BOOL:
         v: object = bool(value)
         text = "True" if v else "False"
-    elif cat == "i":
+    elif cat is Compute.I32:
         v = int(value)
         text = str(v) if v >= 0 else f"({v})"
     else:
@@ -124,50 +110,60 @@ class Emitter:
         mis-stores Python bool arguments. Floats become 0-d tensors: the interpreter
         hands them over as Python floats, which have no `.to()`."""
         if dtype is DType.BOOL:
-            return self.convert(Val(name, "i"), "b")
+            return self.convert(Val(name, Compute.I32), Compute.BOOL)
         if dtype.is_float:
-            return self.assign(f"tl.full([], 0.0, tl.float32) + {name}", "f")
-        return Val(name, category(dtype))
+            return self.assign(f"tl.full([], 0.0, tl.float32) + {name}", Compute.F32)
+        return Val(name, compute_type(dtype))
 
     def load(self, text: str, t: TensorType) -> Val:
         """Assign a `tl.load(...)` of a value of type `t`, widened to its compute type.
 
         A weak float is stored as f64 (`weak_storage`) and computes in f64."""
         if t.weak and t.dtype.is_float:
-            return self.assign(text, "d")
-        return self.assign(self.widen(text, t.dtype), category(t.dtype))
+            return self.assign(text, Compute.F64)
+        return self.assign(self.widen(text, t.dtype), compute_type(t.dtype))
+
+    def index(self, expr: str | None) -> Val:
+        """An `index` op's value: `expr` is the tile's index along its axis, None along a
+        size-1 axis (where it is 0)."""
+        if expr is None:
+            return literal(0, Compute.I32)
+        return self.assign(f"{expr if expr.isidentifier() else f'({expr})'}.to(tl.int32)", Compute.I32)
 
     def fresh(self, prefix: str = "v") -> str:
         self._count += 1
         return f"{prefix}{self._count}"
 
-    def assign(self, expr: str, cat: str) -> Val:
+    def assign(self, expr: str, cat: Compute) -> Val:
         name = self.fresh()
         self.code(f"{name} = {expr}")
         return Val(name, cat)
 
     # --- conversions ------------------------------------------------------------------
 
-    def convert(self, val: Val, cat: str) -> Val:
-        if val.cat == cat:
+    def literal(self, value: object, cat: Compute) -> Val:
+        return literal(value, cat)
+
+    def convert(self, val: Val, cat: Compute) -> Val:
+        if val.cat is cat:
             return val
         if val.literal:
             return literal(val.value, cat)
-        if cat == "b":
-            return self.assign(f"{val.text} != 0", "b")
-        return self.assign(f"{val.text}.to({COMPUTE[cat]})", cat)
+        if cat is Compute.BOOL:
+            return self.assign(f"{val.text} != 0", cat)
+        return self.assign(f"{val.text}.to({TRITON_TYPE[cat]})", cat)
 
     def tensor(self, val: Val) -> Val:
         """A literal as a 0-d Triton tensor (for functions that take no Python scalars)."""
         if not val.literal:
             return val
-        return self.assign(f"tl.full([], {val.text}, {COMPUTE[val.cat]})", val.cat)
+        return self.assign(f"tl.full([], {val.text}, {TRITON_TYPE[val.cat]})", val.cat)
 
     def store_value(self, val: Val, t: TensorType) -> str:
         """Source text converting a compute value to how a value of type `t` is stored."""
         if t.weak and t.dtype.is_float:
-            return self.tensor(self.convert(val, "d")).text
-        val = self.tensor(self.convert(val, category(t.dtype)))
+            return self.tensor(self.convert(val, Compute.F64)).text
+        val = self.tensor(self.convert(val, compute_type(t.dtype)))
         return self.narrow(val.text, t.dtype)
 
     # --- ops -----------------------------------------------------------------------------
@@ -191,7 +187,7 @@ class Emitter:
                 continue
             op = rop.op
             if op.kind == "const":
-                vals[vid] = literal(op.attr("value"), category(op.dtype))
+                vals[vid] = literal(op.attr("value"), compute_type(op.dtype))
             elif op.kind == "index":
                 vals[vid] = index(op)
             elif ops.is_elementwise(op.kind):
@@ -202,80 +198,17 @@ class Emitter:
                 break  # the template computes this op; later ops depend on it
         return vals
 
-    def op(self, op: Op, args: list[Val], types: tuple) -> Val:
-        kind = op.kind
-        out = value_category(op.type)
-        if kind == "cast":
-            (a,) = args
-            if op.dtype in (DType.F16, DType.BF16):
-                v = self.tensor(self.convert(a, "f"))
-                v = self.assign(self.widen(self.narrow(v.text, op.dtype), op.dtype), "f")
-                return self.convert(v, out)
-            return self.convert(a, out)
-        if kind in ("lt", "le", "gt", "ge", "eq", "ne"):
-            cat = category(result_dtype(types))
-            if cat == "f" and all(t.weak for t in types):
-                cat = "d"
-            a, b = (self.convert(x, cat) for x in args)
-            return self.assign(f"{a.text} {_CMP[kind]} {b.text}", "b")
-        if kind == "where":
-            c = self.tensor(self.convert(args[0], "b"))
-            a, b = (self.convert(x, out) for x in args[1:])
-            return self.assign(f"tl.where({c.text}, {a.text}, {b.text})", out)
-        args = [self.convert(x, out) for x in args]
-        precise = out == "f" and op.dtype is DType.F32
-        if kind == "div" and precise:
-            a, b = (self.tensor(x) for x in args)
-            return self.assign(f"tl.div_rn({a.text}, {b.text})", out)
-        if kind in ("and", "or") and out == "b":
-            # masks as a select: Triton's interpreter cannot `|` a 0-d comparison result (its
-            # value is a NumPy scalar); on a GPU the select compiles to the same predicate logic
-            a, b = (self.tensor(x) for x in args)
-            pick = f"{b.text}, False" if kind == "and" else f"True, {b.text}"
-            return self.assign(f"tl.where({a.text}, {pick})", "b")
-        if kind in _BINARY:
-            a, b = args
-            if all(x.literal for x in args):
-                a = self.tensor(a)
-            return self.assign(_BINARY[kind].format(a=a.text, b=b.text), out)
-        if kind in ("maximum", "minimum"):
-            a, b = (self.tensor(x) for x in args)
-            nan = ", propagate_nan=tl.PropagateNan.ALL" if out in ("f", "d") else ""
-            return self.assign(f"tl.{kind}({a.text}, {b.text}{nan})", out)
-        (a,) = args
-        a = self.tensor(a)
-        x = a.text
-        if kind == "neg":
-            return self.assign(f"-{x}", out)
-        if kind == "relu":
-            return self.assign(f"tl.where({x} < 0, {literal(0, out).text}, {x})", out)
-        if kind == "tanh":
-            return self._tanh(a)
-        if kind in ("exp", "exp2") and precise:
-            return self.assign(f"tl.{kind}({x}.to(tl.float64)).to(tl.float32)", out)
-        if kind == "sqrt" and out == "d":  # sqrt_rn is f32 only; f64 sqrt is IEEE anyway
-            return self.assign(f"tl.sqrt({x})", out)
-        if kind == "rsqrt" and precise:
-            return self.assign(f"tl.div_rn(tl.full([], 1.0, tl.float32), tl.sqrt_rn({x}))", out)
-        if kind == "gelu":
-            if op.attr("approximate") == "tanh":
-                inner = self.assign(f"0.7978845608028654 * ({x} + 0.044715 * {x} * {x} * {x})", out)
-                return self.assign(f"0.5 * {x} * (1.0 + {self._tanh(inner).text})", out)
-            return self.assign(f"0.5 * {x} * (1.0 + tl.erf({x} * 0.7071067811865476))", out)
-        return self.assign(_UNARY[kind].format(x=x), out)
-
-    def _tanh(self, a: Val) -> Val:
-        # tanh(x) = sign(x) * (1 - e) / (1 + e), e = exp(-2|x|): no overflow for any x.
-        e = self.assign(f"tl.exp(-2.0 * tl.abs({a.text}))", a.cat)
-        return self.assign(f"tl.where({a.text} < 0, -1.0, 1.0) * (1.0 - {e.text}) / (1.0 + {e.text})",
-                           a.cat)
-
-
-_CMP = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
-_BINARY = {"add": "{a} + {b}", "sub": "{a} - {b}", "mul": "{a} * {b}", "div": "{a} / {b}",
-           "and": "{a} & {b}", "or": "{a} | {b}"}  # and/or on i32: bitwise
-_UNARY = {
-    "exp": "tl.exp({x})", "exp2": "tl.exp2({x})", "log": "tl.log({x})", "log2": "tl.log2({x})",
-    "sqrt": "tl.sqrt_rn({x})", "rsqrt": "tl.rsqrt({x})", "abs": "tl.abs({x})",
-    "sigmoid": "tl.sigmoid({x})", "silu": "{x} * tl.sigmoid({x})", "erf": "tl.erf({x})",
-}
+    def op(self, op: Op, args: list[Val], types: tuple[TensorType, ...]) -> Val:
+        """One elementwise op: its operands read as its `Reads` says, then its rendering."""
+        opdef = ops.OPS[op.kind]
+        out = value_compute(op.type)
+        if opdef.reads is Reads.COMPARE:
+            # in the operands' promoted type (f64 when all are weak floats)
+            cat = value_compute(TensorType(result_dtype(types), (), all(t.weak for t in types)))
+            args = [self.convert(x, cat) for x in args]
+        elif opdef.reads is Reads.SELECT:
+            cond = self.tensor(self.convert(args[0], Compute.BOOL))
+            args = [cond] + [self.convert(x, out) for x in args[1:]]
+        else:
+            args = [self.convert(x, out) for x in args]
+        return opdef.triton(self, op, args, out)

@@ -27,7 +27,7 @@ from collections.abc import Mapping
 
 from tiledsl.ir import KernelOp, Op, Region
 from tiledsl.plans import GemmPlan
-from tiledsl.types import DType
+from tiledsl.types import Compute, DType, compute_type
 
 from .base import (
     EmittedKernel,
@@ -41,7 +41,7 @@ from .base import (
     require_dot_hints,
 )
 from .codegen import Code, Signature, TensorRef, next_pow2
-from .expr import Emitter, Val, category, literal
+from .expr import Emitter, Val, literal
 
 DOT_HINTS = ("BLOCK_M", "BLOCK_N", "BLOCK_K")
 # Hopper configurations to autotune among: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages).
@@ -83,7 +83,7 @@ def operand_tile(em: Emitter, region: Region, name: str, ptrs: str, mask: str, v
     src_type = region.inputs[src].type
     body(f"{name} = tl.load({ptrs}, mask={mask}, other=0.0)")
     if value != src:
-        vals = {src: em.assign(em.widen(name, src_type.dtype), category(src_type.dtype))}
+        vals = {src: em.assign(em.widen(name, src_type.dtype), compute_type(src_type.dtype))}
         for i in chain:
             if i < n_in and i != src:
                 vals[i] = em.scalar(scalars[i], region.inputs[i].type.dtype)
@@ -92,11 +92,11 @@ def operand_tile(em: Emitter, region: Region, name: str, ptrs: str, mask: str, v
             if rop.op.kind == "transpose":
                 vals[v] = vals[rop.operands[0]]
             elif rop.op.kind == "const":
-                vals[v] = literal(rop.op.attr("value"), category(rop.op.dtype))
+                vals[v] = literal(rop.op.attr("value"), compute_type(rop.op.dtype))
             else:
                 types = tuple(region.value_type(o) for o in rop.operands)
                 vals[v] = em.op(rop.op, [vals[o] for o in rop.operands], types)
-        result = em.tensor(em.convert(vals[value], category(dot)))
+        result = em.tensor(em.convert(vals[value], compute_type(dot)))
         body(f"{name} = tl.where({mask}, {em.narrow(result.text, dot)}, 0.0)")
     elif src_type.dtype is not dot:  # mixed operands meet in the promoted dtype (f32)
         body(f"{name} = {em.widen(name, src_type.dtype)}")
@@ -212,7 +212,7 @@ class GemmProgram:
         em, region, body = self.em, self.region, self.body
         rank = len(self.shape)
         M, N = self.M, self.N
-        vals: dict[int, Val] = {self.mm: Val("acc", "f")}
+        vals: dict[int, Val] = {self.mm: Val("acc", Compute.F32)}
         # prologue ops are done inside the K loop; an input may feed both an operand and the
         # epilogue, and so may a constant or scalar op, which the epilogue computes again
         skip = self.plan.prologue_only | {self.mm}
@@ -229,7 +229,7 @@ class GemmProgram:
         def index(op: Op) -> Val:
             axis = op.attr("axis") + rank - len(op.shape)
             expr = self.out_index(axis) if op.shape[op.attr("axis")] != 1 else None
-            return literal(0, "i") if expr is None else em.assign(f"({expr}).to(tl.int32)", "i")
+            return em.index(expr)
 
         em.run(region, vals, index, skip=lambda v: v in skip)
         tile_mask = f"(rm[:, None] < {M}) & (rn[None, :] < {N})"

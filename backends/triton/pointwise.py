@@ -64,8 +64,7 @@ def emit(kernel: KernelOp, hints: Hints) -> EmittedKernel:
 
     def index(op: Op) -> Val:
         axis = op.attr("axis") + rank - len(op.shape)
-        name = index_names[axis]
-        return Val("0", "i", True, 0) if name is None else em.assign(f"{name}.to(tl.int32)", "i")
+        return em.index(index_names[axis])
 
     vals = em.run(region, inputs, index)
     for j, (value, t) in enumerate(zip(region.outputs, out_types, strict=True)):

@@ -33,11 +33,13 @@ from collections.abc import Mapping
 from tiledsl import ops
 from tiledsl.ir import KernelOp, Op
 from tiledsl.plans import RowPlan
-from tiledsl.types import DType
+from tiledsl.types import Compute, DType, compute_type
 
 from .base import CAPS, EmittedKernel, Hints, LaunchConfig, cdiv, decompose, finish, numel
 from .codegen import Code, Signature, TensorRef, next_pow2
-from .expr import Emitter, Val, category, literal
+from .expr import TRITON_TYPE, Emitter, Val, literal
+
+F32, I32 = Compute.F32, Compute.I32
 
 NEG_INF = '-float("inf")'
 _COLLAPSE = {"sum": "tl.sum", "mean": "tl.sum", "max": "tl.max", "min": "tl.min"}
@@ -141,18 +143,18 @@ class RowProgram:
                 if self.used(v):
                     vals[v] = self.load(v)
             elif op.kind == "const":
-                vals[v] = literal(op.attr("value"), category(op.dtype))
+                vals[v] = literal(op.attr("value"), compute_type(op.dtype))
             elif op.kind == "index":
                 axis = op.attr("axis")
                 expr = self.index(self.layouts[v][axis]) if op.shape[axis] != 1 else None
-                vals[v] = literal(0, "i") if expr is None else em.assign(f"({expr}).to(tl.int32)", "i")
+                vals[v] = em.index(expr)
             elif op.kind == "softmax" and self.is_row_op(v):
                 (x,) = self.operands(v)
                 if v in self.softmax_stats and x in vals:
                     ms, inv = self.softmax_stats[v]
-                    xt = em.tensor(em.convert(vals[x], "f"))
-                    vals[v] = em.assign(f"tl.exp({xt.text} - {ms}) * {inv}", "f")
-            elif ops.category(op.kind) in ("reduction", "softmax") and not self.is_row_op(v):
+                    xt = em.tensor(em.convert(vals[x], F32))
+                    vals[v] = em.assign(f"tl.exp({xt.text} - {ms}) * {inv}", F32)
+            elif op.kind in ops.ROW_KINDS and not self.is_row_op(v):
                 if self.operands(v)[0] in vals:
                     vals[v] = self.trivial_reduce(op, vals[self.operands(v)[0]])
             elif not self.is_row_op(v) and all(o in vals for o in self.operands(v)):
@@ -162,11 +164,11 @@ class RowProgram:
     def trivial_reduce(self, op: Op, x: Val) -> Val:
         """A reduction over a size-1 axis: the value itself (softmax: 1, or 0 at -inf)."""
         if op.kind == "softmax":
-            x = self.em.tensor(self.em.convert(x, "f"))
-            return self.em.assign(f"tl.where({x.text} == {NEG_INF}, 0.0, tl.exp({x.text} - {x.text}))", "f")
+            x = self.em.tensor(self.em.convert(x, F32))
+            return self.em.assign(f"tl.where({x.text} == {NEG_INF}, 0.0, tl.exp({x.text} - {x.text}))", F32)
         if op.kind in ("mean", "logsumexp"):
-            return self.em.convert(x, "f")
-        return self.em.convert(x, "f" if x.cat == "f" else "i")
+            return self.em.convert(x, F32)
+        return self.em.convert(x, F32 if x.cat is F32 else I32)
 
     def masked(self, x: Val, fill: str) -> str:
         x = self.em.tensor(x)
@@ -174,16 +176,16 @@ class RowProgram:
         self.body(f"{name} = tl.where(tmask, {x.text}, {fill})")
         return name
 
-    def reduce_cat(self, v: int) -> str:
+    def reduce_cat(self, v: int) -> Compute:
         op = self.op(v)
         x_type = self.region.value_type(self.operands(v)[0])
-        return "f" if op.kind in ("mean", "logsumexp", "softmax") or x_type.dtype.is_float else "i"
+        return F32 if op.kind in ("mean", "logsumexp", "softmax") or x_type.dtype.is_float else I32
 
     @staticmethod
-    def identity(kind: str, cat: str) -> str:
+    def identity(kind: str, cat: Compute) -> str:
         if kind in ("sum", "mean"):
-            return "0.0" if cat == "f" else "0"
-        if cat == "f":
+            return "0.0" if cat is F32 else "0"
+        if cat is F32:
             return NEG_INF if kind == "max" else 'float("inf")'
         return "-2147483648" if kind == "max" else "2147483647"
 
@@ -193,7 +195,7 @@ class RowProgram:
         return op.kind in ("sum", "mean") and op.dtype is DType.F32
 
     def mean(self, total: Val, v: int) -> Val:
-        return self.em.assign(f"{total.text} / {self.length}", "f") if self.op(v).kind == "mean" else total
+        return self.em.assign(f"{total.text} / {self.length}", F32) if self.op(v).kind == "mean" else total
 
     # --- the program ------------------------------------------------------------------------
 
@@ -237,26 +239,26 @@ class RowProgram:
         x = em.convert(x, cat)
         if kind in _COLLAPSE:
             if self.wide(v):
-                x = em.assign(f"{em.tensor(x).text}.to(tl.float64)", "f")
+                x = em.assign(f"{em.tensor(x).text}.to(tl.float64)", F32)
             xm = self.masked(x, self.identity(kind, cat))
             total = self.collapse(kind, cat, xm)
             return self.mean(em.assign(total + (".to(tl.float32)" if self.wide(v) else ""), cat), v)
         xm = self.masked(x, NEG_INF)
-        m = em.assign(f"tl.max({xm}, axis=1)[:, None]", "f")
+        m = em.assign(f"tl.max({xm}, axis=1)[:, None]", F32)
         if kind == "logsumexp":
-            ms = em.assign(f'tl.where(tl.abs({m.text}) == float("inf"), 0.0, {m.text})', "f")
+            ms = em.assign(f'tl.where(tl.abs({m.text}) == float("inf"), 0.0, {m.text})', F32)
         else:
-            ms = em.assign(f"tl.where({m.text} == {NEG_INF}, 0.0, {m.text})", "f")
-        e = em.assign(f"tl.exp({xm} - {ms.text})", "f")
-        z = em.assign(f"tl.sum({e.text}, axis=1)[:, None]", "f")
+            ms = em.assign(f"tl.where({m.text} == {NEG_INF}, 0.0, {m.text})", F32)
+        e = em.assign(f"tl.exp({xm} - {ms.text})", F32)
+        z = em.assign(f"tl.sum({e.text}, axis=1)[:, None]", F32)
         if kind == "logsumexp":
-            return em.assign(f"{ms.text} + tl.log({z.text})", "f")
-        return em.assign(f"{e.text} * {self.inverse_sum(m.text, z.text)}", "f")
+            return em.assign(f"{ms.text} + tl.log({z.text})", F32)
+        return em.assign(f"{e.text} * {self.inverse_sum(m.text, z.text)}", F32)
 
-    def collapse(self, kind: str, cat: str, x: str) -> str:
+    def collapse(self, kind: str, cat: Compute, x: str) -> str:
         """The reduction of tile `x` along the row; float max/min propagate NaN, like torch."""
         total = f"{_COLLAPSE[kind]}({x}, axis=1)[:, None]"
-        if kind not in ("max", "min") or cat != "f":
+        if kind not in ("max", "min") or cat is not F32:
             return total
         nan = f"tl.max(({x} != {x}).to(tl.int32), axis=1)[:, None] > 0"
         return f'tl.where({nan}, float("nan"), {total})'
@@ -264,9 +266,9 @@ class RowProgram:
     def inverse_sum(self, m: str, z: str) -> str:
         """1 / z for softmax: 0 for a row that is all -inf (z == 0), NaN where torch gives NaN
         (a NaN in the row makes z NaN; a +inf makes the max +inf)."""
-        inv = self.em.assign(f"tl.where({z} > 0.0, 1.0 / {z}, 0.0)", "f")
+        inv = self.em.assign(f"tl.where({z} > 0.0, 1.0 / {z}, 0.0)", F32)
         return self.em.assign(f'tl.where(({m} == float("inf")) | ({z} != {z}), float("nan"), '
-                              f"{inv.text})", "f").text
+                              f"{inv.text})", F32).text
 
     def emit_phases(self) -> None:
         """Rows longer than a block: one loop per reduction phase, then one to write."""
@@ -313,7 +315,7 @@ class RowProgram:
             self.body(f"{name}_m = tl.full([BLOCK_O, 1], {NEG_INF}, tl.float32)")
             self.body(f"{name}_z = tl.zeros([BLOCK_O, 1], tl.float32)")
             return {"m": f"{name}_m", "z": f"{name}_z", "cat": cat}
-        compute = "tl.float64" if self.wide(v) else {"f": "tl.float32", "i": "tl.int32"}[cat]
+        compute = "tl.float64" if self.wide(v) else TRITON_TYPE[cat]
         self.body(f"{name} = tl.full([BLOCK_O, BLOCK_R], {self.identity(kind, cat)}, {compute})")
         return {"acc": name, "cat": cat}
 
@@ -331,10 +333,10 @@ class RowProgram:
             body(f"{m} = {m}_new")
             return
         if self.wide(v):
-            x = self.em.assign(f"{self.em.tensor(x).text}.to(tl.float64)", "f")
+            x = self.em.assign(f"{self.em.tensor(x).text}.to(tl.float64)", F32)
         xm = self.masked(x, self.identity(kind, state["cat"]))
         acc = state["acc"]
-        nan = ", propagate_nan=tl.PropagateNan.ALL" if state["cat"] == "f" else ""
+        nan = ", propagate_nan=tl.PropagateNan.ALL" if state["cat"] is F32 else ""
         body(f"{acc} = " + {"sum": f"{acc} + {xm}", "mean": f"{acc} + {xm}",
                            "max": f"tl.maximum({acc}, {xm}{nan})",
                            "min": f"tl.minimum({acc}, {xm}{nan})"}[kind])
@@ -343,11 +345,11 @@ class RowProgram:
         kind, em = self.op(v).kind, self.em
         if kind == "logsumexp":
             m, z = state["m"], state["z"]
-            ms = em.assign(f'tl.where(tl.abs({m}) == float("inf"), 0.0, {m})', "f")
-            row_vals[v] = em.assign(f"{ms.text} + tl.log({z})", "f")
+            ms = em.assign(f'tl.where(tl.abs({m}) == float("inf"), 0.0, {m})', F32)
+            row_vals[v] = em.assign(f"{ms.text} + tl.log({z})", F32)
         elif kind == "softmax":  # a full value: later loops compute exp(x - m) / z from these
             m, z = state["m"], state["z"]
-            ms = em.assign(f"tl.where({m} == {NEG_INF}, 0.0, {m})", "f")
+            ms = em.assign(f"tl.where({m} == {NEG_INF}, 0.0, {m})", F32)
             self.softmax_stats[v] = (ms.text, self.inverse_sum(m, z))
         else:
             narrow = ".to(tl.float32)" if self.wide(v) else ""

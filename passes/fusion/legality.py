@@ -165,7 +165,7 @@ class RowSpace:
         return tuple(out)
 
 
-ROW_OPS = ("sum", "max", "min", "mean", "logsumexp", "softmax")
+ROW_OPS = ops.ROW_KINDS
 
 
 def row_layouts(region: Region, space: RowSpace) -> dict[int, Layout] | Refusal:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from tiledsl import ops
 from tiledsl.ir import Region
+from tiledsl.ops import Category
 from tiledsl.plans import GemmPlan, Plan, PointwisePlan, RowPlan
 from tiledsl.types import broadcast_shapes
 
@@ -54,7 +55,7 @@ def row_plan(region: Region) -> RowPlan:
 
 def gemm_plan(region: Region) -> GemmPlan:
     n_in = len(region.inputs)
-    (mm,) = [n_in + i for i, r in enumerate(region.ops) if ops.category(r.op.kind) == "matmul"]
+    (mm,) = [n_in + i for i, r in enumerate(region.ops) if ops.category(r.op.kind) is Category.MATMUL]
     a, b = region.ops[mm - n_in].operands
     a_chain, b_chain = frozenset(region.depends(a)), frozenset(region.depends(b))
     prologue_only = _prologue_only(region, mm, a_chain | b_chain)

@@ -1,0 +1,126 @@
+"""The op registry: every op declares every part, and the parts agree with each other.
+
+An op is one `define(...)` in `tiledsl/ops`. These tests fail when a new op
+misses a part (a fold, a torch reference, a Triton rendering, a template, a
+way to write it in the DSL), when its constant fold and its torch reference
+disagree, or when the end-to-end op tests would not cover it.
+"""
+
+import math
+
+import pytest
+import test_e2e_ops
+import torch
+
+from tiledsl import ops
+from tiledsl.builtins import BUILTINS
+from tiledsl.ops import OPS, Category, Reads
+from tiledsl.passes.lower_kernels import TEMPLATES
+from tiledsl.types import DType
+
+ELEMENTWISE = sorted(k for k, d in OPS.items() if d.category is Category.ELEMENTWISE)
+COMPUTING = sorted(k for k, d in OPS.items()
+                   if d.category not in (Category.SOURCE, Category.RETURN))
+# ops whose builtin does more than bind operands and attributes (sema's special handlers)
+SPECIAL_BUILTINS = {"index", "transpose", "sum", "max", "min", "mean", "logsumexp", "softmax"}
+
+
+@pytest.mark.parametrize("kind", sorted(OPS))
+def test_every_op_is_declared_whole(kind):
+    d = OPS[kind]
+    assert d.kind == kind
+    assert isinstance(d.category, Category) and isinstance(d.reads, Reads)
+    assert callable(d.infer)
+    assert d.arity >= 0 or kind == "return"
+    if d.category in (Category.SOURCE, Category.RETURN):
+        assert d.params is None and d.symbol is None, "sources and return are not written by users"
+        return
+    assert d.reference is not None, f"{kind} has no torch reference"
+    assert d.params is not None or d.symbol is not None, f"{kind} cannot be written in the DSL"
+    if d.category is Category.ELEMENTWISE and d.arity > 0:
+        assert d.fold is not None, f"{kind} has no constant fold"
+        assert d.triton is not None, f"{kind} has no Triton rendering"
+    elif d.category is not Category.ELEMENTWISE:
+        assert d.fold is None and d.triton is None
+        assert d.category is Category.LAYOUT or d.category in TEMPLATES, \
+            f"no template computes {d.category} ops"
+
+
+@pytest.mark.parametrize("kind", sorted(k for k, d in OPS.items() if d.params is not None))
+def test_builtin_signatures_bind_operands_then_attributes(kind):
+    d = OPS[kind]
+    assert BUILTINS[kind].params == d.params
+    values = [p for p in d.params if p.kind == "value"]
+    assert [p.kind for p in d.params[:len(values)]] == ["value"] * len(values), \
+        "value parameters come first"
+    if kind not in SPECIAL_BUILTINS:
+        assert len(values) == d.arity, "sema's generic handler makes each value an operand"
+
+
+def test_operators_map_to_ops():
+    assert ops.BINARY_KINDS == {"+": "add", "-": "sub", "*": "mul", "/": "div", "&": "and",
+                                "|": "or"}
+    assert ops.COMPARE_KINDS == {"<": "lt", "<=": "le", ">": "gt", ">=": "ge", "==": "eq",
+                                 "!=": "ne"}
+    assert OPS["neg"].symbol == "-" and OPS["matmul"].symbol == "@"
+
+
+def test_every_elementwise_builtin_and_operator_is_tested_end_to_end():
+    tested = set(test_e2e_ops.UNARY + test_e2e_ops.UNARY_POSITIVE)
+    tested |= {ops.BINARY_KINDS.get(o, o) for o in test_e2e_ops.BINARY}
+    tested |= {ops.COMPARE_KINDS[o] for o in test_e2e_ops.COMPARISONS}
+    tested |= {"neg", "and", "or", "where", "cast", "index"}  # their own tests in test_e2e_ops
+    assert set(ELEMENTWISE) <= tested, f"untested: {sorted(set(ELEMENTWISE) - tested)}"
+
+
+# --- a fold and a reference are two statements of one meaning ----------------------------------
+
+POINTS = (-1.75, -0.5, 0.37, 1.0, 2.25)
+
+
+def _attr_choices(kind):
+    """Every combination of an op's constant parameters worth checking."""
+    d = OPS[kind]
+    constants = [p for p in (d.params or ()) if p.kind != "value"]
+    if not constants:
+        return [{}]
+    (p,) = constants
+    if p.kind == "dtype":
+        return [{p.name: DType.F32}]
+    return [{p.name: c} for c in p.choices]
+
+
+def _operand_sets(kind):
+    d = OPS[kind]
+    if d.reads is Reads.SELECT:
+        return [(c, a, b) for c in (True, False) for a, b in ((2.5, -1.0), (0.37, 7.0))]
+    if d.arity == 2:
+        if kind in ("and", "or"):
+            return [(a, b) for a in (0, 1, 6) for b in (0, 3)]
+        return [(a, b) for a in POINTS for b in (-1.25, 0.37, 2.25)]
+    return [(x,) for x in POINTS]
+
+
+def _torch_value(v):
+    dtype = torch.bool if isinstance(v, bool) else (torch.int64 if isinstance(v, int) else torch.float64)
+    return torch.tensor(v, dtype=dtype)
+
+
+@pytest.mark.parametrize("kind", [k for k in ELEMENTWISE if OPS[k].fold is not None])
+def test_fold_agrees_with_reference(kind):
+    d = OPS[kind]
+    checked = 0
+    for attrs in _attr_choices(kind):
+        for args in _operand_sets(kind):
+            try:
+                folded = d.fold(*args, **attrs)
+            except (ArithmeticError, ValueError):
+                continue  # outside the domain: the folder leaves it for run time
+            expected = d.reference(*(_torch_value(a) for a in args), **attrs)
+            if isinstance(folded, bool):
+                assert bool(expected) is folded, (args, attrs)
+            else:
+                assert math.isclose(float(folded), float(expected), rel_tol=1e-12, abs_tol=1e-15), \
+                    (args, attrs, folded, float(expected))
+            checked += 1
+    assert checked >= 3, "the fold refused nearly every sample"

@@ -1,0 +1,39 @@
+"""The op set: every op declared once, with everything every layer needs to know of it.
+
+An op's `OpDef` (see `core.py`) holds its arity, category, type rule, DSL
+signature, how it reads its operands, its constant fold, its torch reference
+and its Triton rendering. Sema, the verifier, canonicalize, the reference
+backend and the Triton emitter all read these entries; none has a table of
+its own. Adding an elementwise builtin is one `define(...)` in `unary.py` or
+`binary.py` plus tests (`tests/test_ops.py` checks that every op has every
+part).
+
+A type rule that rejects its operands raises `RuleError`, which names the
+diagnostic class and which operands to point at; sema turns it into a located
+error.
+"""
+
+from __future__ import annotations
+
+from . import binary, structure, unary  # noqa: F401 - each module defines its ops
+from .core import (
+    OPS,
+    REQUIRED,
+    BParam,
+    Category,
+    OpDef,
+    Reads,
+    RuleError,
+    category,
+    infer,
+    is_elementwise,
+)
+
+# ops a row program computes along its row axis (the rows template)
+ROW_KINDS = tuple(k for k, d in OPS.items() if d.category in (Category.REDUCTION, Category.SOFTMAX))
+COMPARE_KINDS = {d.symbol: k for k, d in OPS.items() if d.reads is Reads.COMPARE}
+BINARY_KINDS = {d.symbol: k for k, d in OPS.items()
+                if d.symbol and d.arity == 2 and d.reads is Reads.PROMOTED}
+
+__all__ = ["BINARY_KINDS", "COMPARE_KINDS", "OPS", "REQUIRED", "ROW_KINDS", "BParam", "Category", "OpDef",
+           "Reads", "RuleError", "category", "infer", "is_elementwise"]

@@ -1,0 +1,107 @@
+"""What an op declaration holds, and the registry every layer reads.
+
+An `OpDef` is the whole of an op: its arity and category (what fusion keys on),
+its type rule, how the DSL calls it by name, how it reads its operands, how it
+folds on Python scalars, what it means in torch (the reference backend) and
+how it renders in Triton. `define` adds one to `OPS`; nothing else anywhere
+says what an op is.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from tiledsl import diagnostics as diag
+from tiledsl.types import TensorType
+
+
+class Category(str, enum.Enum):
+    """What the fusion passes and templates key on (a str enum: prints as its value)."""
+
+    SOURCE = "source"  # param, const, dim: values bound at call time or compile time
+    ELEMENTWISE = "elementwise"
+    REDUCTION = "reduction"
+    SOFTMAX = "softmax"
+    MATMUL = "matmul"
+    LAYOUT = "layout"  # a view: consumers read it through permuted strides
+    RETURN = "return"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Reads(enum.Enum):
+    """How an op reads its operands, which every backend and the constant folder honour."""
+
+    RESULT = "result"  # every operand converted to the result's type first
+    PROMOTED = "promoted"  # a binary operator: operands promote like torch's (scalars stay weak)
+    COMPARE = "compare"  # like PROMOTED, but the result is bool
+    SELECT = "select"  # a bool condition, then branches in the result's type (where)
+
+
+class RuleError(Exception):
+    """A type rule refused its operands; `operands` are the ones to blame."""
+
+    def __init__(
+        self, cls: type[diag.TileDSLError], operands: tuple[int, ...] = (), **fields: object
+    ) -> None:
+        super().__init__(cls.template.format(**fields))
+        self.cls, self.operands, self.fields = cls, operands, fields
+
+
+REQUIRED = object()
+
+
+@dataclass(frozen=True, slots=True)
+class BParam:
+    """A parameter of a DSL builtin. `kind` says what the argument must be: a tensor
+    expression ("value": an operand) or a compile-time constant ("int", "bool", "dtype",
+    "str": an attribute of the same name)."""
+
+    name: str
+    kind: str = "value"  # value | int | bool | dtype | str
+    default: object = REQUIRED
+    choices: tuple[str, ...] = ()
+
+
+Infer = Callable[[tuple[TensorType, ...], Mapping[str, Any]], TensorType]
+# (emitter, op, operands read as `reads` says, the result's compute type) -> value
+Render = Callable[..., Any]
+
+
+@dataclass(frozen=True, slots=True)
+class OpDef:
+    kind: str
+    arity: int  # -1: any number (return)
+    category: Category
+    infer: Infer  # (operand types, attrs) -> result type, or RuleError
+    reads: Reads = Reads.RESULT
+    params: tuple[BParam, ...] | None = None  # the DSL signature when called by name
+    symbol: str | None = None  # the infix operator that builds it
+    fold: Callable[..., Any] | None = None  # fold(*python_scalars, **attrs)
+    reference: Callable[..., Any] | None = None  # reference(*torch_values, **attrs)
+    triton: Render | None = None  # elementwise ops: triton(em, op, args, out) -> value
+
+
+OPS: dict[str, OpDef] = {}
+
+
+def define(kind: str, arity: int, category: Category, infer: Infer, **parts: Any) -> OpDef:
+    assert kind not in OPS, f"op {kind!r} is declared twice"
+    op = OPS[kind] = OpDef(kind, arity, category, infer, **parts)
+    return op
+
+
+def category(kind: str) -> Category:
+    return OPS[kind].category
+
+
+def is_elementwise(kind: str) -> bool:
+    return kind in OPS and OPS[kind].category is Category.ELEMENTWISE
+
+
+def infer(kind: str, types: tuple[TensorType, ...], attrs: Mapping[str, Any]) -> TensorType:
+    return OPS[kind].infer(types, attrs)

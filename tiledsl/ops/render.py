@@ -1,0 +1,80 @@
+"""Triton renderings for the common shapes of elementwise op.
+
+A rendering is `render(em, op, args, out) -> value`: `em` is the Triton
+emitter (`backends/triton/expr.py`), `args` are the operands already read as
+the op's `Reads` says, `out` is the result's compute type. The emitter's
+`assign`, `tensor`, `convert` and `literal` are all a rendering needs; the
+strings here are Triton source with `{x}` (or `{a}`, `{b}`) for operands.
+
+Ops whose IR dtype is f32 get f32-accurate forms (`precise`): the fast forms
+(a GPU's `ex2.approx` and `div.full`, NumPy's SIMD f32 `exp` in the
+interpreter) are off by 2 ulp or more, which the test oracle (2 x a correctly
+rounded eager error) does not allow at large magnitudes. f16/bf16 ops keep the
+fast f32 forms: their error is far below a half-precision ulp.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tiledsl.types import Compute, DType
+
+from .core import Render
+
+NAN_ALL = ", propagate_nan=tl.PropagateNan.ALL"
+
+
+def is_precise(op: Any, out: Compute) -> bool:
+    """An f32 op computed in f32: it gets the f32-accurate form."""
+    return out is Compute.F32 and op.dtype is DType.F32
+
+
+def unary(text: str, precise: str | None = None, wide: str | None = None) -> Render:
+    """One expression over `{x}`; `precise` for f32 ops, `wide` for f64 (weak) values."""
+
+    def render(em, op, args, out):
+        (x,) = args
+        x = em.tensor(x)
+        form = text
+        if precise is not None and is_precise(op, out):
+            form = precise
+        elif wide is not None and out is Compute.F64:
+            form = wide
+        return em.assign(form.format(x=x.text), out)
+
+    return render
+
+
+def binary(text: str, precise: str | None = None) -> Render:
+    """An infix expression over `{a}` and `{b}` (`precise` for f32 ops). Literal operands stay
+    literals so Triton folds them, unless both are (then the expression needs a tensor)."""
+
+    def render(em, op, args, out):
+        a, b = args
+        if precise is not None and is_precise(op, out):
+            a, b = em.tensor(a), em.tensor(b)
+            return em.assign(precise.format(a=a.text, b=b.text), out)
+        if a.literal and b.literal:
+            a = em.tensor(a)
+        return em.assign(text.format(a=a.text, b=b.text), out)
+
+    return render
+
+
+def nan_propagating(function: str) -> Render:
+    """`tl.maximum`/`tl.minimum`: NaN wins, as in torch."""
+
+    def render(em, op, args, out):
+        a, b = (em.tensor(x) for x in args)
+        nan = NAN_ALL if out.is_float else ""
+        return em.assign(f"tl.{function}({a.text}, {b.text}{nan})", out)
+
+    return render
+
+
+def compare(symbol: str) -> Render:
+    def render(em, op, args, out):
+        a, b = args
+        return em.assign(f"{a.text} {symbol} {b.text}", Compute.BOOL)
+
+    return render

@@ -1,0 +1,169 @@
+"""Ops that are not elementwise math: sources, `index`, reductions, softmax, matmul, views.
+
+Their Triton code belongs to a template (rows, matmul, attention), chosen by
+category in lower-kernels; sources are bound by the caller, so they have no
+reference implementation of their own.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tiledsl import diagnostics as diag
+from tiledsl.types import (
+    BroadcastMismatch,
+    DType,
+    TensorType,
+    broadcast_shapes,
+    format_shape,
+    normalize_axis,
+    result_dtype,
+)
+
+from .core import BParam, Category, RuleError, define
+from .rules import axis, float_of, reduced_shape
+
+X = BParam("x")
+AXIS = BParam("axis", "int", -1)
+KEEPDIMS = BParam("keepdims", "bool", False)
+
+
+# --- sources -----------------------------------------------------------------
+
+
+def _from_attrs(types, attrs):
+    return attrs["type"]
+
+
+for _kind in ("param", "const", "dim"):
+    define(_kind, 0, Category.SOURCE, _from_attrs)
+
+
+def _index(types, attrs):
+    shape = attrs["shape"]
+    if normalize_axis(attrs["axis"], len(shape)) is None:
+        raise RuleError(diag.AxisError, (), axis=attrs["axis"], rank=len(shape),
+                        lo=-len(shape), hi=len(shape) - 1)
+    return TensorType(DType.I32, shape)
+
+
+def _arange(axis: int, shape: tuple[int, ...]) -> torch.Tensor:
+    view = [1] * len(shape)
+    view[axis] = shape[axis]
+    return torch.arange(shape[axis], dtype=torch.int32).view(view).expand(shape).contiguous()
+
+
+# index has no operands: its value depends only on the shape it was given, so templates
+# compute it over their tile (the reference gets the shape with its dims bound)
+define("index", 0, Category.ELEMENTWISE, _index, params=(X, BParam("axis", "int")),
+       reference=_arange)
+
+
+# --- reductions, softmax -------------------------------------------------------
+
+
+def _sum(types, attrs):
+    (x,) = types
+    dtype = x.dtype if x.dtype.is_float else DType.I32
+    return TensorType(dtype, reduced_shape(x, attrs))
+
+
+def _minmax(types, attrs):
+    (x,) = types
+    return TensorType(x.dtype, reduced_shape(x, attrs))
+
+
+def _mean(types, attrs):
+    (x,) = types
+    if not x.dtype.is_float:
+        raise RuleError(diag.DTypeError, (0,), message=(
+            f"'mean' needs a floating-point input, got {x.dtype}; use cast(x, f32) first"))
+    return TensorType(x.dtype, reduced_shape(x, attrs))
+
+
+def _logsumexp(types, attrs):
+    (x,) = types
+    return TensorType(float_of(x.dtype), reduced_shape(x, attrs))
+
+
+def _reduction(kind, infer, function) -> None:
+    define(kind, 1, Category.REDUCTION, infer, params=(X, AXIS, KEEPDIMS),
+           reference=lambda x, axis, keepdims: function(x, dim=axis, keepdim=keepdims))
+
+
+# sum reads its operand as i32 (bool sums count); torch accumulates integers in i64
+_reduction("sum", _sum, torch.sum)
+_reduction("max", _minmax, torch.amax)
+_reduction("min", _minmax, torch.amin)
+_reduction("mean", _mean, torch.mean)
+_reduction("logsumexp", _logsumexp, torch.logsumexp)
+
+
+def _softmax(types, attrs):
+    (x,) = types
+    axis(attrs, x.rank)
+    return TensorType(float_of(x.dtype), x.shape)
+
+
+def _softmax_reference(x: torch.Tensor, axis: int) -> torch.Tensor:
+    """Softmax of a row that is entirely -inf is 0 (the numerics contract)."""
+    out = torch.softmax(x, dim=axis)
+    empty = torch.isneginf(x).all(dim=axis, keepdim=True)
+    return torch.where(empty, torch.zeros((), dtype=out.dtype), out)
+
+
+define("softmax", 1, Category.SOFTMAX, _softmax, params=(X, AXIS), reference=_softmax_reference)
+
+
+# --- matmul, layout, return ------------------------------------------------------
+
+
+def _matmul(types, attrs):
+    a, b = types
+    for i, t in enumerate(types):
+        if t.rank < 2:
+            raise RuleError(diag.RankError, (i,), message=(
+                f"matmul operands need rank 2 or more; the {'left' if i == 0 else 'right'} "
+                f"operand has shape {format_shape(t.shape)}"))
+        if not t.dtype.is_float:
+            raise RuleError(diag.DTypeError, (i,), message=(
+                f"matmul needs floating-point operands, got {t.dtype}"))
+    if a.shape[-1] != b.shape[-2]:
+        hint = ""
+        if b.shape[-1] == a.shape[-1]:
+            hint = "; did you mean to transpose the right operand with .T?"
+        raise RuleError(diag.MatmulShapeError, (0, 1), message=(
+            f"matmul inner dims differ: {format_shape(a.shape)} @ {format_shape(b.shape)} "
+            f"contracts {a.shape[-1]} with {b.shape[-2]}{hint}"))
+    try:
+        batch = broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    except BroadcastMismatch as err:
+        raise RuleError(diag.MatmulShapeError, (0, 1), message=(
+            f"matmul batch dims cannot be broadcast: {format_shape(a.shape[:-2])} and "
+            f"{format_shape(b.shape[:-2])} differ at dim {err.dim} ({err.a} vs {err.b})"
+        )) from None
+    dtype = result_dtype((TensorType(a.dtype, a.shape), TensorType(b.dtype, b.shape)))
+    return TensorType(dtype, batch + (a.shape[-2], b.shape[-1]))
+
+
+def _transpose(types, attrs):
+    (x,) = types
+    a, b = attrs["dims"]
+    na, nb = normalize_axis(a, x.rank), normalize_axis(b, x.rank)
+    for given, norm in ((a, na), (b, nb)):
+        if norm is None:
+            raise RuleError(diag.AxisError, (0,), axis=given, rank=x.rank, lo=-x.rank,
+                            hi=x.rank - 1)
+    shape = list(x.shape)
+    shape[na], shape[nb] = shape[nb], shape[na]
+    return TensorType(x.dtype, tuple(shape), x.weak)
+
+
+def _return(types, attrs):
+    return TensorType(DType.BOOL, ())  # `return` has no value of its own
+
+
+define("matmul", 2, Category.MATMUL, _matmul, symbol="@", reference=torch.matmul)
+define("transpose", 1, Category.LAYOUT, _transpose, params=(X, BParam("a", "int"), BParam("b", "int")),
+       reference=lambda x, dims: x.transpose(*dims))
+define("return", -1, Category.RETURN, _return)
