@@ -26,14 +26,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from tiledsl import ops
 from tiledsl.ir import KernelOp, Op
 from tiledsl.plans import AttentionPlan
 from tiledsl.types import Compute, DType
 
 from .base import EmittedKernel, Hints, LaunchConfig, cdiv, decompose, finish, hint, numel, require_dot_hints
 from .codegen import Code, Signature, next_pow2
-from .expr import Emitter, Val
+from .expr import Emitter, Val, with_scalar_operands
 from .matmul import operand_tile, tile_ptrs
 
 NEG_INF = '-float("inf")'
@@ -217,17 +216,7 @@ class AttentionProgram:
 
     def run(self, vals: dict[int, Val], values: tuple[int, ...], space: str) -> None:
         """Emit the elementwise ops `values` (and the constants they read) at a tile."""
-        n_in, wanted = self.n_in, set(values)
-        # and the constants and scalar expressions they read, which outlining cloned once
-        # for the whole region: each place that reads one computes it
-        stack = [o for v in values for o in self.region.ops[v - n_in].operands]
-        while stack:
-            o = stack.pop()
-            kind = self.region.ops[o - n_in].op.kind if o >= n_in else None
-            if o >= n_in and o not in wanted and o not in vals and self.region.value_type(o).rank == 0 \
-                    and (kind == "const" or ops.is_elementwise(kind)):
-                wanted.add(o)
-                stack.extend(self.region.ops[o - n_in].operands)
+        n_in, wanted = self.n_in, with_scalar_operands(self.region, values, vals)
         for v in wanted:
             for i in self.region.ops[v - n_in].operands:
                 if i < n_in and i not in vals:

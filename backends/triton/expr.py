@@ -14,7 +14,7 @@ compute `index` ops over their tile (`index`); `Emitter.run` emits the rest.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass
 
 from tiledsl import ops
@@ -51,6 +51,24 @@ def f32_to_bf16(x, INTERPRETER: tl.constexpr):
         return x.to(tl.bfloat16)
 
 """
+
+
+def with_scalar_operands(region: Region, values: Iterable[int], have: Container[int]) -> set[int]:
+    """`values` (region ops) and the constants and scalar expressions they read that are not
+    in `have`. Outlining clones those once for the whole region; a template that emits the
+    region piecewise, at several tiles, computes them again wherever they are read."""
+    n_in = len(region.inputs)
+    wanted = set(values)
+    stack = [o for v in wanted for o in region.ops[v - n_in].operands]
+    while stack:
+        o = stack.pop()
+        if o < n_in or o in wanted or o in have or region.value_type(o).rank != 0:
+            continue
+        kind = region.ops[o - n_in].op.kind
+        if kind == "const" or ops.is_elementwise(kind):
+            wanted.add(o)
+            stack.extend(region.ops[o - n_in].operands)
+    return wanted
 
 
 @dataclass(frozen=True, slots=True)
