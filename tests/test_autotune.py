@@ -35,7 +35,7 @@ def test_choose_times_once_then_remembers(monkeypatch, tmp_path):
     again = autotune.choose(emitted, dims, candidates, launch=lambda cfg: None)
     assert first is candidates[2] and again is candidates[2] and timed == [len(candidates)]
     saved = json.loads((tmp_path / "autotune.json").read_text())
-    assert list(saved.values()) == [autotune._describe(candidates[2])]
+    assert list(saved.values()) == [autotune.describe(candidates[2])]
     monkeypatch.setattr(autotune, "_chosen", {})  # a new process: read back from disk
     assert autotune.choose(emitted, dims, candidates, launch=lambda cfg: None) is candidates[2]
     assert timed == [len(candidates)]

@@ -38,7 +38,7 @@ def use_cache(tmp_path, monkeypatch):
 
 
 def _forget():
-    cache._loaded.clear()
+    cache.forget_loaded()
     for name in [n for n in sys.modules if n.startswith("tiledsl_kernels.")]:
         del sys.modules[name]
 

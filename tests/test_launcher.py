@@ -19,9 +19,9 @@ SRC = "kernel f(x: f32[M, N], y: f32[N]) -> f32[M, N] { return exp(x) * y }"
 def private_cache(tmp_path, monkeypatch):
     path = tmp_path / "cache"
     monkeypatch.setenv("TILEDSL_CACHE_DIR", str(path))
-    cache._loaded.clear()
+    cache.forget_loaded()
     yield path
-    cache._loaded.clear()
+    cache.forget_loaded()
 
 
 def cached_files(path):
@@ -58,7 +58,7 @@ def test_tampered_cache_file_is_rewritten_before_import(private_cache):
     expected = fn(x, y)
     for name in cached_files(private_cache):
         (private_cache / name).write_text("raise SystemExit('tampered')\n")
-    cache._loaded.clear()
+    cache.forget_loaded()
     assert torch.equal(tiledsl.compile(SRC)(x, y), expected)
     assert not [n for n in cached_files(private_cache) if n.startswith(".tmp-")]  # atomic writes
 
@@ -68,11 +68,11 @@ def test_changing_a_runtime_dim_does_not_regenerate_kernels(private_cache):
     sources = [k.source for k in fn.kernels]
     run_checked(fn, randn(3, 100), sm90=False)
     files = cached_files(private_cache)
-    loaded = dict(cache._loaded)
+    loaded = cache.loaded()
     run_checked(fn, randn(17, 113), sm90=False)  # BLOCK_R stays 128: nothing new at all
     assert [k.source for k in fn.kernels] == sources
     assert cached_files(private_cache) == files
-    assert cache._loaded == loaded
+    assert cache.loaded() == loaded
     # a size that moves a block size only changes launch constants, never the source
     cfg_small = fn.runtime.emitted[0].launch_config({"M": 3, "N": 100}, "cuda")
     cfg_long = fn.runtime.emitted[0].launch_config({"M": 3, "N": 100_000}, "cuda")

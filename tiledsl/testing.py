@@ -62,12 +62,11 @@ def max_error(value: torch.Tensor, golden: torch.Tensor) -> float:
     return diff.max().item() if diff.numel() else 0.0
 
 
-def _as_tuple(x: Any) -> tuple:
+def as_tuple(x: Any) -> tuple:
     return x if isinstance(x, tuple) else (x,)
 
 
 def compare(outputs, golden, eager) -> Report:
-    as_tuple = _as_tuple
     reports = []
     for out, gold, ref in zip(as_tuple(outputs), as_tuple(golden), as_tuple(eager), strict=True):
         o, g = out.double().cpu(), gold.double().cpu()

@@ -34,7 +34,7 @@ def _key(emitted: EmittedKernel, dims: Mapping[str, int]) -> str:
     return f"{cache_key(emitted.source, 'cuda', emitted.ir())[:32]}|{sizes}|{torch.cuda.get_device_name()}"
 
 
-def _describe(cfg: LaunchConfig) -> dict[str, Any]:
+def describe(cfg: LaunchConfig) -> dict[str, Any]:
     return {**{k: v for k, v in cfg.constexprs.items() if isinstance(v, int | bool)},
             "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
 
@@ -70,11 +70,11 @@ def choose(emitted: EmittedKernel, dims: Mapping[str, int], candidates: Sequence
         wanted = _chosen.get(key)
     if wanted is not None:
         for cfg in candidates:
-            if _describe(cfg) == wanted:
+            if describe(cfg) == wanted:
                 return cfg
     best = _time(candidates, launch)
     with _lock:
-        _chosen[key] = _describe(best)
+        _chosen[key] = describe(best)
         _save_disk(key, _chosen[key])
     return best
 

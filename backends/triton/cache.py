@@ -48,6 +48,18 @@ _loaded: dict[tuple[str, str], Any] = {}
 _SETTING = "set TILEDSL_CACHE_DIR to a directory of your own"
 
 
+def loaded() -> dict[tuple[str, str], Any]:
+    """The kernels this process has loaded, by (cache directory, module name): a copy."""
+    with _lock:
+        return dict(_loaded)
+
+
+def forget_loaded() -> None:
+    """Forget the loaded kernels, so the next load reads (and checks) the cache file again."""
+    with _lock:
+        _loaded.clear()
+
+
 def cache_dir() -> Path:
     """The cache directory, created if missing, after the checks in the module docstring."""
     env = os.environ.get("TILEDSL_CACHE_DIR")
