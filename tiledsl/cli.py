@@ -5,6 +5,10 @@
     tiledsl dot FILE               Graphviz DOT of the fusion graph
     tiledsl explain FILE           the fusion report
     tiledsl run FILE --dims M=128,N=64 [--scalar scale=0.125] [--device cpu|cuda]
+    tiledsl ptx FILE --dims M=4096,N=4096 [--all] [--arch sm_90] [--json]
+                                   each kernel compiled for the GPU as it would run there
+                                   (no GPU needed): registers, spills, shared memory,
+                                   wgmma shapes, TMA copies
     tiledsl check FILE             parse and check every kernel in a file
     tiledsl passes                 the registered passes
 
@@ -57,6 +61,14 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--backend", default="triton", choices=("triton", "reference"))
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--repeat", type=int, default=3, help="timed runs after the first (default 3)")
+    ptx = program_command("ptx", "compile each kernel for a GPU (no GPU needed) and report it")
+    ptx.add_argument("--dims", default="", help="sizes of the dim symbols, e.g. M=4096,N=4096")
+    ptx.add_argument("--scalar", action="append", default=[], metavar="NAME=VALUE",
+                     help="the value of a scalar parameter (ints 1 and multiples of 16 specialize)")
+    ptx.add_argument("--arch", default="sm_90", help="the GPU architecture (default sm_90)")
+    ptx.add_argument("--all", action="store_true",
+                     help="every autotune candidate, not only the configuration used first")
+    ptx.add_argument("--json", action="store_true", help='print {"kernels": [...]} as JSON')
     sub.add_parser("check", help="parse and check every kernel of a file").add_argument("file")
     sub.add_parser("passes", help="list the registered passes")
     return p
@@ -171,7 +183,9 @@ MAX_RUN_DIM = 2**31 - 1
 MAX_RUN_ELEMENTS = 2**31
 
 
-def _run_dims(fn, text: str) -> dict[str, int]:
+def _run_dims(fn, text: str, limit: bool = True) -> dict[str, int]:
+    """--dims, checked against the program's dims (`limit`: and small enough for random
+    inputs)."""
     from tiledsl import testing
 
     dims: dict[str, int] = {}
@@ -196,7 +210,7 @@ def _run_dims(fn, text: str) -> dict[str, int]:
             f"--dims names {', '.join(unknown)}, which '{fn.name}' does not use "
             f"(its dims: {', '.join(needed) or 'none'})"))
     graph = fn.fused_graph()
-    for node in graph.params:
+    for node in graph.params if limit else ():
         t = graph.op(node).attr("type")
         numel = math.prod(d if isinstance(d, int) else dims[d] for d in t.shape)
         if numel > MAX_RUN_ELEMENTS:
@@ -308,6 +322,31 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def _cmd_ptx(args) -> int:
+    import json
+    import re
+
+    from tiledsl.backends.triton.aot import inspect_program
+
+    arch = re.fullmatch(r"sm_(\d+)a?", args.arch)
+    if arch is None or int(arch.group(1)) < 80:
+        raise diag.OptionError(message=f"--arch {args.arch[:40]}: give an NVIDIA architecture "
+                               "sm_80 or newer, e.g. sm_90")
+    fn = _compile(args)
+    dims = _run_dims(fn, args.dims, limit=False)
+    reports = inspect_program(fn, dims, _run_scalars(fn, args.scalar), args.all,
+                              int(arch.group(1)))
+    if args.json:
+        print(json.dumps({"kernels": [r.as_dict() for r in reports]}))
+        return 0
+    for r in reports:
+        config = ", ".join(f"{k}={v}" for k, v in r.config.items())
+        print(f"{r.name}: {config}")
+        print(f"  registers {r.registers}, spills {r.spill_bytes} bytes, shared "
+              f"{r.shared_bytes} bytes, wgmma {' '.join(r.wgmma) or 'none'}, TMA copies {r.tma}")
+    return 0
+
+
 def _cmd_check(args) -> int:
     from tiledsl.parser import parse
     from tiledsl.sema import analyze
@@ -332,7 +371,7 @@ def _cmd_passes(args) -> int:
 
 
 _COMMANDS = {"opt": _cmd_opt, "triton": _cmd_triton, "dot": _cmd_dot, "explain": _cmd_explain,
-             "run": _cmd_run, "check": _cmd_check, "passes": _cmd_passes}
+             "run": _cmd_run, "ptx": _cmd_ptx, "check": _cmd_check, "passes": _cmd_passes}
 
 
 if __name__ == "__main__":

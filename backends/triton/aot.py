@@ -2,14 +2,25 @@
 
 `triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))` lowers a
 kernel through TTIR, TTGIR, LLVM IR and PTX to a cubin on any machine. Given
-a recorded launch (its argument types and the sizes of the call), this builds
-exactly what would run on an H100: the launch configuration is the GPU's
-(`launch_config(dims, "cuda")`, or one of its autotune candidates), not the
-interpreter's.
+a launch (each argument's type and specialization, and the sizes of the
+call), this builds exactly what would run on an H100:
+- arguments specialized as Triton's launcher does (`launch.specialize`):
+  16-byte-aligned pointers and integers divisible by 16 carry
+  `tt.divisibility = 16`, integers equal to 1 are compiled in. Without that
+  the compiler cannot vectorize loads or pipeline them with `cp.async`, and
+  the kernel it builds is not the one that runs;
+- the launch configuration is the GPU's (`launch_config(dims, "cuda")`, or
+  one of its autotune candidates), not the interpreter's.
+
+`inspect_program` does this for every kernel of a program at given sizes
+(`tiledsl ptx`): registers, spills, shared memory, wgmma shapes, TMA copies.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from .cache import load
@@ -32,7 +43,14 @@ def compile_launch(launch: Launch, target: tuple[str, int, int] = SM90, config: 
     fn = load(emitted.source, emitted.fn_name, "cuda", emitted.ir())
     signature: dict[str, str] = dict(launch.signature)
     signature.update({name: "constexpr" for name in cfg.constexprs})
-    source = ASTSource(fn, signature=signature, constexprs=dict(cfg.constexprs))
+    constexprs: dict[Any, Any] = dict(cfg.constexprs)
+    attrs = {}
+    for i, arg in enumerate(launch.arguments):
+        if arg.type == "constexpr":
+            constexprs[(i,)] = arg.value
+        elif arg.aligned:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    source = ASTSource(fn, signature=signature, constexprs=constexprs, attrs=attrs)
     options = {"num_warps": cfg.num_warps or 4, "num_stages": cfg.num_stages or 3}
     return triton.compile(source, target=GPUTarget(*target), options=options)
 
@@ -69,3 +87,79 @@ def resource_usage(compiled: Any, arch: int = 90) -> dict[str, int]:
             "spill_stores": number(r"(\d+) bytes spill stores"),
             "spill_loads": number(r"(\d+) bytes spill loads"),
             "stack": number(r"(\d+) bytes stack frame")}
+
+
+@dataclass(frozen=True)
+class KernelReport:
+    """What the GPU would run for one kernel at one configuration."""
+
+    name: str
+    config: dict[str, Any]
+    registers: int
+    spill_bytes: int  # spill stores + spill loads, per thread
+    shared_bytes: int
+    wgmma: list[str]  # the warpgroup MMA shapes it issues, e.g. "m64n128k16"
+    tma: int  # TMA copies (cp.async.bulk.tensor) in the PTX
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def inspect_launch(launch: Launch, config: Any = None, arch: int = 90) -> KernelReport:
+    """Compile one launch for `sm_<arch>` (at `config`, default the GPU's) and report it."""
+    cfg = config or launch.kernel.launch_config(dict(launch.dims), "cuda")
+    compiled = compile_launch(launch, ("cuda", arch, 32), cfg)
+    ptx = compiled.asm["ptx"]
+    usage = resource_usage(compiled, arch)
+    shapes = sorted(set(re.findall(r"wgmma\.mma_async\S*\.(m\d+n\d+k\d+)", ptx)),
+                    key=lambda s: [int(n) for n in re.findall(r"\d+", s)])
+    config_text = {**{k: v for k, v in cfg.constexprs.items() if k != "INTERPRETER"},
+                   "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    return KernelReport(launch.kernel.kernel.name, config_text, usage["registers"],
+                        usage["spill_stores"] + usage["spill_loads"],
+                        int(getattr(compiled.metadata, "shared", 0)), shapes,
+                        len(re.findall(r"cp\.async\.bulk\.tensor", ptx)))
+
+
+def inspect_program(fn: Any, dims: Mapping[str, int], scalars: Mapping[str, Any] | None = None,
+                    every_candidate: bool = False, arch: int = 90) -> list[KernelReport]:
+    """Every kernel of a compiled program as it would run on a GPU at `dims`, compiled
+    without one. Arguments are fresh contiguous tensors on torch's "meta" device (shapes and
+    strides, no memory), whose pointers are aligned as a caching allocator's are;
+    `every_candidate` reports each autotune candidate instead of the configuration a
+    launch uses first."""
+    import torch
+
+    from tiledsl import diagnostics as diag
+    from tiledsl.binding import BoundCall, eval_shape, torch_dtype
+    from tiledsl.testing import needed_dims
+    from tiledsl.types import DType
+
+    missing = [d for d in needed_dims(fn) if d not in dims]
+    if missing:
+        raise diag.OptionError(message=f"no size given for {', '.join(missing)}")
+    if not hasattr(fn.runtime, "launches_at"):
+        raise diag.OptionError(message="only the Triton backend's kernels can be inspected")
+
+    # a scalar that the launcher does not specialize (not 1, not a multiple of 16)
+    stand_in = {DType.BOOL: True, DType.I32: 3}
+    graph = fn.fused_graph()
+    args: dict[str, Any] = {}
+    scalars = dict(scalars or {})
+    for node in graph.params:
+        op = graph.op(node)
+        name, t = op.attr("name"), op.attr("type")
+        if op.attr("scalar"):
+            args[name] = scalars.get(name, stand_in.get(t.dtype, 0.5))
+        else:
+            args[name] = torch.empty(eval_shape(t.shape, dims), dtype=torch_dtype(t.dtype),
+                                     device="meta")
+    bound = BoundCall(list(args.values()), {d: dims[d] for d in needed_dims(fn)},
+                      torch.device("meta"))
+    launches = fn.runtime.launches_at(bound)
+    reports = []
+    for launch in launches:
+        configs = launch.kernel.launch_candidates(dict(launch.dims), "cuda") if every_candidate else []
+        for cfg in configs or [None]:
+            reports.append(inspect_launch(launch, cfg, arch))
+    return reports

@@ -124,14 +124,14 @@ class Emitter:
         return text
 
     def scalar(self, name: str, dtype: DType) -> Val:
-        """A by-value kernel argument. Bools arrive as i32 (0/1): Triton 3.6's interpreter
-        mis-stores Python bool arguments. Floats become 0-d tensors: the interpreter
-        hands them over as Python floats, which have no `.to()`."""
-        if dtype is DType.BOOL:
-            return self.convert(Val(name, Compute.I32), Compute.BOOL)
+        """A by-value kernel argument, as a 0-d tensor. Floats: the interpreter hands them
+        over as Python floats, which have no `.to()`. Integers: Triton's launcher compiles
+        an argument equal to 1 in as a constant, which has no `.to()` either. Bools arrive
+        as i32 (0/1): Triton 3.6's interpreter mis-stores Python bool arguments."""
         if dtype.is_float:
             return self.assign(f"tl.full([], 0.0, tl.float32) + {name}", Compute.F32)
-        return Val(name, compute_type(dtype))
+        value = self.assign(f"tl.full([], 0, tl.int32) + {name}", Compute.I32)
+        return self.convert(value, Compute.BOOL) if dtype is DType.BOOL else value
 
     def load(self, text: str, t: TensorType) -> Val:
         """Assign a `tl.load(...)` of a value of type `t`, widened to its compute type.

@@ -31,6 +31,42 @@ from .codegen import DimSize, Numel, Ptr, Scalar, Stride
 # a slot of the call's values read by a kernel: (slot, permutation of a transposed view)
 Read = tuple[int, "tuple[int, ...] | None"]
 
+POINTER_TYPES = {"float16": "*fp16", "bfloat16": "*bf16", "float32": "*fp32", "int32": "*i32",
+                 "bool": "*u1", "float64": "*fp64", "int64": "*i64"}
+
+
+@dataclass(frozen=True, slots=True)
+class Argument:
+    """A kernel argument as Triton's launcher specializes it. `type` is its Triton type, or
+    "constexpr" for an integer equal to 1, which the launcher compiles in as a constant;
+    `aligned` marks a pointer to 16-byte-aligned data or an integer divisible by 16, which
+    the launcher tells the compiler (`tt.divisibility = 16`)."""
+
+    name: str
+    type: str
+    aligned: bool = False
+
+    @property
+    def value(self) -> int | None:
+        """The constant a "constexpr" argument is compiled with."""
+        return 1 if self.type == "constexpr" else None
+
+
+def specialize(name: str, value: Any) -> Argument:
+    """How Triton's launcher (`JITFunction.run`) specializes `value` (tests/test_aot.py checks
+    this against Triton's own specializer)."""
+    if hasattr(value, "data_ptr"):
+        return Argument(name, POINTER_TYPES[str(value.dtype).removeprefix("torch.")],
+                        value.data_ptr() % 16 == 0)
+    if isinstance(value, bool):
+        return Argument(name, "u1")
+    if isinstance(value, int):
+        if value == 1:
+            return Argument(name, "constexpr")
+        kind = "i32" if -(2**31) <= value < 2**31 else ("i64" if value < 2**63 else "u64")
+        return Argument(name, kind, value % 16 == 0)
+    return Argument(name, "fp32")
+
 
 @dataclass(frozen=True, slots=True)
 class KernelStep:

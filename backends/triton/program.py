@@ -25,12 +25,14 @@ from .base import EmittedKernel, Hints
 from .cache import load
 from .interpret import interpreting
 from .launch import (
+    Argument,
     KernelLaunch,
     KernelStep,
     LaunchPlan,
     argument_function,
     launch_options,
     launcher,
+    specialize,
     swap_axes,
 )
 
@@ -58,11 +60,16 @@ def emit_kernel(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> Emi
 
 @dataclass(frozen=True)
 class Launch:
-    """One launch as Triton's compiler sees it: enough for `aot.compile_launch` to rebuild it."""
+    """One launch as Triton's launcher compiles it (each argument's type and specialization)
+    and the sizes it ran at: enough for `aot.compile_launch` to rebuild the same kernel."""
 
     kernel: EmittedKernel
-    signature: tuple[tuple[str, str], ...]
+    arguments: tuple[Argument, ...]
     dims: tuple[tuple[str, int], ...]
+
+    @property
+    def signature(self) -> tuple[tuple[str, str], ...]:
+        return tuple((a.name, a.type) for a in self.arguments)
 
 
 class TritonBackend(Backend):
@@ -169,20 +176,36 @@ class TritonBackend(Backend):
             k.launch(*k.args(values, outs), **k.options)
             values[k.slot:k.slot + len(outs)] = outs
 
+    def _walk(self, bound: BoundCall, values: list, device):
+        """The call step by step: for each kernel, its step, the outputs to allocate (shape,
+        dtype), its argument function and its arguments. The outputs (allocated, not
+        computed) take their slots once the caller has seen the step."""
+        dims = bound.dims
+        for slot, symbol in self.dim_slots:
+            values[slot] = dims[symbol]
+        for step in self.steps:
+            outputs = tuple((eval_shape(t.shape, dims), storage_dtype(t))
+                            for t in step.emitted.kernel.result_types)
+            outs = [_empty(shape, dtype=dtype, device=device) for shape, dtype in outputs]
+            arg_fn = argument_function(step.emitted, step.reads, [o[0] for o in outputs], dims)
+            yield step, outputs, arg_fn, arg_fn(values, outs)
+            values[step.slot:step.slot + len(outs)] = outs
+
+    def launches_at(self, bound: BoundCall) -> list[Launch]:
+        """The launches a call with these arguments makes on a GPU, without running anything:
+        every argument as Triton's launcher would specialize it (`aot.compile_launch`
+        compiles them for sm_90 on any machine). Outputs are allocated, never written."""
+        values = list(bound.values) + [None] * (self.n_slots - len(bound.values))
+        dims = tuple(sorted(bound.dims.items()))
+        return [Launch(step.emitted, _arguments(step.emitted, args), dims)
+                for step, _, _, args in self._walk(bound, values, bound.device or _CPU_DEVICE)]
+
     def _plan(self, bound: BoundCall, values: list, device, target: str) -> LaunchPlan:
         """Build the plan for this call's sizes by running the call step by step."""
         dims = bound.dims
-        dim_values = tuple((slot, dims[symbol]) for slot, symbol in self.dim_slots)
-        for slot, size in dim_values:
-            values[slot] = size
         kernels = []
-        for step in self.steps:
+        for step, outputs, arg_fn, args in self._walk(bound, values, device):
             emitted = step.emitted
-            outputs = tuple((eval_shape(t.shape, dims), storage_dtype(t))
-                            for t in emitted.kernel.result_types)
-            outs = [_empty(shape, dtype=dtype, device=device) for shape, dtype in outputs]
-            arg_fn = argument_function(emitted, step.reads, [o[0] for o in outputs], dims)
-            args = arg_fn(values, outs)
             launch = launcher(self.load(emitted, target), target)
             candidates = emitted.launch_candidates(dims, target)
             if candidates:
@@ -196,12 +219,12 @@ class TritonBackend(Backend):
                 cfg = emitted.launch_config(dims, target)
             options = launch_options(cfg, target)
             if len(self._launches) < 1024:
-                record = Launch(emitted, _signature(emitted, args), tuple(sorted(dims.items())))
-                self._launches.setdefault((emitted.fn_name, record.signature, record.dims), record)
+                record = Launch(emitted, _arguments(emitted, args), tuple(sorted(dims.items())))
+                self._launches.setdefault((emitted.fn_name, record.arguments, record.dims), record)
             launch(*args, **options)
-            values[step.slot:step.slot + len(outs)] = outs
             kernels.append(KernelLaunch(launch, arg_fn, options, outputs, step.slot))
-        return LaunchPlan(dim_values, tuple(kernels))
+        return LaunchPlan(tuple((slot, dims[symbol]) for slot, symbol in self.dim_slots),
+                          tuple(kernels))
 
     def load(self, emitted: EmittedKernel, target: str) -> Any:
         """The kernel's function for `target` (`cache.load`: compiled in memory once)."""
@@ -216,19 +239,6 @@ def storage_dtype(t):
     return torch.float64 if t.weak and t.dtype.is_float else torch_dtype(t.dtype)
 
 
-_POINTER_TYPES = {"float16": "*fp16", "bfloat16": "*bf16", "float32": "*fp32", "int32": "*i32",
-                  "bool": "*i1", "float64": "*fp64", "int64": "*i64"}
-
-
-def _signature(emitted: EmittedKernel, args: list) -> tuple[tuple[str, str], ...]:
-    sig = []
-    for (name, _), value in zip(emitted.params, args, strict=True):
-        if hasattr(value, "data_ptr"):
-            sig.append((name, _POINTER_TYPES[str(value.dtype).removeprefix("torch.")]))
-        elif isinstance(value, bool):
-            sig.append((name, "i1"))
-        elif isinstance(value, int):
-            sig.append((name, "i32" if -(2**31) <= value < 2**31 else "i64"))
-        else:
-            sig.append((name, "fp32"))
-    return tuple(sig)
+def _arguments(emitted: EmittedKernel, args: list) -> tuple[Argument, ...]:
+    return tuple(specialize(name, value)
+                 for (name, _), value in zip(emitted.params, args, strict=True))

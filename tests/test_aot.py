@@ -1,0 +1,113 @@
+"""The kernel that really runs on a GPU, built without one: arguments specialized the way
+Triton's launcher specializes them, and `tiledsl ptx` / `aot.inspect_program` reports."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+from test_cli import cli
+from triton.backends.compiler import GPUTarget
+from triton.compiler import make_backend
+from triton.runtime.jit import create_function_from_signature
+
+import tiledsl
+from tiledsl.backends.triton import aot
+from tiledsl.backends.triton.launch import specialize
+from tiledsl.binding import bind
+
+EXAMPLES = Path(__file__).parent.parent / "examples"
+ATTENTION_DIMS = {"B": 4, "H": 16, "M": 4096, "N": 4096, "D": 128}
+GEMM_DIMS = {"M": 8192, "N": 8192, "K": 4096}
+
+
+@triton.jit
+def _probe(a):
+    pass
+
+
+def _launcher_specialization(value):
+    """What Triton's own launcher (JITFunction.run's binder) makes of `value`."""
+    backend = make_backend(GPUTarget("cuda", 90, 32))
+    binder = create_function_from_signature(_probe.signature, _probe.params, backend)
+    _, specialization, _ = binder(value)
+    kind, key = specialization[0][:2]
+    return kind, key == "D" if kind != "constexpr" else None
+
+
+def _values():
+    tensors = [torch.empty(64, dtype=dt) for dt in (torch.float16, torch.bfloat16, torch.float32,
+                                                     torch.int32, torch.bool, torch.float64, torch.int64)]
+    views = [torch.empty(65, dtype=torch.float16)[1:], torch.empty(68, dtype=torch.float32)[2:]]
+    ints = [0, 1, -1, 2, 16, -16, 17, 48, 4096, 2**31 - 1, 2**31, -(2**31), 2**40 + 16, 2**63]
+    return tensors + views + ints + [True, False, 0.5, 1.0, -3.25]
+
+
+@pytest.mark.parametrize("value", _values(), ids=lambda v: f"{type(v).__name__}-{getattr(v, 'dtype', v)}")
+def test_arguments_are_specialized_like_tritons_launcher(value):
+    arg = specialize("a", value)
+    assert (arg.type, arg.aligned if arg.type != "constexpr" else None) == _launcher_specialization(value)
+
+
+def test_launches_at_sees_alignment_unit_strides_and_sizes():
+    fn = tiledsl.compile("kernel f(x: f16[M, N]) -> f16[M, N] { return exp(x) * 2 }")
+    graph = fn.fused_graph()
+    aligned = torch.empty(32, 1024, dtype=torch.float16)
+    shifted = torch.empty(32 * 1024 + 1, dtype=torch.float16)[1:].view(32, 1024)
+    (a,) = fn.runtime.launches_at(bind(graph, [aligned], {}))
+    (b,) = fn.runtime.launches_at(bind(graph, [shifted], {}))
+    args_a = {x.name: (x.type, x.aligned) for x in a.arguments}
+    args_b = {x.name: (x.type, x.aligned) for x in b.arguments}
+    assert args_a == {"in0_ptr": ("*fp16", True), "in0_s0": ("i32", True), "in0_s1": ("constexpr", False),
+                      "out0_ptr": ("*fp16", True), "numel": ("i32", True), "d0": ("i32", True)}
+    assert args_b == {**args_a, "in0_ptr": ("*fp16", False)}
+    # the aligned build vectorizes its loads; the shifted one cannot
+    assert "ld.global.v4.b32" in aot.compile_launch(a).asm["ptx"]
+    ptx_b = aot.compile_launch(b).asm["ptx"]
+    assert "ld.global.b16" in ptx_b and "ld.global.v4" not in ptx_b
+    # nothing ran and nothing was recorded as a launch
+    assert fn.launches == []
+
+
+def _report(path, dims, every=False):
+    fn = tiledsl.compile((EXAMPLES / path).read_text())
+    return aot.inspect_program(fn, dims, every_candidate=every)
+
+
+def test_attention_example_as_it_runs_on_an_h100():
+    (r,) = _report("attention.tdsl", ATTENTION_DIMS)
+    assert r.name == "k0" and r.spill_bytes == 0 and 0 < r.registers <= 255
+    assert r.config["BLOCK_M"] == 64 and r.config["BLOCK_N"] == 64  # the example's @tile hints
+    assert r.wgmma and all(re.fullmatch(r"m64n\d+k16", s) for s in r.wgmma)
+    assert r.shared_bytes > 0
+
+
+def test_gemm_example_reports_every_candidate():
+    default = _report("gemm_multiply_multiply.tdsl", GEMM_DIMS)
+    every = _report("gemm_multiply_multiply.tdsl", GEMM_DIMS, every=True)
+    assert len(default) == 1 and len(every) >= 2
+    assert every[0] == default[0]  # the launcher starts from the first candidate
+    assert all(r.spill_bytes == 0 and r.wgmma for r in every)
+
+
+def test_ptx_cli_json():
+    code, out, _ = cli("ptx", str(EXAMPLES / "gemm_multiply_multiply.tdsl"), "--dims", "M=8192,N=8192,K=4096",
+                       "--json")
+    assert code == 0
+    (kernel,) = json.loads(out)["kernels"]
+    assert set(kernel) == {"name", "config", "registers", "spill_bytes", "shared_bytes", "wgmma", "tma"}
+    assert kernel["config"]["BLOCK_M"] == 128 and kernel["spill_bytes"] == 0
+
+
+def test_ptx_cli_text_and_errors():
+    code, out, _ = cli("ptx", str(EXAMPLES / "rmsnorm.tdsl"), "--dims", "M=4096,N=8192")
+    assert code == 0
+    assert out.splitlines()[0].startswith("k0: BLOCK_O=")
+    assert re.match(r"  registers \d+, spills 0 bytes, shared \d+ bytes, wgmma none, TMA copies 0$",
+                    out.splitlines()[1])
+    code, _, err = cli("ptx", str(EXAMPLES / "rmsnorm.tdsl"), "--dims", "M=4096")
+    assert code == 1 and "give a size for every dim with --dims: missing N" in err
+    code, _, err = cli("ptx", str(EXAMPLES / "rmsnorm.tdsl"), "--dims", "M=4,N=8", "--arch", "sm_75")
+    assert code == 1 and err.strip() == "error: --arch sm_75: give an NVIDIA architecture sm_80 or newer, e.g. sm_90"
