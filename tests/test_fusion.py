@@ -3,14 +3,17 @@ kernel against the design section 5 oracle on tail sizes, refusals as records, a
 GEMM template's PTX on sm_90.
 """
 
+import re
+
 import pytest
 import torch
 
 import tiledsl
 from helpers import compile_for_sm90, randn, run_checked
 from tiledsl import testing
-from tiledsl.backends.triton.aot import compile_launch, resource_usage
+from tiledsl.backends.triton import aot
 from tiledsl.passes.fusion.remarks import FusionRemark, Rule
+from tiledsl.testing import needed_dims
 
 DT = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
 
@@ -158,35 +161,51 @@ def test_fusion_never_changes_results_against_the_unfused_program():
 
 # --- sm_90 ------------------------------------------------------------------------------------------
 
-GPU_SIZES = (512, 256, 384)  # M, K, N: the 128 x 128 x 64 tile with 8 warps
+GPU_DIMS = {"B": 2, "M": 8192, "N": 8192, "K": 4096}  # the GEMM benchmark's shape
+
+
+def wgmma_n(report) -> list[int]:
+    return [int(re.fullmatch(r"m64n(\d+)k16", s).group(1)) for s in report.wgmma]
+
+
+def gpu_reports(name: str, dt: str, every_candidate: bool = False):
+    """The program's GEMM kernel as it would run on an H100 (aot.inspect_program)."""
+    fn = tiledsl.compile(PROGRAMS[name][0].format(dt=dt))
+    return aot.inspect_program(fn, {d: GPU_DIMS[d] for d in needed_dims(fn)},
+                               every_candidate=every_candidate)
 
 
 @pytest.mark.parametrize("dt", ["f16", "bf16"])
 @pytest.mark.parametrize("name", ["multiply_multiply", "gelu_linear", "row_col_scales",
                                   "batched_relu_f32_out", "stored_intermediate", "operand_prologue"])
-def test_gemm_epilogue_uses_wgmma_and_does_not_spill(name, dt):
-    src, _, make = PROGRAMS[name]
-    fn = tiledsl.compile(src.format(dt=dt))
-    fn(*make(DT[dt], *GPU_SIZES))
-    (launch,) = fn.launches
-    ck = compile_launch(launch)
-    assert "wgmma.mma_async" in ck.asm["ptx"]
-    usage = resource_usage(ck)
-    assert (usage["spill_stores"], usage["spill_loads"]) == (0, 0), usage
+def test_gemm_epilogue_default_uses_wide_wgmma_and_does_not_spill(name, dt):
+    (r,) = gpu_reports(name, dt)
+    assert r.spill_bytes == 0, r
+    assert (r.config["BLOCK_M"], r.config["BLOCK_N"]) == (128, 128), r
+    assert r.wgmma and min(wgmma_n(r)) >= 128, r
 
 
 @pytest.mark.parametrize("name", ["gelu_linear", "multiply_multiply", "operand_prologue"])
-def test_autotune_candidates_compile_for_sm90(name):
-    src, _, make = PROGRAMS[name]
-    fn = tiledsl.compile(src.format(dt="bf16"))
-    fn(*make(torch.bfloat16, *GPU_SIZES))
-    (launch,) = fn.launches
-    candidates = launch.kernel.launch_candidates(dict(launch.dims), "cuda")
-    assert len(candidates) >= 2
-    for cfg in candidates:
-        ck = compile_launch(launch, config=cfg)
-        assert "wgmma.mma_async" in ck.asm["ptx"]
-        assert resource_usage(ck)["spill_stores"] == 0, cfg
+def test_every_autotune_candidate_compiles_without_spills(name):
+    reports = gpu_reports(name, "bf16", every_candidate=True)
+    assert len(reports) >= 4
+    for r in reports:
+        assert r.spill_bytes == 0, r
+        assert r.wgmma and min(wgmma_n(r)) >= 64, r
+
+
+def test_wide_gemm_tiles_only_beside_cheap_epilogues():
+    """128 x 256 and 256 x 128 tiles are candidates for a bare GEMM and one with a scaling
+    epilogue (and do not spill there); not for gelu or for epilogues that load a tile."""
+    def tiles(name):
+        return {(r.config["BLOCK_M"], r.config["BLOCK_N"]): r
+                for r in gpu_reports(name, "f16", every_candidate=True)}
+
+    scaled = tiles("row_col_scales")
+    assert {(128, 256), (256, 128)} <= set(scaled)
+    assert scaled[(128, 256)].wgmma == ["m64n256k16"] and scaled[(128, 256)].spill_bytes == 0
+    for name in ("gelu_linear", "multiply_multiply"):
+        assert max(m * n for m, n in tiles(name)) == 128 * 128, name
 
 
 def test_every_fused_kernel_compiles_for_sm90():

@@ -39,13 +39,16 @@ NEG_INF = '-float("inf")'
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 DOT_HINTS = ("BLOCK_M", "BLOCK_N")
-# Hopper configurations, (BLOCK_M, BLOCK_N, warps, stages), by padded head dim. With
-# pointer-based loads (no TMA) every k and v element's address lives in registers, so
-# tiles are smaller than a TMA kernel's: ptxas -v (sm_90, Triton 3.9) shows 128 x 64 tiles
-# spilling at head dim 64 (4 warps) and 128 (8 warps); these compile without spills.
+# Hopper configurations, (BLOCK_M, BLOCK_N, warps, stages), by padded head dim, the first
+# the default. Derived from the build Triton's launcher really makes (`tiledsl ptx --all`,
+# sm_90, Triton 3.9, B=4 H=16 M=N=4096, f16, causal or not): every one compiles without
+# spills and with wgmma N >= 64 at head dims 64 and 128. One warpgroup (4 warps) per 64
+# query rows: 8 warps on a 64-row tile split the key tile and issue m64n32 wgmmas.
+# 128 x 128 at head dim 128 needs 2 stages (3 would take 224 KiB of shared memory).
 HOPPER_CONFIGS = {
-    64: ((128, 32, 8, 3), (64, 64, 8, 3), (64, 64, 4, 3), (64, 128, 8, 3), (64, 32, 4, 3)),
-    128: ((64, 64, 8, 3), (64, 32, 8, 3), (64, 32, 4, 3), (128, 32, 8, 3)),
+    64: ((128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 128, 4, 3)),
+    128: ((128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3)),
+    256: ((128, 32, 8, 2), (64, 64, 4, 2), (128, 64, 8, 2)),
 }
 
 
@@ -291,11 +294,13 @@ class AttentionProgram:
             constexprs = {"BLOCK_M": user["BLOCK_M"] or bm, "BLOCK_N": user["BLOCK_N"] or bn,
                           "BLOCK_D": max(16, next_pow2(d)), "BLOCK_DV": max(16, next_pow2(dv))}
             grid = (cdiv(m, constexprs["BLOCK_M"]) * numel(batch, dims),)
+            if warps is not None and constexprs["BLOCK_M"] <= 64:
+                warps = min(warps, 4)  # one warpgroup per 64 query rows
             return LaunchConfig(grid, constexprs, user["num_warps"] or warps, user["num_stages"] or stages)
 
         def hopper(d: int, dv: int) -> tuple:
-            width = max(16, next_pow2(d), next_pow2(dv))
-            return HOPPER_CONFIGS[64] if width <= 64 else HOPPER_CONFIGS.get(width, ((64, 32, 8, 2),))
+            width = max(64, next_pow2(d), next_pow2(dv))
+            return HOPPER_CONFIGS.get(width, ((64, 32, 4, 2),))
 
         def configure(dims: Mapping[str, int], device: str) -> LaunchConfig:
             m, n, d, dv = sizes(dims)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from tiledsl import ops
 from tiledsl.ir import KernelOp, Op, Region
 from tiledsl.plans import GemmPlan
 from tiledsl.types import Compute, DType, compute_type
@@ -44,16 +45,18 @@ from .codegen import Code, Signature, TensorRef, next_pow2
 from .expr import Emitter, Val, literal
 
 DOT_HINTS = ("BLOCK_M", "BLOCK_N", "BLOCK_K")
-# Hopper configurations to autotune among: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages).
-# With pointer-based loads (no TMA), 4-warp tiles of 128 x 128 and any 128 x 256,
-# 256 x 128 or 64 x 256 tile spill on sm_90 (ptxas -v, Triton 3.6 and 3.9), so the
-# list keeps 8-warp tiles that compile without spills.
-HOPPER_CONFIGS = ((128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 32, 8, 4),
-                  (128, 64, 64, 8, 3), (64, 128, 64, 8, 3))
+# Hopper configurations to autotune among: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), the
+# first the default. Derived from the build Triton's launcher really makes (`tiledsl ptx
+# --all`, sm_90, Triton 3.9, M=N=8192 K=4096, f16/bf16): all compile without spills, and
+# 128-wide tiles issue m64n128k16 (128 x 256: m64n256k16) wgmmas. 4-warp 128 x 128 tiles
+# use 210+ registers and spill once an epilogue loads a tile.
+HOPPER_CONFIGS = ((128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
+                  (128, 128, 64, 8, 4), (128, 128, 32, 8, 4), (128, 64, 64, 8, 3))
 # An epilogue that loads or stores two or more full [M, N] tiles (extra D tensors,
-# extra outputs), or an operand prologue (its tile passes through registers),
-# spills at 128 x 128; half-width tiles with 8 warps and 3 stages do not.
-HEAVY_CONFIGS = ((128, 64, 64, 8, 3), (64, 128, 64, 8, 3))
+# extra outputs), or an operand prologue, holds those tiles beside the accumulator:
+# 128 x 128 fits (150-162 registers), 128 x 256 and 256 x 128 spill 350-480 bytes.
+HEAVY_CONFIGS = ((128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 32, 8, 4),
+                 (128, 64, 64, 8, 3), (64, 128, 64, 8, 3))
 
 
 def batch_base(ref: TensorRef, rank: int, bnames: list[str | None]) -> str:
@@ -271,6 +274,10 @@ class GemmProgram:
         dot = self.op.dtype
         batch = self.batch
         heavy = self.full_tiles >= 2 or self.plan.has_prologue
+        # 128 x 256 and 256 x 128 tiles hold 128 accumulator registers per thread: only an
+        # epilogue of cheap ops fits beside them (gelu spills 168 bytes)
+        wide = not heavy and all(ops.OPS[self.region.ops[v - self.n_in].op.kind].cheap
+                                 for v in self.plan.epilogue)
 
         def sizes(dims: Mapping[str, int]) -> tuple[int, int, int]:
             m, n, k = (d if isinstance(d, int) else dims[d] for d in (shape[-2], shape[-1], k_dim))
@@ -286,8 +293,8 @@ class GemmProgram:
         def configure(dims: Mapping[str, int], device: str) -> LaunchConfig:
             m, n, k = sizes(dims)
             if device == "cuda":
-                # the tiles that do not spill on sm_90 with pointer-based loads: 128 x 128
-                # x 64 with 8 warps (128 x 64 for heavy epilogues), 64 x 64 for small problems
+                # the first configuration of the list (128 x 128 x 64, 8 warps); 64 x 64
+                # for small problems
                 if m >= 128 and n >= 128:
                     bm, bn, bk, warps, stages = (HEAVY_CONFIGS if heavy else HOPPER_CONFIGS)[0]
                     bk = bk if dot is not DType.F32 else 32
@@ -311,7 +318,8 @@ class GemmProgram:
                 return []
             configs = HEAVY_CONFIGS if heavy else HOPPER_CONFIGS
             return [config(dims, bm, bn, bk, w, s) for bm, bn, bk, w, s in configs
-                    if bm <= next_pow2(m) and bn <= next_pow2(n) and bk <= max(16, next_pow2(k))]
+                    if bm <= next_pow2(m) and bn <= next_pow2(n) and bk <= max(16, next_pow2(k))
+                    and (wide or bm * bn <= 128 * 128)]
 
         return configure, candidates
 

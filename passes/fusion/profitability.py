@@ -23,7 +23,9 @@ weigh here is work that a fused kernel repeats:
 
 from __future__ import annotations
 
-PROLOGUE_KINDS = frozenset({"cast", "mul", "add", "sub", "neg", "abs", "relu", "maximum", "minimum"})
+from tiledsl import ops
+
+PROLOGUE_KINDS = frozenset(kind for kind, d in ops.OPS.items() if d.cheap)
 MAX_EPILOGUE_INPUTS = 8
 MAX_ROW_PHASES = 8
 MAX_ROW_OPS = 256

@@ -46,14 +46,14 @@ def _logical(symbol: str) -> Infer:
     return infer
 
 
-def _operator(kind, symbol, infer, function, triton) -> None:
+def _operator(kind, symbol, infer, function, triton, cheap=False) -> None:
     define(kind, 2, ELEMENTWISE, infer, reads=Reads.PROMOTED, symbol=symbol, fold=function,
-           reference=function, triton=triton)
+           reference=function, triton=triton, cheap=cheap)
 
 
-_operator("add", "+", _arith, operator.add, binary("{a} + {b}"))
-_operator("sub", "-", _arith, operator.sub, binary("{a} - {b}"))
-_operator("mul", "*", _arith, operator.mul, binary("{a} * {b}"))
+_operator("add", "+", _arith, operator.add, binary("{a} + {b}"), cheap=True)
+_operator("sub", "-", _arith, operator.sub, binary("{a} - {b}"), cheap=True)
+_operator("mul", "*", _arith, operator.mul, binary("{a} * {b}"), cheap=True)
 _operator("div", "/", _true_div, operator.truediv, binary("{a} / {b}", "tl.div_rn({a}, {b})"))
 
 
@@ -86,9 +86,9 @@ for _kind, _symbol, _function in (("lt", "<", operator.lt), ("le", "<=", operato
 # read in the result's type
 _AB = (BParam("a"), BParam("b"))
 define("maximum", 2, ELEMENTWISE, _arith, params=_AB, fold=max, reference=torch.maximum,
-       triton=nan_propagating("maximum"))
+       triton=nan_propagating("maximum"), cheap=True)
 define("minimum", 2, ELEMENTWISE, _arith, params=_AB, fold=min, reference=torch.minimum,
-       triton=nan_propagating("minimum"))
+       triton=nan_propagating("minimum"), cheap=True)
 
 
 def _where(types, attrs):

@@ -84,6 +84,9 @@ class OpDef:
     fold: Callable[..., Any] | None = None  # fold(*python_scalars, **attrs)
     reference: Callable[..., Any] | None = None  # reference(*torch_values, **attrs)
     triton: Render | None = None  # elementwise ops: triton(em, op, args, out) -> value
+    # an instruction or two per element (no transcendental, no division): cheap enough to
+    # recompute per output tile in a GEMM prologue, light enough for the widest GEMM tiles
+    cheap: bool = False
 
 
 OPS: dict[str, OpDef] = {}

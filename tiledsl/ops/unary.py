@@ -95,11 +95,11 @@ def _render_relu(em, op, args, out):
 
 
 define("neg", 1, ELEMENTWISE, _signed("-"), symbol="-", fold=operator.neg, reference=torch.neg,
-       triton=unary("-{x}"))
+       triton=unary("-{x}"), cheap=True)
 define("abs", 1, ELEMENTWISE, _signed("abs"), params=(X,), fold=abs, reference=torch.abs,
-       triton=unary("tl.abs({x})"))
+       triton=unary("tl.abs({x})"), cheap=True)
 define("relu", 1, ELEMENTWISE, _signed("relu"), params=(X,), fold=lambda a: max(a, 0),
-       reference=torch.relu, triton=_render_relu)
+       reference=torch.relu, triton=_render_relu, cheap=True)
 
 
 def _cast(types, attrs):
@@ -120,4 +120,4 @@ def _render_cast(em, op, args, out):
 
 # reading the operand in the result's type is the conversion; the op itself is the identity
 define("cast", 1, ELEMENTWISE, _cast, params=(X, BParam("dtype", "dtype")),
-       fold=lambda a, dtype: a, reference=lambda x, dtype: x, triton=_render_cast)
+       fold=lambda a, dtype: a, reference=lambda x, dtype: x, triton=_render_cast, cheap=True)
