@@ -113,3 +113,38 @@ def test_ptx_cli_text_and_errors():
     assert code == 1 and "give a size for every dim with --dims: missing N" in err
     code, _, err = cli("ptx", str(EXAMPLES / "rmsnorm.tdsl"), "--dims", "M=4,N=8", "--arch", "sm_75")
     assert code == 1 and err.strip() == "error: --arch sm_75: give an NVIDIA architecture sm_80 or newer, e.g. sm_90"
+
+
+ROW_PROGRAMS = {
+    "softmax": "kernel f(x: {dt}[M, N]) -> {dt}[M, N] {{ return softmax(x * 0.5, axis=-1) }}",
+    "rmsnorm": """kernel f(x: {dt}[M, N], w: {dt}[N], eps: f32) -> {dt}[M, N] {{
+        xf = cast(x, f32)
+        return xf * rsqrt(mean(xf * xf, keepdims=true) + eps) * w
+    }}""",
+    "layernorm": """kernel f(x: {dt}[M, N], w: {dt}[N], b: {dt}[N], eps: f32) -> {dt}[M, N] {{
+        mu = mean(x, keepdims=true)
+        xc = x - mu
+        return xc * rsqrt(mean(xc * xc, keepdims=true) + eps) * w + b
+    }}""",
+}
+
+
+@pytest.mark.parametrize("name, dt, n, block_r, one_pass", [
+    ("softmax", "f16", 32768, 32768, True), ("softmax", "f32", 16384, 16384, True),
+    ("softmax", "f32", 32768, 16384, False), ("rmsnorm", "f16", 32768, 32768, True),
+    ("rmsnorm", "bf16", 4096, 4096, True), ("layernorm", "f16", 16384, 16384, True),
+    ("layernorm", "f16", 32768, 16384, False), ("layernorm", "f32", 8192, 8192, True),
+])
+def test_rows_read_once_up_to_the_one_pass_limit_without_spills(name, dt, n, block_r, one_pass):
+    fn = tiledsl.compile(ROW_PROGRAMS[name].format(dt=dt))
+    (r,) = aot.inspect_program(fn, {"M": 4096, "N": n})
+    assert (r.config["BLOCK_R"], r.config["ONE_PASS"]) == (block_r, one_pass)
+    assert r.config["num_warps"] == max(4, min(16, block_r // 1024))
+    assert r.spill_bytes == 0, r
+
+
+def test_short_rows_share_a_program():
+    fn = tiledsl.compile(ROW_PROGRAMS["rmsnorm"].format(dt="f16"))
+    (r,) = aot.inspect_program(fn, {"M": 4096, "N": 128})
+    assert (r.config["BLOCK_O"], r.config["BLOCK_R"], r.config["num_warps"]) == (32, 128, 4)
+    assert r.spill_bytes == 0

@@ -135,8 +135,9 @@ def cdiv(a: int, b: int) -> int:
 
 
 # Block-size caps per device: the interpreter runs each program in numpy, so
-# fewer, larger programs are faster there; GPUs want register-sized tiles.
+# fewer, larger programs are faster there; GPUs want register-sized tiles (a row
+# program's row block on CUDA: `rows.one_pass_limit`).
 CAPS = {
     "interpreter": {"pointwise": 1 << 14, "row": 1 << 12, "tile": 1 << 16},
-    "cuda": {"pointwise": 1024, "row": 2048, "tile": 4096},
+    "cuda": {"pointwise": 1024, "tile": 4096},
 }
