@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 
 import tiledsl
@@ -26,9 +27,9 @@ def test_choose_times_once_then_remembers(monkeypatch, tmp_path):
         [(128, 128, 8), (128, 128, 8)]
     timed = []
 
-    def fake_time(cands, launch):
+    def fake_time(cands, launch, deadline):
         timed.append(len(cands))
-        return cands[2]
+        return cands[2], True
 
     monkeypatch.setattr(autotune, "_time", fake_time)
     first = autotune.choose(emitted, dims, candidates, launch=lambda cfg: None)
@@ -48,3 +49,73 @@ def test_user_tile_hints_turn_autotuning_off():
     assert launch.kernel.launch_candidates(dict(launch.dims), "cuda") == []
     cfg = launch.kernel.launch_config(dict(launch.dims), "cuda")
     assert (cfg.constexprs["BLOCK_M"], cfg.constexprs["BLOCK_N"]) == (64, 64)
+
+
+class FakeGpu:
+    """Candidate timings on a fake clock: each timed candidate costs `cost_s` seconds."""
+
+    def __init__(self, monkeypatch, tmp_path, ms, cost_s=0.1):
+        self.now, self.measured, self.ms, self.cost_s = 0.0, [], ms, cost_s
+        monkeypatch.setenv("TILEDSL_CACHE_DIR", str(tmp_path))
+        monkeypatch.setattr(autotune, "_chosen", {})
+        monkeypatch.setattr(autotune, "_spent", [0.0])
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "test-gpu")
+        monkeypatch.setattr(autotune.time, "perf_counter", lambda: self.now)
+        monkeypatch.setattr(autotune, "_measure", self.measure)
+
+    def measure(self, cfg, launch):
+        self.now += self.cost_s
+        self.measured.append(cfg)
+        return self.ms[len(self.measured) - 1]
+
+
+def test_a_size_bucket_is_tuned_once(monkeypatch, tmp_path):
+    emitted, dims = emitted_gemm()
+    candidates = emitted.launch_candidates(dims, "cuda")
+    gpu = FakeGpu(monkeypatch, tmp_path, [3.0, 1.0] + [2.0] * (len(candidates) - 2))
+    assert autotune.choose(emitted, dims, candidates, launch=None) is candidates[1]
+    assert len(gpu.measured) == len(candidates)
+    # 512 -> 500 and 384 -> 300 stay in the buckets 512 and 512: no new timing
+    same = {**dims, "M": 500, "N": 300}
+    chosen = autotune.choose(emitted, same, emitted.launch_candidates(same, "cuda"), launch=None)
+    assert autotune.describe(chosen) == autotune.describe(candidates[1])
+    assert len(gpu.measured) == len(candidates)
+    assert autotune.bucket(same) == autotune.bucket(dims) != autotune.bucket({**dims, "M": 513})
+
+
+def test_the_budget_keeps_the_best_so_far_then_the_default(monkeypatch, tmp_path, capsys):
+    emitted, dims = emitted_gemm()
+    candidates = emitted.launch_candidates(dims, "cuda")
+    assert len(candidates) >= 4
+    gpu = FakeGpu(monkeypatch, tmp_path, [3.0, 1.0, 0.5, 0.1], cost_s=2.0)
+    monkeypatch.setenv("TILEDSL_AUTOTUNE_BUDGET_S", "3")
+    # two candidates fit in 3 s (the second starts at 2 s); the third would start past it
+    assert autotune.choose(emitted, dims, candidates, launch=None) is candidates[1]
+    assert gpu.measured == candidates[:2]
+    err = capsys.readouterr().err
+    assert err.startswith("tiledsl: autotuned kernel k0 (matmul) at K=256, M=512, N=384 in 4.0 s: ")
+    assert err.rstrip().endswith("(the autotuning budget ran out: best so far)")
+    assert not (tmp_path / "autotune.json").exists()  # a later process tunes it properly
+    # the budget is spent: another size takes the template's default without timing
+    other = {**dims, "M": 4096}
+    others = emitted.launch_candidates(other, "cuda")
+    assert autotune.choose(emitted, other, others, launch=None) is others[0]
+    assert gpu.measured == candidates[:2]
+
+
+def test_quick_tuning_prints_nothing(monkeypatch, tmp_path, capsys):
+    emitted, dims = emitted_gemm()
+    candidates = emitted.launch_candidates(dims, "cuda")
+    FakeGpu(monkeypatch, tmp_path, [1.0] * len(candidates), cost_s=0.01)
+    autotune.choose(emitted, dims, candidates, launch=None)
+    assert capsys.readouterr().err == ""
+    assert (tmp_path / "autotune.json").exists()
+
+
+@pytest.mark.parametrize("value", ["soon", "-1", "nan"])
+def test_a_bad_budget_is_a_clear_error(monkeypatch, value):
+    monkeypatch.setenv("TILEDSL_AUTOTUNE_BUDGET_S", value)
+    with pytest.raises(tiledsl.TileDSLError) as err:
+        autotune.budget_s()
+    assert str(err.value) == (f"error: TILEDSL_AUTOTUNE_BUDGET_S={value}: give a number of seconds "
+                              "(0 or more)")

@@ -1,37 +1,75 @@
-"""Choosing among launch configurations on a GPU, once per kernel and problem size.
+"""Choosing among launch configurations on a GPU, once per kernel and size bucket.
 
 A template may offer several configurations for a size (`EmittedKernel.
-launch_candidates`, e.g. the GEMM's Hopper tiles). The first launch at that
-size times each candidate with CUDA events (one warm-up launch, which also
-compiles it, then a few timed ones; configurations that do not fit the device
-are skipped) and keeps the fastest. Choices are cached in memory and in
-`autotune.json` in the kernel cache directory (plain JSON, written
-atomically), keyed by the kernel's cache key, the sizes and the device name.
-Outputs are fresh tensors, so launching a kernel several times is harmless.
+launch_candidates`, e.g. the GEMM's Hopper tiles). The first launch in a size
+bucket times each candidate and keeps the fastest:
+- a bucket rounds every dim up to a power of two, so a new sequence length in
+  the same bucket reuses the choice instead of tuning again;
+- each candidate is launched once (which compiles it; one that does not fit
+  the device is skipped), then timed `TIMED_RUNS` times with CUDA events,
+  flushing the L2 cache before each run; its time is the median;
+- tuning shares one budget per process, `TILEDSL_AUTOTUNE_BUDGET_S` seconds
+  (default 30): when it runs out, the best configuration so far is kept, and
+  later kernels take their first candidate (the template's default) untimed.
+  Choices made on a spent budget are not saved, so a later process tunes them;
+- tuning that takes over a second prints one line on stderr.
+Choices are cached in memory and in `autotune.json` in the kernel cache
+directory (plain JSON, written atomically), keyed by the kernel's cache key,
+the size bucket and the device name. Outputs are fresh tensors, so launching a
+kernel several times is harmless.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
+import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from tiledsl import diagnostics as diag
+
 from .base import EmittedKernel, LaunchConfig
 from .cache import cache_dir, cache_key
+from .codegen import next_pow2
 
 _lock = threading.Lock()
 _chosen: dict[str, dict[str, Any]] = {}
 TIMED_RUNS = 5
+DEFAULT_BUDGET_S = 30.0
+L2_FLUSH_BYTES = 256 << 20  # more than any GPU's L2 (an H100 has 50 MB)
+_spent = [0.0]  # seconds this process has spent tuning
+_flush_buffers: dict[int, Any] = {}  # per device
+
+
+def bucket(dims: Mapping[str, int]) -> dict[str, int]:
+    """The size bucket of a call: every dim rounded up to a power of two."""
+    return {k: next_pow2(v) for k, v in dims.items()}
 
 
 def _key(emitted: EmittedKernel, dims: Mapping[str, int]) -> str:
     import torch
 
-    sizes = ",".join(f"{k}={v}" for k, v in sorted(dims.items()))
+    sizes = ",".join(f"{k}={v}" for k, v in sorted(bucket(dims).items()))
     return f"{cache_key(emitted.source, 'cuda', emitted.ir())[:32]}|{sizes}|{torch.cuda.get_device_name()}"
+
+
+def budget_s() -> float:
+    text = os.environ.get("TILEDSL_AUTOTUNE_BUDGET_S")
+    if text is None:
+        return DEFAULT_BUDGET_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:  # also NaN
+        raise diag.OptionError(message=(
+            f"TILEDSL_AUTOTUNE_BUDGET_S={text[:40]}: give a number of seconds (0 or more)"))
+    return value
 
 
 def describe(cfg: LaunchConfig) -> dict[str, Any]:
@@ -62,7 +100,7 @@ def _save_disk(key: str, choice: dict[str, Any]) -> None:
 
 def choose(emitted: EmittedKernel, dims: Mapping[str, int], candidates: Sequence[LaunchConfig],
            launch: Callable[[LaunchConfig], None]) -> LaunchConfig:
-    """The fastest candidate for these sizes (timed once, then remembered)."""
+    """The fastest candidate for this size bucket (timed once, then remembered)."""
     key = _key(emitted, dims)
     with _lock:
         if key not in _chosen:
@@ -72,34 +110,66 @@ def choose(emitted: EmittedKernel, dims: Mapping[str, int], candidates: Sequence
         for cfg in candidates:
             if describe(cfg) == wanted:
                 return cfg
-    best = _time(candidates, launch)
+    left = budget_s() - _spent[0]
+    if left <= 0:
+        return candidates[0]  # the budget is spent: the template's default, untimed
+    start = time.perf_counter()
+    best, complete = _time(candidates, launch, start + left)
+    elapsed = time.perf_counter() - start
+    _spent[0] += elapsed
+    if elapsed > 1.0:
+        sizes = ", ".join(f"{k}={v}" for k, v in dims.items())
+        note = "" if complete else " (the autotuning budget ran out: best so far)"
+        print(f"tiledsl: autotuned kernel {emitted.kernel.name} ({emitted.kernel.template}) at "
+              f"{sizes} in {elapsed:.1f} s: {_format(best)}{note}", file=sys.stderr)
     with _lock:
         _chosen[key] = describe(best)
-        _save_disk(key, _chosen[key])
+        if complete:
+            _save_disk(key, _chosen[key])
     return best
 
 
-def _time(candidates: Sequence[LaunchConfig], launch: Callable[[LaunchConfig], None]) -> LaunchConfig:
-    import torch
+def _format(cfg: LaunchConfig) -> str:
+    return ", ".join(f"{k}={v}" for k, v in describe(cfg).items() if k != "INTERPRETER")
 
+
+def _time(candidates: Sequence[LaunchConfig], launch: Callable[[LaunchConfig], None],
+          deadline: float) -> tuple[LaunchConfig, bool]:
+    """The fastest candidate, and whether every one was timed before `deadline`."""
     best: tuple[float, LaunchConfig] | None = None
-    for cfg in candidates:
-        try:
-            launch(cfg)  # compiles
-            torch.cuda.synchronize()
-        except Exception as err:  # e.g. triton's OutOfResources: the tile does not fit
-            if "OutOfResources" not in type(err).__name__ and "out of resource" not in str(err):
-                raise
-            continue
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(TIMED_RUNS):
-            launch(cfg)
-        end.record()
-        end.synchronize()
-        elapsed = start.elapsed_time(end) / TIMED_RUNS
-        if best is None or elapsed < best[0]:
+    for i, cfg in enumerate(candidates):
+        if i > 0 and time.perf_counter() > deadline:
+            return best[1] if best else candidates[0], False
+        elapsed = _measure(cfg, launch)
+        if elapsed is not None and (best is None or elapsed < best[0]):
             best = (elapsed, cfg)
     if best is None:
         raise RuntimeError("no launch configuration fits this device")
-    return best[1]
+    return best[1], True
+
+
+def _measure(cfg: LaunchConfig, launch: Callable[[LaunchConfig], None]) -> float | None:
+    """Median milliseconds of one launch with a cold L2, or None if it does not fit."""
+    import torch
+
+    try:
+        launch(cfg)  # compiles
+        torch.cuda.synchronize()
+    except Exception as err:  # e.g. triton's OutOfResources: the tile does not fit
+        if "OutOfResources" not in type(err).__name__ and "out of resource" not in str(err):
+            raise
+        return None
+    device = torch.cuda.current_device()
+    if device not in _flush_buffers:
+        _flush_buffers[device] = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device=device)
+    flush = _flush_buffers[device]
+    times = []
+    for _ in range(TIMED_RUNS):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        launch(cfg)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
