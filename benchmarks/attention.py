@@ -81,6 +81,32 @@ def time_all(fn, q, k, v, scale: float, causal: bool, device: str) -> tuple[floa
             bench(lambda: math_attention(q, k, v, scale, causal), device) if fits else float("nan"))
 
 
+def measure(device: str, quick: bool = False) -> list[dict]:
+    """One row per (dtype, causal, shape): times in ms, or the error that kept it untimed."""
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    for name, dtype in DTYPES.items():
+        for causal in (False, True):
+            fn = tiledsl.compile(SOURCE.format(dt=name, mask=CAUSAL if causal else ""))
+            assert [k.template for k in fn.kernels] == ["attention"], fn.explain()
+            for b, h, n, d in shapes(quick):
+                row = {"dtype": name, "causal": causal, "B": b, "H": h, "N": n, "D": d}
+                rows.append(row)
+                q, k, v = (torch.randn((b, h, n, d), generator=gen).to(dtype).to(device) for _ in range(3))
+                scale = 1 / math.sqrt(d)
+                out = fn(q, k, v, scale=scale)  # warm-up: compiles and autotunes
+                ref = math_attention(q.float(), k.float(), v.float(), scale, causal)
+                rel = ((out.float() - ref).norm() / ref.norm()).item()
+                if rel > 2e-2:
+                    row["error"] = f"relative error {rel:.2e}: results disagree, not timed"
+                    continue
+                t_ours, t_flash, t_default, t_math = time_all(fn, q, k, v, scale, causal, device)
+                flops = 4 * b * h * n * n * d / (2 if causal else 1)
+                row.update(ours_ms=t_ours, tflops=flops / (t_ours * 1e-3) / 1e12, sdpa_flash_ms=t_flash,
+                           sdpa_default_ms=t_default, eager_math_ms=t_math)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     args = arguments(__doc__).parse_args(argv)
     device = args.device
@@ -90,28 +116,19 @@ def main(argv: list[str] | None = None) -> int:
               f"{'TFLOP/s':>7} | {'flash':>7} {'default':>7} {'math':>7} | {'flash/ours':>10} "
               f"{'default/ours':>12} {'math/ours':>9}")
     print_header(header)
-    gen = torch.Generator().manual_seed(0)
     timed: dict[tuple, float] = {}
-    for name, dtype in DTYPES.items():
-        for causal in (False, True):
-            fn = tiledsl.compile(SOURCE.format(dt=name, mask=CAUSAL if causal else ""))
-            assert [k.template for k in fn.kernels] == ["attention"], fn.explain()
-            for b, h, n, d in shapes(args.quick):
-                q, k, v = (torch.randn((b, h, n, d), generator=gen).to(dtype).to(device) for _ in range(3))
-                scale = 1 / math.sqrt(d)
-                out = fn(q, k, v, scale=scale)  # warm-up: compiles and autotunes
-                ref = math_attention(q.float(), k.float(), v.float(), scale, causal)
-                rel = ((out.float() - ref).norm() / ref.norm()).item()
-                if rel > 2e-2:
-                    print(f"  {name} {b}x{h}x{n}x{d}: relative error {rel:.2e}: results disagree, not timed")
-                    continue
-                t_ours, t_flash, t_default, t_math = time_all(fn, q, k, v, scale, causal, device)
-                flops = 4 * b * h * n * n * d / (2 if causal else 1)
-                timed[(name, n, d, causal)] = t_ours
-                print(f"{b:>3} {h:>3} {n:>6} {d:>4} {str(causal):>6} {name:>5} | {t_ours:8.3f} "
-                      f"{flops / (t_ours * 1e-3) / 1e12:7.1f} | {t_flash:7.3f} {t_default:7.3f} "
-                      f"{t_math:7.3f} | {t_flash / t_ours:10.2f} {t_default / t_ours:12.2f} "
-                      f"{t_math / t_ours:9.2f}")
+    for r in measure(device, args.quick):
+        b, h, n, d, causal, name = r["B"], r["H"], r["N"], r["D"], r["causal"], r["dtype"]
+        if "error" in r:
+            print(f"  {name} {b}x{h}x{n}x{d}: {r['error']}")
+            continue
+        t_ours, t_flash, t_default, t_math = (r["ours_ms"], r["sdpa_flash_ms"], r["sdpa_default_ms"],
+                                              r["eager_math_ms"])
+        timed[(name, n, d, causal)] = t_ours
+        print(f"{b:>3} {h:>3} {n:>6} {d:>4} {str(causal):>6} {name:>5} | {t_ours:8.3f} "
+              f"{r['tflops']:7.1f} | {t_flash:7.3f} {t_default:7.3f} "
+              f"{t_math:7.3f} | {t_flash / t_ours:10.2f} {t_default / t_ours:12.2f} "
+              f"{t_math / t_ours:9.2f}")
     pairs = [(key, timed[key], timed.get((*key[:3], False))) for key in timed if key[3]]
     if pairs:
         print("causal / non-causal time: " + ", ".join(

@@ -45,39 +45,50 @@ def time_all(fn, compiled, args: tuple, device: str) -> tuple[float, float, floa
             bench(lambda: compiled(*args), device) if compiled else float("nan"))
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = arguments(__doc__)
-    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
-    args = parser.parse_args(argv)
-    if not open_device("gemm_epilogue.py", args.device):
-        return 2
-    sizes = [(113, 96, 64)] if args.quick else SIZES
-    device = args.device
-    header = (f"{'M':>5} {'N':>5} {'K':>5} {'dtype':>5} | {'fused ms':>8} {'TFLOP/s':>7} | {'matmul':>7} "
-              f"{'eager':>7} {'compile':>7} | {'fused/mm':>8} {'eager/fused':>11} {'compile/fused':>13}")
-    print_header(header)
+def measure(device: str, quick: bool = False, with_compile: bool = True) -> list[dict]:
+    """One row per (dtype, size): times in ms, or the error that kept it untimed."""
+    rows = []
     gen = torch.Generator().manual_seed(0)
     for name, dtype in DTYPES.items():
         src = (ROOT / "examples" / "gemm_multiply_multiply.tdsl").read_text().replace("f16", name)
         fn = tiledsl.compile(src)
         assert len(fn.kernels) == 1, fn.explain()
-        compiled = None
-        if not args.no_compile and device == "cuda":
-            compiled = torch.compile(eager)
-        for m, n, k in sizes:
+        compiled = torch.compile(eager) if with_compile and device == "cuda" else None
+        for m, n, k in [(113, 96, 64)] if quick else SIZES:
+            row = {"dtype": name, "M": m, "N": n, "K": k}
+            rows.append(row)
             a, b, d, e = (torch.randn(shape, generator=gen).to(dtype).to(device)
                           for shape in ((m, k), (k, n), (m, n), (m, n)))
             out = fn(a, b, d, e)  # warm-up: compiles and autotunes
             ref = eager(a.float(), b.float(), d.float(), e.float())
             rel = ((out.float() - ref).norm() / ref.norm()).item()
             if rel > 2e-2:
-                print(f"  {name} {m}x{n}x{k}: relative error {rel:.2e}: results disagree, not timed")
+                row["error"] = f"relative error {rel:.2e}: results disagree, not timed"
                 continue
             t_fused, t_mm, t_eager, t_comp = time_all(fn, compiled, (a, b, d, e), device)
-            tflops = 2 * m * n * k / (t_fused * 1e-3) / 1e12
-            print(f"{m:>5} {n:>5} {k:>5} {name:>5} | {t_fused:8.3f} {tflops:7.1f} | {t_mm:7.3f} "
-                  f"{t_eager:7.3f} {t_comp:7.3f} | {t_fused / t_mm:8.2f} {t_eager / t_fused:11.2f} "
-                  f"{t_comp / t_fused:13.2f}")
+            row.update(ours_ms=t_fused, tflops=2 * m * n * k / (t_fused * 1e-3) / 1e12,
+                       matmul_ms=t_mm, eager_ms=t_eager, compile_ms=t_comp)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = arguments(__doc__)
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    args = parser.parse_args(argv)
+    if not open_device("gemm_epilogue.py", args.device):
+        return 2
+    header = (f"{'M':>5} {'N':>5} {'K':>5} {'dtype':>5} | {'fused ms':>8} {'TFLOP/s':>7} | {'matmul':>7} "
+              f"{'eager':>7} {'compile':>7} | {'fused/mm':>8} {'eager/fused':>11} {'compile/fused':>13}")
+    print_header(header)
+    for r in measure(args.device, args.quick, not args.no_compile):
+        m, n, k, name = r["M"], r["N"], r["K"], r["dtype"]
+        if "error" in r:
+            print(f"  {name} {m}x{n}x{k}: {r['error']}")
+            continue
+        t_fused, t_mm, t_eager, t_comp = r["ours_ms"], r["matmul_ms"], r["eager_ms"], r["compile_ms"]
+        print(f"{m:>5} {n:>5} {k:>5} {name:>5} | {t_fused:8.3f} {r['tflops']:7.1f} | {t_mm:7.3f} "
+              f"{t_eager:7.3f} {t_comp:7.3f} | {t_fused / t_mm:8.2f} {t_eager / t_fused:11.2f} "
+              f"{t_comp / t_fused:13.2f}")
     return 0
 
 

@@ -50,3 +50,21 @@ def test_host_overhead_smoke_run(capsys):
     assert sorted(result) == ["attention", "gemm_multiply_multiply", "rmsnorm", "softmax"]
     for row in result.values():
         assert row["kernels"] == 1 and row["tiledsl_us"] > 0 and row["triton_dispatch_us"] > 0
+
+
+def test_run_all_smoke_run(capsys, tmp_path):
+    import json
+
+    out_json = tmp_path / "results.json"
+    assert load("run_all").main(["--device", "cpu", "--quick", "--json", str(out_json)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("tiledsl benchmarks on CPU (Triton's interpreter), torch ")
+    assert lines[1] == "| benchmark | case | tiledsl | rate | baseline | baseline / tiledsl | goals |"
+    rows = [line.split("|")[1].strip() for line in lines[3:]]
+    assert rows.count("attention") == 12 and rows.count("gemm_epilogue") == 6
+    assert rows.count("softmax") == 4 and rows.count("host overhead") == 4
+    assert "| f16 B=1 H=2 N=77 D=64 causal |" in lines[6] and "SDPA flash n/a | n/a | n/a (no GPU) |" in lines[6]
+    result = json.loads(out_json.read_text())
+    assert sorted(result["kernels"]) == ["attention", "gemm_epilogue", "softmax"]
+    assert all("ours_ms" in row for rows in result["kernels"].values() for row in rows)
+    assert sorted(result["host_overhead"]) == ["attention", "gemm_multiply_multiply", "rmsnorm", "softmax"]

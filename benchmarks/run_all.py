@@ -1,0 +1,137 @@
+"""Every benchmark in one process: one markdown table of ratios, and the same as JSON.
+
+    python benchmarks/run_all.py [--json results.json]      # on a CUDA GPU (about 5-8 min on an H100)
+    python benchmarks/run_all.py --device cpu --quick       # a smoke run through the interpreter
+
+Runs attention (against SDPA's flash backend, SDPA's default and eager math),
+GEMM + multi-D epilogue (against torch.matmul alone, eager and torch.compile),
+row softmax (against torch.softmax and a device copy) and host overhead
+(against Triton's own dispatch and torch eager). Every baseline is timed in
+the same run on the same inputs, and every ratio is baseline time / tiledsl
+time: above 1 means tiledsl is faster. Each script's goals (its docstring)
+are checked where they apply; the table marks a row that misses one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import attention  # noqa: E402
+import gemm_epilogue  # noqa: E402
+import host_overhead  # noqa: E402
+import softmax  # noqa: E402
+from common import open_device  # noqa: E402
+
+# (benchmark, row key of a baseline's time, its name in the table)
+BASELINES = {
+    "attention": (("sdpa_flash_ms", "SDPA flash"), ("sdpa_default_ms", "SDPA default"),
+                  ("eager_math_ms", "eager math")),
+    "gemm_epilogue": (("matmul_ms", "torch.matmul alone"), ("eager_ms", "eager"),
+                      ("compile_ms", "torch.compile")),
+    "softmax": (("torch_softmax_ms", "torch.softmax"), ("copy_ms", "device copy")),
+}
+
+
+def case(bench: str, row: dict) -> str:
+    if bench == "attention":
+        mask = " causal" if row["causal"] else ""
+        return f"{row['dtype']} B={row['B']} H={row['H']} N={row['N']} D={row['D']}{mask}"
+    if bench == "gemm_epilogue":
+        return f"{row['dtype']} {row['M']}x{row['N']}x{row['K']}"
+    return f"{row['dtype']} {row['M']}x{row['N']}" + (" one pass" if row.get("one_pass") else "")
+
+
+def rate(bench: str, row: dict) -> str:
+    if bench == "softmax":
+        return f"{row['gbs']:.0f} GB/s"
+    return f"{row['tflops']:.0f} TFLOP/s"
+
+
+def goal_misses(bench: str, row: dict, rows: list[dict]) -> list[str]:
+    """The issue's goals a row misses (on an H100; only where the row is one they name)."""
+    misses = []
+    if bench == "attention" and row["D"] == 128 and not row["causal"]:
+        if row["sdpa_flash_ms"] / row["ours_ms"] < 1.2:
+            misses.append("< 1.2x SDPA flash")
+        if row["tflops"] < 450:
+            misses.append("< 450 TFLOP/s")
+    if bench == "attention" and row["causal"]:
+        full = [r for r in rows if not r["causal"] and "ours_ms" in r
+                and (r["dtype"], r["N"], r["D"]) == (row["dtype"], row["N"], row["D"])]
+        if full and row["ours_ms"] > 0.55 * full[0]["ours_ms"]:
+            misses.append("causal > 0.55x non-causal")
+    if bench == "gemm_epilogue" and row["ours_ms"] > 1.05 * row["matmul_ms"]:
+        misses.append("> 1.05x torch.matmul")
+    if bench == "softmax":
+        if row["ours_ms"] > row["torch_softmax_ms"]:
+            misses.append("slower than torch.softmax")
+        if row["copy_ms"] / row["ours_ms"] < 0.85:
+            misses.append("< 0.85x copy bandwidth")
+    return misses
+
+
+def ms(value: float) -> str:
+    return "n/a" if value != value else f"{value:.3f} ms"  # NaN: not run on this device
+
+
+def table(results: dict, on_gpu: bool) -> list[str]:
+    lines = ["| benchmark | case | tiledsl | rate | baseline | baseline / tiledsl | goals |",
+             "|---|---|---|---|---|---|---|"]
+    for bench, rows in results["kernels"].items():
+        for row in rows:
+            if "error" in row:
+                lines.append(f"| {bench} | {case(bench, row)} | not timed: {row['error']} | | | | |")
+                continue
+            misses = (", ".join(goal_misses(bench, row, rows)) or "met") if on_gpu else "n/a (no GPU)"
+            for i, (key, name) in enumerate(BASELINES[bench]):
+                ratio = row[key] / row["ours_ms"]
+                first = (ms(row["ours_ms"]), rate(bench, row), misses) if i == 0 else ("", "", "")
+                lines.append(f"| {bench} | {case(bench, row) if i == 0 else ''} | {first[0]} | {first[1]} | "
+                             f"{name} {ms(row[key])} | {'n/a' if ratio != ratio else f'{ratio:.2f}'} | "
+                             f"{first[2]} |")
+    for name, row in results["host_overhead"].items():
+        ratio = row["triton_dispatch_us"] / row["tiledsl_us"]
+        goal = "met" if row["goal_met"] else "over 2x Triton's dispatch + 10 us"
+        lines.append(f"| host overhead | {name} | {row['tiledsl_us']:.1f} us | | Triton dispatch "
+                     f"{row['triton_dispatch_us']:.1f} us | {ratio:.2f} | {goal} |")
+        if "gpu_call_us" in row:
+            eager, call = row["torch_eager_us"], row["gpu_call_us"]
+            lines.append(f"| host overhead | {name} (GPU call) | {call:.1f} us | | torch eager "
+                         f"{eager:.1f} us | {eager / call:.2f} | |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run, not a measurement)")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    args = parser.parse_args(argv)
+    if not open_device("run_all.py", args.device):
+        return 2
+    start = time.perf_counter()
+    device_name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU (Triton's interpreter)"
+    results: dict = {"device": device_name, "torch": torch.__version__, "kernels": {}}
+    results["kernels"]["attention"] = attention.measure(args.device, args.quick)
+    results["kernels"]["gemm_epilogue"] = gemm_epilogue.measure(args.device, args.quick)
+    results["kernels"]["softmax"] = softmax.measure(args.device, args.quick)
+    results["host_overhead"] = host_overhead.measure(3 if args.quick else 2000)
+    results["seconds"] = round(time.perf_counter() - start, 1)
+    print(f"tiledsl benchmarks on {device_name}, torch {torch.__version__}, "
+          f"{results['seconds']} s{' (--quick: not a measurement)' if args.quick else ''}")
+    print("\n".join(table(results, args.device == "cuda")))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
