@@ -89,12 +89,72 @@ def test_fully_masked_rows_give_zero_and_lse_minus_inf():
     assert (lse[:, :40] == float("-inf")).all() and torch.isfinite(lse[:, 40:]).all()
 
 
-def test_causal_blocks_past_the_diagonal_are_skipped():
+def key_loops(fn: tiledsl.Program) -> list[list[str]]:
+    """The kernel's key loops, each as its header and its body lines."""
+    lines = fn.kernels[0].source.splitlines()
+    loops = []
+    for i, line in enumerate(lines):
+        if "for n0 in range" in line:
+            indent = len(line) - len(line.lstrip())
+            body = [line.strip()]
+            for nxt in lines[i + 1:]:
+                if len(nxt) - len(nxt.lstrip()) <= indent:
+                    break
+                body.append(nxt.strip())
+            loops.append(body)
+    return loops
+
+
+def test_causal_blocks_past_the_diagonal_are_skipped_and_below_it_unmasked():
     fn = attention("f16", True)
-    loop = next(line for line in fn.kernels[0].source.splitlines() if "for n0 in range" in line)
-    assert "tl.minimum(d1, tl.maximum(0, (pid_m + 1) * BLOCK_M))" in loop
+    source = fn.kernels[0].source
+    assert ("n_full = tl.minimum(d1 // BLOCK_N * BLOCK_N, tl.maximum(0, pid_m * BLOCK_M + 1) "
+            "// BLOCK_N * BLOCK_N)") in source
+    unmasked, masked = key_loops(fn)
+    assert unmasked[0] == "for n0 in range(0, n_full, BLOCK_N):"
+    assert masked[0] == "for n0 in range(n_full, tl.minimum(d1, tl.maximum(0, (pid_m + 1) * BLOCK_M)), BLOCK_N):"
+    # below the diagonal: no causal where, no key-tail select, no key mask on the loads
+    assert not any("tl.where" in line and "-float" in line for line in unmasked[1:])
+    assert not any("rn < d1" in line or "rn[None, :] < d1" in line for line in unmasked)
+    assert sum("rn < d1" in line or "rn[None, :] < d1" in line or "rn[:, None] < d1" in line
+               for line in masked) >= 3
+    assert any(">=" in line for line in masked)  # the causal comparison
     assert "key blocks past the mask's bound are skipped" in fn.explain()
     assert "skipped" not in attention("f16", False).explain()
+
+
+def test_without_a_mask_only_the_key_tail_is_masked():
+    fn = attention("f16", False)
+    assert "n_full = d1 // BLOCK_N * BLOCK_N" in fn.kernels[0].source
+    unmasked, masked = key_loops(fn)
+    assert masked[0] == "for n0 in range(n_full, d1, BLOCK_N):"
+    assert not any("rn < d1" in line or "< d1)" in line for line in unmasked)
+
+
+SPLIT_MASKS = {
+    "none": "",
+    "causal": "s = where(causal(s), s, -inf)",
+    "strict": "s = where(index(s, -2) > index(s, -1), s, -inf)",
+    "bottom-right": "s = where(index(s, -2) + (N - M) >= index(s, -1), s, -inf)",
+    "offset by a scalar": "s = where(index(s, -1) <= index(s, -2) + w, s, -inf)",
+    "sliding window": "s = where((index(s, -1) <= index(s, -2)) & (index(s, -1) > index(s, -2) - 37), s, -inf)",
+    "bias then causal": "s = where(causal(s), s + index(s, -1) * 0.01, -inf)",
+}
+
+
+@pytest.mark.parametrize("n", [1, 113, 1023])
+@pytest.mark.parametrize("mask", list(SPLIT_MASKS))
+def test_split_key_loop_on_every_mask_and_tail(mask, n):
+    """Small blocks, so programs have unmasked blocks, cut blocks, tails and skipped blocks."""
+    fn = tiledsl.compile("@tile(BLOCK_M=32, BLOCK_N=16)\n" + f"""
+    kernel attn(q: f32[B, M, D], k: f32[B, N, D], v: f32[B, N, D], w: i32) -> f32[B, M, D] {{{{
+        s = q @ k.T
+        {SPLIT_MASKS[mask]}
+        return softmax(s) @ v
+    }}}}""".format())
+    assert templates(fn) == ["attention"]
+    m, b = {1: (1, 2), 113: (77, 2), 1023: (70, 1)}[n]
+    run_checked(fn, randn(b, m, 24), randn(b, n, 24), randn(b, n, 24), 5)
 
 
 # --- the recognised variants, each one kernel ----------------------------------------------------

@@ -83,11 +83,13 @@ class KeyBound:
     """A mask `where(i + a >= j + b, s, -inf)` (or >, or the mirrored <=, <) keeps key j
     of query row i only while j <= i + a - b (j < for strict): key blocks past the last
     row's bound are skipped. `offsets` are (sign, value id) terms of a - b, `strict`
-    subtracts one more."""
+    subtracts one more. `exact`: the mask's condition is this comparison alone (not one
+    conjunct of several), so a key block inside the bound for every row needs no mask."""
 
     offsets: tuple[tuple[int, int], ...]
     constant: int
     strict: bool
+    exact: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +169,8 @@ def format_plan(plan: Plan, name) -> str:
         terms = "".join(f" {'+' if s > 0 else '-'} {name(v)}" for s, v in plan.bound.offsets)
         terms += f" {'+' if c > 0 else '-'} {abs(c)}" if c else ""
         bound = f"j {'<' if plan.bound.strict else '<='} i{terms}"
+        if plan.bound.exact:
+            bound += " exactly"
     return (f"plan attention {{qk = {name(plan.qk)}, softmax = {name(plan.softmax)}, "
             f"pv = {name(plan.pv)}, q = {name(plan.q_source)}, "
             f"k = {name(plan.k_source)}{' (transposed)' if plan.k_transposed else ''}, "

@@ -87,7 +87,7 @@ class AttentionProgram:
         self.DV = sig.size(self.out_shape[-1])
         for name in ("BLOCK_M", "BLOCK_N", "BLOCK_D", "BLOCK_DV"):
             sig.constexpr(name)
-        M, N, D, DV = self.M, self.N, self.D, self.DV
+        M, D = self.M, self.D
 
         body("pid = tl.program_id(0)")
         body(f"m_blocks = tl.cdiv({M}, BLOCK_M)")
@@ -122,56 +122,97 @@ class AttentionProgram:
         body(f"m_i = tl.full([BLOCK_M], {NEG_INF}, tl.float32)")
         body("l_i = tl.zeros([BLOCK_M], dtype=tl.float32)")
         body("acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)")
-        body(f"for n0 in range(0, {self.key_limit()}, BLOCK_N):")
+        # the key blocks every row of this program keeps whole come first, with no masks
+        # (no key tail, and no mask where the mask is the plan's bound alone); the rest
+        # (the tail block, the blocks a mask cuts through) evaluate every mask
+        body(f"n_full = {self.full_blocks_end()}")
+        body("for n0 in range(0, n_full, BLOCK_N):")
         with body.indent():
-            body("rn = n0 + rn_base")
-            k_rows, k_cols = ("rn[None, :]", "rd[:, None]") if self.k_flipped else \
-                ("rd[:, None]", "rn[None, :]")
-            body(f"k_ptrs = {self.tile(self.k_src, k_rows, k_cols, '[BLOCK_D, BLOCK_N]')}")
-            operand_tile(em, region, "kt", "k_ptrs", f"(rd[:, None] < {D}) & (rn[None, :] < {N})",
-                         self.b_val, self.k_src, set(parts.k_chain), self.scalars, self.qk_op.dtype)
-            body(f"s = tl.dot(q, kt{self.precision(self.qk_op.dtype)})")
-            vals = dict(outer)
-            vals[parts.qk] = Val("s", Compute.F32)
-            for i in score_inputs:
-                if i not in vals:
-                    vals[i] = self.load(i, "score")
-            self.run(vals, parts.score_ops, "score")
-            x = em.tensor(em.convert(vals[parts.scores], Compute.F32))
-            # the online softmax in base 2; columns past the keys are -inf
-            body(f"t = tl.where((rn < {N})[None, :], {x.text} * {LOG2E!r}, {NEG_INF})")
-            body("m_new = tl.maximum(m_i, tl.max(t, 1))")
-            # an infinite max is replaced by 0: -inf (all masked so far) gives p = 0, +inf
-            # (torch: a NaN row, logsumexp +inf) gives l_i = +inf, never inf - inf
-            body('m_safe = tl.where(tl.abs(m_new) == float("inf"), 0.0, m_new)')
-            body("alpha = tl.where(m_i == m_new, 1.0, tl.exp2(m_i - m_safe))")
-            body("p = tl.exp2(t - m_safe[:, None])")
-            body("l_i = l_i * alpha + tl.sum(p, 1)")
-            body(f"v_ptrs = {self.tile(self.v_val, 'rn[:, None]', 'rdv[None, :]', '[BLOCK_N, BLOCK_DV]')}")
-            operand_tile(em, region, "vt", "v_ptrs", f"(rn[:, None] < {N}) & (rdv[None, :] < {DV})",
-                         self.v_val, self.v_val, {self.v_val}, self.scalars, self.pv_op.dtype)
-            pv_dtype = self.pv_op.dtype
-            body(f"p = {em.narrow('p', pv_dtype)}")
-            if pv_dtype is DType.BF16:
-                body("if INTERPRETER:")
-                with body.indent():
-                    body(f"p = {em.widen('p', DType.BF16)}")
-            body("acc = acc * alpha[:, None]")
-            body(f"acc = tl.dot(p, vt, acc{self.precision(pv_dtype)})")
-            body("m_i = m_new")
+            self.key_block(masked=False, score_inputs=score_inputs)
+        body(f"for n0 in range(n_full, {self.key_limit()}, BLOCK_N):")
+        with body.indent():
+            self.key_block(masked=True, score_inputs=score_inputs)
         self.finish_rows()
 
+    def key_block(self, masked: bool, score_inputs: list[int]) -> None:
+        """One step of the online softmax over the key block at n0. Unmasked blocks lie
+        inside the keys and, for an exact mask bound, inside the mask for every row."""
+        body, em, region, parts = self.body, self.em, self.region, self.parts
+        N, D, DV = self.N, self.D, self.DV
+        body("rn = n0 + rn_base")
+        k_rows, k_cols = ("rn[None, :]", "rd[:, None]") if self.k_flipped else \
+            ("rd[:, None]", "rn[None, :]")
+        body(f"k_ptrs = {self.tile(self.k_src, k_rows, k_cols, '[BLOCK_D, BLOCK_N]')}")
+        k_mask = f"(rd[:, None] < {D}) & (rn[None, :] < {N})" if masked else f"rd[:, None] < {D}"
+        operand_tile(em, region, "kt", "k_ptrs", k_mask, self.b_val, self.k_src, set(parts.k_chain),
+                     self.scalars, self.qk_op.dtype)
+        body(f"s = tl.dot(q, kt{self.precision(self.qk_op.dtype)})")
+        vals = dict(self.outer)
+        vals[parts.qk] = Val("s", Compute.F32)
+        for i in score_inputs:
+            if i not in vals:
+                vals[i] = self.load(i, "score")
+        score_ops, scores = parts.score_ops, parts.scores
+        if not masked and parts.bound is not None and parts.bound.exact:
+            # the mask keeps every score here: its where is its kept operand
+            _, kept, _ = region.ops[scores - self.n_in].operands
+            needed = region.depends(kept)
+            score_ops, scores = tuple(v for v in score_ops if v in needed), kept
+        self.run(vals, score_ops, "score")
+        x = em.tensor(em.convert(vals[scores], Compute.F32))
+        # the online softmax in base 2; columns past the keys are -inf
+        if masked:
+            body(f"t = tl.where((rn < {N})[None, :], {x.text} * {LOG2E!r}, {NEG_INF})")
+        else:
+            body(f"t = {x.text} * {LOG2E!r}")
+        body("m_new = tl.maximum(m_i, tl.max(t, 1))")
+        # an infinite max is replaced by 0: -inf (all masked so far) gives p = 0, +inf
+        # (torch: a NaN row, logsumexp +inf) gives l_i = +inf, never inf - inf
+        body('m_safe = tl.where(tl.abs(m_new) == float("inf"), 0.0, m_new)')
+        body("alpha = tl.where(m_i == m_new, 1.0, tl.exp2(m_i - m_safe))")
+        body("p = tl.exp2(t - m_safe[:, None])")
+        body("l_i = l_i * alpha + tl.sum(p, 1)")
+        body(f"v_ptrs = {self.tile(self.v_val, 'rn[:, None]', 'rdv[None, :]', '[BLOCK_N, BLOCK_DV]')}")
+        v_mask = f"(rn[:, None] < {N}) & (rdv[None, :] < {DV})" if masked else f"rdv[None, :] < {DV}"
+        operand_tile(em, region, "vt", "v_ptrs", v_mask, self.v_val, self.v_val, {self.v_val},
+                     self.scalars, self.pv_op.dtype)
+        pv_dtype = self.pv_op.dtype
+        body(f"p = {em.narrow('p', pv_dtype)}")
+        if pv_dtype is DType.BF16:
+            body("if INTERPRETER:")
+            with body.indent():
+                body(f"p = {em.widen('p', DType.BF16)}")
+        body("acc = acc * alpha[:, None]")
+        body(f"acc = tl.dot(p, vt, acc{self.precision(pv_dtype)})")
+        body("m_i = m_new")
+
+    def bound_offset(self) -> str:
+        """The mask bound's `a - b` (minus one when strict) as source text: row i keeps keys
+        j <= i + offset."""
+        bound, text = self.parts.bound, ""
+        for sign, v in bound.offsets:
+            text += f" {'-' if sign < 0 else '+'} {self.em.tensor(self.outer[v]).text}"
+        if constant := bound.constant - int(bound.strict):
+            text += f" {'-' if constant < 0 else '+'} {abs(constant)}"
+        return text
+
     def key_limit(self) -> str:
-        """How far this program walks the keys: all of them, or up to a mask's bound."""
+        """How far this program walks the keys: all of them, or up to a mask's bound (the
+        last row's, exclusive)."""
+        if self.parts.bound is None:
+            return self.N
+        return f"tl.minimum({self.N}, tl.maximum(0, (pid_m + 1) * BLOCK_M{self.bound_offset()}))"
+
+    def full_blocks_end(self) -> str:
+        """Where the key blocks that need no mask end: the last whole block of keys, and
+        for an exact mask bound the last block the first row keeps whole."""
+        whole = f"{self.N} // BLOCK_N * BLOCK_N"
         bound = self.parts.bound
         if bound is None:
-            return self.N
-        limit = "(pid_m + 1) * BLOCK_M"
-        for sign, v in bound.offsets:
-            limit += f" {'-' if sign < 0 else '+'} {self.em.tensor(self.outer[v]).text}"
-        if constant := bound.constant - int(bound.strict):
-            limit += f" {'-' if constant < 0 else '+'} {abs(constant)}"
-        return f"tl.minimum({self.N}, tl.maximum(0, {limit}))"
+            return whole
+        first_row = (f"pid_m * BLOCK_M + 1{self.bound_offset()}" if bound.exact
+                     else self.key_limit())
+        return f"tl.minimum({whole}, tl.maximum(0, {first_row}) // BLOCK_N * BLOCK_N)"
 
     def finish_rows(self) -> None:
         """Normalise once, compute logsumexp, run the epilogue, store."""

@@ -9,6 +9,7 @@ the plan; nothing analyses the region again.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from tiledsl.ir import Op, Region
@@ -64,7 +65,7 @@ def _cond_bound(region: Region, cond: int, rank: int) -> KeyBound | None:
     if rop.op.kind == "and":  # any conjunct's bound holds for the conjunction
         for c in rop.operands:
             if (bound := _cond_bound(region, c, rank)) is not None:
-                return bound
+                return dataclasses.replace(bound, exact=False)
         return None
     if rop.op.kind not in ("ge", "gt", "le", "lt"):
         return None
@@ -77,7 +78,7 @@ def _cond_bound(region: Region, cond: int, rank: int) -> KeyBound | None:
     if (row_axis, col_axis) != (rank - 2, rank - 1):
         return None
     terms = a_terms + tuple((-s, v) for s, v in b_terms)
-    return KeyBound(terms, a_const - b_const, rop.op.kind in ("gt", "lt"))
+    return KeyBound(terms, a_const - b_const, rop.op.kind in ("gt", "lt"), exact=True)
 
 
 def _linear(region: Region, value: int, rank: int):
