@@ -80,7 +80,8 @@ def test_explain_reports_kernels_traffic_and_fusions_not_made(attention):
     assert "        out: f16[B, H, M, D] -> return" in text
     assert ("        structure: q @ k.T: matmul (line 5); score modification: mul (line 5), index (line 6), "
             "index (line 6), ge (line 6), where (line 6); online softmax: softmax (line 7); p @ v: matmul "
-            "(line 8); key blocks past the mask's bound are skipped") in text
+            "(line 8); key blocks past the mask's bound are skipped, blocks inside it for every row run "
+            "without the mask") in text
     assert text.rstrip().splitlines()[-1] == "fusions not made: none"
 
 

@@ -228,7 +228,8 @@ def test_explain_names_the_roles():
         "structure: q @ k.T: matmul (line 3); score modification: mul (line 3), div (line 4), tanh (line 4), "
         "mul (line 4), add (line 4), index (line 5), index (line 5), ge (line 5), where (line 5); "
         "online softmax: softmax (line 6); p @ v: matmul (line 6); epilogue: relu (line 7), mul (line 7), "
-        "add (line 7); key blocks past the mask's bound are skipped")
+        "add (line 7); key blocks past the mask's bound are skipped, blocks inside it for every row run "
+        "without the mask")
 
 
 # --- refusals: the program still runs, the reason is recorded ----------------------------------

@@ -32,7 +32,7 @@ from tiledsl.types import Compute, DType
 
 from .base import EmittedKernel, Hints, LaunchConfig, cdiv, decompose, finish, hint, numel, require_dot_hints
 from .codegen import Code, Signature, next_pow2
-from .expr import Emitter, Val, with_scalar_operands
+from .expr import Emitter, Val, literal, with_scalar_operands
 from .matmul import operand_tile, tile_ptrs
 
 NEG_INF = '-float("inf")'
@@ -118,6 +118,10 @@ class AttentionProgram:
                 outer[i] = self.load(i, "score")
         self.run(outer, tuple(v for v in parts.score_ops if self.value_type(v).rank == 0), "score")
         self.outer = outer
+        self.fold = self.scale_fold()
+        if self.fold is not None:  # the scale and the base-2 conversion, one multiply per score
+            scale = em.tensor(em.convert(self.fold[1], Compute.F32))
+            body(f"qk_scale = {scale.text} * {LOG2E!r}")
 
         body(f"m_i = tl.full([BLOCK_M], {NEG_INF}, tl.float32)")
         body("l_i = tl.zeros([BLOCK_M], dtype=tl.float32)")
@@ -155,16 +159,19 @@ class AttentionProgram:
         score_ops, scores = parts.score_ops, parts.scores
         if not masked and parts.bound is not None and parts.bound.exact:
             # the mask keeps every score here: its where is its kept operand
-            _, kept, _ = region.ops[scores - self.n_in].operands
-            needed = region.depends(kept)
-            score_ops, scores = tuple(v for v in score_ops if v in needed), kept
-        self.run(vals, score_ops, "score")
-        x = em.tensor(em.convert(vals[scores], Compute.F32))
+            _, scores, _ = region.ops[scores - self.n_in].operands
+        folded = self.fold is not None and self.fold[0] == scores
+        if folded:  # s * scale is computed with the base-2 conversion
+            scores = parts.qk
+        needed = region.depends(scores)
+        self.run(vals, tuple(v for v in score_ops if v in needed), "score")
         # the online softmax in base 2; columns past the keys are -inf
+        x = em.tensor(em.convert(vals[scores], Compute.F32))
+        t = f"{x.text} * {'qk_scale' if folded else repr(LOG2E)}"
         if masked:
-            body(f"t = tl.where((rn < {N})[None, :], {x.text} * {LOG2E!r}, {NEG_INF})")
+            body(f"t = tl.where((rn < {N})[None, :], {t}, {NEG_INF})")
         else:
-            body(f"t = {x.text} * {LOG2E!r}")
+            body(f"t = {t}")
         body("m_new = tl.maximum(m_i, tl.max(t, 1))")
         # an infinite max is replaced by 0: -inf (all masked so far) gives p = 0, +inf
         # (torch: a NaN row, logsumexp +inf) gives l_i = +inf, never inf - inf
@@ -185,6 +192,27 @@ class AttentionProgram:
         body("acc = acc * alpha[:, None]")
         body(f"acc = tl.dot(p, vt, acc{self.precision(pv_dtype)})")
         body("m_i = m_new")
+
+    def scale_fold(self) -> tuple[int, Val] | None:
+        """(the value, its scale) when the scores of the unmasked key blocks are q @ k.T
+        times a scalar known for the whole program: that multiply and the base-2
+        conversion's fold into one multiply by `qk_scale`."""
+        parts, region, n_in = self.parts, self.region, self.n_in
+        x = parts.scores
+        if parts.bound is not None and parts.bound.exact:
+            _, x, _ = region.ops[x - n_in].operands
+        if x < n_in or region.ops[x - n_in].op.kind != "mul":
+            return None
+        a, b = region.ops[x - n_in].operands
+        other = b if a == parts.qk else (a if b == parts.qk else None)
+        if other is None or self.value_type(other).rank != 0:
+            return None
+        if other in self.outer:
+            return x, self.outer[other]
+        op = region.ops[other - n_in].op if other >= n_in else None
+        if op is not None and op.kind == "const":
+            return x, literal(op.attr("value"), Compute.F32)
+        return None
 
     def bound_offset(self) -> str:
         """The mask bound's `a - b` (minus one when strict) as source text: row i keeps keys
