@@ -148,3 +148,44 @@ def test_short_rows_share_a_program():
     (r,) = aot.inspect_program(fn, {"M": 4096, "N": 128})
     assert (r.config["BLOCK_O"], r.config["BLOCK_R"], r.config["num_warps"]) == (32, 128, 4)
     assert r.spill_bytes == 0
+
+
+# --- TMA: descriptors where the call's tensors allow them, pointers elsewhere ---------------------
+
+GEMM = "kernel f(a: {dt}[M, K], b: {dt}[K, N], d: {dt}[M, N]) -> {dt}[M, N] {{ return (a @ b) * d }}"
+
+
+def tma_flags(fn, *args):
+    (launch,) = fn.runtime.launches_at(bind(fn.fused_graph(), list(args), {}))
+    return {a.name: a.value for a in launch.arguments if a.name.endswith("_tma")}, launch
+
+
+@pytest.mark.parametrize("dt", ["f16", "bf16"])
+def test_gemm_operands_come_through_tma_when_the_call_allows(dt):
+    from helpers import randn, run_checked
+
+    fn = tiledsl.compile(GEMM.format(dt=dt))
+    dtype = {"f16": torch.float16, "bf16": torch.bfloat16}[dt]
+    m, n, k = 113, 72, 64
+    a, b, d = randn(m, k, dtype=dtype), randn(k, n, dtype=dtype), randn(m, n, dtype=dtype)
+    shifted = randn(m * k + 1, dtype=dtype)[1:].view(m, k)  # 2 bytes past an aligned address
+    odd_k = randn(m, 33, dtype=dtype), randn(33, n, dtype=dtype)  # a: rows of 66 bytes
+    column_major = b.t().contiguous().t()  # last stride K, not 1
+    cases = {
+        "aligned": ((a, b, d), {"in0_tma": True, "in1_tma": True}),
+        "shifted a": ((shifted, b, d), {"in0_tma": False, "in1_tma": True}),
+        "rows of 66 bytes": ((*odd_k, d), {"in0_tma": False, "in1_tma": True}),
+        "column-major b": ((a, column_major, d), {"in0_tma": True, "in1_tma": False}),
+    }
+    for name, (args, expected) in cases.items():
+        flags, launch = tma_flags(fn, *args)
+        assert flags == expected, name
+        run_checked(fn, *args, sm90=False)  # the interpreter takes the same path
+        ptx = aot.compile_launch(launch).asm["ptx"]
+        assert ("cp.async.bulk.tensor" in ptx) == any(expected.values()), name
+
+
+def test_ptx_counts_tma_copies_of_the_gemm_example():
+    fn = tiledsl.compile((EXAMPLES / "gemm_multiply_multiply.tdsl").read_text())
+    for r in aot.inspect_program(fn, GEMM_DIMS, every_candidate=True):
+        assert r.tma > 0 and r.spill_bytes == 0, r

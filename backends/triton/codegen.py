@@ -83,7 +83,16 @@ class Scalar:
     index: int
 
 
-ArgSpec = Ptr | Stride | DimSize | Numel | Scalar
+@dataclass(frozen=True, slots=True)
+class TmaReady:
+    """A constexpr flag computed per call: input `index` can be read through a TMA
+    descriptor (its data 16-byte aligned, its last stride 1, its other strides multiples
+    of 16 bytes). The kernel holds both paths; Triton compiles the one the flag picks."""
+
+    index: int
+
+
+ArgSpec = Ptr | Stride | DimSize | Numel | Scalar | TmaReady
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,8 +153,12 @@ class Signature:
         self.constexprs.append(name)
         return name
 
+    def tma_ready(self, index: int) -> str:
+        return self._add(f"in{index}_tma", TmaReady(index))
+
     def render(self, fn_name: str) -> str:
-        names = [n for n, _ in self.params] + [f"{c}: tl.constexpr" for c in self.constexprs]
+        names = [f"{n}: tl.constexpr" if isinstance(spec, TmaReady) else n for n, spec in self.params]
+        names += [f"{c}: tl.constexpr" for c in self.constexprs]
         return f"def {fn_name}({', '.join(names)}):"
 
     def dim_comments(self) -> list[str]:

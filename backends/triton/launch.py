@@ -26,7 +26,9 @@ from typing import Any
 from tiledsl.types import DType
 
 from .base import EmittedKernel, LaunchConfig
-from .codegen import DimSize, Numel, Ptr, Scalar, Stride
+from .codegen import DimSize, Numel, Ptr, Scalar, Stride, TmaReady
+
+_ITEMSIZE = {DType.F16: 2, DType.BF16: 2, DType.F32: 4, DType.I32: 4, DType.BOOL: 1}
 
 # a slot of the call's values read by a kernel: (slot, permutation of a transposed view)
 Read = tuple[int, "tuple[int, ...] | None"]
@@ -40,16 +42,13 @@ class Argument:
     """A kernel argument as Triton's launcher specializes it. `type` is its Triton type, or
     "constexpr" for an integer equal to 1, which the launcher compiles in as a constant;
     `aligned` marks a pointer to 16-byte-aligned data or an integer divisible by 16, which
-    the launcher tells the compiler (`tt.divisibility = 16`)."""
+    the launcher tells the compiler (`tt.divisibility = 16`). A constexpr parameter of the
+    kernel passed positionally (a `TmaReady` flag) is "constexpr" with its value."""
 
     name: str
     type: str
     aligned: bool = False
-
-    @property
-    def value(self) -> int | None:
-        """The constant a "constexpr" argument is compiled with."""
-        return 1 if self.type == "constexpr" else None
+    value: Any = None  # the constant a "constexpr" argument is compiled with
 
 
 def specialize(name: str, value: Any) -> Argument:
@@ -62,7 +61,7 @@ def specialize(name: str, value: Any) -> Argument:
         return Argument(name, "u1")
     if isinstance(value, int):
         if value == 1:
-            return Argument(name, "constexpr")
+            return Argument(name, "constexpr", value=1)
         kind = "i32" if -(2**31) <= value < 2**31 else ("i64" if value < 2**63 else "u64")
         return Argument(name, kind, value % 16 == 0)
     return Argument(name, "fp32")
@@ -116,6 +115,13 @@ def argument_function(emitted: EmittedKernel, reads: Sequence[Read], out_shapes:
             for d in spec.shape:
                 total *= d if isinstance(d, int) else dims[d]
             exprs.append(str(total))
+        elif isinstance(spec, TmaReady):
+            slot, perm = reads[spec.index]
+            strides[slot] = None
+            last, prev = (1, 0) if perm is None else (perm[1], perm[0])
+            size = _ITEMSIZE[region.inputs[spec.index].type.dtype]
+            exprs.append(f"(v[{slot}].data_ptr() % 16 == 0 and s{slot}[{last}] == 1 and "
+                         f"s{slot}[{prev}] * {size} % 16 == 0)")
         elif isinstance(spec, Scalar):  # bools travel as 0/1 (see Emitter.scalar)
             value = f"v[{reads[spec.index][0]}]"
             exprs.append(f"int({value})" if region.inputs[spec.index].type.dtype is DType.BOOL

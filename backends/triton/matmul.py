@@ -170,15 +170,39 @@ class GemmProgram:
         b_tile = self.tile(self.refs[b_src], b_type.rank, "rk[:, None]", "rn[None, :]", "[BLOCK_K, BLOCK_N]")
         body(f"a_ptrs = {a_tile}")
         body(f"b_ptrs = {b_tile}")
+        # an operand read whole from a 2-D tensor may come through a TMA descriptor; the
+        # call decides (`in<i>_tma`: aligned, unit last stride), the other path stays
+        tma = [self.tma_flag(which) for which in (0, 1)]
+        blocks = (("BLOCK_M", "BLOCK_K"), ("BLOCK_K", "BLOCK_N"))
+        for which, flag in enumerate(tma):
+            if flag is not None:
+                src = self.sources[which]
+                ref, shape = self.refs[src], region.inputs[src].type.shape
+                body(f"if {flag}:")
+                with body.indent():
+                    body(f"{'ab'[which]}_desc = tl.make_tensor_descriptor({ref.ptr}, "
+                         f"shape=[{sig.size(shape[0])}, {sig.size(shape[1])}], "
+                         f"strides=[{ref.strides[0]}, {ref.strides[1]}], "
+                         f"block_shape=[{', '.join(blocks[which])}])")
         body("acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)")
         body(f"for k0 in range(0, {K}, BLOCK_K):")
         with body.indent():
             body(f"kmask = rk < {K} - k0")
             body(f"a_mask = (rm[:, None] < {M}) & kmask[None, :]")
             body(f"b_mask = kmask[:, None] & (rn[None, :] < {N})")
-            a = self.operand("a", 0, "a_mask")
-            b = self.operand("b", 1, "b_mask")
-            body(f"acc = tl.dot({a}, {b}, acc{self.precision()})")
+            coords = ("[pid_m * BLOCK_M, k0]", "[k0, pid_n * BLOCK_N]")
+            for which, name in enumerate("ab"):
+                if tma[which] is None:
+                    self.operand(name, which, f"{name}_mask")
+                    continue
+                body(f"if {tma[which]}:")  # out-of-bounds elements arrive as zeros
+                with body.indent():
+                    body(f"{name} = {name}_desc.load({coords[which]})")
+                    self.interpreter_bf16(name)
+                body("else:")
+                with body.indent():
+                    self.operand(name, which, f"{name}_mask")
+            body(f"acc = tl.dot(a, b, acc{self.precision()})")
             for name, src, axis in (("a", a_src, -1), ("b", b_src, -2)):
                 step = self.refs[src].strides[axis]
                 if step is not None:
@@ -192,6 +216,23 @@ class GemmProgram:
 
     def tile(self, ref: TensorRef, rank: int, rows: str, cols: str, shape: str) -> str:
         return tile_ptrs(ref, rank, self.bnames, rows, cols, shape)
+
+    def tma_flag(self, which: int) -> str | None:
+        """The flag that picks a TMA descriptor for operand `which`, when one can serve it:
+        the operand is its 2-D source tensor as it is (no prologue, the dot's dtype), with
+        no literal size-1 dim."""
+        src = self.sources[which]
+        t = self.region.inputs[src].type
+        if (self.prologues[which] != {src} or t.dtype is not self.op.dtype or t.rank != 2
+                or 1 in t.shape or self.op.dtype is DType.F32):
+            return None
+        return self.sig.tma_ready(src)
+
+    def interpreter_bf16(self, name: str) -> None:
+        if self.op.dtype is DType.BF16:  # the interpreter multiplies bf16 dot operands as raw bits
+            self.body("if INTERPRETER:")
+            with self.body.indent():
+                self.body(f"{name} = {self.em.widen(name, DType.BF16)}")
 
     def operand(self, name: str, which: int, mask: str) -> str:
         """Load one operand tile, apply its prologue, and bring it to the dot's dtype."""

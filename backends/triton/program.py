@@ -23,6 +23,7 @@ from tiledsl.ir import Graph, KernelOp, Op
 from . import attention, matmul, pointwise, rows
 from .base import EmittedKernel, Hints
 from .cache import load
+from .codegen import TmaReady
 from .interpret import interpreting
 from .launch import (
     Argument,
@@ -122,6 +123,8 @@ class TritonBackend(Backend):
                 views[n_slots] = (source, axes if perm is None else tuple(perm[a] for a in axes))
             n_slots += n_out
         self.steps = tuple(steps)
+        # kernels that may build TMA descriptors on the device need Triton's allocator
+        self.needs_allocator = any("make_tensor_descriptor" in e.source for e in self.emitted)
         self.n_slots = n_slots
         self.dim_slots = tuple(dims)
         self.outputs = tuple(slots[e] for e in graph.outputs)
@@ -154,11 +157,14 @@ class TritonBackend(Backend):
         if target == "interpreter":
             with interpreting():
                 self._run(plan, key, bound, values, device, target)
-        elif device.index is not None and device.index != _current_device():
-            with _torch.cuda.device(device):  # Triton launches on the current device
-                self._run(plan, key, bound, values, device, target)
         else:
-            self._run(plan, key, bound, values, device, target)
+            if self.needs_allocator:
+                ensure_allocator()
+            if device.index is not None and device.index != _current_device():
+                with _torch.cuda.device(device):  # Triton launches on the current device
+                    self._run(plan, key, bound, values, device, target)
+            else:
+                self._run(plan, key, bound, values, device, target)
         outs = [values[s] for s in self.outputs]
         return [v if v.dtype is dt else v.to(dt) for v, dt in zip(outs, self.output_dtypes, strict=True)]
 
@@ -231,6 +237,26 @@ class TritonBackend(Backend):
         return load(emitted.source, emitted.fn_name, target, emitted.ir())
 
 
+def _scratch(size: int, alignment: int, stream: Any) -> Any:
+    """Global scratch memory for a kernel launch (TMA descriptors built on the device)."""
+    return _torch.empty(size, dtype=_torch.int8, device="cuda")
+
+
+def ensure_allocator() -> None:
+    """Give Triton an allocator for device-side scratch memory, unless the caller set one
+    (Triton keeps it per thread and context)."""
+    import triton
+
+    try:
+        from triton.runtime._allocation import NullAllocator, _allocator
+
+        if not isinstance(_allocator.get(), NullAllocator):
+            return
+    except ImportError:  # a Triton without that module: set ours
+        pass
+    triton.set_allocator(_scratch)
+
+
 def storage_dtype(t):
     """How a kernel result is stored: in its dtype, except weak floats, which are f64
     (the Python float they stand for)."""
@@ -240,5 +266,6 @@ def storage_dtype(t):
 
 
 def _arguments(emitted: EmittedKernel, args: list) -> tuple[Argument, ...]:
-    return tuple(specialize(name, value)
-                 for (name, _), value in zip(emitted.params, args, strict=True))
+    return tuple(Argument(name, "constexpr", value=value) if isinstance(spec, TmaReady)
+                 else specialize(name, value)
+                 for (name, spec), value in zip(emitted.params, args, strict=True))
