@@ -157,7 +157,7 @@ GEMM = "kernel f(a: {dt}[M, K], b: {dt}[K, N], d: {dt}[M, N]) -> {dt}[M, N] {{ r
 
 def tma_flags(fn, *args):
     (launch,) = fn.runtime.launches_at(bind(fn.fused_graph(), list(args), {}))
-    return {a.name: a.value for a in launch.arguments if a.name.endswith("_tma")}, launch
+    return {a.name: a.value for a in launch.arguments if "_tma" in a.name}, launch
 
 
 @pytest.mark.parametrize("dt", ["f16", "bf16"])
@@ -171,11 +171,16 @@ def test_gemm_operands_come_through_tma_when_the_call_allows(dt):
     shifted = randn(m * k + 1, dtype=dtype)[1:].view(m, k)  # 2 bytes past an aligned address
     odd_k = randn(m, 33, dtype=dtype), randn(33, n, dtype=dtype)  # a: rows of 66 bytes
     column_major = b.t().contiguous().t()  # last stride K, not 1
+    def flags(a_tma, b_tma, b_tma_t=False):
+        return {"in0_tma": a_tma, "in0_tma_t": False, "in1_tma": b_tma, "in1_tma_t": b_tma_t}
+
     cases = {
-        "aligned": ((a, b, d), {"in0_tma": True, "in1_tma": True}),
-        "shifted a": ((shifted, b, d), {"in0_tma": False, "in1_tma": True}),
-        "rows of 66 bytes": ((*odd_k, d), {"in0_tma": False, "in1_tma": True}),
-        "column-major b": ((a, column_major, d), {"in0_tma": True, "in1_tma": False}),
+        "aligned": ((a, b, d), flags(True, True)),
+        "shifted a": ((shifted, b, d), flags(False, True)),
+        "rows of 66 bytes": ((*odd_k, d), flags(False, True)),
+        # read as rows of its transpose, transposed in the kernel
+        "column-major b": ((a, column_major, d), flags(True, False, True)),
+        "column-major b, shifted a": ((shifted, column_major, d), flags(False, False, True)),
     }
     for name, (args, expected) in cases.items():
         flags, launch = tma_flags(fn, *args)
@@ -189,3 +194,27 @@ def test_ptx_counts_tma_copies_of_the_gemm_example():
     fn = tiledsl.compile((EXAMPLES / "gemm_multiply_multiply.tdsl").read_text())
     for r in aot.inspect_program(fn, GEMM_DIMS, every_candidate=True):
         assert r.tma > 0 and r.spill_bytes == 0, r
+
+
+def test_attention_reads_q_k_v_through_tma_when_the_call_allows():
+    from helpers import randn, run_checked
+
+    fn = tiledsl.compile((EXAMPLES / "attention.tdsl").read_text())
+    q, k, v = (randn(2, 3, n, 64, dtype=torch.float16) for n in (77, 130, 130))
+    shifted_q = randn(2 * 3 * 77 * 64 + 8, dtype=torch.float16)[8:].view(2, 3, 77, 64)  # 16 bytes in
+    odd = [randn(2, 3, n, 59, dtype=torch.float16) for n in (77, 130, 130)]  # rows of 118 bytes
+    q_off = randn(2 * 3 * 77 * 64 + 1, dtype=torch.float16)[1:].view(2, 3, 77, 64)  # 2 bytes in
+    # k.T of a [.., N, D] tensor: the descriptor over its rows, transposed in the kernel
+    contiguous = {"in0_tma": True, "in1_tma": False, "in1_tma_t": True, "in3_tma": True}
+    cases = {
+        "contiguous": ((q, k, v), contiguous),
+        "q 16 bytes in": ((shifted_q, k, v), contiguous),
+        "q 2 bytes in": ((q_off, k, v), {**contiguous, "in0_tma": False}),
+        "rows of 118 bytes": (tuple(odd), {n: False for n in contiguous}),
+    }
+    for name, (args, expected) in cases.items():
+        flags, launch = tma_flags(fn, *args, 0.125)
+        assert flags == expected, name
+        run_checked(fn, *args, 0.125, sm90=False)
+        ptx = aot.compile_launch(launch).asm["ptx"]
+        assert ("cp.async.bulk.tensor" in ptx) == any(expected.values()), name

@@ -332,3 +332,4 @@ def test_sm90_wgmma_and_no_spills(dt, d, mask):
     for r in reports:
         assert r.spill_bytes == 0, r
         assert r.wgmma and min(wgmma_n(s) for s in r.wgmma) >= 64, r
+        assert r.tma > 0, r  # q, k and v through TMA descriptors

@@ -87,9 +87,12 @@ class Scalar:
 class TmaReady:
     """A constexpr flag computed per call: input `index` can be read through a TMA
     descriptor (its data 16-byte aligned, its last stride 1, its other strides multiples
-    of 16 bytes). The kernel holds both paths; Triton compiles the one the flag picks."""
+    of 16 bytes). The kernel holds both paths; Triton compiles the one the flag picks.
+    `swapped`: the same with the last two dims swapped (a transposed view of a tensor
+    whose rows are contiguous, read by a descriptor over those rows and transposed)."""
 
     index: int
+    swapped: bool = False
 
 
 ArgSpec = Ptr | Stride | DimSize | Numel | Scalar | TmaReady
@@ -153,8 +156,8 @@ class Signature:
         self.constexprs.append(name)
         return name
 
-    def tma_ready(self, index: int) -> str:
-        return self._add(f"in{index}_tma", TmaReady(index))
+    def tma_ready(self, index: int, swapped: bool = False) -> str:
+        return self._add(f"in{index}_tma{'_t' if swapped else ''}", TmaReady(index, swapped))
 
     def render(self, fn_name: str) -> str:
         names = [f"{n}: tl.constexpr" if isinstance(spec, TmaReady) else n for n, spec in self.params]

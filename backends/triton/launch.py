@@ -118,10 +118,12 @@ def argument_function(emitted: EmittedKernel, reads: Sequence[Read], out_shapes:
         elif isinstance(spec, TmaReady):
             slot, perm = reads[spec.index]
             strides[slot] = None
-            last, prev = (1, 0) if perm is None else (perm[1], perm[0])
-            size = _ITEMSIZE[region.inputs[spec.index].type.dtype]
-            exprs.append(f"(v[{slot}].data_ptr() % 16 == 0 and s{slot}[{last}] == 1 and "
-                         f"s{slot}[{prev}] * {size} % 16 == 0)")
+            t = region.inputs[spec.index].type
+            axes = list(range(t.rank)) if perm is None else list(perm)
+            if spec.swapped:
+                axes[-2:] = axes[-1], axes[-2]
+            pitches = "".join(f" and s{slot}[{a}] * {_ITEMSIZE[t.dtype]} % 16 == 0" for a in axes[:-1])
+            exprs.append(f"(v[{slot}].data_ptr() % 16 == 0 and s{slot}[{axes[-1]}] == 1{pitches})")
         elif isinstance(spec, Scalar):  # bools travel as 0/1 (see Emitter.scalar)
             value = f"v[{reads[spec.index][0]}]"
             exprs.append(f"int({value})" if region.inputs[spec.index].type.dtype is DType.BOOL

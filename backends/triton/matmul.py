@@ -171,34 +171,40 @@ class GemmProgram:
         body(f"a_ptrs = {a_tile}")
         body(f"b_ptrs = {b_tile}")
         # an operand read whole from a 2-D tensor may come through a TMA descriptor; the
-        # call decides (`in<i>_tma`: aligned, unit last stride), the other path stays
-        tma = [self.tma_flag(which) for which in (0, 1)]
+        # call decides (`in<i>_tma`: aligned, unit last stride; `in<i>_tma_t`: a transposed
+        # view of rows with a unit stride, read as rows and transposed), pointers otherwise
+        tma = [self.tma_flags(which) for which in (0, 1)]
         blocks = (("BLOCK_M", "BLOCK_K"), ("BLOCK_K", "BLOCK_N"))
-        for which, flag in enumerate(tma):
-            if flag is not None:
-                src = self.sources[which]
-                ref, shape = self.refs[src], region.inputs[src].type.shape
+        for which, flags in enumerate(tma):
+            src = self.sources[which]
+            ref, shape = self.refs[src], region.inputs[src].type.shape
+            for flag, swapped in flags:
+                order = (1, 0) if swapped else (0, 1)
+                tile = blocks[which][::-1] if swapped else blocks[which]
                 body(f"if {flag}:")
                 with body.indent():
-                    body(f"{'ab'[which]}_desc = tl.make_tensor_descriptor({ref.ptr}, "
-                         f"shape=[{sig.size(shape[0])}, {sig.size(shape[1])}], "
-                         f"strides=[{ref.strides[0]}, {ref.strides[1]}], "
-                         f"block_shape=[{', '.join(blocks[which])}])")
+                    body(f"{'ab'[which]}_desc{'_t' if swapped else ''} = tl.make_tensor_descriptor("
+                         f"{ref.ptr}, shape=[{', '.join(sig.size(shape[a]) for a in order)}], "
+                         f"strides=[{', '.join(ref.strides[a] for a in order)}], "
+                         f"block_shape=[{', '.join(tile)}])")
         body("acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)")
         body(f"for k0 in range(0, {K}, BLOCK_K):")
         with body.indent():
             body(f"kmask = rk < {K} - k0")
             body(f"a_mask = (rm[:, None] < {M}) & kmask[None, :]")
             body(f"b_mask = kmask[:, None] & (rn[None, :] < {N})")
-            coords = ("[pid_m * BLOCK_M, k0]", "[k0, pid_n * BLOCK_N]")
+            coords = (("pid_m * BLOCK_M", "k0"), ("k0", "pid_n * BLOCK_N"))
             for which, name in enumerate("ab"):
-                if tma[which] is None:
+                if not tma[which]:
                     self.operand(name, which, f"{name}_mask")
                     continue
-                body(f"if {tma[which]}:")  # out-of-bounds elements arrive as zeros
-                with body.indent():
-                    body(f"{name} = {name}_desc.load({coords[which]})")
-                    self.interpreter_bf16(name)
+                for i, (flag, swapped) in enumerate(tma[which]):
+                    at = ", ".join(coords[which][::-1] if swapped else coords[which])
+                    body(f"{'if' if i == 0 else 'elif'} {flag}:")  # out of bounds: zeros
+                    with body.indent():
+                        load = f"{name}_desc{'_t' if swapped else ''}.load([{at}])"
+                        body(f"{name} = {f'tl.trans({load})' if swapped else load}")
+                        self.interpreter_bf16(name)
                 body("else:")
                 with body.indent():
                     self.operand(name, which, f"{name}_mask")
@@ -217,16 +223,16 @@ class GemmProgram:
     def tile(self, ref: TensorRef, rank: int, rows: str, cols: str, shape: str) -> str:
         return tile_ptrs(ref, rank, self.bnames, rows, cols, shape)
 
-    def tma_flag(self, which: int) -> str | None:
-        """The flag that picks a TMA descriptor for operand `which`, when one can serve it:
-        the operand is its 2-D source tensor as it is (no prologue, the dot's dtype), with
-        no literal size-1 dim."""
+    def tma_flags(self, which: int) -> list[tuple[str, bool]]:
+        """The flags that pick a TMA descriptor for operand `which` (as it is, or over the
+        rows of a transposed view), when one can serve it: the operand is its 2-D source
+        tensor as it is (no prologue, the dot's dtype), with no literal size-1 dim."""
         src = self.sources[which]
         t = self.region.inputs[src].type
         if (self.prologues[which] != {src} or t.dtype is not self.op.dtype or t.rank != 2
                 or 1 in t.shape or self.op.dtype is DType.F32):
-            return None
-        return self.sig.tma_ready(src)
+            return []
+        return [(self.sig.tma_ready(src, swapped), swapped) for swapped in (False, True)]
 
     def interpreter_bf16(self, name: str) -> None:
         if self.op.dtype is DType.BF16:  # the interpreter multiplies bf16 dot operands as raw bits
