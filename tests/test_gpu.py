@@ -88,3 +88,25 @@ def test_cuda_graph_capture_and_replay():
         captured(cuda_randn(3, 4099, dtype=torch.float16), w, 1e-6)
     with pytest.raises(tiledsl.TileDSLError, match="scalar 'eps' was captured as 1e-06"):
         captured(x, w, 1e-5)
+
+
+def test_tma_and_pointer_paths_on_gpu():
+    """The descriptor path (aligned, unit last stride), the transposed-rows path and the
+    pointer path (unaligned) of the GEMM and attention, all against the oracle."""
+    fn = tiledsl.compile("kernel f(a: f16[M, K], b: f16[K, N], d: f16[M, N]) -> f16[M, N] { return (a @ b) * d }")
+    a, b, d = cuda_randn(300, 256, dtype=torch.float16), cuda_randn(256, 200, dtype=torch.float16, seed=1), \
+        cuda_randn(300, 200, dtype=torch.float16, seed=2)
+    shifted = cuda_randn(300 * 256 + 1, dtype=torch.float16, seed=3)[1:].view(300, 256)
+    for args in ((a, b, d), (shifted, b, d), (a, b.t().contiguous().t(), d)):
+        check_cuda(fn, *args)
+    attention = tiledsl.compile(EXAMPLES / "attention.tdsl")
+    for dim in (64, 59):  # 59: rows of 118 bytes, pointers only
+        q, k, v = (cuda_randn(2, 2, s, dim, dtype=torch.float16, seed=i) for i, s in enumerate((300, 520, 520)))
+        check_cuda(attention, q, k, v, scale=dim**-0.5)
+
+
+@pytest.mark.parametrize("dt, n", [(torch.float16, 32768), (torch.float32, 16384), (torch.float32, 20000)])
+def test_long_rows_on_gpu(dt, n):
+    name = {torch.float16: "f16", torch.float32: "f32"}[dt]
+    fn = tiledsl.compile(f"kernel f(x: {name}[M, N]) -> {name}[M, N] {{ return softmax(x * 0.5, axis=-1) }}")
+    check_cuda(fn, cuda_randn(17, n, dtype=dt))
