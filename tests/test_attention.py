@@ -123,6 +123,17 @@ def test_causal_blocks_past_the_diagonal_are_skipped_and_below_it_unmasked():
     assert "skipped" not in attention("f16", False).explain()
 
 
+def test_a_sliding_window_skips_the_blocks_before_it():
+    fn = tiledsl.compile(ATTENTION.format(dt="f16", mask=(
+        "s = where((index(s, -1) <= index(s, -2)) & (index(s, -1) > index(s, -2) - 256), s, -inf)")))
+    assert "key_bound = j <= i and j >= i - 255 exactly" in fn.ir()
+    source = fn.kernels[0].source
+    assert "n_lo = tl.maximum(0, pid_m * BLOCK_M - 255) // BLOCK_N * BLOCK_N" in source
+    headers = [loop[0] for loop in key_loops(fn)]
+    assert headers == ["for n0 in range(n_lo, n_in, BLOCK_N):", "for n0 in range(n_in, n_full, BLOCK_N):",
+                       "for n0 in range(n_full, n_hi, BLOCK_N):"]
+
+
 def test_without_a_mask_only_the_key_tail_is_masked():
     fn = attention("f16", False)
     assert "n_full = d1 // BLOCK_N * BLOCK_N" in fn.kernels[0].source
@@ -139,6 +150,9 @@ SPLIT_MASKS = {
     "offset by a scalar": "s = where(index(s, -1) <= index(s, -2) + w, s, -inf)",
     "sliding window": "s = where((index(s, -1) <= index(s, -2)) & (index(s, -1) > index(s, -2) - 37), s, -inf)",
     "bias then causal": "s = where(causal(s), s + index(s, -1) * 0.01, -inf)",
+    "window of w keys": "s = where((index(s, -1) <= index(s, -2)) & (index(s, -1) >= index(s, -2) - w), s, -inf)",
+    "window and a key limit": ("s = where((index(s, -1) < index(s, -2) + 3) & (index(s, -1) > index(s, -2) - 21)"
+                               " & (index(s, -1) < 100), s, -inf)"),
 }
 
 

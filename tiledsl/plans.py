@@ -83,13 +83,24 @@ class KeyBound:
     """A mask `where(i + a >= j + b, s, -inf)` (or >, or the mirrored <=, <) keeps key j
     of query row i only while j <= i + a - b (j < for strict): key blocks past the last
     row's bound are skipped. `offsets` are (sign, value id) terms of a - b, `strict`
-    subtracts one more. `exact`: the mask's condition is this comparison alone (not one
-    conjunct of several), so a key block inside the bound for every row needs no mask."""
+    subtracts one more. `lower`: a second conjunct `j >= i + offsets + constant` (a
+    sliding window's start), whose blocks before the first row's start are skipped too.
+    `exact`: the mask's condition is these comparisons alone (no other conjunct), so a key
+    block inside the bounds for every row needs no mask."""
 
     offsets: tuple[tuple[int, int], ...]
     constant: int
     strict: bool
     exact: bool = False
+    lower: LowerBound | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LowerBound:
+    """Row i keeps key j only while j >= i + sum(sign * value) + constant."""
+
+    offsets: tuple[tuple[int, int], ...]
+    constant: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +180,10 @@ def format_plan(plan: Plan, name) -> str:
         terms = "".join(f" {'+' if s > 0 else '-'} {name(v)}" for s, v in plan.bound.offsets)
         terms += f" {'+' if c > 0 else '-'} {abs(c)}" if c else ""
         bound = f"j {'<' if plan.bound.strict else '<='} i{terms}"
+        if (lower := plan.bound.lower) is not None:
+            terms = "".join(f" {'+' if s > 0 else '-'} {name(v)}" for s, v in lower.offsets)
+            terms += f" {'+' if lower.constant > 0 else '-'} {abs(lower.constant)}" if lower.constant else ""
+            bound += f" and j >= i{terms}"
         if plan.bound.exact:
             bound += " exactly"
     return (f"plan attention {{qk = {name(plan.qk)}, softmax = {name(plan.softmax)}, "

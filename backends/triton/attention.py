@@ -143,11 +143,30 @@ class AttentionProgram:
         # the key blocks every row of this program keeps whole come first, with no masks
         # (no key tail, and no mask where the mask is the plan's bound alone); the rest
         # (the tail block, the blocks a mask cuts through) evaluate every mask
+        lower = parts.bound.lower if parts.bound is not None else None
+        start = "0"
+        if lower is not None:
+            # a window's start: blocks before the first row's are skipped; for an exact mask
+            # the blocks before the last row's start are cut by it
+            start = "n_lo"
+            body(f"n_hi = {self.key_limit()}")
+            body(f"n_lo = tl.maximum(0, pid_m * BLOCK_M{self.offset_text(lower.offsets, lower.constant)})"
+                 " // BLOCK_N * BLOCK_N")
+            if parts.bound.exact:
+                start = "n_in"
+                last_row = f"(pid_m + 1) * BLOCK_M - 1{self.offset_text(lower.offsets, lower.constant)}"
+                body(f"n_in = tl.minimum(tl.maximum(n_lo, (tl.maximum(0, {last_row}) + BLOCK_N - 1) "
+                     "// BLOCK_N * BLOCK_N), n_hi)")
+                body("for n0 in range(n_lo, n_in, BLOCK_N):")
+                with body.indent():
+                    self.key_block(masked=True, score_inputs=score_inputs)
         body(f"n_full = {self.full_blocks_end()}")
-        body("for n0 in range(0, n_full, BLOCK_N):")
+        if start != "0":
+            body(f"n_full = tl.maximum({start}, n_full)")
+        body(f"for n0 in range({start}, n_full, BLOCK_N):")
         with body.indent():
             self.key_block(masked=False, score_inputs=score_inputs)
-        body(f"for n0 in range(n_full, {self.key_limit()}, BLOCK_N):")
+        body(f"for n0 in range(n_full, {'n_hi' if lower is not None else self.key_limit()}, BLOCK_N):")
         with body.indent():
             self.key_block(masked=True, score_inputs=score_inputs)
         self.finish_rows()
@@ -293,10 +312,15 @@ class AttentionProgram:
     def bound_offset(self) -> str:
         """The mask bound's `a - b` (minus one when strict) as source text: row i keeps keys
         j <= i + offset."""
-        bound, text = self.parts.bound, ""
-        for sign, v in bound.offsets:
+        bound = self.parts.bound
+        return self.offset_text(bound.offsets, bound.constant - int(bound.strict))
+
+    def offset_text(self, offsets, constant: int) -> str:
+        """` + s1 - s2 + 3`: scalar terms known for the whole program, then a constant."""
+        text = ""
+        for sign, v in offsets:
             text += f" {'-' if sign < 0 else '+'} {self.em.tensor(self.outer[v]).text}"
-        if constant := bound.constant - int(bound.strict):
+        if constant:
             text += f" {'-' if constant < 0 else '+'} {abs(constant)}"
         return text
 

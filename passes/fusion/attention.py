@@ -13,7 +13,7 @@ import dataclasses
 import math
 
 from tiledsl.ir import Op, Region
-from tiledsl.plans import AttentionPlan, KeyBound
+from tiledsl.plans import AttentionPlan, KeyBound, LowerBound
 
 
 def attention_plan(region: Region) -> AttentionPlan:
@@ -58,15 +58,36 @@ def _key_bound(region: Region, scores: int) -> KeyBound | None:
 
 
 def _cond_bound(region: Region, cond: int, rank: int) -> KeyBound | None:
+    """The upper key bound of a mask condition (with a lower one when a conjunct gives one);
+    exact when the condition is nothing but those comparisons."""
+    upper, lower, exact = None, None, True
+    for c in _conjuncts(region, cond):
+        found = _comparison_bound(region, c, rank)
+        if isinstance(found, KeyBound) and upper is None:
+            upper = found
+        elif isinstance(found, LowerBound) and lower is None:
+            lower = found
+        else:  # not a bound, or a second one of its kind: this conjunct stays a mask
+            exact = False
+    if upper is None:
+        return None
+    return dataclasses.replace(upper, exact=exact, lower=lower)
+
+
+def _conjuncts(region: Region, cond: int) -> list[int]:
+    n_in = len(region.inputs)
+    if cond >= n_in and region.ops[cond - n_in].op.kind == "and":
+        return [c for o in region.ops[cond - n_in].operands for c in _conjuncts(region, o)]
+    return [cond]
+
+
+def _comparison_bound(region: Region, cond: int, rank: int) -> KeyBound | LowerBound | None:
+    """`i + a >= j + b` (> and the mirrored forms too) as an upper bound on key j; `j + a >=
+    i + b` as a lower one."""
     n_in = len(region.inputs)
     if cond < n_in:
         return None
     rop = region.ops[cond - n_in]
-    if rop.op.kind == "and":  # any conjunct's bound holds for the conjunction
-        for c in rop.operands:
-            if (bound := _cond_bound(region, c, rank)) is not None:
-                return dataclasses.replace(bound, exact=False)
-        return None
     if rop.op.kind not in ("ge", "gt", "le", "lt"):
         return None
     lhs, rhs = (_linear(region, v, rank) for v in rop.operands)
@@ -74,11 +95,13 @@ def _cond_bound(region: Region, cond: int, rank: int) -> KeyBound | None:
         return None
     if rop.op.kind in ("le", "lt"):
         lhs, rhs = rhs, lhs
-    (row_axis, a_terms, a_const), (col_axis, b_terms, b_const) = lhs, rhs
-    if (row_axis, col_axis) != (rank - 2, rank - 1):
-        return None
-    terms = a_terms + tuple((-s, v) for s, v in b_terms)
-    return KeyBound(terms, a_const - b_const, rop.op.kind in ("gt", "lt"), exact=True)
+    strict = rop.op.kind in ("gt", "lt")
+    (lhs_axis, a_terms, a_const), (rhs_axis, b_terms, b_const) = lhs, rhs
+    if (lhs_axis, rhs_axis) == (rank - 2, rank - 1):  # i + a >= j + b: j <= i + a - b
+        return KeyBound(a_terms + tuple((-s, v) for s, v in b_terms), a_const - b_const, strict)
+    if (lhs_axis, rhs_axis) == (rank - 1, rank - 2):  # j + a >= i + b: j >= i + b - a
+        return LowerBound(b_terms + tuple((-s, v) for s, v in a_terms), b_const - a_const + strict)
+    return None
 
 
 def _linear(region: Region, value: int, rank: int):
