@@ -127,6 +127,8 @@ def test_a_sliding_window_skips_the_blocks_before_it():
     fn = tiledsl.compile(ATTENTION.format(dt="f16", mask=(
         "s = where((index(s, -1) <= index(s, -2)) & (index(s, -1) > index(s, -2) - 256), s, -inf)")))
     assert "key_bound = j <= i and j >= i - 255 exactly" in fn.ir()
+    assert ("key blocks past the mask's bound are skipped, and those before its window, blocks inside "
+            "it for every row run without the mask") in fn.explain()
     source = fn.kernels[0].source
     assert "n_lo = tl.maximum(0, pid_m * BLOCK_M - 255) // BLOCK_N * BLOCK_N" in source
     headers = [loop[0] for loop in key_loops(fn)]

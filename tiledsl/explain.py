@@ -100,6 +100,8 @@ def _attention_structure(kernel: KernelOp) -> str:
     text = "; ".join(f"{role}: {', '.join(ops)}" for role, ops in roles.items())
     if parts.bound is not None:
         text += "; key blocks past the mask's bound are skipped"
+        if parts.bound.lower is not None:
+            text += ", and those before its window"
         if parts.bound.exact:
             text += ", blocks inside it for every row run without the mask"
     return text
