@@ -267,3 +267,27 @@ def test_gemm_and_attention_epilogues_share_one_input_limit(head, operands):
     refusals = [r for r in fn.remarks if not r.fused]
     assert [(r.rule, r.detail) for r in refusals] == [
         (Rule.PROFIT, "the epilogue would read more than 8 extra tensors")]
+
+
+@pytest.mark.parametrize("name", ["multiply_multiply", "batched_relu_f32_out", "gelu_linear"])
+def test_a_persistent_grid_covers_every_tile(name):
+    """Three programs walk all the tiles (batch elements included) of a GEMM in grouped order."""
+    import dataclasses
+
+    from tiledsl.backends.triton.launch import KernelStep
+
+    src, _, make = PROGRAMS[name]
+    fn = tiledsl.compile(src.format(dt="f16"))
+    (step,) = fn.runtime.steps
+    emitted = step.emitted
+
+    def persistent(dims, device):
+        cfg = dataclasses.replace(emitted.configure(dims, device), persistent=True)
+        cfg = dataclasses.replace(cfg, grid=(3,), constexprs={**cfg.constexprs, "BLOCK_M": 32,
+                                                               "BLOCK_N": 16, "GROUP_M": 2})
+        return cfg
+
+    fn.runtime.steps = (KernelStep(dataclasses.replace(emitted, configure=persistent), step.reads, step.slot),)
+    args = make(torch.float16, 113, 64, 77)  # 4 x 5 tiles (x 2 batch elements): several per program
+    run_checked(fn, *args, sm90=False)
+    assert fn.launches[0].kernel.launch_config(dict(fn.launches[0].dims), "interpreter").grid == (3,)

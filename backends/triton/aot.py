@@ -115,6 +115,8 @@ def inspect_launch(launch: Launch, config: Any = None, arch: int = 90) -> Kernel
                     key=lambda s: [int(n) for n in re.findall(r"\d+", s)])
     config_text = {**{k: v for k, v in cfg.constexprs.items() if k != "INTERPRETER"},
                    "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    if cfg.persistent:
+        config_text["programs"] = cfg.grid[0]  # a persistent grid
     return KernelReport(launch.kernel.kernel.name, config_text, usage["registers"],
                         usage["spill_stores"] + usage["spill_loads"],
                         int(getattr(compiled.metadata, "shared", 0)), shapes,

@@ -73,8 +73,11 @@ def budget_s() -> float:
 
 
 def describe(cfg: LaunchConfig) -> dict[str, Any]:
-    return {**{k: v for k, v in cfg.constexprs.items() if isinstance(v, int | bool)},
-            "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    described = {**{k: v for k, v in cfg.constexprs.items() if isinstance(v, int | bool)},
+                 "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    if cfg.persistent:
+        described["persistent"] = True
+    return described
 
 
 def _path():

@@ -28,6 +28,8 @@ class LaunchConfig:
     constexprs: dict[str, Any]
     num_warps: int | None = None
     num_stages: int | None = None
+    # a persistent grid: fewer programs than tiles, each looping over tiles (GEMM)
+    persistent: bool = False
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,7 @@ class EmittedKernel:
         if not self.interpreter_flag:
             return cfg
         consts = {**cfg.constexprs, "INTERPRETER": device == "interpreter"}
-        return LaunchConfig(cfg.grid, consts, cfg.num_warps, cfg.num_stages)
+        return LaunchConfig(cfg.grid, consts, cfg.num_warps, cfg.num_stages, cfg.persistent)
 
     def with_candidates(self, candidates) -> EmittedKernel:
         return dataclasses.replace(self, candidates=candidates)
@@ -121,6 +123,15 @@ def decompose(code: Code, flat: str, dims: Sequence[int | str], names: Sequence[
             code(f"{name} = {rem} % {size(dim)}")
             code(f"{tmp}{step} = {rem} // {size(dim)}")
             rem = f"{tmp}{step}"
+
+
+def sm_count() -> int:
+    """Streaming multiprocessors of the current GPU (an H100 SXM's 132 without one)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    return 132
 
 
 def numel(shape, dims: Mapping[str, int]) -> int:

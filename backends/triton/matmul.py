@@ -40,6 +40,7 @@ from .base import (
     hint,
     numel,
     require_dot_hints,
+    sm_count,
 )
 from .codegen import Code, Signature, TensorRef, next_pow2
 from .expr import Emitter, Val, literal
@@ -134,23 +135,51 @@ class GemmProgram:
 
     def emit(self) -> None:
         sig, body, region = self.sig, self.body, self.region
-        a_src, b_src = self.sources
-        a_type, b_type = region.inputs[a_src].type, region.inputs[b_src].type
+        a_type = region.inputs[self.sources[0]].type
         self.refs = {i: sig.tensor("in", i, inp.type.shape) for i, inp in enumerate(region.inputs)
                      if not inp.scalar and inp.type.rank > 0}
         self.scalars = {i: sig.scalar(i) for i, inp in enumerate(region.inputs) if inp.scalar}
         self.zero_dim = {i: sig.tensor("in", i, ()).ptr for i, inp in enumerate(region.inputs)
                          if not inp.scalar and inp.type.rank == 0}
         self.outs = [sig.tensor("out", j, self.shape) for j in range(len(region.outputs))]
-        M, N, K = sig.size(self.shape[-2]), sig.size(self.shape[-1]), sig.size(a_type.shape[-1])
-        self.M, self.N = M, N
+        self.M, self.N = M, N = sig.size(self.shape[-2]), sig.size(self.shape[-1])
+        self.K = sig.size(a_type.shape[-1])
         for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M"):
             sig.constexpr(name)
 
-        body("pid = tl.program_id(0)")
         body(f"tiles_m = tl.cdiv({M}, BLOCK_M)")
         body(f"tiles_n = tl.cdiv({N}, BLOCK_N)")
         body("tiles = tiles_m * tiles_n")
+        batch = " * ".join(sig.size(d) for d in self.batch if d != 1)
+        body(f"tiles_all = tiles{f' * {batch}' if batch else ''}")
+        # an operand read whole from a 2-D tensor may come through a TMA descriptor; the
+        # call decides (`in<i>_tma`: aligned, unit last stride; `in<i>_tma_t`: a transposed
+        # view of rows with a unit stride, read as rows and transposed), pointers otherwise
+        tma = [self.tma_flags(which) for which in (0, 1)]
+        blocks = (("BLOCK_M", "BLOCK_K"), ("BLOCK_K", "BLOCK_N"))
+        for which, flags in enumerate(tma):
+            src = self.sources[which]
+            ref, shape = self.refs[src], region.inputs[src].type.shape
+            for flag, swapped in flags:
+                order = (1, 0) if swapped else (0, 1)
+                tile = blocks[which][::-1] if swapped else blocks[which]
+                body(f"if {flag}:")
+                with body.indent():
+                    body(f"{'ab'[which]}_desc{'_t' if swapped else ''} = tl.make_tensor_descriptor("
+                         f"{ref.ptr}, shape=[{', '.join(sig.size(shape[a]) for a in order)}], "
+                         f"strides=[{', '.join(ref.strides[a] for a in order)}], "
+                         f"block_shape=[{', '.join(tile)}])")
+        # one tile per program, or (a persistent grid) every program-count-th tile
+        body("for pid in range(tl.program_id(0), tiles_all, tl.num_programs(0)):")
+        with body.indent():
+            self.tile_body(tma)
+
+    def tile_body(self, tma: list[list[tuple[str, bool]]]) -> None:
+        """One output tile: its indices, the K loop, the epilogue."""
+        sig, body = self.sig, self.body
+        a_src, b_src = self.sources
+        a_type, b_type = self.region.inputs[a_src].type, self.region.inputs[b_src].type
+        M, N, K = self.M, self.N, self.K
         body("pid_b = pid // tiles")
         body("t = pid % tiles")
         # grouped order: GROUP_M rows of tiles share the columns they read
@@ -170,23 +199,6 @@ class GemmProgram:
         b_tile = self.tile(self.refs[b_src], b_type.rank, "rk[:, None]", "rn[None, :]", "[BLOCK_K, BLOCK_N]")
         body(f"a_ptrs = {a_tile}")
         body(f"b_ptrs = {b_tile}")
-        # an operand read whole from a 2-D tensor may come through a TMA descriptor; the
-        # call decides (`in<i>_tma`: aligned, unit last stride; `in<i>_tma_t`: a transposed
-        # view of rows with a unit stride, read as rows and transposed), pointers otherwise
-        tma = [self.tma_flags(which) for which in (0, 1)]
-        blocks = (("BLOCK_M", "BLOCK_K"), ("BLOCK_K", "BLOCK_N"))
-        for which, flags in enumerate(tma):
-            src = self.sources[which]
-            ref, shape = self.refs[src], region.inputs[src].type.shape
-            for flag, swapped in flags:
-                order = (1, 0) if swapped else (0, 1)
-                tile = blocks[which][::-1] if swapped else blocks[which]
-                body(f"if {flag}:")
-                with body.indent():
-                    body(f"{'ab'[which]}_desc{'_t' if swapped else ''} = tl.make_tensor_descriptor("
-                         f"{ref.ptr}, shape=[{', '.join(sig.size(shape[a]) for a in order)}], "
-                         f"strides=[{', '.join(ref.strides[a] for a in order)}], "
-                         f"block_shape=[{', '.join(tile)}])")
         body("acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)")
         body(f"for k0 in range(0, {K}, BLOCK_K):")
         with body.indent():
@@ -331,11 +343,12 @@ class GemmProgram:
             return m, n, k
 
         def config(dims: Mapping[str, int], bm: int, bn: int, bk: int, warps: int,
-                   stages: int) -> LaunchConfig:
+                   stages: int, persistent: bool = False) -> LaunchConfig:
             m, n, _ = sizes(dims)
             tiles = cdiv(m, bm) * cdiv(n, bn) * numel(batch, dims)
             constexprs = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": user["GROUP_M"] or 8}
-            return LaunchConfig((tiles,), constexprs, warps, stages)
+            programs = min(tiles, sm_count()) if persistent else tiles
+            return LaunchConfig((programs,), constexprs, warps, stages, persistent)
 
         def configure(dims: Mapping[str, int], device: str) -> LaunchConfig:
             m, n, k = sizes(dims)
@@ -364,9 +377,13 @@ class GemmProgram:
             if device != "cuda" or any(user.values()) or m < 128 or n < 128 or dot is DType.F32:
                 return []
             configs = HEAVY_CONFIGS if heavy else HOPPER_CONFIGS
-            return [config(dims, bm, bn, bk, w, s) for bm, bn, bk, w, s in configs
-                    if bm <= next_pow2(m) and bn <= next_pow2(n) and bk <= max(16, next_pow2(k))
-                    and (wide or bm * bn <= 128 * 128)]
+            found = [config(dims, bm, bn, bk, w, s) for bm, bn, bk, w, s in configs
+                     if bm <= next_pow2(m) and bn <= next_pow2(n) and bk <= max(16, next_pow2(k))
+                     and (wide or bm * bn <= 128 * 128)]
+            # the default tile on a persistent grid: one program per SM walks the tiles in
+            # grouped order (no launch tail of partial waves)
+            bm, bn, bk, w, s = configs[0]
+            return found + [config(dims, bm, bn, bk, w, s, persistent=True)]
 
         return configure, candidates
 
