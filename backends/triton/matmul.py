@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from tiledsl import ops
 from tiledsl.ir import KernelOp, Op, Region
 from tiledsl.plans import GemmPlan
 from tiledsl.types import Compute, DType, compute_type
@@ -48,16 +47,15 @@ from .expr import Emitter, Val, literal
 DOT_HINTS = ("BLOCK_M", "BLOCK_N", "BLOCK_K")
 # Hopper configurations to autotune among: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), the
 # first the default. Derived from the build Triton's launcher really makes (`tiledsl ptx
-# --all`, sm_90, Triton 3.9, M=N=8192 K=4096, f16/bf16): all compile without spills, and
-# 128-wide tiles issue m64n128k16 (128 x 256: m64n256k16) wgmmas. 4-warp 128 x 128 tiles
-# use 210+ registers and spill once an epilogue loads a tile.
+# --all`, sm_90, Triton 3.9, M=N=8192 K=4096, f16/bf16): with the epilogue run on one
+# column half of the tile at a time, every epilogue we tried (two D tiles, gelu, two
+# outputs, row and column scales) compiles without spills at all of them (128 x 256: 164-220
+# registers), and 128-wide tiles issue m64n128k16 (128 x 256: m64n256k16) wgmmas. An operand
+# prologue keeps its tile in registers through the K loop: 256 x 128 then spills, so
+# prologue kernels stay at 128 x 128 and below. 4-warp 128 x 128 tiles use 210+ registers.
 HOPPER_CONFIGS = ((128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
-                  (128, 128, 64, 8, 4), (128, 128, 32, 8, 4), (128, 64, 64, 8, 3))
-# An epilogue that loads or stores two or more full [M, N] tiles (extra D tensors,
-# extra outputs), or an operand prologue, holds those tiles beside the accumulator:
-# 128 x 128 fits (150-162 registers), 128 x 256 and 256 x 128 spill 350-480 bytes.
-HEAVY_CONFIGS = ((128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 32, 8, 4),
-                 (128, 64, 64, 8, 3), (64, 128, 64, 8, 3))
+                  (128, 128, 64, 8, 4), (128, 128, 32, 8, 4), (128, 64, 64, 8, 3),
+                  (64, 128, 64, 8, 3))
 
 
 def batch_base(ref: TensorRef, rank: int, bnames: list[str | None]) -> str:
@@ -129,7 +127,6 @@ class GemmProgram:
         self.batch = self.shape[:-2]
         self.sig, self.body = Signature(), Code()
         self.em = Emitter(self.body)
-        self.full_tiles = 0  # [M, N] tiles the epilogue loads or stores
 
     # --- emission ----------------------------------------------------------------------------
 
@@ -225,7 +222,13 @@ class GemmProgram:
                 step = self.refs[src].strides[axis]
                 if step is not None:
                     body(f"{name}_ptrs += BLOCK_K * {step}")
-        self.epilogue()
+        # the epilogue runs on the two column halves of the tile in turn, so the D tiles it
+        # loads and the values it computes live beside half the accumulator, not all of it
+        body("acc = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))")
+        body("acc_0, acc_1 = tl.split(acc)")
+        for half in (0, 1):
+            body(f"rn = pid_n * BLOCK_N + {half} * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)")
+            self.epilogue(f"acc_{half}")
 
     def precision(self) -> str:
         if self.op.dtype is not DType.F32:
@@ -269,12 +272,13 @@ class GemmProgram:
             return "rn[None, :]"
         return self.bnames[dim]
 
-    def epilogue(self) -> None:
-        """Elementwise ops on the accumulator and D tensors at the output tile, then stores."""
+    def epilogue(self, acc: str) -> None:
+        """Elementwise ops on the accumulator `acc` (the columns `rn` of the output tile) and
+        the D tensors there, then stores."""
         em, region, body = self.em, self.region, self.body
         rank = len(self.shape)
         M, N = self.M, self.N
-        vals: dict[int, Val] = {self.mm: Val("acc", Compute.F32)}
+        vals: dict[int, Val] = {self.mm: Val(acc, Compute.F32)}
         # prologue ops are done inside the K loop; an input may feed both an operand and the
         # epilogue, and so may a constant or scalar op, which the epilogue computes again
         skip = self.plan.prologue_only | {self.mm}
@@ -295,10 +299,9 @@ class GemmProgram:
 
         em.run(region, vals, index, skip=lambda v: v in skip)
         tile_mask = f"(rm[:, None] < {M}) & (rn[None, :] < {N})"
-        self.full_tiles += len(region.outputs)
         for j, v in enumerate(region.outputs):
             c = self.outs[j]
-            ptrs = self.tile(c, rank, "rm[:, None]", "rn[None, :]", "[BLOCK_M, BLOCK_N]")
+            ptrs = self.tile(c, rank, "rm[:, None]", "rn[None, :]", "[BLOCK_M, BLOCK_N // 2]")
             body(f"tl.store({ptrs}, {em.store_value(vals[v], region.value_type(v))}, "
                  f"mask={tile_mask})")
 
@@ -316,7 +319,6 @@ class GemmProgram:
             return self.em.load(f"tl.load({ref.ptr})", self.region.inputs[i].type)
         rows = "rm[:, None]" in indices
         cols = "rn[None, :]" in indices
-        self.full_tiles += rows and cols
         mask = {(True, True): f"(rm[:, None] < {self.M}) & (rn[None, :] < {self.N})",
                 (True, False): f"(rm < {self.M})[:, None]", (False, True): f"(rn < {self.N})[None, :]",
                 (False, False): None}[(rows, cols)]
@@ -332,11 +334,7 @@ class GemmProgram:
         k_dim = self.region.inputs[self.sources[0]].type.shape[-1]
         dot = self.op.dtype
         batch = self.batch
-        heavy = self.full_tiles >= 2 or self.plan.has_prologue
-        # 128 x 256 and 256 x 128 tiles hold 128 accumulator registers per thread: only an
-        # epilogue of cheap ops fits beside them (gelu spills 168 bytes)
-        wide = not heavy and all(ops.OPS[self.region.ops[v - self.n_in].op.kind].cheap
-                                 for v in self.plan.epilogue)
+        wide = not self.plan.has_prologue  # 128 x 256 and 256 x 128 tiles
 
         def sizes(dims: Mapping[str, int]) -> tuple[int, int, int]:
             m, n, k = (d if isinstance(d, int) else dims[d] for d in (shape[-2], shape[-1], k_dim))
@@ -356,7 +354,7 @@ class GemmProgram:
                 # the first configuration of the list (128 x 128 x 64, 8 warps); 64 x 64
                 # for small problems
                 if m >= 128 and n >= 128:
-                    bm, bn, bk, warps, stages = (HEAVY_CONFIGS if heavy else HOPPER_CONFIGS)[0]
+                    bm, bn, bk, warps, stages = HOPPER_CONFIGS[0]
                     bk = bk if dot is not DType.F32 else 32
                     return config(dims, user["BLOCK_M"] or bm, user["BLOCK_N"] or bn,
                                   user["BLOCK_K"] or bk, user["num_warps"] or warps,
@@ -376,7 +374,7 @@ class GemmProgram:
             m, n, k = sizes(dims)
             if device != "cuda" or any(user.values()) or m < 128 or n < 128 or dot is DType.F32:
                 return []
-            configs = HEAVY_CONFIGS if heavy else HOPPER_CONFIGS
+            configs = HOPPER_CONFIGS
             found = [config(dims, bm, bn, bk, w, s) for bm, bn, bk, w, s in configs
                      if bm <= next_pow2(m) and bn <= next_pow2(n) and bk <= max(16, next_pow2(k))
                      and (wide or bm * bn <= 128 * 128)]

@@ -85,7 +85,7 @@ class OpDef:
     reference: Callable[..., Any] | None = None  # reference(*torch_values, **attrs)
     triton: Render | None = None  # elementwise ops: triton(em, op, args, out) -> value
     # an instruction or two per element (no transcendental, no division): cheap enough to
-    # recompute per output tile in a GEMM prologue, light enough for the widest GEMM tiles
+    # recompute for every output tile in a GEMM operand prologue
     cheap: bool = False
 
 
