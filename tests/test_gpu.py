@@ -110,3 +110,29 @@ def test_long_rows_on_gpu(dt, n):
     name = {torch.float16: "f16", torch.float32: "f32"}[dt]
     fn = tiledsl.compile(f"kernel f(x: {name}[M, N]) -> {name}[M, N] {{ return softmax(x * 0.5, axis=-1) }}")
     check_cuda(fn, cuda_randn(17, n, dtype=dt))
+
+
+@pytest.mark.parametrize("name", ["gemm_multiply_multiply", "matmul_bias_relu"])
+def test_every_gemm_candidate_on_gpu(name):
+    """Each autotune candidate (wide tiles, the persistent grid) computes the right result,
+    not only the one the autotuner picks."""
+    import dataclasses
+
+    from tiledsl.backends.triton.launch import KernelStep
+
+    dims = {"M": 1000, "N": 777, "K": 320}
+    inputs = testing.random_inputs(tiledsl.compile(EXAMPLES / f"{name}.tdsl"), dims, "cuda",
+                                   torch.Generator().manual_seed(0))
+    base = tiledsl.compile(EXAMPLES / f"{name}.tdsl")
+    (step,) = [s for s in base.runtime.steps if s.emitted.kernel.template == "matmul"]
+    candidates = step.emitted.launch_candidates(dims, "cuda")
+    assert len(candidates) >= 5 and any(c.persistent for c in candidates)
+    for cfg in candidates:
+        fn = tiledsl.compile(EXAMPLES / f"{name}.tdsl")
+        steps = list(fn.runtime.steps)
+        i = next(k for k, s in enumerate(steps) if s.emitted.kernel.template == "matmul")
+        only = dataclasses.replace(steps[i].emitted, configure=lambda d, dev, cfg=cfg: cfg,
+                                   candidates=None)
+        steps[i] = KernelStep(only, steps[i].reads, steps[i].slot)
+        fn.runtime.steps = tuple(steps)
+        check_cuda(fn, **inputs)
