@@ -193,6 +193,21 @@ def test_gemm_operands_come_through_tma_when_the_call_allows(dt):
         assert ("cp.async.bulk.tensor" in ptx) == any(expected.values()), name
 
 
+def test_batched_gemm_operands_come_through_tma():
+    from helpers import randn, run_checked
+
+    fn = tiledsl.compile("kernel f(a: bf16[B, M, K], b: bf16[K, N]) -> bf16[B, M, N] { return a @ b }")
+    a, b = randn(3, 113, 64, dtype=torch.bfloat16), randn(64, 40, dtype=torch.bfloat16)
+    flags, launch = tma_flags(fn, a, b)
+    assert flags == {"in0_tma": True, "in0_tma_t": False, "in1_tma": True, "in1_tma_t": False}
+    assert "reshape([BLOCK_M, BLOCK_K])" in fn.kernels[0].source  # one batch element per block
+    run_checked(fn, a, b, sm90=False)
+    assert "cp.async.bulk.tensor" in aot.compile_launch(launch).asm["ptx"]
+    every_other = randn(6, 113, 64, dtype=torch.bfloat16)[::2]  # batch stride 2 x 113 x 64
+    assert tma_flags(fn, every_other, b)[0]["in0_tma"]
+    run_checked(fn, every_other, b, sm90=False)
+
+
 def test_ptx_counts_tma_copies_of_the_gemm_example():
     fn = tiledsl.compile((EXAMPLES / "gemm_multiply_multiply.tdsl").read_text())
     for r in aot.inspect_program(fn, GEMM_DIMS, every_candidate=True):

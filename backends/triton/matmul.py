@@ -45,6 +45,7 @@ from .codegen import Code, Signature, TensorRef, next_pow2
 from .expr import Emitter, Val, literal
 
 DOT_HINTS = ("BLOCK_M", "BLOCK_N", "BLOCK_K")
+OPERAND_BLOCKS = (("BLOCK_M", "BLOCK_K"), ("BLOCK_K", "BLOCK_N"))  # the a and b tiles
 # Hopper configurations to autotune among: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), the
 # first the default. Derived from the build Triton's launcher really makes (`tiledsl ptx
 # --all`, sm_90, Triton 3.9, M=N=8192 K=4096, f16/bf16): with the epilogue run on one
@@ -153,13 +154,16 @@ class GemmProgram:
         # call decides (`in<i>_tma`: aligned, unit last stride; `in<i>_tma_t`: a transposed
         # view of rows with a unit stride, read as rows and transposed), pointers otherwise
         tma = [self.tma_flags(which) for which in (0, 1)]
-        blocks = (("BLOCK_M", "BLOCK_K"), ("BLOCK_K", "BLOCK_N"))
+        blocks = OPERAND_BLOCKS
         for which, flags in enumerate(tma):
             src = self.sources[which]
             ref, shape = self.refs[src], region.inputs[src].type.shape
             for flag, swapped in flags:
-                order = (1, 0) if swapped else (0, 1)
-                tile = blocks[which][::-1] if swapped else blocks[which]
+                # batch dims (one element per block), then the matrix dims
+                order = list(range(len(shape)))
+                if swapped:
+                    order[-2:] = order[-1], order[-2]
+                tile = ["1"] * (len(shape) - 2) + list(blocks[which][::-1] if swapped else blocks[which])
                 body(f"if {flag}:")
                 with body.indent():
                     body(f"{'ab'[which]}_desc{'_t' if swapped else ''} = tl.make_tensor_descriptor("
@@ -207,11 +211,16 @@ class GemmProgram:
                 if not tma[which]:
                     self.operand(name, which, f"{name}_mask")
                     continue
+                rank = self.region.inputs[self.sources[which]].type.rank
+                batch = [f"{b}.to(tl.int32)" for b in self.bnames[len(self.bnames) - (rank - 2):]]
                 for i, (flag, swapped) in enumerate(tma[which]):
-                    at = ", ".join(coords[which][::-1] if swapped else coords[which])
+                    at = ", ".join(batch + list(coords[which][::-1] if swapped else coords[which]))
+                    tile = ", ".join(OPERAND_BLOCKS[which][::-1] if swapped else OPERAND_BLOCKS[which])
                     body(f"{'if' if i == 0 else 'elif'} {flag}:")  # out of bounds: zeros
                     with body.indent():
                         load = f"{name}_desc{'_t' if swapped else ''}.load([{at}])"
+                        if rank > 2:
+                            load += f".reshape([{tile}])"
                         body(f"{name} = {f'tl.trans({load})' if swapped else load}")
                         self.interpreter_bf16(name)
                 body("else:")
@@ -240,11 +249,12 @@ class GemmProgram:
 
     def tma_flags(self, which: int) -> list[tuple[str, bool]]:
         """The flags that pick a TMA descriptor for operand `which` (as it is, or over the
-        rows of a transposed view), when one can serve it: the operand is its 2-D source
-        tensor as it is (no prologue, the dot's dtype), with no literal size-1 dim."""
+        rows of a transposed view), when one can serve it: the operand is its source tensor
+        as it is (no prologue, the dot's dtype; up to 3 batch dims), with no literal size-1
+        dim."""
         src = self.sources[which]
         t = self.region.inputs[src].type
-        if (self.prologues[which] != {src} or t.dtype is not self.op.dtype or t.rank != 2
+        if (self.prologues[which] != {src} or t.dtype is not self.op.dtype or not 2 <= t.rank <= 5
                 or 1 in t.shape or self.op.dtype is DType.F32):
             return []
         return [(self.sig.tma_ready(src, swapped), swapped) for swapped in (False, True)]
