@@ -214,7 +214,7 @@ def test_ptx_counts_tma_copies_of_the_gemm_example():
         assert r.tma > 0 and r.spill_bytes == 0, r
 
 
-def test_attention_reads_q_k_v_through_tma_when_the_call_allows():
+def test_attention_moves_q_k_v_and_o_through_tma_when_the_call_allows():
     from helpers import randn, run_checked
 
     fn = tiledsl.compile((EXAMPLES / "attention.tdsl").read_text())
@@ -223,7 +223,7 @@ def test_attention_reads_q_k_v_through_tma_when_the_call_allows():
     odd = [randn(2, 3, n, 59, dtype=torch.float16) for n in (77, 130, 130)]  # rows of 118 bytes
     q_off = randn(2 * 3 * 77 * 64 + 1, dtype=torch.float16)[1:].view(2, 3, 77, 64)  # 2 bytes in
     # k.T of a [.., N, D] tensor: the descriptor over its rows, transposed in the kernel
-    contiguous = {"in0_tma": True, "in1_tma": False, "in1_tma_t": True, "in3_tma": True}
+    contiguous = {"in0_tma": True, "in1_tma": False, "in1_tma_t": True, "in3_tma": True, "out0_tma": True}
     cases = {
         "contiguous": ((q, k, v), contiguous),
         "q 16 bytes in": ((shifted_q, k, v), contiguous),

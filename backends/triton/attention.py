@@ -374,7 +374,25 @@ class AttentionProgram:
             else:
                 ptrs = tile_ptrs(ref, t.rank, self.bnames, "rm[:, None]", "rdv[None, :]",
                                  "[BLOCK_M, BLOCK_DV]")
-                body(f"tl.store({ptrs}, {text}, mask=(rm[:, None] < {M}) & (rdv[None, :] < {DV}))")
+                store = f"tl.store({ptrs}, {text}, mask=(rm[:, None] < {M}) & (rdv[None, :] < {DV}))"
+                if t.shape != self.out_shape or 1 in t.shape or t.dtype not in (DType.F16, DType.BF16) \
+                        or t.weak:
+                    body(store)
+                    continue
+                # a whole output tile through a TMA descriptor (rows past M are clipped)
+                flag = self.sig.tma_ready(j, role="out")
+                batch = [f"{b}.to(tl.int32)" for b in self.bnames]
+                block = ", ".join(["1"] * len(self.batch) + ["BLOCK_M", "BLOCK_DV"])
+                body(f"if {flag}:")
+                with body.indent():
+                    body(f"out_desc = tl.make_tensor_descriptor({ref.ptr}, "
+                         f"shape=[{', '.join(self.sig.size(d) for d in t.shape)}], "
+                         f"strides=[{', '.join(ref.strides)}], block_shape=[{block}])")
+                    body(f"out_desc.store([{', '.join(batch + ['pid_m * BLOCK_M', '0'])}], "
+                         f"({text}).reshape([{block}]))")
+                body("else:")
+                with body.indent():
+                    body(store)
 
     # --- helpers -------------------------------------------------------------------------------
 

@@ -93,6 +93,7 @@ class TmaReady:
 
     index: int
     swapped: bool = False
+    role: str = "in"  # "out": a fresh output, contiguous (its data alignment is checked)
 
 
 ArgSpec = Ptr | Stride | DimSize | Numel | Scalar | TmaReady
@@ -156,8 +157,9 @@ class Signature:
         self.constexprs.append(name)
         return name
 
-    def tma_ready(self, index: int, swapped: bool = False) -> str:
-        return self._add(f"in{index}_tma{'_t' if swapped else ''}", TmaReady(index, swapped))
+    def tma_ready(self, index: int, swapped: bool = False, role: str = "in") -> str:
+        name = f"{role}{index}_tma{'_t' if swapped else ''}"
+        return self._add(name, TmaReady(index, swapped, role))
 
     def render(self, fn_name: str) -> str:
         names = [f"{n}: tl.constexpr" if isinstance(spec, TmaReady) else n for n, spec in self.params]

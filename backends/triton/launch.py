@@ -115,6 +115,11 @@ def argument_function(emitted: EmittedKernel, reads: Sequence[Read], out_shapes:
             for d in spec.shape:
                 total *= d if isinstance(d, int) else dims[d]
             exprs.append(str(total))
+        elif isinstance(spec, TmaReady) and spec.role == "out":  # fresh and contiguous
+            t = emitted.kernel.result_types[spec.index]
+            pitches = contiguous_strides(out_shapes[spec.index])[:-1]
+            fits = all(p * _ITEMSIZE[t.dtype] % 16 == 0 for p in pitches)
+            exprs.append(f"(o[{spec.index}].data_ptr() % 16 == 0)" if fits else "False")
         elif isinstance(spec, TmaReady):
             slot, perm = reads[spec.index]
             strides[slot] = None
