@@ -24,13 +24,13 @@ last row are not visited, and query blocks run heaviest first.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Mapping
 
 from tiledsl.ir import KernelOp, Op
 from tiledsl.plans import AttentionPlan
 from tiledsl.types import Compute, DType
 
+from . import tma
 from .base import EmittedKernel, Hints, LaunchConfig, cdiv, decompose, finish, hint, numel, require_dot_hints
 from .codegen import Code, Signature, next_pow2
 from .expr import Emitter, Val, literal, with_scalar_operands
@@ -111,12 +111,11 @@ class AttentionProgram:
         # k's source tile: [BLOCK_N, BLOCK_D] read transposed, or [BLOCK_D, BLOCK_N] as it is
         k_blocks = ("BLOCK_N", "BLOCK_D") if self.k_flipped else ("BLOCK_D", "BLOCK_N")
         self.k_at = ("n0", "0") if self.k_flipped else ("0", "n0")
-        self.tma_layout: dict[str, tuple] = {}
         self.tma = {
-            "q": self.descriptor("q", self.q_src, parts.q_chain, self.qk_op.dtype, ("BLOCK_M", "BLOCK_D")),
-            "k": self.descriptor("k", self.k_src, parts.k_chain, self.qk_op.dtype, k_blocks,
-                                 flipped=self.k_flipped, swappable=True),
-            "v": self.descriptor("v", self.v_val, {self.v_val}, self.pv_op.dtype, ("BLOCK_N", "BLOCK_DV")),
+            "q": self.descriptors("q", self.q_src, parts.q_chain, self.qk_op.dtype, ("BLOCK_M", "BLOCK_D")),
+            "k": self.descriptors("k", self.k_src, parts.k_chain, self.qk_op.dtype, k_blocks,
+                                  flipped=self.k_flipped, swappable=True),
+            "v": self.descriptors("v", self.v_val, {self.v_val}, self.pv_op.dtype, ("BLOCK_N", "BLOCK_DV")),
         }
         body(f"q_ptrs = {self.tile(self.q_src, 'rm[:, None]', 'rd[None, :]', '[BLOCK_M, BLOCK_D]')}")
         with self.tma_or_pointers("q", "q", ("pid_m * BLOCK_M", "0"), self.qk_op.dtype):
@@ -228,65 +227,20 @@ class AttentionProgram:
         body(f"acc = tl.dot(p, vt, acc{self.precision(pv_dtype)})")
         body("m_i = m_new")
 
-    def descriptor(self, role: str, src: int, chain, dot: DType, blocks: tuple[str, str],
-                   flipped: bool = False, swappable: bool = False) -> list[tuple[str, bool]]:
-        """Emit the role's TMA descriptors for calls that allow them, when the operand is its
-        source tensor as it is (transposes aside), in the dot's dtype, with no literal
-        size-1 dim. `blocks`: the tile of the source's last two dims; `flipped`: the
-        operand is that tile transposed; `swappable`: also a descriptor for a call that
-        passes a transposed view of a tensor with contiguous rows. Returns (flag, swapped)
-        per descriptor."""
-        t, n_in, sig = self.region.inputs[src].type, self.n_in, self.sig
+    def descriptors(self, name: str, src: int, chain, dot: DType, tile: tuple[str, str],
+                    flipped: bool = False, swappable: bool = False) -> tma.Descriptors | None:
+        """TMA descriptors for an operand that is its source tensor as it is (transposes
+        aside): `tile` is the block of the source's last two dims, `flipped` says the operand
+        is that block transposed."""
+        t, n_in = self.region.inputs[src].type, self.n_in
         plain = all(v == src or (v >= n_in and self.region.ops[v - n_in].op.kind == "transpose")
                     for v in chain)
-        if not plain or t.dtype is not dot or dot is DType.F32 or 1 in t.shape or not 2 <= t.rank <= 5:
-            return []
-        ref, found = self.refs[src], []
-        for swapped in (False, True) if swappable else (False,):
-            flag = sig.tma_ready(src, swapped)
-            order = list(range(t.rank))
-            tile = list(blocks)
-            if swapped:
-                order[-2:] = order[-1], order[-2]
-                tile.reverse()
-            self.body(f"if {flag}:")
-            with self.body.indent():
-                self.body(f"{role}_desc{'_t' if swapped else ''} = tl.make_tensor_descriptor({ref.ptr}, "
-                          f"shape=[{', '.join(sig.size(t.shape[a]) for a in order)}], "
-                          f"strides=[{', '.join(ref.strides[a] for a in order)}], "
-                          f"block_shape=[{', '.join(['1'] * (t.rank - 2) + tile)}])")
-            found.append((flag, swapped))
-        self.tma_layout[role] = (t.rank, blocks, flipped)
-        return found
+        if not plain or not tma.eligible(t, dot):
+            return None
+        return tma.declare(self.sig, self.body, name, src, self.refs[src], t, tile, flipped, swappable)
 
-    @contextlib.contextmanager
-    def tma_or_pointers(self, role: str, name: str, at: tuple[str, str], dot: DType):
-        """Load `name` through one of the role's descriptors when the call allows it (the
-        tile at `at` in the source's last two dims, this program's batch element in the
-        others), else run the pointer path the `with` body emits."""
-        body = self.body
-        if not self.tma[role]:
-            yield
-            return
-        rank, blocks, flipped = self.tma_layout[role]
-        batch = [f"{b}.to(tl.int32)" for b in self.bnames[len(self.bnames) - (rank - 2):]]
-        for i, (flag, swapped) in enumerate(self.tma[role]):
-            tile, coords = list(blocks), list(at)
-            if swapped:
-                tile.reverse()
-                coords.reverse()
-            body(f"{'if' if i == 0 else 'elif'} {flag}:")
-            with body.indent():
-                load = (f"{role}_desc{'_t' if swapped else ''}.load([{', '.join(batch + coords)}])"
-                        f".reshape([{', '.join(tile)}])")
-                body(f"{name} = {f'tl.trans({load})' if flipped != swapped else load}")
-                if dot is DType.BF16:  # the interpreter multiplies bf16 dot operands as raw bits
-                    body("if INTERPRETER:")
-                    with body.indent():
-                        body(f"{name} = {self.em.widen(name, DType.BF16)}")
-        body("else:")
-        with body.indent():
-            yield
+    def tma_or_pointers(self, role: str, target: str, at: tuple[str, str], dot: DType):
+        return tma.load_or_pointers(self.em, self.tma[role], target, at, self.bnames, dot)
 
     def scale_fold(self) -> tuple[int, Val] | None:
         """(the value, its scale) when the scores of the unmasked key blocks are q @ k.T

@@ -29,6 +29,7 @@ from tiledsl.ir import KernelOp, Op, Region
 from tiledsl.plans import GemmPlan
 from tiledsl.types import Compute, DType, compute_type
 
+from . import tma
 from .base import (
     EmittedKernel,
     Hints,
@@ -150,32 +151,14 @@ class GemmProgram:
         body("tiles = tiles_m * tiles_n")
         batch = " * ".join(sig.size(d) for d in self.batch if d != 1)
         body(f"tiles_all = tiles{f' * {batch}' if batch else ''}")
-        # an operand read whole from a 2-D tensor may come through a TMA descriptor; the
-        # call decides (`in<i>_tma`: aligned, unit last stride; `in<i>_tma_t`: a transposed
-        # view of rows with a unit stride, read as rows and transposed), pointers otherwise
-        tma = [self.tma_flags(which) for which in (0, 1)]
-        blocks = OPERAND_BLOCKS
-        for which, flags in enumerate(tma):
-            src = self.sources[which]
-            ref, shape = self.refs[src], region.inputs[src].type.shape
-            for flag, swapped in flags:
-                # batch dims (one element per block), then the matrix dims
-                order = list(range(len(shape)))
-                if swapped:
-                    order[-2:] = order[-1], order[-2]
-                tile = ["1"] * (len(shape) - 2) + list(blocks[which][::-1] if swapped else blocks[which])
-                body(f"if {flag}:")
-                with body.indent():
-                    body(f"{'ab'[which]}_desc{'_t' if swapped else ''} = tl.make_tensor_descriptor("
-                         f"{ref.ptr}, shape=[{', '.join(sig.size(shape[a]) for a in order)}], "
-                         f"strides=[{', '.join(ref.strides[a] for a in order)}], "
-                         f"block_shape=[{', '.join(tile)}])")
+        # operands read as they are may come through TMA descriptors (`tma.py`)
+        descs = [self.descriptors(which) for which in (0, 1)]
         # one tile per program, or (a persistent grid) every program-count-th tile
         body("for pid in range(tl.program_id(0), tiles_all, tl.num_programs(0)):")
         with body.indent():
-            self.tile_body(tma)
+            self.tile_body(descs)
 
-    def tile_body(self, tma: list[list[tuple[str, bool]]]) -> None:
+    def tile_body(self, descs: list[tma.Descriptors | None]) -> None:
         """One output tile: its indices, the K loop, the epilogue."""
         sig, body = self.sig, self.body
         a_src, b_src = self.sources
@@ -208,23 +191,8 @@ class GemmProgram:
             body(f"b_mask = kmask[:, None] & (rn[None, :] < {N})")
             coords = (("pid_m * BLOCK_M", "k0"), ("k0", "pid_n * BLOCK_N"))
             for which, name in enumerate("ab"):
-                if not tma[which]:
-                    self.operand(name, which, f"{name}_mask")
-                    continue
-                rank = self.region.inputs[self.sources[which]].type.rank
-                batch = [f"{b}.to(tl.int32)" for b in self.bnames[len(self.bnames) - (rank - 2):]]
-                for i, (flag, swapped) in enumerate(tma[which]):
-                    at = ", ".join(batch + list(coords[which][::-1] if swapped else coords[which]))
-                    tile = ", ".join(OPERAND_BLOCKS[which][::-1] if swapped else OPERAND_BLOCKS[which])
-                    body(f"{'if' if i == 0 else 'elif'} {flag}:")  # out of bounds: zeros
-                    with body.indent():
-                        load = f"{name}_desc{'_t' if swapped else ''}.load([{at}])"
-                        if rank > 2:
-                            load += f".reshape([{tile}])"
-                        body(f"{name} = {f'tl.trans({load})' if swapped else load}")
-                        self.interpreter_bf16(name)
-                body("else:")
-                with body.indent():
+                with tma.load_or_pointers(self.em, descs[which], name, coords[which], self.bnames,
+                                          self.op.dtype):
                     self.operand(name, which, f"{name}_mask")
             body(f"acc = tl.dot(a, b, acc{self.precision()})")
             for name, src, axis in (("a", a_src, -1), ("b", b_src, -2)):
@@ -247,23 +215,15 @@ class GemmProgram:
     def tile(self, ref: TensorRef, rank: int, rows: str, cols: str, shape: str) -> str:
         return tile_ptrs(ref, rank, self.bnames, rows, cols, shape)
 
-    def tma_flags(self, which: int) -> list[tuple[str, bool]]:
-        """The flags that pick a TMA descriptor for operand `which` (as it is, or over the
-        rows of a transposed view), when one can serve it: the operand is its source tensor
-        as it is (no prologue, the dot's dtype; up to 3 batch dims), with no literal size-1
-        dim."""
+    def descriptors(self, which: int) -> tma.Descriptors | None:
+        """TMA descriptors for operand `which` when it is its source tensor as it is (no
+        prologue)."""
         src = self.sources[which]
         t = self.region.inputs[src].type
-        if (self.prologues[which] != {src} or t.dtype is not self.op.dtype or not 2 <= t.rank <= 5
-                or 1 in t.shape or self.op.dtype is DType.F32):
-            return []
-        return [(self.sig.tma_ready(src, swapped), swapped) for swapped in (False, True)]
-
-    def interpreter_bf16(self, name: str) -> None:
-        if self.op.dtype is DType.BF16:  # the interpreter multiplies bf16 dot operands as raw bits
-            self.body("if INTERPRETER:")
-            with self.body.indent():
-                self.body(f"{name} = {self.em.widen(name, DType.BF16)}")
+        if self.prologues[which] != {src} or not tma.eligible(t, self.op.dtype):
+            return None
+        return tma.declare(self.sig, self.body, "ab"[which], src, self.refs[src], t,
+                           OPERAND_BLOCKS[which])
 
     def operand(self, name: str, which: int, mask: str) -> str:
         """Load one operand tile, apply its prologue, and bring it to the dot's dtype."""
