@@ -244,17 +244,22 @@ def _scratch(size: int, alignment: int, stream: Any) -> Any:
 
 def ensure_allocator() -> None:
     """Give Triton an allocator for device-side scratch memory, unless the caller set one
-    (Triton keeps it per thread and context)."""
-    import triton
+    (Triton keeps it per thread and context). On the call path: the lookup is done once."""
+    if not _ALLOCATOR:
+        try:
+            from triton.runtime._allocation import NullAllocator, _allocator
 
-    try:
-        from triton.runtime._allocation import NullAllocator, _allocator
+            _ALLOCATOR.append((_allocator, NullAllocator))
+        except ImportError:  # a Triton without that module: always set ours
+            _ALLOCATOR.append(None)
+    found = _ALLOCATOR[0]
+    if found is None or isinstance(found[0].get(), found[1]):
+        import triton
 
-        if not isinstance(_allocator.get(), NullAllocator):
-            return
-    except ImportError:  # a Triton without that module: set ours
-        pass
-    triton.set_allocator(_scratch)
+        triton.set_allocator(_scratch)
+
+
+_ALLOCATOR: list[Any] = []  # (Triton's allocator context variable, its null allocator class)
 
 
 def storage_dtype(t):
