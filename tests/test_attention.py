@@ -136,6 +136,20 @@ def test_a_sliding_window_skips_the_blocks_before_it():
                        "for n0 in range(n_full, n_hi, BLOCK_N):"]
 
 
+@pytest.mark.parametrize("mask, bound", [
+    ("(i - j >= 0) & (i - j < 256)", "j <= i and j >= i - 255 exactly"),
+    ("(0 <= i - j) & (i - j <= w)", "j <= i and j >= i - %a3 exactly"),
+    ("(j - i <= 2) & (-(j - i) < w + 1)", "j <= i + 2 and j >= i - %r9 + 1 exactly"),
+    ("(i - j >= 0) & (i + j < 100)", "j <= i"),
+])
+def test_windows_written_as_distances_have_key_bounds(mask, bound):
+    fn = tiledsl.compile(ATTENTION.format(dt="f16", mask=(
+        f"i = index(s, -2)\n    j = index(s, -1)\n    s = where({mask}, s, -inf)")).replace(
+            "scale: f32", "scale: f32, w: i32"))
+    assert f"key_bound = {bound}}}" in fn.ir()
+    assert templates(fn) == ["attention"]
+
+
 def test_without_a_mask_only_the_key_tail_is_masked():
     fn = attention("f16", False)
     assert "n_full = d1 // BLOCK_N * BLOCK_N" in fn.kernels[0].source
@@ -155,6 +169,8 @@ SPLIT_MASKS = {
     "window of w keys": "s = where((index(s, -1) <= index(s, -2)) & (index(s, -1) >= index(s, -2) - w), s, -inf)",
     "window and a key limit": ("s = where((index(s, -1) < index(s, -2) + 3) & (index(s, -1) > index(s, -2) - 21)"
                                " & (index(s, -1) < 100), s, -inf)"),
+    "window as a distance": "s = where((index(s, -2) - index(s, -1) >= 0) & (index(s, -2) - index(s, -1) < w), s, -inf)",
+    "negated distance": "s = where((-(index(s, -1) - index(s, -2)) >= 2) & (w > index(s, -2) - index(s, -1)), s, -inf)",
 }
 
 

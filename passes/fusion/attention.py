@@ -82,8 +82,9 @@ def _conjuncts(region: Region, cond: int) -> list[int]:
 
 
 def _comparison_bound(region: Region, cond: int, rank: int) -> KeyBound | LowerBound | None:
-    """`i + a >= j + b` (> and the mirrored forms too) as an upper bound on key j; `j + a >=
-    i + b` as a lower one."""
+    """A comparison of linear forms in the query index i and key index j (`i + a >= j + b`,
+    `i - j < w`, `j > i - w`, ...) whose difference is `i - j + c` (an upper bound on key j)
+    or `j - i + c` (a lower one)."""
     n_in = len(region.inputs)
     if cond < n_in:
         return None
@@ -96,37 +97,53 @@ def _comparison_bound(region: Region, cond: int, rank: int) -> KeyBound | LowerB
     if rop.op.kind in ("le", "lt"):
         lhs, rhs = rhs, lhs
     strict = rop.op.kind in ("gt", "lt")
-    (lhs_axis, a_terms, a_const), (rhs_axis, b_terms, b_const) = lhs, rhs
-    if (lhs_axis, rhs_axis) == (rank - 2, rank - 1):  # i + a >= j + b: j <= i + a - b
-        return KeyBound(a_terms + tuple((-s, v) for s, v in b_terms), a_const - b_const, strict)
-    if (lhs_axis, rhs_axis) == (rank - 1, rank - 2):  # j + a >= i + b: j >= i + b - a
-        return LowerBound(b_terms + tuple((-s, v) for s, v in a_terms), b_const - a_const + strict)
+    # lhs - rhs >= 0 (> 0 when strict)
+    axes, terms, const = _combine(lhs, rhs, -1)
+    i, j = rank - 2, rank - 1
+    if axes == {i: 1, j: -1}:  # j <= i + terms + const
+        return KeyBound(terms, const, strict)
+    if axes == {i: -1, j: 1}:  # j >= i - terms - const (+1 when strict)
+        return LowerBound(tuple((-s, v) for s, v in terms), -const + strict)
     return None
 
 
-def _linear(region: Region, value: int, rank: int):
-    """`index(axis) + sum(sign * scalar) + constant` as (axis, terms, constant), or None."""
+Linear = tuple[dict[int, int], tuple[tuple[int, int], ...], int]
+
+
+def _linear(region: Region, value: int, rank: int) -> Linear | None:
+    """`sum(coefficient * index(axis)) + sum(sign * scalar) + constant` as (coefficients by
+    axis, scalar terms, constant), or None. Integer scalars known for the whole kernel are
+    terms; the template computes them before the key loop."""
     n_in = len(region.inputs)
+    if _is_scalar(region, value):
+        c = _const(region, value)
+        if c is None:
+            return {}, ((1, value),), 0
+        return ({}, (), int(c)) if float(c).is_integer() else None
     if value < n_in:
         return None
     rop = region.ops[value - n_in]
     op: Op = rop.op
     if op.kind == "index":
-        return op.attr("axis") + rank - len(op.shape), (), 0
+        return {op.attr("axis") + rank - len(op.shape): 1}, (), 0
+    if op.kind == "neg":
+        inner = _linear(region, rop.operands[0], rank)
+        return None if inner is None else _combine(({}, (), 0), inner, -1)
     if op.kind in ("add", "sub"):
-        x, y = rop.operands
-        inner, offset = _linear(region, x, rank), y
-        if inner is None and op.kind == "add":
-            inner, offset = _linear(region, y, rank), x
-        if inner is None or not _is_scalar(region, offset):
+        x, y = (_linear(region, o, rank) for o in rop.operands)
+        if x is None or y is None:
             return None
-        axis, terms, const = inner
-        sign = -1 if op.kind == "sub" else 1
-        c = _const(region, offset)
-        if c is not None:
-            return (axis, terms, const + sign * int(c)) if float(c).is_integer() else None
-        return axis, terms + ((sign, offset),), const
+        return _combine(x, y, -1 if op.kind == "sub" else 1)
     return None
+
+
+def _combine(x: Linear, y: Linear, sign: int) -> Linear:
+    """x + sign * y."""
+    axes = dict(x[0])
+    for axis, c in y[0].items():
+        axes[axis] = axes.get(axis, 0) + sign * c
+    return ({a: c for a, c in axes.items() if c}, x[1] + tuple((sign * s, v) for s, v in y[1]),
+            x[2] + sign * y[2])
 
 
 def _const(region: Region, value: int):
