@@ -109,6 +109,8 @@ def eval_op(op: Op, args: list[Any], dims: Mapping[str, int], float64: bool) -> 
         args = _promoted(op, opdef.reads, args, out_dtype, float64)
     elif opdef.reads is Reads.SELECT:
         args = [_tensor(args[0], torch.bool)] + [_tensor(v, out_dtype) for v in args[1:]]
+    elif opdef.reads is Reads.OPERAND:
+        args = [v if isinstance(v, torch.Tensor) else torch.tensor(v) for v in args]
     else:
         # the float64 golden does not round at casts: a rounding step would make it
         # discontinuous, and a compiled kernel within 1e-7 of it before the cast could land

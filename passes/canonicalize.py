@@ -59,6 +59,8 @@ def _read_as(op: Op, types: tuple[TensorType, ...]) -> tuple[DType | None, ...]:
         return (_as_python(result_dtype(types)),) * len(types)
     if reads is Reads.SELECT:
         return (None,) + (_as_python(op.dtype),) * (len(types) - 1)
+    if reads is Reads.OPERAND:
+        return (None,) * len(types)
     return (_as_python(op.dtype),) * len(types)
 
 

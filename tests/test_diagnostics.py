@@ -159,6 +159,50 @@ def test_misc_name_errors():
         "(it must fit in i32)")
 
 
+# --- Python and torch habits: a note names the tiledsl spelling --------------------------------
+
+HABITS = {
+    "return max(x, 0.0)": (
+        "<string>:2:19: error: 'axis' of 'max' must be an integer constant",
+        "note: 'max' reduces along an axis; the elementwise maximum of two values is maximum(a, b)"),
+    "return min(x, 2)": (
+        "<string>:2:19: error: axis 2 is out of range for a value of rank 2 (valid: -2 to 1)",
+        "note: 'min' reduces along an axis; the elementwise minimum of two values is minimum(a, b)"),
+    "return cast(x, float32)": (
+        "<string>:2:20: error: unknown dtype 'float32'; did you mean 'f32'?",
+        "note: the dtypes are f16, bf16, f32, i32, bool"),
+    "return x ^ 2": (
+        "<string>:2:14: error: unexpected character '^'; expected one of: '(', ',', ';', '}', a newline, an operator",
+        "note: '^' is not an operator: write x ** y for a power, a != b for the exclusive or of bools"),
+    "return not x": (
+        "<string>:2:16: error: unexpected name 'x'; expected one of: '(', ',', ';', '}', a newline, an operator",
+        "note: tiledsl has no 'not' keyword: write ~x for logical not (on bools)"),
+    "return where((x > 0) and (x < 1), x, 0.0)": (
+        "<string>:2:26: error: unexpected name 'and'; expected one of: ')', ',', an operator",
+        "note: tiledsl has no 'and' keyword: write a & b for logical and (on bools)"),
+    "return x if x > 0 else 0.0": (
+        "<string>:2:14: error: unexpected name 'if'; expected one of: '(', ',', ';', '}', a newline, an operator",
+        "note: a conditional value is where(cond, a, b)"),
+    "return torch.clamp(x, 0, 1)": (
+        "<string>:2:23: error: unexpected '('; expected one of: ',', ';', '}', a newline, an operator",
+        "note: builtins are called by their bare names: clamp(...)"),
+    "return ~x": (
+        "<string>:2:12: error: '~' needs a bool (or i32) operand, got f32; compare first, e.g. ~(x > 0)",
+        "<string>:2:13: note: this operand is f32[M, N]"),
+    "return (x > 0) // 2": (
+        "<string>:2:12: error: '//' is not defined for bool values",
+        "<string>:2:13: note: this operand is bool[M, N]"),
+}
+
+
+@pytest.mark.parametrize("body", list(HABITS))
+def test_python_and_torch_habits_get_a_note(body):
+    lines = rendered(K % body).splitlines()
+    first, note = HABITS[body]
+    assert lines[0] == first
+    assert note in lines
+
+
 # --- types and shapes -----------------------------------------------------------------------
 
 

@@ -24,10 +24,13 @@ def away_from_zero(*shape, dtype):
 
 
 # tests/test_ops.py checks that these lists cover every elementwise op in the registry
-UNARY = ["exp", "exp2", "tanh", "sigmoid", "relu", "silu", "erf", "gelu", "abs"]
-UNARY_POSITIVE = ["log", "log2", "sqrt", "rsqrt"]
-BINARY = ["+", "-", "*", "/", "maximum", "minimum"]
+UNARY = ["exp", "exp2", "tanh", "sigmoid", "relu", "silu", "erf", "gelu", "abs", "sin", "cos", "tan",
+         "floor", "ceil", "round", "expm1", "sign"]
+UNARY_POSITIVE = ["log", "log2", "sqrt", "rsqrt", "log1p"]
+BINARY = ["+", "-", "*", "/", "maximum", "minimum", "//", "%", "**"]
 COMPARISONS = ["<", "<=", ">", ">=", "==", "!="]
+# ops with tests of their own below
+OWN_TESTS = ["neg", "and", "or", "where", "cast", "index", "not", "isnan", "isinf", "clamp"]
 
 
 @pytest.mark.parametrize("dt", DTYPES)
@@ -94,6 +97,108 @@ def test_logical_ops_on_bool_and_i32():
     kernel f(a: bool[M, N], b: bool[N], i: i32[M, N]) -> (bool[M, N], bool[M, N], i32[M, N]) {
         return a & b, a | b, (i & 12) | 1
     }""", a, b, i)
+
+
+def test_integer_floor_division_and_remainder_follow_python():
+    """Floor semantics for every sign; a divisor of 0 gives 0 (torch raises); -1 wraps."""
+    a = torch.randint(-50, 50, (17, 113), dtype=torch.int32, generator=torch.Generator().manual_seed(4))
+    a[0, :3] = torch.tensor([-2**31, 2**31 - 1, -7], dtype=torch.int32)
+    b = torch.randint(-6, 7, (113,), dtype=torch.int32, generator=torch.Generator().manual_seed(5))
+    b[:3] = torch.tensor([-1, -1, 0], dtype=torch.int32)
+    fn, out = run_checked("""
+    kernel f(a: i32[M, N], b: i32[N]) -> (i32[M, N], i32[M, N], i32[M, N], i32[M, N], i32[M, N], i32[N]) {
+        return a // b, a % b, a // 4, a % -3, a // -1, 7 // b
+    }""", a, b)
+    zero = b == 0
+    safe = torch.where(zero, 1, b).long()
+    assert torch.equal(out[0], torch.where(zero, 0, (a.long() // safe).to(torch.int32)))
+    assert torch.equal(out[1], torch.where(zero, 0, (a.long() % safe).to(torch.int32)))
+    assert torch.equal(out[2], a // 4) and torch.equal(out[3], a % -3)
+    assert out[4][0, 0].item() == -2**31 and out[4][0, 2].item() == 7
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+def test_float_floor_division_and_remainder(dt):
+    x = randn(17, 113, dtype=DTYPES[dt], scale=10)
+    y = away_from_zero(113, dtype=DTYPES[dt]) * 3
+    y[:4] = torch.tensor([0.0, float("inf"), -0.0, 2.0])
+    x[0, :4] = torch.tensor([1.0, 5.0, -3.0, float("nan")])
+    run_checked(f"""
+    kernel f(x: {dt}[M, N], y: {dt}[N]) -> ({dt}[M, N], {dt}[M, N], {dt}[M, N]) {{
+        return x // y, x % y, x % 0.75 + 2.5 // y
+    }}""", x, y)
+
+
+def test_integer_powers():
+    a = torch.randint(-5, 6, (17, 113), dtype=torch.int32, generator=torch.Generator().manual_seed(8))
+    e = torch.randint(-3, 14, (113,), dtype=torch.int32, generator=torch.Generator().manual_seed(9))
+    fn, out = run_checked("""
+    kernel f(a: i32[M, N], e: i32[N]) -> (i32[M, N], i32[M, N], i32[M, N], i32[N]) {
+        return a ** e, a ** 3 + a ** 0, pow(a, -1), 2 ** e
+    }""", a, e)
+    assert torch.equal(out[1], a ** 3 + 1)
+    assert torch.equal(out[2], torch.where(a == 1, 1, torch.where(a == -1, -1, 0)).to(torch.int32))
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+def test_float_powers_and_their_special_values(dt):
+    inf, nan = float("inf"), float("nan")
+    x = randn(17, 113, dtype=DTYPES[dt], scale=2)
+    y = randn(113, dtype=DTYPES[dt], scale=2)
+    # C's pow rules: zeros, negative bases, ones and infinities
+    x[0, :12] = torch.tensor([0.0, -0.0, -0.0, -2.0, -2.0, 1.0, -1.0, inf, -inf, -inf, nan, 0.0])
+    y[:12] = torch.tensor([-1.0, -1.0, 3.0, 3.0, 0.5, nan, inf, -2.0, 3.0, 0.5, 0.0, 0.0])
+    run_checked(f"""
+    kernel f(x: {dt}[M, N], y: {dt}[N]) -> ({dt}[M, N], {dt}[M, N], {dt}[M, N]) {{
+        return x ** y, x ** 2 - x ** 0.5 + x ** -1, abs(x) ** -0.5 + 2 ** y + x ** -2 + x ** 0
+    }}""", x, y)
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+def test_rounding_and_special_float_functions(dt):
+    x = randn(17, 113, dtype=DTYPES[dt], scale=4)
+    x[0, :10] = torch.tensor([0.5, 1.5, 2.5, -0.5, -2.5, float("inf"), float("nan"), -0.0, 1e-6, -1e-6])
+    run_checked(f"""
+    kernel f(x: {dt}[M, N]) -> ({dt}[M, N], {dt}[M, N], {dt}[M, N], {dt}[M, N], {dt}[M, N], {dt}[M, N]) {{
+        return round(x), floor(x) + ceil(x), sign(x), expm1(x), log1p(abs(x)), sin(x) * cos(x) + tan(x)
+    }}""", x)
+
+
+def test_f32_transcendentals_are_f32_accurate():
+    """Small arguments (log1p, expm1 keep their precision), large ones (sin, cos reduce)."""
+    x = torch.cat([torch.logspace(-30, -1, 50), -torch.logspace(-30, -1, 50), torch.logspace(0, 4, 13)])[None]
+    fn, out = run_checked("""
+    kernel f(x: f32[M, N]) -> (f32[M, N], f32[M, N], f32[M, N], f32[M, N], f32[M, N]) {
+        return log1p(x), expm1(x), sin(x), cos(x), tan(x)
+    }""", x)
+    for got, want in zip(out, (x.double().log1p(), x.double().expm1(), x.double().sin(), x.double().cos(),
+                               x.double().tan()), strict=True):
+        torch.testing.assert_close(got, want.float(), rtol=2.4e-7, atol=0)  # within 2 f32 ulp
+
+
+@pytest.mark.parametrize("dt", [*DTYPES, "i32"])
+def test_clamp_with_tensor_and_literal_bounds(dt):
+    torch_dt = {**DTYPES, "i32": torch.int32}[dt]
+    x = randn(17, 113, scale=3).to(torch_dt) if dt != "i32" else torch.randint(-9, 9, (17, 113), dtype=torch_dt)
+    lo = (randn(113, scale=0.5) - 1).to(torch_dt)
+    if dt != "i32":
+        x[0, 0] = float("nan")
+    run_checked(f"""
+    kernel f(x: {dt}[M, N], lo: {dt}[N]) -> ({dt}[M, N], {dt}[M, N]) {{
+        return clamp(x, lo, 2), clamp(x, -1, 1)
+    }}""", x, lo)
+
+
+def test_isnan_isinf_and_not():
+    x = randn(17, 113)
+    x[0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0])
+    i = torch.randint(-9, 9, (17, 113), dtype=torch.int32)
+    fn, out = run_checked("""
+    kernel f(x: f32[M, N], h: f16[M, N], i: i32[M, N]) -> (bool[M, N], bool[M, N], bool[M, N], i32[M, N], bool[M, N]) {
+        return isnan(x) | isnan(h), isinf(x) & ~isnan(i), ~(x > 0), ~i, isinf(i)
+    }""", x, x.half(), i)
+    assert out[0][0, 0] and out[1][0, 1] and out[1][0, 2] and not out[1][0, 0]
+    assert torch.equal(out[3], ~i) and not out[4].any()
 
 
 CAST_TYPES = ["f16", "bf16", "f32", "i32", "bool"]

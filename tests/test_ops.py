@@ -59,17 +59,17 @@ def test_builtin_signatures_bind_operands_then_attributes(kind):
 
 def test_operators_map_to_ops():
     assert ops.BINARY_KINDS == {"+": "add", "-": "sub", "*": "mul", "/": "div", "&": "and",
-                                "|": "or"}
+                                "|": "or", "//": "floordiv", "%": "mod", "**": "pow"}
     assert ops.COMPARE_KINDS == {"<": "lt", "<=": "le", ">": "gt", ">=": "ge", "==": "eq",
                                  "!=": "ne"}
-    assert OPS["neg"].symbol == "-" and OPS["matmul"].symbol == "@"
+    assert OPS["neg"].symbol == "-" and OPS["matmul"].symbol == "@" and OPS["not"].symbol == "~"
 
 
 def test_every_elementwise_builtin_and_operator_is_tested_end_to_end():
     tested = set(test_e2e_ops.UNARY + test_e2e_ops.UNARY_POSITIVE)
     tested |= {ops.BINARY_KINDS.get(o, o) for o in test_e2e_ops.BINARY}
     tested |= {ops.COMPARE_KINDS[o] for o in test_e2e_ops.COMPARISONS}
-    tested |= {"neg", "and", "or", "where", "cast", "index"}  # their own tests in test_e2e_ops
+    tested |= set(test_e2e_ops.OWN_TESTS)
     assert set(ELEMENTWISE) <= tested, f"untested: {sorted(set(ELEMENTWISE) - tested)}"
 
 
@@ -94,10 +94,17 @@ def _operand_sets(kind):
     d = OPS[kind]
     if d.reads is Reads.SELECT:
         return [(c, a, b) for c in (True, False) for a, b in ((2.5, -1.0), (0.37, 7.0))]
+    if d.arity == 3:  # clamp
+        return [(x, lo, hi) for x in POINTS for lo, hi in ((-1.0, 1.0), (0.5, 3.0), (2, 1))]
     if d.arity == 2:
         if kind in ("and", "or"):
             return [(a, b) for a in (0, 1, 6) for b in (0, 3)]
+        integers = [(a, b) for a in (-7, 0, 1, 5, -1) for b in (-3, -1, 0, 2, 3)]
+        if kind in ("floordiv", "mod", "pow"):  # integer semantics (x // 0, 2 ** -1) too
+            return integers + [(a, b) for a in POINTS for b in (-1.25, 0.37, 2.0, 3.0)]
         return [(a, b) for a in POINTS for b in (-1.25, 0.37, 2.25)]
+    if kind == "not":
+        return [(True,), (False,), (0,), (5,), (-3,)]
     return [(x,) for x in POINTS]
 
 
@@ -119,6 +126,10 @@ def test_fold_agrees_with_reference(kind):
             expected = d.reference(*(_torch_value(a) for a in args), **attrs)
             if isinstance(folded, bool):
                 assert bool(expected) is folded, (args, attrs)
+            elif isinstance(folded, int):
+                assert not expected.is_floating_point() and int(expected) == folded, (args, folded, expected)
+            elif math.isnan(folded):
+                assert math.isnan(float(expected)), (args, attrs, float(expected))
             else:
                 assert math.isclose(float(folded), float(expected), rel_tol=1e-12, abs_tol=1e-15), \
                     (args, attrs, folded, float(expected))

@@ -59,6 +59,15 @@ def shape(e) -> str:
     ("where(a > 0, a, -inf)", "where((a > 0), a, (-inf))"),
     ("1e-6 + .5 + 3. + 2", "(((1e-06 + 0.5) + 3.0) + 2)"),
     ("true | false", "(True | False)"),
+    ("a // b * c % d", "(((a // b) * c) % d)"),
+    ("a + b % c", "(a + (b % c))"),
+    ("-a ** 2", "(-(a ** 2))"),
+    ("a ** b ** c", "(a ** (b ** c))"),
+    ("a ** -b", "(a ** (-b))"),
+    ("2 * a ** 2", "(2 * (a ** 2))"),
+    ("a.T ** 2", "(a.T ** 2)"),
+    ("~a & b", "((~a) & b)"),
+    ("~(a < b)", "(~(a < b))"),
 ])
 def test_precedence_follows_python(expr, expected):
     assert shape(ret(expr)) == expected

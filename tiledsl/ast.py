@@ -46,14 +46,14 @@ class StrLit(Expr):
 
 @dataclass(frozen=True, slots=True)
 class Unary(Expr):
-    op: str  # "-" or "+"
+    op: str  # "-", "+" or "~"
     operand: Expr
     depth: int
 
 
 @dataclass(frozen=True, slots=True)
 class Binary(Expr):
-    op: str  # "+", "-", "*", "/", "@", "&", "|"
+    op: str  # "+", "-", "*", "/", "//", "%", "**", "@", "&", "|"
     lhs: Expr
     rhs: Expr
     op_span: Span

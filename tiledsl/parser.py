@@ -22,6 +22,7 @@ from tiledsl import ast
 from tiledsl.diagnostics import (
     EmptySourceError,
     LimitError,
+    Note,
     TileDSLError,
     UnexpectedCharacterError,
     UnexpectedEndError,
@@ -231,16 +232,33 @@ class _Builder(lark.visitors.Transformer_NonRecursive):
         return self._binary(meta, c, "@")
 
     @lark.v_args(meta=True)
-    def neg(self, meta, children):
+    def floordiv(self, meta, c):
+        return self._binary(meta, c, "//")
+
+    @lark.v_args(meta=True)
+    def mod(self, meta, c):
+        return self._binary(meta, c, "%")
+
+    @lark.v_args(meta=True)
+    def pow(self, meta, c):
+        return self._binary(meta, c, "**")
+
+    def _unary(self, meta, children, op: str) -> ast.Unary:
         (operand,) = children
         span = self._span(meta)
-        return ast.Unary(span, "-", operand, self._nested(span, operand))
+        return ast.Unary(span, op, operand, self._nested(span, operand))
+
+    @lark.v_args(meta=True)
+    def neg(self, meta, children):
+        return self._unary(meta, children, "-")
 
     @lark.v_args(meta=True)
     def pos(self, meta, children):
-        (operand,) = children
-        span = self._span(meta)
-        return ast.Unary(span, "+", operand, self._nested(span, operand))
+        return self._unary(meta, children, "+")
+
+    @lark.v_args(meta=True)
+    def invert(self, meta, children):
+        return self._unary(meta, children, "~")
 
     @lark.v_args(meta=True)
     def attribute(self, meta, children):
@@ -335,7 +353,14 @@ def parse(text: str, name: str = "<string>") -> ast.Program:
     return program
 
 
-_OPERATORS = {"AMPERSAND", "VBAR", "PLUS", "MINUS", "STAR", "SLASH", "AT", "DOT", "COMP_OP"}
+_OPERATOR_TEXTS = {"&", "|", "+", "-", "*", "/", "//", "%", "**", "@", "."}
+
+
+@functools.cache
+def _operators() -> frozenset[str]:
+    """The names of the binary operator terminals (lark names some of them itself)."""
+    return frozenset({"COMP_OP"} | {t.name for t in _lark().terminals
+                                    if t.pattern.type == "str" and t.pattern.value in _OPERATOR_TEXTS})
 
 
 def _expected(err: UnexpectedInput) -> set[str]:
@@ -355,9 +380,10 @@ def _describe_expected(names: set[str]) -> str:
     if not names:
         return ""
     shown = set()
-    if len(names & _OPERATORS) >= 3:
+    operators = _operators()
+    if len(names & operators) >= 3:
         # After a complete operand every binary operator fits; say so once.
-        names -= _OPERATORS - {"MINUS", "PLUS"} if "NAME" in names else _OPERATORS
+        names -= operators - {"MINUS", "PLUS"} if "NAME" in names else operators
         shown.add("an operator")
     shown |= {_terminal_display(n) for n in names}
     ordered = sorted(shown, key=lambda s: (not s.startswith("'"), s))
@@ -386,12 +412,38 @@ def _token_display(tok: Token) -> str:
     return f"'{tok}'"
 
 
+# Python and torch spellings that are not tiledsl, and what to write instead.
+_PYTHON_WORDS = {"not": "~x for logical not (on bools)", "and": "a & b for logical and (on bools)",
+                 "or": "a | b for logical or (on bools)"}
+_MODULES = ("np", "numpy", "torch", "tl", "math", "F", "triton")
+
+
+def _habit_notes(source: Source, start: int, token: str) -> list[Note]:
+    """A note naming the tiledsl spelling when the text at `start` is a Python/torch habit."""
+    before = source.text[:start].rstrip()
+    words = before.split()
+    last = words[-1] if words else ""
+    if token == "^":
+        return [Note("'^' is not an operator: write x ** y for a power, a != b for the "
+                     "exclusive or of bools")]
+    word = token if token in _PYTHON_WORDS else last
+    if word in _PYTHON_WORDS:
+        return [Note(f"tiledsl has no '{word}' keyword: write {_PYTHON_WORDS[word]}")]
+    if token == "if":
+        return [Note("a conditional value is where(cond, a, b)")]
+    module, dot, func = last.rpartition(".")
+    if token == "(" and dot and module.split("(")[-1] in _MODULES and func:
+        return [Note(f"builtins are called by their bare names: {func}(...)")]
+    return []
+
+
 def _syntax_error(source: Source, err: UnexpectedInput) -> TileDSLError:
     end = len(source.text)
     if isinstance(err, UnexpectedCharacters):
         pos = err.pos_in_stream
         return UnexpectedCharacterError(
-            Span(source, pos, pos + 1), char=source.text[pos], expected=_describe_expected(_expected(err))
+            Span(source, pos, pos + 1), _habit_notes(source, pos, source.text[pos]),
+            char=source.text[pos], expected=_describe_expected(_expected(err))
         )
     if isinstance(err, UnexpectedEOF) or (
         isinstance(err, UnexpectedToken) and err.token.type == "$END"
@@ -404,7 +456,7 @@ def _syntax_error(source: Source, err: UnexpectedInput) -> TileDSLError:
         if tok.type == "_NL":
             stop = start + 1
         return UnexpectedTokenError(
-            Span(source, start, stop), token=_token_display(tok),
+            Span(source, start, stop), _habit_notes(source, start, str(tok)), token=_token_display(tok),
             expected=_describe_expected(_expected(err)),
         )
     return UnexpectedCharacterError(Span(source, 0, 1), char="?", expected="")

@@ -134,8 +134,7 @@ class _KernelBuilder:
     def _type(self, texpr: ast.TypeExpr, owner: str | None) -> TensorType:
         dtype = DTYPES.get(texpr.dtype)
         if dtype is None:
-            raise diag.UnknownDTypeError(texpr.dtype_span, name=texpr.dtype,
-                                         hint=diag.did_you_mean(texpr.dtype, PARAM_DTYPES))
+            raise _unknown_dtype(texpr.dtype_span, texpr.dtype)
         dims = texpr.dims or ()
         if len(dims) > MAX_RANK:
             raise diag.LimitError(texpr.span, what=f"rank {len(dims)}", limit=MAX_RANK)
@@ -240,7 +239,7 @@ class _KernelBuilder:
         operand = self.expr(e.operand)
         if e.op == "+":
             return operand
-        return self._emit("neg", [(operand, e.operand.span)], e.span)
+        return self._emit("neg" if e.op == "-" else "not", [(operand, e.operand.span)], e.span)
 
     def _Binary(self, e: ast.Binary) -> int:
         lhs, rhs = self.expr(e.lhs), self.expr(e.rhs)
@@ -303,7 +302,14 @@ class _KernelBuilder:
         rank = self.graph.op(x[0]).type.rank
         if rank == 0:
             raise diag.RankError(e.span, message=f"'{e.func}' needs a value of rank 1 or more")
-        axis = self._axis_arg(e, args, "axis", rank)
+        try:
+            axis = self._axis_arg(e, args, "axis", rank)
+        except (diag.ConstantExpected, diag.AxisError) as err:
+            if e.func in _ELEMENTWISE_SPELLING and len(e.args) == 2:  # max(x, 0.0): Python's max
+                note = diag.Note(f"'{e.func}' reduces along an axis; the elementwise {e.func}imum "
+                                 f"of two values is {_ELEMENTWISE_SPELLING[e.func]}(a, b)")
+                raise type(err)(err.span, (*err.notes, note), **err.fields) from None
+            raise
         keepdims = _const_bool(args.get("keepdims"), f"'keepdims' of '{e.func}'")
         return self._emit(e.func, [x], e.span, axis=axis, keepdims=keepdims)
 
@@ -337,6 +343,8 @@ class _KernelBuilder:
         col = self._emit("index", [], e.span, axis=t.rank - 1, shape=t.shape)
         return self._emit("ge", [(row, e.span), (col, e.span)], e.span)
 
+
+_ELEMENTWISE_SPELLING = {"max": "maximum", "min": "minimum"}
 
 # builtins that need more than `_call_op` (axes checked against the operand's rank, macros)
 _HANDLERS = {
@@ -376,8 +384,7 @@ def _constant(expr: ast.Expr | None, param: BParam, func: str) -> object:
     if param.kind == "dtype":
         if not isinstance(expr, ast.Name) or expr.id not in DTYPES:
             name = expr.id if isinstance(expr, ast.Name) else expr.span.text
-            raise diag.UnknownDTypeError(expr.span, name=name,
-                                         hint=diag.did_you_mean(name, PARAM_DTYPES))
+            raise _unknown_dtype(expr.span, name)
         return DTYPES[expr.id]
     if param.kind == "str":
         return _const_str(expr, param, param.default)
@@ -386,6 +393,11 @@ def _constant(expr: ast.Expr | None, param: BParam, func: str) -> object:
     if param.kind == "bool":
         return _const_bool(expr, f"'{param.name}' of '{func}'")
     return _const_int(expr, f"'{param.name}' of '{func}'")
+
+
+def _unknown_dtype(span: Span, name: str) -> diag.UnknownDTypeError:
+    return diag.UnknownDTypeError(span, [diag.Note(f"the dtypes are {', '.join(PARAM_DTYPES)}")],
+                                  name=name, hint=diag.did_you_mean(name, PARAM_DTYPES))
 
 
 def _const_int(expr: ast.Expr, what: str) -> int:

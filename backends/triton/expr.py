@@ -227,6 +227,6 @@ class Emitter:
         elif opdef.reads is Reads.SELECT:
             cond = self.tensor(self.convert(args[0], Compute.BOOL))
             args = [cond] + [self.convert(x, out) for x in args[1:]]
-        else:
+        elif opdef.reads is not Reads.OPERAND:
             args = [self.convert(x, out) for x in args]
         return opdef.triton(self, op, args, out)

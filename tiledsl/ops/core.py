@@ -40,6 +40,7 @@ class Reads(enum.Enum):
     PROMOTED = "promoted"  # a binary operator: operands promote like torch's (scalars stay weak)
     COMPARE = "compare"  # like PROMOTED, but the result is bool
     SELECT = "select"  # a bool condition, then branches in the result's type (where)
+    OPERAND = "operand"  # each operand in its own compute type (isnan: the result is bool)
 
 
 class RuleError(Exception):

@@ -78,3 +78,20 @@ def compare(symbol: str) -> Render:
         return em.assign(f"{a.text} {symbol} {b.text}", Compute.BOOL)
 
     return render
+
+
+def any_of(*conds: str) -> str:
+    """Source text of `c1 | c2 | ...` as selects: Triton's interpreter cannot `|` or `&`
+    0-d comparison results (NumPy scalars), and a GPU compiles both forms alike."""
+    text = conds[-1]
+    for c in reversed(conds[:-1]):
+        text = f"tl.where({c}, True, {text})"
+    return text
+
+
+def all_of(*conds: str) -> str:
+    """`c1 & c2 & ...` as selects (see `any_of`)."""
+    text = conds[-1]
+    for c in reversed(conds[:-1]):
+        text = f"tl.where({c}, {text}, False)"
+    return text

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from tiledsl import diagnostics as diag
 from tiledsl.types import Compute, DType, TensorType
 
-from .core import BParam, Category, Infer, RuleError, define
-from .render import unary
+from .core import BParam, Category, Infer, Reads, RuleError, define
+from .render import any_of, is_precise, unary
 from .rules import float_of
 
 X = BParam("x")
@@ -51,10 +51,10 @@ def _math(kind, fold, reference, triton) -> None:
            triton=triton)
 
 
-# exp/exp2 of an f32 go through f64: Triton's f32 exp is a fast approximation
-PRECISE_EXP = "tl.{0}({{x}}.to(tl.float64)).to(tl.float32)"
-_math("exp", math.exp, torch.exp, unary("tl.exp({x})", PRECISE_EXP.format("exp")))
-_math("exp2", lambda a: 2.0**a, torch.exp2, unary("tl.exp2({x})", PRECISE_EXP.format("exp2")))
+# exp/exp2/sin/cos of an f32 go through f64: Triton's f32 forms are fast approximations
+PRECISE = "tl.{0}({{x}}.to(tl.float64)).to(tl.float32)"
+_math("exp", math.exp, torch.exp, unary("tl.exp({x})", PRECISE.format("exp")))
+_math("exp2", lambda a: 2.0**a, torch.exp2, unary("tl.exp2({x})", PRECISE.format("exp2")))
 _math("log", math.log, torch.log, unary("tl.log({x})"))
 _math("log2", math.log2, torch.log2, unary("tl.log2({x})"))
 # sqrt_rn is f32 only; f64 sqrt is IEEE anyway
@@ -64,6 +64,53 @@ _math("rsqrt", lambda a: 1.0 / math.sqrt(a), torch.rsqrt,
 _math("sigmoid", _sigmoid, torch.sigmoid, unary("tl.sigmoid({x})"))
 _math("silu", lambda a: a * _sigmoid(a), F.silu, unary("{x} * tl.sigmoid({x})"))
 _math("erf", math.erf, torch.erf, unary("tl.erf({x})"))
+
+
+_math("sin", math.sin, torch.sin, unary("tl.sin({x})", PRECISE.format("sin")))
+_math("cos", math.cos, torch.cos, unary("tl.cos({x})", PRECISE.format("cos")))
+
+
+def _render_tan(em, op, args, out):
+    """sin / cos: Triton has no tan outside libdevice, which the interpreter lacks. In
+    the wide type (f64) for f32 ops, so the quotient's error stays below an f32 ulp."""
+    x = em.tensor(args[0])
+    cat = Compute.F64 if is_precise(op, out) else out
+    x = em.convert(x, cat)
+    v = em.assign(f"tl.sin({x.text}) / tl.cos({x.text})", cat)
+    return em.convert(v, out)
+
+
+_math("tan", math.tan, torch.tan, _render_tan)
+
+
+INF = 'float("inf")'
+
+
+def _render_log1p(em, op, args, out):
+    """log(u) * x / (u - 1) with u = 1 + x (Goldberg): the rounding of u cancels, so small x
+    keep full precision without libdevice; f32 ops compute it in f64."""
+    cat = Compute.F64 if is_precise(op, out) else out
+    x = em.convert(em.tensor(args[0]), cat).text
+    u = em.assign(f"1.0 + {x}", cat).text
+    special = any_of(f"{u} == 1.0", f"{u} == {INF}")
+    v = em.assign(f"tl.where({special}, {x}, "
+                  f"tl.log({u}) * ({x} / ({u} - 1.0)))", cat)
+    return em.convert(v, out)
+
+
+def _render_expm1(em, op, args, out):
+    """(u - 1) * x / log(u) with u = exp(x) (Kahan): exact enough for small x; f32 ops in f64."""
+    cat = Compute.F64 if is_precise(op, out) else out
+    x = em.convert(em.tensor(args[0]), cat).text
+    u = em.assign(f"tl.exp({x})", cat).text
+    saturated = any_of(f"{u} - 1.0 == -1.0", f"{u} == {INF}")
+    v = em.assign(f"tl.where({u} == 1.0, {x}, tl.where({saturated}, "
+                  f"{u} - 1.0, ({u} - 1.0) * ({x} / tl.log({u}))))", cat)
+    return em.convert(v, out)
+
+
+_math("log1p", math.log1p, torch.log1p, _render_log1p)
+_math("expm1", math.expm1, torch.expm1, _render_expm1)
 
 
 def _tanh(em, x):
@@ -98,7 +145,7 @@ define("neg", 1, ELEMENTWISE, _signed("-"), symbol="-", fold=operator.neg, refer
        triton=unary("-{x}"), cheap=True)
 define("abs", 1, ELEMENTWISE, _signed("abs"), params=(X,), fold=abs, reference=torch.abs,
        triton=unary("tl.abs({x})"), cheap=True)
-define("relu", 1, ELEMENTWISE, _signed("relu"), params=(X,), fold=lambda a: max(a, 0),
+define("relu", 1, ELEMENTWISE, _signed("relu"), params=(X,), fold=lambda a: max(a, type(a)(0)),
        reference=torch.relu, triton=_render_relu, cheap=True)
 
 
@@ -121,3 +168,102 @@ def _render_cast(em, op, args, out):
 # reading the operand in the result's type is the conversion; the op itself is the identity
 define("cast", 1, ELEMENTWISE, _cast, params=(X, BParam("dtype", "dtype")),
        fold=lambda a, dtype: a, reference=lambda x, dtype: x, triton=_render_cast, cheap=True)
+
+
+def _rounding(kind, fold, reference, text) -> None:
+    """floor/ceil/round: integers pass through unchanged (as in torch)."""
+    def render(em, op, args, out):
+        (x,) = args
+        if not out.is_float:
+            return x
+        return em.assign(text.format(x=em.tensor(x).text), out)
+
+    define(kind, 1, ELEMENTWISE, _signed(kind), params=(X,), fold=fold, reference=reference,
+           triton=render, cheap=True)
+
+
+def _integral_fold(function):
+    """floor/ceil of a Python scalar: ints unchanged, floats stay floats (math.floor gives
+    an int), infinities and NaN as they are."""
+    return lambda a: a if isinstance(a, int) or not math.isfinite(a) else float(function(a))
+
+
+_rounding("floor", _integral_fold(math.floor), torch.floor, "tl.floor({x})")
+_rounding("ceil", _integral_fold(math.ceil), torch.ceil, "tl.ceil({x})")
+
+
+def _render_round(em, op, args, out):
+    """Half to even, from exact steps: x - floor(x) is exact, and so is the parity test."""
+    (x,) = args
+    if not out.is_float:
+        return x
+    x = em.tensor(x).text
+    f = em.assign(f"tl.floor({x})", out).text
+    d = em.assign(f"{x} - {f}", out).text
+    odd = em.assign(f"{f} - 2.0 * tl.floor({f} * 0.5)", out).text
+    return em.assign(f"tl.where({d} > 0.5, {f} + 1.0, tl.where({d} == 0.5, {f} + {odd}, "
+                     f"tl.where({x} == {x}, {f}, {x})))", out)
+
+
+define("round", 1, ELEMENTWISE, _signed("round"), params=(X,),
+       fold=_integral_fold(round), reference=torch.round,
+       triton=_render_round, cheap=True)
+
+
+def _render_sign(em, op, args, out):
+    """1, -1 or 0 (NaN gives 0, as in torch); bools are their own sign."""
+    (x,) = args
+    if out is Compute.BOOL:
+        return x
+    x = em.tensor(x).text
+    one, zero = em.literal(1, out).text, em.literal(0, out).text
+    return em.assign(f"tl.where({x} > {zero}, {one}, {zero}) - tl.where({x} < {zero}, {one}, {zero})",
+                     out)
+
+
+def _sign(a):
+    if isinstance(a, bool):
+        return a
+    return type(a)((a > 0) - (a < 0))
+
+
+define("sign", 1, ELEMENTWISE, lambda types, attrs: types[0], params=(X,), fold=_sign,
+       reference=torch.sign, triton=_render_sign, cheap=True)
+
+
+def _predicate(kind, fold, reference, text) -> None:
+    def render(em, op, args, out):
+        (x,) = args
+        x = em.tensor(x).text
+        return em.assign(text.format(x=x) if args[0].cat.is_float else f"{x} != {x}", Compute.BOOL)
+
+    def infer(types, attrs):
+        (x,) = types
+        return TensorType(DType.BOOL, x.shape, x.weak)
+
+    define(kind, 1, ELEMENTWISE, infer, reads=Reads.OPERAND, params=(X,), fold=fold,
+           reference=reference, triton=render, cheap=True)
+
+
+_predicate("isnan", lambda a: isinstance(a, float) and math.isnan(a), torch.isnan, "{x} != {x}")
+_predicate("isinf", lambda a: isinstance(a, float) and math.isinf(a), torch.isinf,
+           'tl.abs({x}) == float("inf")')
+
+
+def _not(types, attrs):
+    (x,) = types
+    if x.dtype.is_float:
+        raise RuleError(diag.DTypeError, (0,), message=(
+            f"'~' needs a bool (or i32) operand, got {x.dtype}; compare first, e.g. ~(x > 0)"))
+    return x
+
+
+def _render_not(em, op, args, out):
+    (x,) = args
+    x = em.tensor(x).text
+    return em.assign(f"{x} == 0" if out is Compute.BOOL else f"~{x}", out)
+
+
+define("not", 1, ELEMENTWISE, _not, symbol="~",
+       fold=lambda a: (not a) if isinstance(a, bool) else ~a, reference=operator.invert,
+       triton=_render_not, cheap=True)
