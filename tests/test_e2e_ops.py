@@ -268,6 +268,17 @@ def test_reductions_keepdims_tails_and_long_rows(op, shape):
     run_checked(f"kernel f(x: f32[M, N]) -> f32[M, 1] {{ return {op}(x, keepdims=true) }}", x)
 
 
+@pytest.mark.parametrize("dt", DTYPES)
+@pytest.mark.parametrize("op", ["sum", "max", "min", "mean", "logsumexp"])
+def test_reductions_over_several_axes_and_all_axes(op, dt):
+    x = randn(3, 17, 113, dtype=DTYPES[dt])
+    run_checked(f"""
+    kernel f(x: {dt}[A, B, C]) -> ({dt}[A], {dt}[B], {dt}, {dt}[1, B, 1], {dt}[1, 1, 1]) {{
+        return ({op}(x, axis=(1, 2)), {op}(x, axis=(-1, 0)), {op}(x, axis=None),
+                {op}(x, axis=(0, 2), keepdims=true), {op}(x, axis=None, keepdims=true))
+    }}""", x)
+
+
 def test_reduction_of_a_middle_axis_of_a_strided_view():
     x = randn(4, 113, 17).transpose(0, 2)  # non-contiguous [17, 113, 4]
     run_checked("kernel f(x: f32[A, B, C]) -> f32[A, C] { return sum(x, axis=1) }", x)

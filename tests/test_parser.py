@@ -37,6 +37,10 @@ def shape(e) -> str:
         return f"{e.func}({', '.join(args)})"
     if isinstance(e, ast.StrLit):
         return repr(e.value)
+    if isinstance(e, ast.NoneLit):
+        return "None"
+    if isinstance(e, ast.TupleLit):
+        return "(" + ", ".join(shape(i) for i in e.items) + ("," if len(e.items) == 1 else "") + ")"
     raise AssertionError(e)
 
 
@@ -68,6 +72,9 @@ def shape(e) -> str:
     ("a.T ** 2", "(a.T ** 2)"),
     ("~a & b", "((~a) & b)"),
     ("~(a < b)", "(~(a < b))"),
+    ("sum(a, axis=(0, -1))", "sum(a, axis=(0, (-1)))"),
+    ("sum(a, axis=(1,))", "sum(a, axis=(1,))"),
+    ("mean(a, axis=None)", "mean(a, axis=None)"),
 ])
 def test_precedence_follows_python(expr, expected):
     assert shape(ret(expr)) == expected

@@ -38,6 +38,19 @@ class BoolLit(Expr):
 
 
 @dataclass(frozen=True, slots=True)
+class NoneLit(Expr):
+    """`None`: axis=None (every axis)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TupleLit(Expr):
+    """`(a, b, ...)`: a tuple of axes, e.g. sum(x, axis=(0, 1))."""
+
+    items: tuple[Expr, ...]
+    depth: int
+
+
+@dataclass(frozen=True, slots=True)
 class StrLit(Expr):
     """Only valid as a keyword value, e.g. gelu(x, approximate="tanh")."""
 

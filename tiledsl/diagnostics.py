@@ -217,6 +217,10 @@ class AxisError(TileDSLError):
     template = "axis {axis} is out of range for a value of rank {rank} (valid: {lo} to {hi})"
 
 
+class DuplicateAxisError(TileDSLError):
+    template = "axis {axis} appears twice in the axes of '{func}'"
+
+
 class RankError(TileDSLError):
     template = "{message}"
 

@@ -310,6 +310,16 @@ class _Builder(lark.visitors.Transformer_NonRecursive):
     def false_lit(self, meta, children):
         return ast.BoolLit(self._span(meta), False)
 
+    @lark.v_args(meta=True)
+    def none_lit(self, meta, children):
+        return ast.NoneLit(self._span(meta))
+
+    @lark.v_args(meta=True)
+    def tuple_lit(self, meta, children):
+        items = tuple(c for c in children if c is not None)
+        span = self._span(meta)
+        return ast.TupleLit(span, items, self._nested(span, *items))
+
 
 class _Returns(tuple):
     """(types, span) of a kernel's declared return type(s)."""

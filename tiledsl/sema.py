@@ -151,13 +151,16 @@ class _KernelBuilder:
 
     def _return(self, stmt: ast.Return) -> None:
         declared = self.kernel.returns
-        if len(stmt.values) != len(declared):
+        values = stmt.values
+        if len(values) == 1 and isinstance(values[0], ast.TupleLit):  # return (a, b)
+            values = values[0].items
+        if len(values) != len(declared):
             raise diag.ReturnError(stmt.span, [diag.Note("declared here", self.kernel.returns_span)],
                                    message=(f"kernel '{self.kernel.name}' declares {len(declared)} "
-                                            f"return value(s) but returns {len(stmt.values)}"))
+                                            f"return value(s) but returns {len(values)}"))
         outs = []
         self.graph.returns = tuple(self._type(t, None) for t in declared)
-        for i, (value, texpr) in enumerate(zip(stmt.values, declared, strict=True)):
+        for i, (value, texpr) in enumerate(zip(values, declared, strict=True)):
             node = self.expr(value)
             got = self.graph.op(node).type
             want = self._type(texpr, None)
@@ -231,6 +234,13 @@ class _KernelBuilder:
     def _BoolLit(self, e: ast.BoolLit) -> int:
         return self._const(e.value, DType.BOOL, e.span)
 
+    def _NoneLit(self, e: ast.NoneLit) -> int:
+        raise diag.DTypeError(e.span, message="None is only allowed as axis=None (every axis)")
+
+    def _TupleLit(self, e: ast.TupleLit) -> int:
+        raise diag.DTypeError(e.span, message=(
+            "a tuple is only allowed as the axes of a reduction, e.g. sum(x, axis=(0, 1))"))
+
     def _StrLit(self, e: ast.StrLit) -> int:
         raise diag.DTypeError(e.span, message="a string is only allowed as a keyword value, "
                               "e.g. gelu(x, approximate=\"tanh\")")
@@ -302,6 +312,9 @@ class _KernelBuilder:
         rank = self.graph.op(x[0]).type.rank
         if rank == 0:
             raise diag.RankError(e.span, message=f"'{e.func}' needs a value of rank 1 or more")
+        given = args.get("axis")
+        if isinstance(given, ast.TupleLit | ast.NoneLit):
+            return self._reduce_axes(e, x, given, rank, args)
         try:
             axis = self._axis_arg(e, args, "axis", rank)
         except (diag.ConstantExpected, diag.AxisError) as err:
@@ -312,6 +325,28 @@ class _KernelBuilder:
             raise
         keepdims = _const_bool(args.get("keepdims"), f"'keepdims' of '{e.func}'")
         return self._emit(e.func, [x], e.span, axis=axis, keepdims=keepdims)
+
+    def _reduce_axes(self, e: ast.Call, x: tuple[int, Span], given: ast.Expr, rank: int,
+                     args: dict[str, ast.Expr]) -> int:
+        """`axis=(a, b, ...)` or `axis=None` (every axis): one reduction per axis, the last
+        axis first, so each reduces a whole group of the ones before (a mean of equal-sized
+        means is the mean; a logsumexp of logsumexps is the logsumexp)."""
+        keepdims = _const_bool(args.get("keepdims"), f"'keepdims' of '{e.func}'")
+        if isinstance(given, ast.NoneLit):
+            axes = list(range(rank))
+        else:
+            axes = []
+            for item in given.items:
+                axis = _const_int(item, f"an axis of '{e.func}'")
+                norm = normalize_axis(axis, rank)
+                if norm is None:
+                    raise diag.AxisError(item.span, axis=axis, rank=rank, lo=-rank, hi=rank - 1)
+                if norm in axes:
+                    raise diag.DuplicateAxisError(item.span, axis=axis, func=e.func)
+                axes.append(norm)
+        for axis in sorted(axes, reverse=True):
+            x = (self._emit(e.func, [x], e.span, axis=axis, keepdims=keepdims), e.span)
+        return x[0]
 
     def _call_softmax(self, e: ast.Call, b: Builtin, args: dict[str, ast.Expr]) -> int:
         x = self._value(args, "x")
