@@ -29,9 +29,9 @@ def _round(value: float | int | bool, dtype: DType) -> float | int | bool:
     """`value` as the nearest value of `dtype` (f16/bf16 rounding, i32 wrap-around)."""
     if dtype is DType.BOOL:
         return bool(value)
-    if dtype is DType.I32:
-        v = int(value)
-        return (v + 2**31) % 2**32 - 2**31
+    if dtype.is_int:
+        bits = 8 * dtype.itemsize
+        return (int(value) + 2 ** (bits - 1)) % 2**bits - 2 ** (bits - 1)
     v = float(value)
     if dtype is DType.F32 or not math.isfinite(v):
         return v

@@ -170,7 +170,7 @@ HABITS = {
         "note: 'min' reduces along an axis; the elementwise minimum of two values is minimum(a, b)"),
     "return cast(x, float32)": (
         "<string>:2:20: error: unknown dtype 'float32'; did you mean 'f32'?",
-        "note: the dtypes are f16, bf16, f32, i32, bool"),
+        "note: the dtypes are f16, bf16, f32, i32, i64, bool"),
     "return x ^ 2": (
         "<string>:2:14: error: unexpected character '^'; expected one of: '(', ',', ';', '}', a newline, an operator",
         "note: '^' is not an operator: write x ** y for a power, a != b for the exclusive or of bools"),

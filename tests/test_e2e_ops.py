@@ -189,6 +189,23 @@ def test_clamp_with_tensor_and_literal_bounds(dt):
     }}""", x, lo)
 
 
+def test_i64_tensors_and_scalars_compute_in_64_bits():
+    """Values past 2**31 survive arithmetic, reductions, integer division and promotion."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randint(-2**40, 2**40, (17, 113), dtype=torch.int64, generator=g)
+    i = torch.randint(-50, 50, (113,), dtype=torch.int32, generator=g)
+    x = randn(17, 113)
+    fn, out = run_checked("""
+    kernel f(a: i64[M, N], i: i32[N], x: f32[M, N], s: i64) -> (i64[M, N], i64[M], i64[N], f32[M, N], i32[M, N],
+                                                               i64[M, N], i64[M]) {
+        return (a + i * 3 + s, sum(a), max(a, axis=0), x * a, cast(a, i32), a // 7 + a % (i | 1) + (a & 255) ** 2,
+                min(a))
+    }""", a, i, x, 2**35 + 3)
+    assert [o.dtype for o in out] == [torch.int64] * 3 + [torch.float32, torch.int32] + [torch.int64] * 2
+    assert torch.equal(out[0], a + i.long() * 3 + 2**35 + 3) and torch.equal(out[1], a.sum(-1))
+    assert torch.equal(out[5], a // 7 + a % (i.long() | 1) + (a & 255) ** 2)
+
+
 def test_isnan_isinf_and_not():
     x = randn(17, 113)
     x[0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0])
@@ -201,13 +218,13 @@ def test_isnan_isinf_and_not():
     assert torch.equal(out[3], ~i) and not out[4].any()
 
 
-CAST_TYPES = ["f16", "bf16", "f32", "i32", "bool"]
+CAST_TYPES = ["f16", "bf16", "f32", "i32", "i64", "bool"]
 
 
 @pytest.mark.parametrize("src", CAST_TYPES)
 @pytest.mark.parametrize("dst", CAST_TYPES)
 def test_cast_between_all_dtypes(src, dst):
-    torch_src = {**DTYPES, "i32": torch.int32, "bool": torch.bool}[src]
+    torch_src = {**DTYPES, "i32": torch.int32, "i64": torch.int64, "bool": torch.bool}[src]
     x = randn(17, 113, scale=50)
     x = (x > 0) if src == "bool" else x.to(torch_src)
     run_checked(f"kernel f(x: {src}[M, N]) -> {dst}[M, N] {{ return cast(x, {dst}) }}", x)
@@ -235,11 +252,11 @@ def test_dims_as_values():
     run_checked("kernel f(x: f16[M, N]) -> f16[M, N] { return x / N + rsqrt(M) * index(x, 1) / N }", x)
 
 
-@pytest.mark.parametrize("dt", ["f32", "i32", "bool"])
+@pytest.mark.parametrize("dt", ["f32", "i32", "i64", "bool"])
 def test_scalar_parameters(dt):
     x = randn(17, 113)
-    value = {"f32": 0.37, "i32": 3, "bool": True}[dt]
-    use = {"f32": "x * s", "i32": "x * s + s / 2", "bool": "where(s, x, -x)"}[dt]
+    value = {"f32": 0.37, "i32": 3, "i64": 5, "bool": True}[dt]
+    use = {"f32": "x * s", "i32": "x * s + s / 2", "i64": "x * s + s / 2", "bool": "where(s, x, -x)"}[dt]
     run_checked(f"kernel f(x: f32[M, N], s: {dt}) -> f32[M, N] {{ return {use} }}", x, s=value)
 
 

@@ -18,13 +18,14 @@ from tiledsl.ir import Graph
 from tiledsl.types import DType, TensorType, format_shape
 
 I32_MIN, I32_MAX = -(2**31), 2**31 - 1
+INT_RANGE = {DType.I32: (I32_MIN, I32_MAX), DType.I64: (-(2**63), 2**63 - 1)}
 
 
 def torch_dtype(dtype: DType):
     import torch
 
     return {DType.F16: torch.float16, DType.BF16: torch.bfloat16, DType.F32: torch.float32,
-            DType.I32: torch.int32, DType.BOOL: torch.bool}[dtype]
+            DType.I32: torch.int32, DType.I64: torch.int64, DType.BOOL: torch.bool}[dtype]
 
 
 @dataclass
@@ -151,9 +152,10 @@ class Binder:
         for value, (dtype, shape) in zip(given, self.params, strict=True):
             if shape is None:
                 kind = type(value)
-                if not (kind is float and dtype is not DType.I32 and dtype is not DType.BOOL
+                if not (kind is float and dtype.is_float
                         or kind is int and dtype is not DType.BOOL
-                        and (I32_MIN <= value <= I32_MAX if dtype is DType.I32 else -_BIG < value < _BIG)
+                        and (INT_RANGE[dtype][0] <= value <= INT_RANGE[dtype][1] if dtype.is_int
+                             else -_BIG < value < _BIG)
                         or kind is bool and dtype is DType.BOOL):
                     return bind(self.graph, args, kwargs)
                 continue
@@ -177,7 +179,7 @@ class Binder:
                     return bind(self.graph, args, kwargs)
             elif value.device != device:
                 return bind(self.graph, args, kwargs)
-        values = [float(v) if dtype is not DType.I32 and shape is None and type(v) is int else v
+        values = [float(v) if shape is None and type(v) is int and dtype.is_float else v
                   for v, (dtype, shape) in zip(given, self.params, strict=True)]
         return BoundCall(values, dims, device)
 
@@ -218,12 +220,13 @@ def _scalar(value: Any, name: str, t: TensorType, span, torch) -> Any:
             raise ArgumentError(span, message=f"argument '{name}' must be a bool, got "
                                 f"{type(value).__name__}")
         return value
-    if t.dtype is DType.I32:
+    if t.dtype.is_int:
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise ArgumentError(span, message=f"argument '{name}' must be an int (i32), got "
+            raise ArgumentError(span, message=f"argument '{name}' must be an int ({t.dtype}), got "
                                 f"{type(value).__name__}")
-        if not I32_MIN <= int(value) <= I32_MAX:
-            raise ArgumentError(span, message=f"argument '{name}' = {value} does not fit in i32")
+        lo, hi = INT_RANGE[t.dtype]
+        if not lo <= int(value) <= hi:
+            raise ArgumentError(span, message=f"argument '{name}' = {value} does not fit in {t.dtype}")
         return int(value)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ArgumentError(span, message=f"argument '{name}' must be a number ({t.dtype}), got "

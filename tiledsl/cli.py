@@ -238,13 +238,14 @@ def _run_scalars(fn, items: Sequence[str]) -> dict[str, object]:
             if value not in ("true", "false"):
                 raise diag.OptionError(message=f"{shown}: {name} is a bool: give true or false")
             out[name] = value == "true"
-        elif dtype is DType.I32:
+        elif dtype.is_int:
             try:
                 out[name] = int(value)
             except ValueError:
-                raise diag.OptionError(message=f"{shown}: {name} is an i32: give an integer") from None
-            if not -(2**31) <= out[name] < 2**31:
-                raise diag.OptionError(message=f"{shown}: {name} is an i32: the value does not fit")
+                raise diag.OptionError(message=f"{shown}: {name} is an {dtype}: give an integer") from None
+            bits = 8 * dtype.itemsize
+            if not -(2 ** (bits - 1)) <= out[name] < 2 ** (bits - 1):
+                raise diag.OptionError(message=f"{shown}: {name} is an {dtype}: the value does not fit")
         else:
             try:
                 out[name] = float(value)

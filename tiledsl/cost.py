@@ -12,15 +12,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from tiledsl.ir import KernelOp, Region
-from tiledsl.types import DType, TensorType
+from tiledsl.types import TensorType
 
 Poly = dict[tuple[str, ...], int]
 
-ITEMSIZE = {DType.F16: 2, DType.BF16: 2, DType.F32: 4, DType.I32: 4, DType.BOOL: 1}
 
 
 def tensor_bytes(t: TensorType) -> Poly:
-    coeff = ITEMSIZE[t.dtype]
+    coeff = t.dtype.itemsize
     symbols = []
     for d in t.shape:
         if isinstance(d, int):

@@ -97,12 +97,12 @@ def random_inputs(fn: Program, dims: Mapping[str, int], device: str = "cpu",
             continue
         if op.attr("scalar"):
             r = torch.rand((), generator=generator).item()
-            out[name] = {DType.BOOL: r > 0.5, DType.I32: int(r * 7) + 1}.get(t.dtype, 0.25 + r)
+            out[name] = r > 0.5 if t.dtype is DType.BOOL else (int(r * 7) + 1 if t.dtype.is_int else 0.25 + r)
             continue
         shape = eval_shape(t.shape, dims)
         if t.dtype.is_float:
             value = torch.randn(shape, generator=generator, dtype=torch.float32)
-        elif t.dtype is DType.I32:
+        elif t.dtype.is_int:
             value = torch.randint(-50, 50, shape, generator=generator, dtype=torch.int32)
         else:
             value = torch.rand(shape, generator=generator) > 0.5

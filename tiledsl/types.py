@@ -28,6 +28,7 @@ class DType(enum.Enum):
     BF16 = "bf16"
     F32 = "f32"
     I32 = "i32"
+    I64 = "i64"
     BOOL = "bool"
 
     @property
@@ -35,19 +36,28 @@ class DType(enum.Enum):
         return self in (DType.F16, DType.BF16, DType.F32)
 
     @property
+    def is_int(self) -> bool:
+        return self in (DType.I32, DType.I64)
+
+    @property
     def category(self) -> int:
         """0 for bool, 1 for integers, 2 for floats."""
-        return 2 if self.is_float else (1 if self is DType.I32 else 0)
+        return 2 if self.is_float else (1 if self.is_int else 0)
+
+    @property
+    def itemsize(self) -> int:
+        return _ITEMSIZE[self]
 
     def __str__(self) -> str:
         return self.value
 
 
 DTYPES = {d.value: d for d in DType}
-PARAM_DTYPES = ("f16", "bf16", "f32", "i32", "bool")
+PARAM_DTYPES = ("f16", "bf16", "f32", "i32", "i64", "bool")
+_ITEMSIZE = {DType.F16: 2, DType.BF16: 2, DType.F32: 4, DType.I32: 4, DType.I64: 8, DType.BOOL: 1}
 
 # The join of two dtypes (torch.promote_types restricted to ours).
-_ORDER = {DType.BOOL: 0, DType.I32: 1, DType.F16: 2, DType.BF16: 2, DType.F32: 3}
+_ORDER = {DType.BOOL: 0, DType.I32: 1, DType.I64: 2, DType.F16: 3, DType.BF16: 3, DType.F32: 4}
 
 
 def promote_types(a: DType, b: DType) -> DType:
@@ -107,11 +117,12 @@ def result_dtype(types: Sequence[TensorType]) -> DType:
 class Compute(enum.Enum):
     """The type a value computes in inside a kernel (the numerics contract, design section 5):
     floats in f32, weak floats in f64 like the Python arithmetic they stand for, integers in
-    i32, bools in i1. Values round to their dtype only when stored."""
+    their own width (i32, i64), bools in i1. Values round to their dtype only when stored."""
 
     F32 = "f32"
     F64 = "f64"
     I32 = "i32"
+    I64 = "i64"
     BOOL = "i1"
 
     @property
@@ -121,7 +132,9 @@ class Compute(enum.Enum):
 
 def compute_type(dtype: DType) -> Compute:
     """The compute type of a stored (non-weak) value of `dtype`."""
-    return Compute.F32 if dtype.is_float else (Compute.I32 if dtype is DType.I32 else Compute.BOOL)
+    if dtype.is_float:
+        return Compute.F32
+    return {DType.I32: Compute.I32, DType.I64: Compute.I64}.get(dtype, Compute.BOOL)
 
 
 def value_compute(t: TensorType) -> Compute:

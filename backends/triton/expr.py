@@ -25,6 +25,7 @@ from tiledsl.types import Compute, DType, TensorType, compute_type, result_dtype
 from .codegen import Code
 
 TRITON_TYPE = {Compute.F32: "tl.float32", Compute.F64: "tl.float64", Compute.I32: "tl.int32",
+               Compute.I64: "tl.int64",
                Compute.BOOL: "tl.int1"}
 
 # Added to modules that convert bf16. Triton's interpreter truncates f32 -> bf16
@@ -85,7 +86,7 @@ def literal(value: object, cat: Compute) -> Val:
     if cat is Compute.BOOL:
         v: object = bool(value)
         text = "True" if v else "False"
-    elif cat is Compute.I32:
+    elif cat in (Compute.I32, Compute.I64):
         v = int(value)
         text = str(v) if v >= 0 else f"({v})"
     else:
@@ -130,7 +131,8 @@ class Emitter:
         as i32 (0/1): Triton 3.6's interpreter mis-stores Python bool arguments."""
         if dtype.is_float:
             return self.assign(f"tl.full([], 0.0, tl.float32) + {name}", Compute.F32)
-        value = self.assign(f"tl.full([], 0, tl.int32) + {name}", Compute.I32)
+        cat = compute_type(dtype) if dtype.is_int else Compute.I32
+        value = self.assign(f"tl.full([], 0, {TRITON_TYPE[cat]}) + {name}", cat)
         return self.convert(value, Compute.BOOL) if dtype is DType.BOOL else value
 
     def load(self, text: str, t: TensorType) -> Val:

@@ -28,8 +28,6 @@ from tiledsl.types import DType
 from .base import EmittedKernel, LaunchConfig
 from .codegen import DimSize, Numel, Ptr, Scalar, Stride, TmaReady
 
-_ITEMSIZE = {DType.F16: 2, DType.BF16: 2, DType.F32: 4, DType.I32: 4, DType.BOOL: 1}
-
 # a slot of the call's values read by a kernel: (slot, permutation of a transposed view)
 Read = tuple[int, "tuple[int, ...] | None"]
 
@@ -118,7 +116,7 @@ def argument_function(emitted: EmittedKernel, reads: Sequence[Read], out_shapes:
         elif isinstance(spec, TmaReady) and spec.role == "out":  # fresh and contiguous
             t = emitted.kernel.result_types[spec.index]
             pitches = contiguous_strides(out_shapes[spec.index])[:-1]
-            fits = all(p * _ITEMSIZE[t.dtype] % 16 == 0 for p in pitches)
+            fits = all(p * t.dtype.itemsize % 16 == 0 for p in pitches)
             exprs.append(f"(o[{spec.index}].data_ptr() % 16 == 0)" if fits else "False")
         elif isinstance(spec, TmaReady):
             slot, perm = reads[spec.index]
@@ -127,7 +125,7 @@ def argument_function(emitted: EmittedKernel, reads: Sequence[Read], out_shapes:
             axes = list(range(t.rank)) if perm is None else list(perm)
             if spec.swapped:
                 axes[-2:] = axes[-1], axes[-2]
-            pitches = "".join(f" and s{slot}[{a}] * {_ITEMSIZE[t.dtype]} % 16 == 0" for a in axes[:-1])
+            pitches = "".join(f" and s{slot}[{a}] * {t.dtype.itemsize} % 16 == 0" for a in axes[:-1])
             exprs.append(f"(v[{slot}].data_ptr() % 16 == 0 and s{slot}[{axes[-1]}] == 1{pitches})")
         elif isinstance(spec, Scalar):  # bools travel as 0/1 (see Emitter.scalar)
             value = f"v[{reads[spec.index][0]}]"

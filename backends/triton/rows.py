@@ -168,7 +168,7 @@ class RowProgram:
             return self.em.assign(f"tl.where({x.text} == {NEG_INF}, 0.0, tl.exp({x.text} - {x.text}))", F32)
         if op.kind in ("mean", "logsumexp"):
             return self.em.convert(x, F32)
-        return self.em.convert(x, F32 if x.cat is F32 else I32)
+        return self.em.convert(x, F32 if x.cat is F32 else (x.cat if x.cat is Compute.I64 else I32))
 
     def masked(self, x: Val, fill: str) -> str:
         x = self.em.tensor(x)
@@ -179,7 +179,9 @@ class RowProgram:
     def reduce_cat(self, v: int) -> Compute:
         op = self.op(v)
         x_type = self.region.value_type(self.operands(v)[0])
-        return F32 if op.kind in ("mean", "logsumexp", "softmax") or x_type.dtype.is_float else I32
+        if op.kind in ("mean", "logsumexp", "softmax") or x_type.dtype.is_float:
+            return F32
+        return Compute.I64 if x_type.dtype is DType.I64 else I32
 
     @staticmethod
     def identity(kind: str, cat: Compute) -> str:
@@ -187,7 +189,8 @@ class RowProgram:
             return "0.0" if cat is F32 else "0"
         if cat is F32:
             return NEG_INF if kind == "max" else 'float("inf")'
-        return "-2147483648" if kind == "max" else "2147483647"
+        bits = 64 if cat is Compute.I64 else 32
+        return str(-(2 ** (bits - 1))) if kind == "max" else str(2 ** (bits - 1) - 1)
 
     def wide(self, v: int) -> bool:
         """Accumulate in f64: an f32 sum or mean."""
@@ -375,7 +378,7 @@ def one_pass_limit(plan: RowPlan, inputs) -> int:
     32-bit one with 16 warps and no spills, halved per further dependent reduction (each
     keeps another row-sized value live: layernorm's centred row). Longer rows loop, reading
     the row once per phase with online softmax and logsumexp."""
-    wide = any(inp.type.dtype in (DType.F32, DType.I32) for i, inp in enumerate(inputs)
+    wide = any(inp.type.dtype.itemsize >= 4 for i, inp in enumerate(inputs)
                if plan.full(i))
     phases = max(plan.phases, default=0)
     return (1 << 14 if wide else 1 << 15) >> max(0, phases - 1)

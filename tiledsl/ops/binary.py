@@ -192,12 +192,13 @@ def _render_pow(em, op, args, out):
 
 
 def _int_power(em, a, b, out):
-    """Square and multiply over the exponent's 31 bits (wrapping like torch's int32)."""
+    """Square and multiply over the exponent's bits (wrapping like torch's integers)."""
     r, base, e = em.fresh(), em.fresh(), em.fresh()
     em.code(f"{r} = {a} * 0 + {b} * 0 + 1")
     em.code(f"{base} = {a} + {b} * 0")
     em.code(f"{e} = {b} + {a} * 0")
-    em.code(f"for {em.fresh('k')} in tl.static_range(31):")
+    bits = 63 if out is Compute.I64 else 31
+    em.code(f"for {em.fresh('k')} in tl.static_range({bits}):")
     with em.code.indent():
         em.code(f"{r} = tl.where(({e} & 1) != 0, {r} * {base}, {r})")
         em.code(f"{base} = {base} * {base}")

@@ -64,7 +64,7 @@ define("index", 0, Category.ELEMENTWISE, _index, params=(X, BParam("axis", "int"
 
 def _sum(types, attrs):
     (x,) = types
-    dtype = x.dtype if x.dtype.is_float else DType.I32
+    dtype = x.dtype if x.dtype.is_float or x.dtype is DType.I64 else DType.I32
     return TensorType(dtype, reduced_shape(x, attrs))
 
 
