@@ -97,6 +97,12 @@ def test_gemm_example_reports_every_candidate():
     assert "programs" not in default[0].config
 
 
+def test_fp8_gemm_example_uses_fp8_tensor_cores_and_tma():
+    (r,) = _report("gemm_fp8_scaled.tdsl", GEMM_DIMS)
+    assert r.wgmma == ["m64n128k32"]  # f8 operands as they are: k32 is the f8 wgmma
+    assert r.spill_bytes == 0 and r.tma > 0
+
+
 def test_ptx_cli_json():
     code, out, _ = cli("ptx", str(EXAMPLES / "gemm_multiply_multiply.tdsl"), "--dims", "M=8192,N=8192,K=4096",
                        "--json")

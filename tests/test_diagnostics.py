@@ -170,7 +170,7 @@ HABITS = {
         "note: 'min' reduces along an axis; the elementwise minimum of two values is minimum(a, b)"),
     "return cast(x, float32)": (
         "<string>:2:20: error: unknown dtype 'float32'; did you mean 'f32'?",
-        "note: the dtypes are f16, bf16, f32, i32, i64, bool"),
+        "note: the dtypes are f16, bf16, f32, i32, i64, bool, f8e4m3, f8e5m2"),
     "return x ^ 2": (
         "<string>:2:14: error: unexpected character '^'; expected one of: '(', ',', ';', '}', a newline, an operator",
         "note: '^' is not an operator: write x ** y for a power, a != b for the exclusive or of bools"),
@@ -192,6 +192,12 @@ HABITS = {
         "<string>:2:16: error: a tuple is only allowed as the axes of a reduction, e.g. sum(x, axis=(0, 1))", ""),
     "return x * None": (
         "<string>:2:16: error: None is only allowed as axis=None (every axis)", ""),
+    "return cast(cast(x, f8e4m3), f32) + cast(x, f8e4m3)": (
+        "<string>:2:12: error: '+' cannot compute on f8e4m3 values: f8 is for storage and matmul operands; "
+        "cast(x, f32) first", "<string>:2:41: note: this operand is f8e4m3[M, N]"),
+    "return cast(x, f8e5m2) @ y": (
+        "<string>:2:12: error: an f8 matmul needs both operands in f8, got f8e5m2 @ f32; cast the f32 operand",
+        "<string>:2:30: note: this operand is f32[N, K]"),
     "return ~x": (
         "<string>:2:12: error: '~' needs a bool (or i32) operand, got f32; compare first, e.g. ~(x > 0)",
         "<string>:2:13: note: this operand is f32[M, N]"),

@@ -230,6 +230,25 @@ def test_cast_between_all_dtypes(src, dst):
     run_checked(f"kernel f(x: {src}[M, N]) -> {dst}[M, N] {{ return cast(x, {dst}) }}", x)
 
 
+@pytest.mark.parametrize("f8", ["f8e4m3", "f8e5m2"])
+def test_f8_conversions_are_torchs_bit_for_bit(f8):
+    """Round to nearest even, subnormals, ties, e4m3fn's saturation at 448, e5m2's overflow to
+    inf, NaN; and back to f32 exactly."""
+    torch_f8 = {"f8e4m3": torch.float8_e4m3fn, "f8e5m2": torch.float8_e5m2}[f8]
+    special = torch.tensor([448.0, 464.0, 479.9, 480.0, 500.0, 1e6, float("inf"), -float("inf"), float("nan"),
+                            -1e6, 57344.0, 61439.0, 61440.0, 2**-9, 2**-10, 3 * 2**-10, 2**-16, 2**-17,
+                            0.0, -0.0, 0.1, -3.3])
+    x = torch.cat([special, randn(300, scale=100), randn(300, scale=0.01)])[None]
+    fn, (stored, back) = run_checked(f"""
+    kernel f(x: f32[M, N]) -> ({f8}[M, N], f32[M, N]) {{ return cast(x, {f8}), cast(cast(x, {f8}), f32) }}""", x)
+    expected = x.to(torch_f8)
+    assert torch.equal(stored.view(torch.uint8), expected.view(torch.uint8))
+    assert torch.equal(back.nan_to_num(), expected.float().nan_to_num())
+    fn, wide = run_checked(f"kernel f(y: {f8}[M, N]) -> f32[M, N] {{ return cast(y, f32) }}", expected)
+    assert torch.equal(wide.nan_to_num(), expected.float().nan_to_num())
+    assert torch.equal(wide.isnan(), expected.float().isnan())
+
+
 def test_cast_rounds_inside_a_kernel():
     x = randn(17, 113) * 10
     run_checked("kernel f(x: f32[M, N]) -> f32[M, N] { return cast(cast(x, bf16), f32) - x }", x)

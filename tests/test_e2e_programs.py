@@ -87,6 +87,30 @@ def test_gemm_multiply_multiply(m, k, n):
     run_checked(fn, a, b, randn(m, n, dtype=torch.float16), randn(m, n, dtype=torch.float16))
 
 
+@pytest.mark.parametrize("m, k, n", [(1, 1, 1), (113, 80, 17), (65, 200, 130)])
+def test_fp8_gemm_with_row_and_column_scales(m, k, n):
+    """composable-kernel's multiply-multiply as it is used: f8 operands, f32 scales, one kernel.
+    On the interpreter f8 dot operands are widened exactly, so the product matches the f64
+    golden of the same f8 values."""
+    fn = example("gemm_fp8_scaled")
+    assert [(k.template, [op.kind for op in k.ops]) for k in fn.kernels] == \
+        [("matmul", ["matmul", "mul", "mul", "cast"])]
+    a, b = randn(m, k).to(torch.float8_e4m3fn), randn(k, n, scale=3).to(torch.float8_e4m3fn)
+    _, out = run_checked(fn, a, b, randn(m, 1), randn(1, n))
+    assert out.dtype is torch.bfloat16
+
+
+def test_fp8_operand_kinds_mix_and_batch():
+    a = randn(113, 80).to(torch.float8_e4m3fn)
+    b = randn(2, 97, 80).to(torch.float8_e5m2)
+    fn, _ = run_checked("kernel f(a: f8e4m3[M, K], b: f8e5m2[B, N, K]) -> f32[B, M, N] { return a @ b.T }", a, b)
+    assert [k.template for k in fn.kernels] == ["matmul"]
+    q, k, v = randn(2, 113, 64).to(torch.float8_e4m3fn), randn(2, 97, 64).to(torch.float8_e4m3fn), randn(2, 97, 64)
+    fn, _ = run_checked("kernel f(q: f8e4m3[B, M, D], k: f8e4m3[B, N, D], v: f32[B, N, D]) -> f32[B, M, D] {"
+                        " return softmax(q @ k.T * 0.125) @ v }", q, k, v)
+    assert [k.template for k in fn.kernels] == ["attention"]
+
+
 def test_row_and_column_scales():
     src = """
     kernel scaled(a: f16[M, K], b: f16[K, N], rs: f32[M, 1], cs: f32[1, N]) -> f16[M, N] {

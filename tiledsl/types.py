@@ -30,10 +30,16 @@ class DType(enum.Enum):
     I32 = "i32"
     I64 = "i64"
     BOOL = "bool"
+    F8E4M3 = "f8e4m3"  # torch.float8_e4m3fn: storage and matmul operands only
+    F8E5M2 = "f8e5m2"
 
     @property
     def is_float(self) -> bool:
-        return self in (DType.F16, DType.BF16, DType.F32)
+        return self in (DType.F16, DType.BF16, DType.F32, DType.F8E4M3, DType.F8E5M2)
+
+    @property
+    def is_f8(self) -> bool:
+        return self in (DType.F8E4M3, DType.F8E5M2)
 
     @property
     def is_int(self) -> bool:
@@ -53,17 +59,20 @@ class DType(enum.Enum):
 
 
 DTYPES = {d.value: d for d in DType}
-PARAM_DTYPES = ("f16", "bf16", "f32", "i32", "i64", "bool")
-_ITEMSIZE = {DType.F16: 2, DType.BF16: 2, DType.F32: 4, DType.I32: 4, DType.I64: 8, DType.BOOL: 1}
+PARAM_DTYPES = ("f16", "bf16", "f32", "i32", "i64", "bool", "f8e4m3", "f8e5m2")
+_ITEMSIZE = {DType.F16: 2, DType.BF16: 2, DType.F32: 4, DType.I32: 4, DType.I64: 8, DType.BOOL: 1,
+             DType.F8E4M3: 1, DType.F8E5M2: 1}
 
-# The join of two dtypes (torch.promote_types restricted to ours).
-_ORDER = {DType.BOOL: 0, DType.I32: 1, DType.I64: 2, DType.F16: 3, DType.BF16: 3, DType.F32: 4}
+# The join of two dtypes (torch.promote_types restricted to ours; f8 values only meet in
+# matmuls, whose type rule decides).
+_ORDER = {DType.BOOL: 0, DType.I32: 1, DType.I64: 2, DType.F8E4M3: 3, DType.F8E5M2: 3, DType.F16: 3,
+          DType.BF16: 3, DType.F32: 4}
 
 
 def promote_types(a: DType, b: DType) -> DType:
     if a is b:
         return a
-    if {a, b} == {DType.F16, DType.BF16}:
+    if _ORDER[a] == _ORDER[b] == 3:  # two different 16- or 8-bit floats
         return DType.F32
     return a if _ORDER[a] > _ORDER[b] else b
 

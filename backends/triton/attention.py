@@ -409,8 +409,7 @@ class AttentionProgram:
         if f"{col}[None, :]" in idx:
             masks.append(f"({col} < {limit})[None, :]")
         mask = " & ".join(masks)
-        text = f"tl.load({ref.ptr} + {offset}" + (f", mask={mask}, other=0)" if mask else ")")
-        return self.em.load(text, inp.type)
+        return self.em.load_at(f"{ref.ptr} + {offset}", mask or None, inp.type)
 
     def index(self, op: Op, space: str) -> Val:
         axis = op.attr("axis")

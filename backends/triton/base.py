@@ -19,7 +19,7 @@ from tiledsl.ir import KernelOp
 from tiledsl.source import Span
 
 from .codegen import ArgSpec, Code, Signature, header
-from .expr import BF16_HELPERS, Emitter
+from .expr import HELPERS, Emitter
 
 
 @dataclass(frozen=True)
@@ -88,15 +88,16 @@ def require_dot_hints(hints: Hints, names: Sequence[str]) -> None:
 def finish(kernel: KernelOp, template: str, sig: Signature, body: Code,
            configure: Callable[[Mapping[str, int], str], LaunchConfig],
            em: Emitter) -> EmittedKernel:
-    """Assemble the module; kernels that convert bf16 get the helpers and `INTERPRETER`."""
+    """Assemble the module; kernels that convert bf16 or f8 get the helpers and `INTERPRETER`."""
     fn_name = f"{kernel.name}_{template}"
     code = Code()
     for line in header(kernel, template):
         code(line)
-    if em.uses_bf16:
+    if em.helpers:
         sig.constexpr("INTERPRETER")
-        for line in BF16_HELPERS.splitlines():
-            code(line)
+        for name in sorted(em.helpers):
+            for line in HELPERS[name].splitlines():
+                code(line)
     for line in sig.dim_comments():
         code(line)
     code("@triton.jit")
@@ -105,7 +106,7 @@ def finish(kernel: KernelOp, template: str, sig: Signature, body: Code,
         for line in body.lines:
             code(line)
     return EmittedKernel(kernel, fn_name, code.text(), tuple(sig.params), configure,
-                         interpreter_flag=em.uses_bf16)
+                         interpreter_flag=bool(em.helpers))
 
 
 def decompose(code: Code, flat: str, dims: Sequence[int | str], names: Sequence[str | None],

@@ -28,11 +28,13 @@ TRITON_TYPE = {Compute.F32: "tl.float32", Compute.F64: "tl.float64", Compute.I32
                Compute.I64: "tl.int64",
                Compute.BOOL: "tl.int1"}
 
-# Added to modules that convert bf16. Triton's interpreter truncates f32 -> bf16
+# Helper functions added to modules that convert these dtypes, keyed by dtype name.
+# bf16: Triton's interpreter truncates f32 -> bf16
 # and mis-converts bf16 subnormals, so when INTERPRETER is set the conversions
 # go through the bits (exact, round-to-nearest-even); on a GPU they are the
 # native instructions.
-BF16_HELPERS = """\
+HELPERS: dict[str, str] = {}
+HELPERS["bf16"] = """\
 @triton.jit
 def bf16_to_f32(x, INTERPRETER: tl.constexpr):
     if INTERPRETER:
@@ -50,6 +52,69 @@ def f32_to_bf16(x, INTERPRETER: tl.constexpr):
         return tl.where(x != x, x.to(tl.bfloat16), rounded)
     else:
         return x.to(tl.bfloat16)
+
+"""
+
+# f8: Triton's interpreter mis-converts NaN and large values, and Triton's own f32 -> f8
+# need not overflow as torch does; the narrowing helpers follow torch bit for bit on every
+# target (round to nearest even; e4m3fn saturates at 448 and has no inf; e5m2 overflows
+# to inf).
+HELPERS["f8e4m3"] = """\
+@triton.jit
+def f8e4m3_to_f32(x, INTERPRETER: tl.constexpr):
+    if INTERPRETER:
+        bits = x.to(tl.uint8, bitcast=True).to(tl.int32)
+        e = (bits >> 3) & 15
+        m = bits & 7
+        scale = ((tl.maximum(e, 1) + 120) << 23).to(tl.float32, bitcast=True)
+        mag = tl.where(e == 0, m, m + 8).to(tl.float32) * 0.125 * scale
+        mag = tl.where(e == 15, tl.where(m == 7, float("nan"), mag), mag)
+        return tl.where(bits >= 128, -mag, mag)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
+def f32_to_f8e4m3(x):
+    u = x.to(tl.uint32, bitcast=True) & 0x7FFFFFFF
+    sign = ((x.to(tl.uint32, bitcast=True) >> 24) & 128).to(tl.int32)
+    a = tl.abs(x)
+    r = u + 0x7FFFF + ((u >> 20) & 1)
+    e = (r >> 23).to(tl.int32) - 120
+    m = ((r >> 20) & 7).to(tl.int32)
+    normal = tl.where(e > 15, 126, tl.where(e == 15, tl.where(m == 7, 126, (e << 3) | m), (e << 3) | m))
+    q = a * 512.0
+    f = tl.floor(q)
+    odd = f - 2.0 * tl.floor(f * 0.5)
+    sub = tl.where(q - f > 0.5, f + 1.0, tl.where(q - f == 0.5, f + odd, f)).to(tl.int32)
+    bits = tl.where(x != x, 127, tl.where(a < 0.015625, sub, normal)) | sign
+    return bits.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+
+"""
+HELPERS["f8e5m2"] = """\
+@triton.jit
+def f8e5m2_to_f32(x, INTERPRETER: tl.constexpr):
+    if INTERPRETER:
+        return (x.to(tl.uint8, bitcast=True).to(tl.uint16) << 8).to(tl.float16, bitcast=True).to(tl.float32)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
+def f32_to_f8e5m2(x):
+    u = x.to(tl.uint32, bitcast=True) & 0x7FFFFFFF
+    sign = ((x.to(tl.uint32, bitcast=True) >> 24) & 128).to(tl.int32)
+    a = tl.abs(x)
+    r = u + 0xFFFFF + ((u >> 21) & 1)
+    e = (r >> 23).to(tl.int32) - 112
+    m = ((r >> 21) & 3).to(tl.int32)
+    normal = tl.where(e > 30, 124, (e << 2) | m)
+    q = a * 65536.0
+    f = tl.floor(q)
+    odd = f - 2.0 * tl.floor(f * 0.5)
+    sub = tl.where(q - f > 0.5, f + 1.0, tl.where(q - f == 0.5, f + odd, f)).to(tl.int32)
+    bits = tl.where(x != x, 127, tl.where(a < 6.103515625e-05, sub, normal)) | sign
+    return bits.to(tl.uint8).to(tl.float8e5, bitcast=True)
 
 """
 
@@ -104,13 +169,13 @@ class Emitter:
     def __init__(self, code: Code) -> None:
         self.code = code
         self._count = 0
-        self.uses_bf16 = False
+        self.helpers: set[str] = set()  # the HELPERS the module needs
 
     def widen(self, text: str, dtype: DType) -> str:
         """Source text of a stored `dtype` value in its compute type."""
-        if dtype is DType.BF16:
-            self.uses_bf16 = True
-            return f"bf16_to_f32({text}, INTERPRETER)"
+        if dtype is DType.BF16 or dtype.is_f8:
+            self.helpers.add(dtype.value)
+            return f"{dtype.value}_to_f32({text}, INTERPRETER)"
         if dtype is DType.F16:
             return f"{text}.to(tl.float32)"
         return text
@@ -118,8 +183,11 @@ class Emitter:
     def narrow(self, text: str, dtype: DType) -> str:
         """Source text of a compute value rounded to the storage `dtype`."""
         if dtype is DType.BF16:
-            self.uses_bf16 = True
+            self.helpers.add(dtype.value)
             return f"f32_to_bf16({text}, INTERPRETER)"
+        if dtype.is_f8:  # bit-exact on every target (a GPU's cvt saturates e5m2 too)
+            self.helpers.add(dtype.value)
+            return f"f32_to_{dtype.value}({text})"
         if dtype is DType.F16:
             return f"{text}.to(tl.float16)"
         return text
@@ -142,6 +210,13 @@ class Emitter:
         if t.weak and t.dtype.is_float:
             return self.assign(text, Compute.F64)
         return self.assign(self.widen(text, t.dtype), compute_type(t.dtype))
+
+    def load_at(self, ptrs: str, mask: str | None, t: TensorType) -> Val:
+        """`load` of the pointers `ptrs` under `mask` (a float 0 outside it: Triton's
+        interpreter cannot convert an integer fill to f8)."""
+        if mask is None:
+            return self.load(f"tl.load({ptrs})", t)
+        return self.load(f"tl.load({ptrs}, mask={mask}, other={'0.0' if t.dtype.is_float else '0'})", t)
 
     def index(self, expr: str | None) -> Val:
         """An `index` op's value: `expr` is the tile's index along its axis, None along a

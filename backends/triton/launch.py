@@ -32,7 +32,8 @@ from .codegen import DimSize, Numel, Ptr, Scalar, Stride, TmaReady
 Read = tuple[int, "tuple[int, ...] | None"]
 
 POINTER_TYPES = {"float16": "*fp16", "bfloat16": "*bf16", "float32": "*fp32", "int32": "*i32",
-                 "bool": "*u1", "float64": "*fp64", "int64": "*i64"}
+                 "bool": "*u1", "float64": "*fp64", "int64": "*i64", "float8_e4m3fn": "*fp8e4nv",
+                 "float8_e5m2": "*fp8e5"}
 
 
 @dataclass(frozen=True, slots=True)

@@ -104,11 +104,11 @@ def operand_tile(em: Emitter, region: Region, name: str, ptrs: str, mask: str, v
         body(f"{name} = tl.where({mask}, {em.narrow(result.text, dot)}, 0.0)")
     elif src_type.dtype is not dot:  # mixed operands meet in the promoted dtype (f32)
         body(f"{name} = {em.widen(name, src_type.dtype)}")
-    if dot is DType.BF16:
-        # the interpreter multiplies bf16 dot operands as raw bits
+    if dot is DType.BF16 or dot.is_f8:
+        # the interpreter multiplies bf16 (and f8) dot operands as raw bits
         body("if INTERPRETER:")
         with body.indent():
-            body(f"{name} = {em.widen(name, DType.BF16)}")
+            body(f"{name} = {em.widen(name, dot)}")
     return name
 
 
@@ -125,6 +125,10 @@ class GemmProgram:
         self.a_val, self.b_val = plan.a, plan.b
         self.prologues = [plan.a_prologue, plan.b_prologue]
         self.sources = [plan.a_source, plan.b_source]
+        # what each operand enters the dot as: the product's dtype, or an f8 operand as it is
+        # (f8 products accumulate in f32, their result dtype)
+        self.dots = [region.inputs[s].type.dtype if region.inputs[s].type.dtype.is_f8 else self.op.dtype
+                     for s in self.sources]
         self.shape = self.op.shape
         self.batch = self.shape[:-2]
         self.sig, self.body = Signature(), Code()
@@ -192,7 +196,7 @@ class GemmProgram:
             coords = (("pid_m * BLOCK_M", "k0"), ("k0", "pid_n * BLOCK_N"))
             for which, name in enumerate("ab"):
                 with tma.load_or_pointers(self.em, descs[which], name, coords[which], self.bnames,
-                                          self.op.dtype):
+                                          self.dots[which]):
                     self.operand(name, which, f"{name}_mask")
             body(f"acc = tl.dot(a, b, acc{self.precision()})")
             for name, src, axis in (("a", a_src, -1), ("b", b_src, -2)):
@@ -208,7 +212,7 @@ class GemmProgram:
             self.epilogue(f"acc_{half}")
 
     def precision(self) -> str:
-        if self.op.dtype is not DType.F32:
+        if self.dots[0] is not DType.F32:
             return ""
         return ', input_precision="tf32"' if self.allow_tf32 else ', input_precision="ieee"'
 
@@ -220,7 +224,7 @@ class GemmProgram:
         prologue)."""
         src = self.sources[which]
         t = self.region.inputs[src].type
-        if self.prologues[which] != {src} or not tma.eligible(t, self.op.dtype):
+        if self.prologues[which] != {src} or not tma.eligible(t, self.dots[which]):
             return None
         return tma.declare(self.sig, self.body, "ab"[which], src, self.refs[src], t,
                            OPERAND_BLOCKS[which])
@@ -229,7 +233,7 @@ class GemmProgram:
         """Load one operand tile, apply its prologue, and bring it to the dot's dtype."""
         value = (self.a_val, self.b_val)[which]
         return operand_tile(self.em, self.region, name, f"{name}_ptrs", mask, value,
-                            self.sources[which], self.prologues[which], self.scalars, self.op.dtype)
+                            self.sources[which], self.prologues[which], self.scalars, self.dots[which])
 
     def out_index(self, dim: int) -> str | None:
         """Index of an output dim at the tile: batch scalars, rows, columns."""
@@ -292,9 +296,7 @@ class GemmProgram:
         mask = {(True, True): f"(rm[:, None] < {self.M}) & (rn[None, :] < {self.N})",
                 (True, False): f"(rm < {self.M})[:, None]", (False, True): f"(rn < {self.N})[None, :]",
                 (False, False): None}[(rows, cols)]
-        load = (f"tl.load({ref.ptr} + {offset})" if mask is None
-                else f"tl.load({ref.ptr} + {offset}, mask={mask}, other=0)")
-        return self.em.load(load, self.region.inputs[i].type)
+        return self.em.load_at(f"{ref.ptr} + {offset}", mask, self.region.inputs[i].type)
 
     # --- launch --------------------------------------------------------------------------------
 
@@ -302,7 +304,7 @@ class GemmProgram:
         user = {n: hint(self.hints, n, 0) for n in (*DOT_HINTS, "GROUP_M", "num_warps", "num_stages")}
         shape = self.shape
         k_dim = self.region.inputs[self.sources[0]].type.shape[-1]
-        dot = self.op.dtype
+        dot = self.dots[0]
         batch = self.batch
         wide = not self.plan.has_prologue  # 128 x 256 and 256 x 128 tiles
 
@@ -335,7 +337,8 @@ class GemmProgram:
                 big, bk_cap = 128, 128
             bm = user["BLOCK_M"] or max(16, min(next_pow2(m), big))
             bn = user["BLOCK_N"] or max(16, min(next_pow2(n), big))
-            bk = user["BLOCK_K"] or max(16, min(next_pow2(k), bk_cap))
+            # an f8 dot takes 32 values of K at a time
+            bk = user["BLOCK_K"] or max(32 if dot.is_f8 else 16, min(next_pow2(k), bk_cap))
             warps = user["num_warps"] or (8 if bm * bn >= 128 * 128 else 4)
             return config(dims, bm, bn, bk, warps, user["num_stages"] or 3)
 

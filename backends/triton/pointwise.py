@@ -52,15 +52,12 @@ def emit(kernel: KernelOp, hints: Hints) -> EmittedKernel:
             inputs[i] = em.scalar(scalars[i], inp.type.dtype)
             continue
         if i not in tensors:  # a 0-dim tensor
-            ptr = sig.tensor("in", i, ()).ptr
-            load = f"tl.load({ptr})"
-        else:
-            ref = tensors[i]
-            lead = rank - inp.type.rank
-            offset = ref.offset(index_names[lead:])
-            load = (f"tl.load({ref.ptr})" if offset == "0"
-                    else f"tl.load({ref.ptr} + {offset}, mask=mask, other=0)")
-        inputs[i] = em.load(load, inp.type)
+            inputs[i] = em.load_at(sig.tensor("in", i, ()).ptr, None, inp.type)
+            continue
+        ref = tensors[i]
+        offset = ref.offset(index_names[rank - inp.type.rank:])
+        inputs[i] = (em.load_at(ref.ptr, None, inp.type) if offset == "0"
+                     else em.load_at(f"{ref.ptr} + {offset}", "mask", inp.type))
 
     def index(op: Op) -> Val:
         axis = op.attr("axis") + rank - len(op.shape)

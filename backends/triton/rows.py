@@ -129,8 +129,7 @@ class RowProgram:
         if i in self.scalars:
             return self.em.scalar(self.scalars[i], t.dtype)
         ptr, mask = self.access(self.refs[i], i)
-        text = f"tl.load({self.refs[i].ptr})" if ptr is None else f"tl.load({ptr}, mask={mask}, other=0)"
-        return self.em.load(text, t)
+        return self.em.load_at(self.refs[i].ptr, None, t) if ptr is None else self.em.load_at(ptr, mask, t)
 
     def emit_values(self, vals: dict[int, Val], which: set[int] | None) -> None:
         """Emit the loads and elementwise ops (those in `which`, or all) not yet in `vals`."""

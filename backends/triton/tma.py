@@ -81,10 +81,10 @@ def load_or_pointers(em: Emitter, desc: Descriptors | None, target: str, at: tup
             if desc.rank > 2:
                 load += f".reshape([{', '.join(tile)}])"
             body(f"{target} = {f'tl.trans({load})' if desc.flipped != swapped else load}")
-            if dot is DType.BF16:  # the interpreter multiplies bf16 dot operands as raw bits
+            if dot is DType.BF16 or dot.is_f8:  # the interpreter multiplies them as raw bits
                 body("if INTERPRETER:")
                 with body.indent():
-                    body(f"{target} = {em.widen(target, DType.BF16)}")
+                    body(f"{target} = {em.widen(target, dot)}")
     body("else:")
     with body.indent():
         yield

@@ -107,5 +107,15 @@ def is_elementwise(kind: str) -> bool:
     return kind in OPS and OPS[kind].category is Category.ELEMENTWISE
 
 
+_F8_OPS = (Category.SOURCE, Category.MATMUL, Category.LAYOUT, Category.RETURN)
+
+
 def infer(kind: str, types: tuple[TensorType, ...], attrs: Mapping[str, Any]) -> TensorType:
-    return OPS[kind].infer(types, attrs)
+    d = OPS[kind]
+    if d.category not in _F8_OPS and kind != "cast":
+        for i, t in enumerate(types):
+            if t.dtype.is_f8:
+                raise RuleError(diag.DTypeError, (i,), message=(
+                    f"'{d.symbol or kind}' cannot compute on {t.dtype} values: f8 is for storage and "
+                    f"matmul operands; cast(x, f32) first"))
+    return d.infer(types, attrs)

@@ -142,7 +142,15 @@ def _matmul(types, attrs):
             f"matmul batch dims cannot be broadcast: {format_shape(a.shape[:-2])} and "
             f"{format_shape(b.shape[:-2])} differ at dim {err.dim} ({err.a} vs {err.b})"
         )) from None
-    dtype = result_dtype((TensorType(a.dtype, a.shape), TensorType(b.dtype, b.shape)))
+    if a.dtype.is_f8 or b.dtype.is_f8:
+        if not (a.dtype.is_f8 and b.dtype.is_f8):
+            i, t = (1, b) if a.dtype.is_f8 else (0, a)
+            raise RuleError(diag.DTypeError, (i,), message=(
+                f"an f8 matmul needs both operands in f8, got {a.dtype} @ {b.dtype}; "
+                f"cast the {t.dtype} operand"))
+        dtype = DType.F32  # f8 products accumulate, and are returned, in f32
+    else:
+        dtype = result_dtype((TensorType(a.dtype, a.shape), TensorType(b.dtype, b.shape)))
     return TensorType(dtype, batch + (a.shape[-2], b.shape[-1]))
 
 

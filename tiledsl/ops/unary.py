@@ -155,10 +155,10 @@ def _cast(types, attrs):
 
 
 def _render_cast(em, op, args, out):
-    """A cast to f16/bf16 rounds there, because the user asked for it; the value then
+    """A cast to f16/bf16/f8 rounds there, because the user asked for it; the value then
     computes in f32 again."""
     (x,) = args
-    if op.dtype in (DType.F16, DType.BF16):
+    if op.dtype.is_float and op.dtype.itemsize < 4:
         v = em.tensor(em.convert(x, Compute.F32))
         v = em.assign(em.widen(em.narrow(v.text, op.dtype), op.dtype), Compute.F32)
         return em.convert(v, out)
