@@ -59,7 +59,27 @@ def f32_to_bf16(x, INTERPRETER: tl.constexpr):
 # need not overflow as torch does; the narrowing helpers follow torch bit for bit on every
 # target (round to nearest even; e4m3fn saturates at 448 and has no inf; e5m2 overflows
 # to inf).
-HELPERS["f8e4m3"] = """\
+# f32 -> f8: the 23 mantissa bits rounded to `mantissa` (to nearest even) in the normal
+# range, where past the largest finite code an e4m3 saturates (126: 448) and an e5m2 is
+# inf (124); below the smallest normal, the nearest even multiple of the smallest subnormal.
+F8_NARROW = """\
+@triton.jit
+def f32_to_{name}(x):
+    u = x.to(tl.uint32, bitcast=True) & 0x7FFFFFFF
+    sign = ((x.to(tl.uint32, bitcast=True) >> 24) & 128).to(tl.int32)
+    a = tl.abs(x)
+    r = u + ((1 << (22 - {mantissa})) - 1) + ((u >> (23 - {mantissa})) & 1)
+    e = (r >> 23).to(tl.int32) - {rebias}
+    code = (e << {mantissa}) | ((r >> (23 - {mantissa})) & {mask}).to(tl.int32)
+    normal = tl.where(code > {max_finite}, {overflow}, code)
+    q = a * {subnormal_scale}
+    f = tl.floor(q)
+    odd = f - 2.0 * tl.floor(f * 0.5)
+    sub = tl.where(q - f > 0.5, f + 1.0, tl.where(q - f == 0.5, f + odd, f)).to(tl.int32)
+    bits = tl.where(x != x, 127, tl.where(a < {min_normal}, sub, normal)) | sign
+    return bits.to(tl.uint8).to({tl_type}, bitcast=True)
+"""
+HELPERS["f8e4m3"] = ("""\
 @triton.jit
 def f8e4m3_to_f32(x, INTERPRETER: tl.constexpr):
     if INTERPRETER:
@@ -74,24 +94,10 @@ def f8e4m3_to_f32(x, INTERPRETER: tl.constexpr):
         return x.to(tl.float32)
 
 
-@triton.jit
-def f32_to_f8e4m3(x):
-    u = x.to(tl.uint32, bitcast=True) & 0x7FFFFFFF
-    sign = ((x.to(tl.uint32, bitcast=True) >> 24) & 128).to(tl.int32)
-    a = tl.abs(x)
-    r = u + 0x7FFFF + ((u >> 20) & 1)
-    e = (r >> 23).to(tl.int32) - 120
-    m = ((r >> 20) & 7).to(tl.int32)
-    normal = tl.where(e > 15, 126, tl.where(e == 15, tl.where(m == 7, 126, (e << 3) | m), (e << 3) | m))
-    q = a * 512.0
-    f = tl.floor(q)
-    odd = f - 2.0 * tl.floor(f * 0.5)
-    sub = tl.where(q - f > 0.5, f + 1.0, tl.where(q - f == 0.5, f + odd, f)).to(tl.int32)
-    bits = tl.where(x != x, 127, tl.where(a < 0.015625, sub, normal)) | sign
-    return bits.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
-
-"""
-HELPERS["f8e5m2"] = """\
+{narrow}""").format(narrow=F8_NARROW.format(name="f8e4m3", mantissa=3, mask=7, rebias=120, max_finite=126,
+                                             overflow=126, subnormal_scale=512.0, min_normal=2.0**-6,
+                                             tl_type="tl.float8e4nv"))
+HELPERS["f8e5m2"] = ("""\
 @triton.jit
 def f8e5m2_to_f32(x, INTERPRETER: tl.constexpr):
     if INTERPRETER:
@@ -100,23 +106,9 @@ def f8e5m2_to_f32(x, INTERPRETER: tl.constexpr):
         return x.to(tl.float32)
 
 
-@triton.jit
-def f32_to_f8e5m2(x):
-    u = x.to(tl.uint32, bitcast=True) & 0x7FFFFFFF
-    sign = ((x.to(tl.uint32, bitcast=True) >> 24) & 128).to(tl.int32)
-    a = tl.abs(x)
-    r = u + 0xFFFFF + ((u >> 21) & 1)
-    e = (r >> 23).to(tl.int32) - 112
-    m = ((r >> 21) & 3).to(tl.int32)
-    normal = tl.where(e > 30, 124, (e << 2) | m)
-    q = a * 65536.0
-    f = tl.floor(q)
-    odd = f - 2.0 * tl.floor(f * 0.5)
-    sub = tl.where(q - f > 0.5, f + 1.0, tl.where(q - f == 0.5, f + odd, f)).to(tl.int32)
-    bits = tl.where(x != x, 127, tl.where(a < 6.103515625e-05, sub, normal)) | sign
-    return bits.to(tl.uint8).to(tl.float8e5, bitcast=True)
-
-"""
+{narrow}""").format(narrow=F8_NARROW.format(name="f8e5m2", mantissa=2, mask=3, rebias=112, max_finite=123,
+                                             overflow=124, subnormal_scale=65536.0, min_normal=2.0**-14,
+                                             tl_type="tl.float8e5"))
 
 
 def with_scalar_operands(region: Region, values: Iterable[int], have: Container[int]) -> set[int]:

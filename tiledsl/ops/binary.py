@@ -17,7 +17,7 @@ from tiledsl import diagnostics as diag
 from tiledsl.types import Compute, DType, TensorType, all_weak, result_dtype
 
 from .core import BParam, Category, Infer, Reads, RuleError, define
-from .render import NAN_ALL, all_of, any_of, binary, compare, is_precise, nan_propagating
+from .render import NAN_ALL, all_of, any_of, binary, compare, in_wide_type, is_precise, nan_propagating
 from .rules import broadcast, float_of
 
 ELEMENTWISE = Category.ELEMENTWISE
@@ -210,8 +210,8 @@ def _int_power(em, a, b, out):
 def _float_power(em, op, a, b, out):
     """exp(b * log|a|) with C's rules for signs, zeros, ones and infinities; f32 ops
     compute it in f64 (its error then stays below an f32 ulp)."""
-    cat = Compute.F64 if is_precise(op, out) else out
-    a, b = (em.convert(em.tensor(x), cat).text for x in (a, b))
+    cat, a = in_wide_type(em, op, out, a)
+    b = in_wide_type(em, op, out, b)[1]
     ax = em.assign(f"tl.abs({a})", cat).text
     r = em.assign(f"tl.exp({b} * tl.log({ax}))", cat).text
     whole = em.assign(f"{b} == tl.floor({b})", Compute.BOOL).text

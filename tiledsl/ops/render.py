@@ -29,6 +29,13 @@ def is_precise(op: Any, out: Compute) -> bool:
     return out is Compute.F32 and op.dtype is DType.F32
 
 
+def in_wide_type(em, op: Any, out: Compute, x) -> tuple[Compute, str]:
+    """A form with cancellation computes in f64 for f32 ops (its error then stays below an f32
+    ulp), else in the op's compute type: that type, and the operand's text in it."""
+    cat = Compute.F64 if is_precise(op, out) else out
+    return cat, em.convert(em.tensor(x), cat).text
+
+
 def unary(text: str, precise: str | None = None, wide: str | None = None) -> Render:
     """One expression over `{x}`; `precise` for f32 ops, `wide` for f64 (weak) values."""
 

@@ -12,7 +12,7 @@ from tiledsl import diagnostics as diag
 from tiledsl.types import Compute, DType, TensorType
 
 from .core import BParam, Category, Infer, Reads, RuleError, define
-from .render import any_of, is_precise, unary
+from .render import any_of, in_wide_type, unary
 from .rules import float_of
 
 X = BParam("x")
@@ -73,10 +73,8 @@ _math("cos", math.cos, torch.cos, unary("tl.cos({x})", PRECISE.format("cos")))
 def _render_tan(em, op, args, out):
     """sin / cos: Triton has no tan outside libdevice, which the interpreter lacks. In
     the wide type (f64) for f32 ops, so the quotient's error stays below an f32 ulp."""
-    x = em.tensor(args[0])
-    cat = Compute.F64 if is_precise(op, out) else out
-    x = em.convert(x, cat)
-    v = em.assign(f"tl.sin({x.text}) / tl.cos({x.text})", cat)
+    cat, x = in_wide_type(em, op, out, args[0])
+    v = em.assign(f"tl.sin({x}) / tl.cos({x})", cat)
     return em.convert(v, out)
 
 
@@ -89,8 +87,7 @@ INF = 'float("inf")'
 def _render_log1p(em, op, args, out):
     """log(u) * x / (u - 1) with u = 1 + x (Goldberg): the rounding of u cancels, so small x
     keep full precision without libdevice; f32 ops compute it in f64."""
-    cat = Compute.F64 if is_precise(op, out) else out
-    x = em.convert(em.tensor(args[0]), cat).text
+    cat, x = in_wide_type(em, op, out, args[0])
     u = em.assign(f"1.0 + {x}", cat).text
     special = any_of(f"{u} == 1.0", f"{u} == {INF}")
     v = em.assign(f"tl.where({special}, {x}, "
@@ -100,8 +97,7 @@ def _render_log1p(em, op, args, out):
 
 def _render_expm1(em, op, args, out):
     """(u - 1) * x / log(u) with u = exp(x) (Kahan): exact enough for small x; f32 ops in f64."""
-    cat = Compute.F64 if is_precise(op, out) else out
-    x = em.convert(em.tensor(args[0]), cat).text
+    cat, x = in_wide_type(em, op, out, args[0])
     u = em.assign(f"tl.exp({x})", cat).text
     saturated = any_of(f"{u} - 1.0 == -1.0", f"{u} == {INF}")
     v = em.assign(f"tl.where({u} == 1.0, {x}, tl.where({saturated}, "
