@@ -87,6 +87,15 @@ def test_gemm_multiply_multiply(m, k, n):
     run_checked(fn, a, b, randn(m, n, dtype=torch.float16), randn(m, n, dtype=torch.float16))
 
 
+@pytest.mark.parametrize("m, n", [(1, 1), (113, 203)])
+def test_trig_score_mod_attention_is_one_kernel(m, n):
+    fn = example("trig_score_mod_attention")
+    assert [k.template for k in fn.kernels] == ["attention"]
+    assert {"cos", "sin", "tan", "tanh"} <= {op.kind for op in fn.kernels[0].ops}
+    q, k, v = (randn(1, 2, s, 64, dtype=torch.bfloat16) for s in (m, n, n))
+    run_checked(fn, q, k, v, scale=0.125)
+
+
 @pytest.mark.parametrize("m, k, n", [(1, 1, 1), (113, 80, 17), (65, 200, 130)])
 def test_fp8_gemm_with_row_and_column_scales(m, k, n):
     """composable-kernel's multiply-multiply as it is used: f8 operands, f32 scales, one kernel.
