@@ -29,9 +29,9 @@ def _round(value: float | int | bool, dtype: DType) -> float | int | bool:
     """`value` as the nearest value of `dtype` (f16/bf16 rounding, i32 wrap-around)."""
     if dtype is DType.BOOL:
         return bool(value)
-    if dtype.is_int:
-        bits = 8 * dtype.itemsize
-        return (int(value) + 2 ** (bits - 1)) % 2**bits - 2 ** (bits - 1)
+    if dtype.is_int:  # wrap around
+        lo, hi = dtype.int_range
+        return (int(value) - lo) % (hi - lo + 1) + lo
     v = float(value)
     if dtype is DType.F32 or not math.isfinite(v):
         return v

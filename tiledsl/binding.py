@@ -17,9 +17,6 @@ from tiledsl.diagnostics import ArgumentError, did_you_mean
 from tiledsl.ir import Graph
 from tiledsl.types import DType, TensorType, format_shape
 
-I32_MIN, I32_MAX = -(2**31), 2**31 - 1
-INT_RANGE = {DType.I32: (I32_MIN, I32_MAX), DType.I64: (-(2**63), 2**63 - 1)}
-
 
 def torch_dtype(dtype: DType):
     import torch
@@ -155,8 +152,7 @@ class Binder:
                 kind = type(value)
                 if not (kind is float and dtype.is_float
                         or kind is int and dtype is not DType.BOOL
-                        and (INT_RANGE[dtype][0] <= value <= INT_RANGE[dtype][1] if dtype.is_int
-                             else -_BIG < value < _BIG)
+                        and (_in_range(value, dtype.int_range) if dtype.is_int else -_BIG < value < _BIG)
                         or kind is bool and dtype is DType.BOOL):
                     return bind(self.graph, args, kwargs)
                 continue
@@ -183,6 +179,10 @@ class Binder:
         values = [float(v) if shape is None and type(v) is int and dtype.is_float else v
                   for v, (dtype, shape) in zip(given, self.params, strict=True)]
         return BoundCall(values, dims, device)
+
+
+def _in_range(value: int, bounds: tuple[int, int]) -> bool:
+    return bounds[0] <= value <= bounds[1]
 
 
 _MISSING = object()
@@ -225,8 +225,7 @@ def _scalar(value: Any, name: str, t: TensorType, span, torch) -> Any:
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise ArgumentError(span, message=f"argument '{name}' must be an int ({t.dtype}), got "
                                 f"{type(value).__name__}")
-        lo, hi = INT_RANGE[t.dtype]
-        if not lo <= int(value) <= hi:
+        if not _in_range(int(value), t.dtype.int_range):
             raise ArgumentError(span, message=f"argument '{name}' = {value} does not fit in {t.dtype}")
         return int(value)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):

@@ -243,8 +243,8 @@ def _run_scalars(fn, items: Sequence[str]) -> dict[str, object]:
                 out[name] = int(value)
             except ValueError:
                 raise diag.OptionError(message=f"{shown}: {name} is an {dtype}: give an integer") from None
-            bits = 8 * dtype.itemsize
-            if not -(2 ** (bits - 1)) <= out[name] < 2 ** (bits - 1):
+            lo, hi = dtype.int_range
+            if not lo <= out[name] <= hi:
                 raise diag.OptionError(message=f"{shown}: {name} is an {dtype}: the value does not fit")
         else:
             try:

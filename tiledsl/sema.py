@@ -319,8 +319,9 @@ class _KernelBuilder:
             axis = self._axis_arg(e, args, "axis", rank)
         except (diag.ConstantExpected, diag.AxisError) as err:
             if e.func in _ELEMENTWISE_SPELLING and len(e.args) == 2:  # max(x, 0.0): Python's max
-                note = diag.Note(f"'{e.func}' reduces along an axis; the elementwise {e.func}imum "
-                                 f"of two values is {_ELEMENTWISE_SPELLING[e.func]}(a, b)")
+                spelling = _ELEMENTWISE_SPELLING[e.func]
+                note = diag.Note(f"'{e.func}' reduces along an axis; the elementwise {spelling} "
+                                 f"of two values is {spelling}(a, b)")
                 raise type(err)(err.span, (*err.notes, note), **err.fields) from None
             raise
         keepdims = _const_bool(args.get("keepdims"), f"'keepdims' of '{e.func}'")

@@ -54,6 +54,11 @@ class DType(enum.Enum):
     def itemsize(self) -> int:
         return _ITEMSIZE[self]
 
+    @property
+    def int_range(self) -> tuple[int, int]:
+        """The smallest and largest value of an integer dtype."""
+        return _INT_RANGE[self]
+
     def __str__(self) -> str:
         return self.value
 
@@ -62,6 +67,8 @@ DTYPES = {d.value: d for d in DType}
 PARAM_DTYPES = ("f16", "bf16", "f32", "i32", "i64", "bool", "f8e4m3", "f8e5m2")
 _ITEMSIZE = {DType.F16: 2, DType.BF16: 2, DType.F32: 4, DType.I32: 4, DType.I64: 8, DType.BOOL: 1,
              DType.F8E4M3: 1, DType.F8E5M2: 1}
+_INT_RANGE = {d: (-(2 ** (8 * _ITEMSIZE[d] - 1)), 2 ** (8 * _ITEMSIZE[d] - 1) - 1)
+              for d in (DType.I32, DType.I64)}
 
 # The join of two dtypes (torch.promote_types restricted to ours; f8 values only meet in
 # matmuls, whose type rule decides).

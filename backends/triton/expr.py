@@ -177,7 +177,7 @@ class Emitter:
         if dtype is DType.BF16:
             self.helpers.add(dtype.value)
             return f"f32_to_bf16({text}, INTERPRETER)"
-        if dtype.is_f8:  # bit-exact on every target (a GPU's cvt saturates e5m2 too)
+        if dtype.is_f8:  # torch's rounding, bit for bit, on every target (see HELPERS)
             self.helpers.add(dtype.value)
             return f"f32_to_{dtype.value}({text})"
         if dtype is DType.F16:

@@ -129,7 +129,9 @@ class RowProgram:
         if i in self.scalars:
             return self.em.scalar(self.scalars[i], t.dtype)
         ptr, mask = self.access(self.refs[i], i)
-        return self.em.load_at(self.refs[i].ptr, None, t) if ptr is None else self.em.load_at(ptr, mask, t)
+        if ptr is None:
+            ptr, mask = self.refs[i].ptr, None
+        return self.em.load_at(ptr, mask, t)
 
     def emit_values(self, vals: dict[int, Val], which: set[int] | None) -> None:
         """Emit the loads and elementwise ops (those in `which`, or all) not yet in `vals`."""
@@ -167,7 +169,7 @@ class RowProgram:
             return self.em.assign(f"tl.where({x.text} == {NEG_INF}, 0.0, tl.exp({x.text} - {x.text}))", F32)
         if op.kind in ("mean", "logsumexp"):
             return self.em.convert(x, F32)
-        return self.em.convert(x, F32 if x.cat is F32 else (x.cat if x.cat is Compute.I64 else I32))
+        return self.em.convert(x, x.cat if x.cat in (F32, Compute.I64) else I32)
 
     def masked(self, x: Val, fill: str) -> str:
         x = self.em.tensor(x)
