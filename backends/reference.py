@@ -25,6 +25,7 @@ import torch
 from tiledsl import ops
 from tiledsl.backends.interface import Backend, Kernel
 from tiledsl.binding import BoundCall, torch_dtype
+from tiledsl.dims import evaluate
 from tiledsl.ir import Graph, KernelOp, Op, Region
 from tiledsl.ops import Reads
 from tiledsl.types import DType
@@ -104,7 +105,9 @@ def eval_op(op: Op, args: list[Any], dims: Mapping[str, int], float64: bool) -> 
     opdef = ops.OPS[op.kind]
     attrs = op.attr_map
     if "shape" in attrs:  # index: its shape with the dims bound
-        attrs["shape"] = tuple(d if isinstance(d, int) else dims[d] for d in attrs["shape"])
+        attrs["shape"] = tuple(evaluate(d, dims) for d in attrs["shape"])
+    if op.kind == "slice":
+        attrs["dims"] = dims
     if opdef.reads in (Reads.PROMOTED, Reads.COMPARE):
         args = _promoted(op, opdef.reads, args, out_dtype, float64)
     elif opdef.reads is Reads.SELECT:

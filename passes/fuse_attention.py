@@ -38,6 +38,7 @@ from tiledsl.passes.fusion.admission import epilogue_refusal, prologue_op_refusa
 from tiledsl.passes.fusion.grow import elementwise_candidate, rewrite_groups
 from tiledsl.passes.fusion.legality import Group, GroupPlan, describe_node
 from tiledsl.passes.fusion.remarks import FusionRemark, Refusal, Rule
+from tiledsl.passes.regions import is_clonable
 from tiledsl.passes.registry import Pass, PassContext, register
 
 NAME = "fuse-attention"
@@ -107,9 +108,24 @@ class _Match:
         for n in members - {qk}:
             group.add(n)
         self._epilogue(group, pv)
-        detail = "flash attention" + (f" (score modification: {len(chain)} ops)" if chain else "")
+        n_mod = len(chain) + len(self._index_expressions(chain))
+        detail = "flash attention" + (f" (score modification: {n_mod} ops)" if chain else "")
         self.remarks.append(FusionRemark(NAME, True, None, graph.op(qk), graph.op(pv), detail))
         return list(group)
+
+    def _index_expressions(self, chain: list[int]) -> set[int]:
+        """The index expressions (`causal`'s comparison) the chain reads: cloned into the
+        kernel, not members, but part of the score modification it reports."""
+        graph, out = self.graph, set()
+        stack = [o for n in chain for o in graph.operands(n)]
+        while stack:
+            n = stack.pop()
+            op = graph.op(n)
+            if n in out or not isinstance(op, Op) or op.shape == () or not is_clonable(graph, n):
+                continue
+            out.add(n)
+            stack.extend(graph.operands(n))
+        return out
 
     def _whole(self, what: str, user: int) -> str:
         return (f"{what} are also used by {describe_node(self.graph, user)}, which needs them whole; "

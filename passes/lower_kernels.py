@@ -8,8 +8,8 @@ After: every compute op is inside a `KernelOp` whose template implements it:
     sum / max / min / mean / logsumexp, softmax -> rows
     matmul                                   -> matmul
 
-What stays outside kernels: parameters, dims, `transpose` (a view: consumers
-read it through permuted strides, no copy), and the return. Constants are
+What stays outside kernels: parameters, dims, views (`transpose`, `slice`:
+consumers read them through their offsets and strides, no copy), and the return. Constants are
 inlined into the kernels that use them, and so are scalar expressions
 (`rsqrt(D) * N`): only a returned one becomes a kernel. A returned value that no kernel
 produces (a parameter, a view, a constant) gets a pointwise copy kernel, so
@@ -30,8 +30,6 @@ from tiledsl.passes.registry import Pass, PassContext, register
 
 TEMPLATES = {Category.ELEMENTWISE: "pointwise", Category.REDUCTION: "rows",
              Category.SOFTMAX: "rows", Category.MATMUL: "matmul"}
-# ops that never become kernels of their own
-VIEWS = ("transpose",)
 
 
 @register

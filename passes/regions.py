@@ -7,7 +7,9 @@ kernel, with its plan (`fusion.planning`), in their place. Constants and scalar
 expressions (rank-0 elementwise ops on constants, dims and scalar parameters,
 like `rsqrt(D) * N`) are cloned into every region that reads them instead of
 becoming inputs: they cost nothing to recompute, and a 0-d value never has to
-be stored by one kernel for another. Scalar parameters and dims become
+be stored by one kernel for another. So are index expressions (`index` ops and
+elementwise ops on them, scalars and constants, like the shifted index of a
+`concat`) where every user computes them over its own tile. Scalar parameters and dims become
 by-value inputs.
 """
 
@@ -43,7 +45,11 @@ def is_clonable(graph: Graph, node: int, memo: dict[int, bool] | None = None) ->
             memo[n] = False
         elif op.kind == "const":
             memo[n] = True
-        elif op.shape != () or not ops.is_elementwise(op.kind) or op.kind == "index":
+        elif op.shape != () and not _index_expression_users(graph, n):
+            memo[n] = False
+        elif op.kind == "index":
+            memo[n] = op.shape != ()
+        elif not ops.is_elementwise(op.kind) or ops.OPS[op.kind].gathers is not None:
             memo[n] = False
         else:
             pending = [o for o in graph.operands(n) if o not in memo and not _leaf(graph, o)]
@@ -53,6 +59,39 @@ def is_clonable(graph: Graph, node: int, memo: dict[int, bool] | None = None) ->
             memo[n] = all(_leaf(graph, o) or memo[o] for o in graph.operands(n))
         stack.pop()
     return memo[node]
+
+
+def _index_expression_users(graph: Graph, node: int) -> bool:
+    """Can every user of `node` compute it over its own tile? Elementwise ops (not
+    gathering from it), reductions and softmax can, unless the value reaches a matmul
+    operand through elementwise ops (a dot prologue reads tensors, not tile indices); a
+    view, a returned value, or a kernel that reads it as an input needs it stored."""
+    for user, slot in graph.users(node):
+        op = graph.op(user)
+        if isinstance(op, KernelOp):
+            return False  # it reads a stored copy: formed when the value was not clonable
+        if ops.gathers_at(op.kind, slot) or not (ops.is_elementwise(op.kind) or op.kind in ops.ROW_KINDS):
+            return False
+    return not _feeds_dot(graph, node)
+
+
+def _feeds_dot(graph: Graph, node: int) -> bool:
+    """Does `node` reach a matmul operand through elementwise ops?"""
+    memo = graph.memo("feeds-dot")
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if n in seen or memo.get(n) is False:
+            continue
+        seen.add(n)
+        for user, _ in graph.users(n):
+            op = graph.op(user)
+            if isinstance(op, Op) and op.kind == "matmul":
+                return True
+            if isinstance(op, Op) and ops.is_elementwise(op.kind):
+                stack.append(user)
+    memo.update(dict.fromkeys(seen, False))
+    return False
 
 
 def _leaf(graph: Graph, node: int) -> bool:
@@ -138,10 +177,12 @@ def replace_with_kernel(graph: Graph, nodes: Sequence[int], outputs: Sequence[in
                        external)
     for i, out in enumerate(outputs):
         graph.replace_uses(out, kernel, new_res=i)
+    members = set(nodes)
     for n in reversed(nodes):
         operands = graph.operands(n)
         graph.remove(n)
-        remove_dead_clonables(graph, operands, memo)
+        members.discard(n)
+        remove_dead_clonables(graph, [o for o in operands if o not in members], memo)
     return kernel
 
 

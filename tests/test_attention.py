@@ -139,7 +139,7 @@ def test_a_sliding_window_skips_the_blocks_before_it():
 @pytest.mark.parametrize("mask, bound", [
     ("(i - j >= 0) & (i - j < 256)", "j <= i and j >= i - 255 exactly"),
     ("(0 <= i - j) & (i - j <= w)", "j <= i and j >= i - %a3 exactly"),
-    ("(j - i <= 2) & (-(j - i) < w + 1)", "j <= i + 2 and j >= i - %r9 + 1 exactly"),
+    ("(j - i <= 2) & (-(j - i) < w + 1)", "j <= i + 2 and j >= i - %r3 + 1 exactly"),
     ("(i - j >= 0) & (i + j < 100)", "j <= i"),
 ])
 def test_windows_written_as_distances_have_key_bounds(mask, bound):

@@ -45,7 +45,7 @@ def test_only_comments_is_empty():
 
 def test_truncated_program():
     assert rendered("kernel f(x: f32[N]) -> f32[N] {\n    return x") == expect("""
-        <string>:2:13: error: unexpected end of file; expected one of: '(', ',', ';', '}', a newline, an operator
+        <string>:2:13: error: unexpected end of file; expected one of: '(', ',', ';', '[', '}', a newline, an operator
                 return x
                         ^
     """)
@@ -53,7 +53,7 @@ def test_truncated_program():
 
 def test_unknown_character():
     assert rendered("kernel f(x: f32[N]) -> f32[N] {\n    return x ? 2\n}") == expect("""
-        <string>:2:14: error: unexpected character '?'; expected one of: '(', ',', ';', '}', a newline, an operator
+        <string>:2:14: error: unexpected character '?'; expected one of: '(', ',', ';', '[', '}', a newline, an operator
                 return x ? 2
                          ^
     """)
@@ -172,19 +172,19 @@ HABITS = {
         "<string>:2:20: error: unknown dtype 'float32'; did you mean 'f32'?",
         "note: the dtypes are f16, bf16, f32, i32, i64, bool, f8e4m3, f8e5m2"),
     "return x ^ 2": (
-        "<string>:2:14: error: unexpected character '^'; expected one of: '(', ',', ';', '}', a newline, an operator",
+        "<string>:2:14: error: unexpected character '^'; expected one of: '(', ',', ';', '[', '}', a newline, an operator",
         "note: '^' is not an operator: write x ** y for a power, a != b for the exclusive or of bools"),
     "return not x": (
-        "<string>:2:16: error: unexpected name 'x'; expected one of: '(', ',', ';', '}', a newline, an operator",
+        "<string>:2:16: error: unexpected name 'x'; expected one of: '(', ',', ';', '[', '}', a newline, an operator",
         "note: tiledsl has no 'not' keyword: write ~x for logical not (on bools)"),
     "return where((x > 0) and (x < 1), x, 0.0)": (
-        "<string>:2:26: error: unexpected name 'and'; expected one of: ')', ',', an operator",
+        "<string>:2:26: error: unexpected name 'and'; expected one of: ')', ',', '[', an operator",
         "note: tiledsl has no 'and' keyword: write a & b for logical and (on bools)"),
     "return x if x > 0 else 0.0": (
-        "<string>:2:14: error: unexpected name 'if'; expected one of: '(', ',', ';', '}', a newline, an operator",
+        "<string>:2:14: error: unexpected name 'if'; expected one of: '(', ',', ';', '[', '}', a newline, an operator",
         "note: a conditional value is where(cond, a, b)"),
     "return torch.clamp(x, 0, 1)": (
-        "<string>:2:23: error: unexpected '('; expected one of: ',', ';', '}', a newline, an operator",
+        "<string>:2:23: error: unexpected '('; expected one of: ',', ';', '[', '}', a newline, an operator",
         "note: builtins are called by their bare names: clamp(...)"),
     "return sum(x, axis=(1, -1))": (
         "<string>:2:28: error: axis -1 appears twice in the axes of 'sum'", ""),

@@ -23,6 +23,8 @@ COMPUTING = sorted(k for k, d in OPS.items()
                    if d.category not in (Category.SOURCE, Category.RETURN))
 # ops whose builtin does more than bind operands and attributes (sema's special handlers)
 SPECIAL_BUILTINS = {"index", "transpose", "sum", "max", "min", "mean", "logsumexp", "softmax"}
+# ops built by subscripts (x[i, a:b], gather, concat) rather than called by name
+SUBSCRIPT_OPS = {"take": -1, "slice": 1}
 
 
 @pytest.mark.parametrize("kind", sorted(OPS))
@@ -31,12 +33,15 @@ def test_every_op_is_declared_whole(kind):
     assert d.kind == kind
     assert isinstance(d.category, Category) and isinstance(d.reads, Reads)
     assert callable(d.infer)
-    assert d.arity >= 0 or kind == "return"
+    assert d.arity >= 0 or kind == "return" or SUBSCRIPT_OPS.get(kind) == -1
     if d.category in (Category.SOURCE, Category.RETURN):
         assert d.params is None and d.symbol is None, "sources and return are not written by users"
         return
     assert d.reference is not None, f"{kind} has no torch reference"
-    assert d.params is not None or d.symbol is not None, f"{kind} cannot be written in the DSL"
+    assert d.params is not None or d.symbol is not None or kind in SUBSCRIPT_OPS, \
+        f"{kind} cannot be written in the DSL"
+    if kind == "take":
+        assert d.triton is not None and d.gathers == 0
     if d.category is Category.ELEMENTWISE and d.arity > 0:
         assert d.fold is not None, f"{kind} has no constant fold"
         assert d.triton is not None, f"{kind} has no Triton rendering"

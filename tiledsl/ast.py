@@ -51,6 +51,29 @@ class TupleLit(Expr):
 
 
 @dataclass(frozen=True, slots=True)
+class Slice(Expr):
+    """`start:stop:step` inside a subscript (a missing part is None)."""
+
+    start: Expr | None
+    stop: Expr | None
+    step: Expr | None
+
+
+@dataclass(frozen=True, slots=True)
+class EllipsisLit(Expr):
+    """`...` inside a subscript."""
+
+
+@dataclass(frozen=True, slots=True)
+class Subscript(Expr):
+    """`value[item, item, ...]`: items are expressions, `Slice`s, `EllipsisLit` or `NoneLit`."""
+
+    value: Expr
+    items: tuple[Expr, ...]
+    depth: int
+
+
+@dataclass(frozen=True, slots=True)
 class StrLit(Expr):
     """Only valid as a keyword value, e.g. gelu(x, approximate="tanh")."""
 

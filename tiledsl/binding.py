@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tiledsl.diagnostics import ArgumentError, did_you_mean
+from tiledsl.dims import evaluate
 from tiledsl.ir import Graph
 from tiledsl.types import DType, TensorType, format_shape
 
@@ -24,6 +25,37 @@ def torch_dtype(dtype: DType):
     return {DType.F16: torch.float16, DType.BF16: torch.bfloat16, DType.F32: torch.float32,
             DType.I32: torch.int32, DType.I64: torch.int64, DType.BOOL: torch.bool,
             DType.F8E4M3: torch.float8_e4m3fn, DType.F8E5M2: torch.float8_e5m2}[dtype]
+
+
+class DimRules:
+    """What a call's sizes must satisfy beyond binding: each dim expression of the program
+    at least 1, each of `Graph.requires` at least 0 (slice bounds inside their axis)."""
+
+    def __init__(self, graph: Graph) -> None:
+        from tiledsl.ir import KernelOp
+
+        spans: dict[str, Any] = {}
+        for node in graph.nodes():
+            op = graph.op(node)
+            found = ([(r.op.shape, r.op.span) for r in op.region.ops] if isinstance(op, KernelOp)
+                     else [(op.shape, op.span)])
+            for shape, span in found:
+                for d in shape:
+                    if isinstance(d, str) and not d.isidentifier():
+                        spans.setdefault(d, span)
+        self.checks = tuple((d, span, f"the dim {d} of this value must be at least 1", 1)
+                            for d, span in sorted(spans.items(), key=lambda x: x[0]))
+        self.checks += tuple((d, span, message, 0) for d, span, message in graph.requires)
+
+    def __bool__(self) -> bool:
+        return bool(self.checks)
+
+    def __call__(self, dims: Mapping[str, int]) -> None:
+        for d, span, message, least in self.checks:
+            if evaluate(d, dims) < least:
+                sizes = ", ".join(f"{k}={v}" for k, v in sorted(dims.items()))
+                raise ArgumentError(span, message=f"{message}; at these sizes ({sizes}) it is not "
+                                    f"({d} = {evaluate(d, dims)})")
 
 
 @dataclass
@@ -104,7 +136,11 @@ def bind(graph: Graph, args: Sequence[Any], kwargs: Mapping[str, Any]) -> BoundC
             else:
                 dims.setdefault(declared, (size, name))
         values.append(value)
-    return BoundCall(values, {k: v for k, (v, _) in dims.items()}, device)
+    sizes = {k: v for k, (v, _) in dims.items()}
+    rules = DimRules(graph)
+    if rules:
+        rules(sizes)
+    return BoundCall(values, sizes, device)
 
 
 class Binder:
@@ -132,6 +168,7 @@ class Binder:
                                      if isinstance(d, str)}))
         self._tensor, self._strided = torch.Tensor, torch.strided
         self._grad = torch.is_grad_enabled
+        self.rules = DimRules(graph)
 
     def __call__(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> BoundCall:
         given = list(args)
@@ -178,6 +215,8 @@ class Binder:
                 return bind(self.graph, args, kwargs)
         values = [float(v) if shape is None and type(v) is int and dtype.is_float else v
                   for v, (dtype, shape) in zip(given, self.params, strict=True)]
+        if self.rules:
+            self.rules(dims)
         return BoundCall(values, dims, device)
 
 
@@ -240,4 +279,4 @@ def _scalar(value: Any, name: str, t: TensorType, span, torch) -> Any:
 
 
 def eval_shape(shape, dims: Mapping[str, int]) -> tuple[int, ...]:
-    return tuple(d if isinstance(d, int) else dims[d] for d in shape)
+    return tuple(d if isinstance(d, int) else evaluate(d, dims) for d in shape)

@@ -36,6 +36,10 @@ BUILTINS: dict[str, Builtin] = {
 }
 # macros: causal(x) is index(x, -2) >= index(x, -1)
 BUILTINS["causal"] = Builtin("causal", (BParam("x"),))
+# concat(*values, axis=-1) takes any number of values (sema binds it itself)
+BUILTINS["concat"] = Builtin("concat", (BParam("values"), BParam("axis", "int", -1)))
+# gather(x, idx, axis) is a take: idx along `axis`, index(..) along the others
+BUILTINS["gather"] = Builtin("gather", (BParam("x"), BParam("index"), BParam("axis", "int", -1)))
 
 # @tile(...) hints
 TILE_HINTS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")

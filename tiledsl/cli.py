@@ -24,6 +24,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+from tiledsl.dims import evaluate
 from tiledsl import diagnostics as diag
 
 
@@ -212,7 +213,7 @@ def _run_dims(fn, text: str, limit: bool = True) -> dict[str, int]:
     graph = fn.fused_graph()
     for node in graph.params if limit else ():
         t = graph.op(node).attr("type")
-        numel = math.prod(d if isinstance(d, int) else dims[d] for d in t.shape)
+        numel = math.prod(evaluate(d, dims) for d in t.shape)
         if numel > MAX_RUN_ELEMENTS:
             raise diag.OptionError(message=(
                 f"--dims gives '{graph.op(node).attr('name')}' {numel} elements; tiledsl run draws "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from tiledsl.dims import evaluate as dim_size
 from tiledsl.ir import KernelOp, Region
 from tiledsl.types import TensorType
 
@@ -24,8 +25,8 @@ def tensor_bytes(t: TensorType) -> Poly:
     for d in t.shape:
         if isinstance(d, int):
             coeff *= d
-        else:
-            symbols.append(d)
+        else:  # a dim expression is one factor
+            symbols.append(d if d.isidentifier() else f"({d})")
     return {tuple(sorted(symbols)): coeff}
 
 
@@ -46,7 +47,7 @@ def evaluate(p: Poly, dims: Mapping[str, int]) -> int:
     for mono, c in p.items():
         term = c
         for s in mono:
-            term *= dims[s]
+            term *= dim_size(s, dims)
         total += term
     return total
 

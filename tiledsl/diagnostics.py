@@ -221,6 +221,12 @@ class DuplicateAxisError(TileDSLError):
     template = "axis {axis} appears twice in the axes of '{func}'"
 
 
+class IndexingError(TileDSLError):
+    """A subscript, gather, concat or reshape that cannot be built."""
+
+    template = "{message}"
+
+
 class RankError(TileDSLError):
     template = "{message}"
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from tiledsl import cost
+from tiledsl import cost, ops
 from tiledsl.ir import Graph, KernelOp, Op
+from tiledsl.ops.structure import format_items
 from tiledsl.passes.fusion.remarks import FusionRemark, describe
 
 if TYPE_CHECKING:
@@ -32,6 +33,9 @@ def _name(graph: Graph, node: int, res: int) -> str:
         (src,) = graph.operand_edges(node)
         return f"{_name(graph, *src)}.T" if op.attr("dims")[1] == op.type.rank - 1 else \
             f"transpose({_name(graph, *src)})"
+    if op.kind == "slice":
+        (src,) = graph.operand_edges(node)
+        return f"{_name(graph, *src)}[{format_items(op.attr('items'))}]"
     if op.kind == "dim":
         return op.attr("symbol")
     return op.kind
@@ -139,7 +143,7 @@ def _refusals(program: Program, graph: Graph) -> list[str]:
 
 def _through_views(graph: Graph, node: int, res: int) -> tuple[int, int]:
     op = graph.op(node)
-    while isinstance(op, Op) and op.kind == "transpose":
+    while isinstance(op, Op) and ops.category(op.kind) is ops.Category.LAYOUT:
         node, res = graph.operand_edges(node)[0]
         op = graph.op(node)
     return node, res

@@ -100,6 +100,21 @@ class Region:
     def output_types(self) -> tuple[TensorType, ...]:
         return tuple(self.value_type(v) for v in self.outputs)
 
+    def gathered(self, value: int) -> bool:
+        """Does an op read `value` at indices it computes (see `ops.gathers_at`)?"""
+        from tiledsl.ops import gathers_at
+
+        return any(gathers_at(r.op.kind, slot) for r in self.ops
+                   for slot, o in enumerate(r.operands) if o == value)
+
+    def read_whole(self, value: int) -> bool:
+        """Is `value` returned, or read element for element by some op?"""
+        from tiledsl.ops import gathers_at
+
+        return value in self.outputs or any(
+            o == value and not gathers_at(r.op.kind, slot)
+            for r in self.ops for slot, o in enumerate(r.operands))
+
     def depends(self, value: int) -> set[int]:
         """The values `value` is computed from, itself included."""
         n_in = len(self.inputs)
@@ -154,6 +169,9 @@ class Graph:
         self.params: list[int] = []
         self.output: int | None = None
         self.returns: tuple[TensorType, ...] = ()  # the declared return types
+        # dim expressions a call's sizes must keep >= 0 (slice bounds inside their axis),
+        # with the construct that needs it and what to say when one does not
+        self.requires: tuple[tuple[str, Span | None, str], ...] = ()
         self._ids = itertools.count()
 
     # construction ---------------------------------------------------------------
@@ -179,6 +197,7 @@ class Graph:
         other.params = list(self.params)
         other.output = self.output
         other.returns = self.returns
+        other.requires = self.requires
         start = max(self.nx.nodes, default=-1) + 1
         other._ids = itertools.count(start)
         other._memos = {}

@@ -21,6 +21,7 @@ from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput
 from tiledsl import ast
 from tiledsl.diagnostics import (
     EmptySourceError,
+    RankError,
     LimitError,
     Note,
     TileDSLError,
@@ -28,6 +29,7 @@ from tiledsl.diagnostics import (
     UnexpectedEndError,
     UnexpectedTokenError,
 )
+from tiledsl.dims import Lin
 from tiledsl.source import Source, Span
 
 # Checked before parsing (size) or while the tokens stream in (the others), so that
@@ -173,6 +175,31 @@ class _Builder(lark.visitors.Transformer_NonRecursive):
         (tok,) = children
         return ast.DimExpr(self._int(tok), self._tok(tok))
 
+    def _dim_op(self, meta, children, op) -> ast.DimExpr:
+        a, b = (Lin.of(c.value) for c in children)
+        span = self._span(meta)
+        if op == "//" and b.is_const and b.const <= 0:
+            raise RankError(children[1].span, message=(
+                f"a dim can only be divided by a positive number, got {b.const}"))
+        value = {"+": a.__add__, "-": a.__sub__, "*": a.__mul__, "//": a.__floordiv__}[op](b)
+        return ast.DimExpr(value.dim(), span)
+
+    @lark.v_args(meta=True)
+    def dim_add(self, meta, children):
+        return self._dim_op(meta, children, "+")
+
+    @lark.v_args(meta=True)
+    def dim_sub(self, meta, children):
+        return self._dim_op(meta, children, "-")
+
+    @lark.v_args(meta=True)
+    def dim_mul(self, meta, children):
+        return self._dim_op(meta, children, "*")
+
+    @lark.v_args(meta=True)
+    def dim_floordiv(self, meta, children):
+        return self._dim_op(meta, children, "//")
+
     @lark.v_args(meta=True)
     def ret_single(self, meta, children):
         return _Returns((tuple(children), self._span(meta)))
@@ -265,6 +292,27 @@ class _Builder(lark.visitors.Transformer_NonRecursive):
         value, name = children
         span = self._span(meta)
         return ast.Attribute(span, value, str(name), self._tok(name), self._nested(span, value))
+
+    @lark.v_args(meta=True)
+    def subscript(self, meta, children):
+        value, *items = (c for c in children if c is not None)
+        span = self._span(meta)
+        return ast.Subscript(span, value, tuple(items), self._nested(span, value, *items))
+
+    @lark.v_args(meta=True)
+    def ellipsis(self, meta, children):
+        return ast.EllipsisLit(self._span(meta))
+
+    @lark.v_args(meta=True)
+    def slice(self, meta, children):
+        parts: list[ast.Expr | None] = [None, None, None]
+        k = 0
+        for c in children:
+            if isinstance(c, Token) and c.type == "COLON":
+                k += 1
+            elif c is not None:
+                parts[k] = c
+        return ast.Slice(self._span(meta), *parts)
 
     @lark.v_args(meta=True)
     def call(self, meta, children):

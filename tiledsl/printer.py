@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 
+from tiledsl.ops.structure import format_items
 from tiledsl.ir import Graph, KernelOp, Op, Region
 from tiledsl.plans import Plan, format_plan
 from tiledsl.types import DType, TensorType
@@ -58,7 +59,8 @@ def _attrs(op: Op) -> str:
         shown = []
     if not shown:
         return ""
-    return " {" + ", ".join(f"{k} = {format_value(v)}" for k, v in shown) + "}"
+    return " {" + ", ".join(f"{k} = [{format_items(v)}]" if k == "items" else f"{k} = {format_value(v)}"
+                            for k, v in shown) + "}"
 
 
 def _loc(op: Op | KernelOp, locations: bool) -> str:

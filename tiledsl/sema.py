@@ -9,6 +9,7 @@ the declared return type).
 
 from __future__ import annotations
 
+import ast as pyast
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,12 +18,17 @@ from tiledsl import diagnostics as diag
 from tiledsl.builtins import BUILTINS, REQUIRED, TILE_HINTS, BParam, Builtin
 from tiledsl.ir import Graph, Op, make_attrs
 from tiledsl.source import Span
+from tiledsl.dims import Lin
+from tiledsl.dims import symbols as dim_symbols
+from tiledsl.ops.structure import index_dtype_message
 from tiledsl.types import (
     DTYPES,
+    BroadcastMismatch,
     MAX_RANK,
     PARAM_DTYPES,
     DType,
     TensorType,
+    broadcast_shapes,
     format_shape,
     normalize_axis,
 )
@@ -145,6 +151,10 @@ class _KernelBuilder:
                 if d.value > I32_MAX:  # dims are i32 values in the language and in kernels
                     raise diag.RankError(d.span, message=(
                         f"dim sizes must be at most {I32_MAX}, got {d.value}"))
+            elif owner is not None and not d.value.isidentifier():
+                raise diag.RankError(d.span, message=(
+                    f"parameter '{owner}' declares the dim {d.value}: a parameter's dims are "
+                    "symbols or integers (dim expressions may appear in return types)"))
             elif owner is not None and d.value not in self.dims:
                 self.dims[d.value] = (owner, d.span)
         return TensorType(dtype, tuple(d.value for d in dims))
@@ -167,9 +177,10 @@ class _KernelBuilder:
             note = [diag.Note("declared here", texpr.span)]
             which = f"return value {i + 1}" if len(declared) > 1 else "the returned value"
             for d in want.shape:
-                if isinstance(d, str) and d not in self.dims:
-                    raise diag.ReturnTypeError(texpr.span, message=(
-                        f"the declared return type uses dim '{d}', which no parameter defines"))
+                for sym in dim_symbols(d) if isinstance(d, str) else ():
+                    if sym not in self.dims:
+                        raise diag.ReturnTypeError(texpr.span, message=(
+                            f"the declared return type uses dim '{sym}', which no parameter defines"))
             if got.shape != want.shape:
                 raise diag.ReturnTypeError(value.span, note, message=(
                     f"{which} has shape {format_shape(got.shape)} but the kernel declares "
@@ -273,9 +284,277 @@ class _KernelBuilder:
                                  message=f"'.T' needs a value of rank 2 or more, got rank {t.rank}")
         return self._emit("transpose", [(value, e.value.span)], e.span, dims=(t.rank - 2, t.rank - 1))
 
+    # --- indexing ----------------------------------------------------------------------------
+
+    def _Subscript(self, e: ast.Subscript) -> int:
+        """NumPy indexing. Integers, slices and None build a view (`slice`, read in place
+        through an offset and strides); integer tensors or expressions among the items
+        (advanced indexing) gather with `take`, NumPy's broadcasting and placement rules."""
+        value = self.expr(e.value)
+        t = self.graph.op(value).type
+        items = self._expand_ellipsis(e, t.rank)
+        advanced: dict[int, tuple[int, Span]] = {}  # source axis -> index value
+        axis = 0
+        for item in items:
+            if isinstance(item, ast.NoneLit):
+                continue
+            if not isinstance(item, ast.Slice) and _literal_int(item) is None:
+                node = self.expr(item)
+                it = self.graph.op(node).type
+                if not it.dtype.is_int:
+                    raise diag.IndexingError(item.span, [diag.Note(f"this index is {it}", item.span)],
+                                             message=index_dtype_message(it.dtype))
+                advanced[axis] = (node, item.span)
+            axis += 1
+        if not advanced:
+            return self._view(e, value, t, items)
+        if any(isinstance(i, ast.NoneLit) for i in items):
+            raise diag.IndexingError(e.span, message=(
+                "None (a new axis) cannot be mixed with tensor indices; add the axis in a "
+                "second subscript, e.g. x[idx][:, None]"))
+        # literal integers among tensor indices are 0-d indices (NumPy counts them as advanced)
+        axis = 0
+        for item in items:
+            if not isinstance(item, ast.Slice) and axis not in advanced:
+                advanced[axis] = (self._const(_literal_int(item), DType.I32, item.span), item.span)
+            axis += 1
+        basic = [ast.Slice(i.span, None, None, None) if k in advanced else i for k, i in enumerate(items)]
+        if any(i.start is not None or i.stop is not None or i.step is not None for i in basic):
+            value = self._view(e, value, t, basic)
+            t = self.graph.op(value).type
+        return self._gather(e, value, t, advanced)
+
+    def _expand_ellipsis(self, e: ast.Subscript, rank: int) -> list[ast.Expr]:
+        items = list(e.items)
+        dots = [i for i in items if isinstance(i, ast.EllipsisLit)]
+        if len(dots) > 1:
+            raise diag.IndexingError(dots[1].span, message="an index can have only one '...'")
+        used = sum(not isinstance(i, ast.EllipsisLit | ast.NoneLit) for i in items)
+        if used > rank:
+            raise diag.IndexingError(e.span, message=(
+                f"too many indices: {used} for a value of rank {rank}"))
+        fill = [ast.Slice(e.span, None, None, None)] * (rank - used)
+        if dots:
+            k = items.index(dots[0])
+            return items[:k] + fill + items[k + 1:]
+        return items + fill
+
+    def _view(self, e: ast.Subscript, value: int, t: TensorType, items: list[ast.Expr]) -> int:
+        """Basic indexing: one `slice` view of `value`."""
+        out: list[tuple] = []
+        requires = list(self.graph.requires)
+        axis = 0
+        for item in items:
+            if isinstance(item, ast.NoneLit):
+                out.append(("new",))
+                continue
+            size = Lin.of(t.shape[axis])
+            if isinstance(item, ast.Slice):
+                out.append(self._range(item, size, requires))
+            else:
+                k = _literal_int(item)
+                index = size + Lin((), k) if k < 0 else Lin((), k)
+                self._require(index, item.span, f"index {k} is outside axis {axis} of size "
+                              f"{t.shape[axis]}", requires)
+                self._require(size - index - Lin((), 1), item.span, f"index {k} is outside axis "
+                              f"{axis} of size {t.shape[axis]}", requires)
+                out.append(("at", index.dim()))
+            axis += 1
+        self.graph.requires = tuple(requires)
+        return self._emit("slice", [(value, e.value.span)], e.span, items=tuple(out))
+
+    def _range(self, item: ast.Slice, size: Lin, requires: list) -> tuple:
+        step = 1 if item.step is None else _literal_int(item.step)
+        if step is None or step < 1:
+            raise diag.IndexingError(item.step.span, message=(
+                "a slice step must be a positive integer literal"))
+        start = Lin() if item.start is None else self._bound(item.start, size)
+        stop = size if item.stop is None else self._bound(item.stop, size)
+        if size.is_const and start.is_const and stop.is_const:  # Python's clamping, exactly
+            lo, hi, _ = slice(start.const, stop.const, step).indices(size.const)
+            start, stop = Lin((), lo), Lin((), max(lo, hi))
+        else:
+            what = f"slice {item.span.text}"
+            self._require(start, item.span, f"{what} starts before 0", requires)
+            self._require(stop - start, item.span, f"{what} stops before it starts", requires)
+            self._require(size - stop, item.span, f"{what} ends past the axis (size {size.dim()})",
+                          requires)
+        length = (stop - start + Lin((), step - 1)) // Lin((), step)
+        if length.is_const and length.const < 1:
+            raise diag.IndexingError(item.span, message=(
+                f"slice {item.span.text} is empty here; tiledsl values have no empty dims"))
+        return ("range", start.dim(), stop.dim(), step, length.dim())
+
+    def _bound(self, expr: ast.Expr, size: Lin) -> Lin:
+        """A slice bound: a negative literal or a negated expression counts from the end."""
+        k = _literal_int(expr)
+        if k is not None:
+            return size + Lin((), k) if k < 0 else Lin((), k)
+        if isinstance(expr, ast.Unary) and expr.op == "-":
+            return size - self._dim_expr(expr.operand)
+        return self._dim_expr(expr)
+
+    def _dim_expr(self, expr: ast.Expr) -> Lin:
+        """An integer expression of dims and literals, as a dim."""
+        if isinstance(expr, ast.IntLit):
+            return Lin((), expr.value)
+        if isinstance(expr, ast.Name) and expr.id in self.dims and expr.id not in self.scope:
+            return Lin(((expr.id, 1),), 0)
+        if isinstance(expr, ast.Unary) and expr.op in "-+":
+            inner = self._dim_expr(expr.operand)
+            return -inner if expr.op == "-" else inner
+        if isinstance(expr, ast.Binary) and expr.op in ("+", "-", "*", "//", "%"):
+            a, b = self._dim_expr(expr.lhs), self._dim_expr(expr.rhs)
+            if expr.op in ("//", "%") and b.is_const and b.const <= 0:
+                raise diag.IndexingError(expr.rhs.span, message=(
+                    f"a dim can only be divided by a positive number, got {b.const}"))
+            return {"+": a.__add__, "-": a.__sub__, "*": a.__mul__, "//": a.__floordiv__,
+                    "%": a.__mod__}[expr.op](b)
+        raise diag.IndexingError(expr.span, message=(
+            "slice bounds are integer expressions of dims and literals (like D // 2 or N - 1); "
+            f"'{expr.span.text}' is not one"))
+
+    def _require(self, x: Lin, span: Span, message: str, requires: list) -> None:
+        """`x >= 0`: checked now when it is a number, at every call otherwise."""
+        if x.is_const:
+            if x.const < 0:
+                raise diag.IndexingError(span, message=message)
+        else:
+            requires.append((x.dim(), span, message))
+
+    def _gather(self, e: ast.Subscript, value: int, t: TensorType,
+                advanced: dict[int, tuple[int, Span]]) -> int:
+        """Advanced indexing of `value` (its sliced axes already full) as one `take`."""
+        axes = sorted(advanced)
+        shapes = [self.graph.op(advanced[a][0]).type.shape for a in axes]
+        try:
+            b = broadcast_shapes(*shapes)
+        except BroadcastMismatch as err:
+            raise diag.IndexingError(e.span, [diag.Note(f"this index has shape {format_shape(s)}",
+                                                        advanced[a][1]) for a, s in zip(axes, shapes)],
+                                     message=(f"the index arrays cannot be broadcast together: they "
+                                              f"differ at dim {err.dim} ({err.a} vs {err.b})")) from None
+        rest = [a for a in range(t.rank) if a not in advanced]
+        adjacent = axes == list(range(axes[0], axes[0] + len(axes)))
+        before = [a for a in rest if adjacent and a < axes[0]]
+        after = [a for a in rest if a not in before]
+        out = tuple(t.shape[a] for a in before) + b + tuple(t.shape[a] for a in after)
+        b0 = len(before)
+        indices = []
+        for a in range(t.rank):
+            if a in advanced:
+                node, span = advanced[a]
+                rank = self.graph.op(node).type.rank
+                if b0 + len(b) != len(out) and rank:  # B is not right-aligned in the output
+                    first = b0 + len(b) - rank
+                    node = self._reindex(node, [self._index_of(out, first + k, span)
+                                                for k in range(rank)], span)
+                indices.append((node, span))
+            else:
+                pos = before.index(a) if a in before else b0 + len(b) + after.index(a)
+                indices.append((self._index_of(out, pos, e.span), e.span))
+        return self._emit("take", [(value, e.value.span), *indices], e.span)
+
+    def _index_of(self, shape: tuple, axis: int, span: Span) -> int:
+        """The index along `axis` of a value of `shape`, as an index value that broadcasts
+        (size 1 along every other axis)."""
+        if shape[axis] == 1:
+            return self._const(0, DType.I32, span)
+        small = tuple(d if k == axis else 1 for k, d in enumerate(shape))
+        return self._emit("index", [], span, axis=axis, shape=small)
+
+    def _reindex(self, node: int, indices: list[int], span: Span) -> int:
+        """`node` read at `indices` (one index value per axis), computed where it is read:
+        elementwise ops are rebuilt over their re-read operands, index ops become the
+        indices, anything else (a parameter, a reduction, a matmul) is gathered with `take`."""
+        op = self.graph.op(node)
+        if op.type.rank == 0:
+            return node
+        if op.kind == "index":
+            axis = op.attr("axis")
+            return self._const(0, DType.I32, span) if op.shape[axis] == 1 else indices[axis]
+        if ops.is_elementwise(op.kind):
+            operands = []
+            for slot, o in enumerate(self.graph.operands(node)):
+                ot = self.graph.op(o).type
+                if ops.gathers_at(op.kind, slot):
+                    operands.append((o, span))
+                    continue
+                lead = op.type.rank - ot.rank
+                sub = [self._const(0, DType.I32, span) if d == 1 else indices[lead + k]
+                       for k, d in enumerate(ot.shape)]
+                operands.append((self._reindex(o, sub, span), span))
+            return self._emit(op.kind, operands, op.span or span, **op.attr_map)
+        sub = [self._const(0, DType.I32, span) if d == 1 else i for d, i in zip(op.shape, indices)]
+        return self._emit("take", [(node, span), *((i, span) for i in sub)], span)
+
+    def _concat(self, e: ast.Call) -> int:
+        """concat(a, b, ..., axis=): each output element reads the piece it falls in, at its
+        index shifted by the piece's offset (`_reindex`), selected with `where`: the pieces
+        are computed where the concatenation is read, never stored."""
+        for kw in e.keywords:
+            if kw.name != "axis":
+                raise diag.KeywordError(kw.span, message=(
+                    f"'concat' has no parameter '{kw.name}' (parameters: *values, axis)"))
+        if not e.args:
+            raise diag.ArityError(e.span, name="concat", expected="1 or more values", got=0)
+        pieces = [(self.expr(a), a.span) for a in e.args]
+        first = self.graph.op(pieces[0][0]).type
+        for node, span in pieces:
+            t = self.graph.op(node).type
+            if t.rank != first.rank or t.rank == 0:
+                raise diag.RankError(span, [diag.Note(f"the first value is {first}", pieces[0][1])],
+                                     message=f"concat needs values of one rank (1 or more), got {t}")
+        args = {kw.name: kw.value for kw in e.keywords}
+        axis = self._axis_arg(e, args, "axis", first.rank)
+        offsets, total = [], Lin()
+        for node, span in pieces:
+            t = self.graph.op(node).type
+            for d in range(first.rank):
+                if d != axis and t.shape[d] != first.shape[d]:
+                    raise diag.IndexingError(span, [diag.Note(f"the first value is {first}", pieces[0][1])],
+                                             message=(f"concat along axis {axis} needs equal sizes "
+                                                      f"in the other dims; dim {d} is {t.shape[d]} "
+                                                      f"here and {first.shape[d]} in the first value"))
+            offsets.append(total)
+            total = total + Lin.of(t.shape[axis])
+        if len(pieces) == 1:
+            return pieces[0][0]
+        out = first.shape[:axis] + (total.dim(),) + first.shape[axis + 1:]
+        idx = self._index_of(out, axis, e.span)
+        values = []
+        for (node, span), offset in zip(pieces, offsets, strict=True):
+            shifted = idx
+            if offset != Lin():
+                shifted = self._emit("sub", [(idx, e.span), (self._dim_value(offset, e.span), e.span)], e.span)
+            indices = [shifted if d == axis else self._index_of(out, d, e.span) for d in range(first.rank)]
+            values.append((self._reindex(node, indices, span), span))
+        result = values[-1]
+        for (value, span), offset in zip(reversed(values[:-1]), reversed(offsets[1:]), strict=True):
+            cond = self._emit("lt", [(idx, e.span), (self._dim_value(offset, e.span), e.span)], e.span)
+            result = (self._emit("where", [(cond, e.span), (value, span), result], e.span), e.span)
+        return result[0]
+
+    def _dim_value(self, x: Lin, span: Span) -> int:
+        """A dim expression as a value (a weak i32 computed from dim values)."""
+        def build(node) -> int:
+            if isinstance(node, pyast.Name):
+                return self._dim(node.id, span)
+            if isinstance(node, pyast.Constant):
+                return self._const(node.value, DType.I32, span)
+            if isinstance(node, pyast.UnaryOp):
+                return self._emit("neg", [(build(node.operand), span)], span)
+            kind = {pyast.Add: "add", pyast.Sub: "sub", pyast.Mult: "mul", pyast.FloorDiv: "floordiv"}
+            return self._emit(kind[type(node.op)], [(build(node.left), span), (build(node.right), span)],
+                              span)
+
+        return build(pyast.parse(str(x.dim()), mode="eval").body)
+
     def _Call(self, e: ast.Call) -> int:
         if e.func in self.scope:
             raise diag.NotCallableError(e.func_span, name=e.func, what="variable")
+        if e.func == "concat":
+            return self._concat(e)
         builtin = BUILTINS.get(e.func)
         if builtin is None:
             raise diag.UnknownFunctionError(e.func_span, name=e.func,
@@ -379,6 +658,28 @@ class _KernelBuilder:
         col = self._emit("index", [], e.span, axis=t.rank - 1, shape=t.shape)
         return self._emit("ge", [(row, e.span), (col, e.span)], e.span)
 
+    def _call_gather(self, e: ast.Call, b: Builtin, args: dict[str, ast.Expr]) -> int:
+        """torch.gather: `out[.., j, ..] = x[.., idx[.., j, ..], ..]` along `axis`, with idx of
+        x's rank (out has idx's shape); or, with idx of one rank less, one element per
+        position (`gather(x, y, axis=-1)` of logits [N, V] and labels [N] is [N])."""
+        x, xspan = self._value(args, "x")
+        idx, ispan = self._value(args, "index")
+        xt, it = self.graph.op(x).type, self.graph.op(idx).type
+        axis = self._axis_arg(e, args, "axis", xt.rank)
+        if it.rank not in (xt.rank, xt.rank - 1):
+            raise diag.IndexingError(ispan, [diag.Note(f"this value is {xt}", xspan)], message=(
+                f"gather needs an index of rank {xt.rank} (torch.gather) or {xt.rank - 1} (one "
+                f"element per position along axis {axis}), got rank {it.rank}"))
+        out = it.shape
+        dims = list(range(len(out)))
+        if it.rank < xt.rank:
+            dims.insert(axis, None)
+        indices = [(idx, ispan) if d is None or k == axis else
+                   (self._index_of(out, d, e.span), e.span) for k, d in enumerate(dims)]
+        if it.rank == xt.rank:
+            indices[axis] = (idx, ispan)
+        return self._emit("take", [(x, xspan), *indices], e.span)
+
 
 _ELEMENTWISE_SPELLING = {"max": "maximum", "min": "minimum"}
 
@@ -386,6 +687,7 @@ _ELEMENTWISE_SPELLING = {"max": "maximum", "min": "minimum"}
 _HANDLERS = {
     "sum": "reduce", "max": "reduce", "min": "reduce", "mean": "reduce", "logsumexp": "reduce",
     "softmax": "softmax", "transpose": "transpose", "index": "index", "causal": "causal",
+    "gather": "gather",
 }
 
 
@@ -434,6 +736,15 @@ def _constant(expr: ast.Expr | None, param: BParam, func: str) -> object:
 def _unknown_dtype(span: Span, name: str) -> diag.UnknownDTypeError:
     return diag.UnknownDTypeError(span, [diag.Note(f"the dtypes are {', '.join(PARAM_DTYPES)}")],
                                   name=name, hint=diag.did_you_mean(name, PARAM_DTYPES))
+
+
+def _literal_int(expr: ast.Expr) -> int | None:
+    """The value of an integer literal (possibly negated), else None."""
+    if isinstance(expr, ast.IntLit):
+        return expr.value
+    if isinstance(expr, ast.Unary) and expr.op in "-+" and isinstance(expr.operand, ast.IntLit):
+        return -expr.operand.value if expr.op == "-" else expr.operand.value
+    return None
 
 
 def _const_int(expr: ast.Expr, what: str) -> int:

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from tiledsl import ops
+from tiledsl.dims import evaluate
 from tiledsl.ir import KernelOp, Op
 from tiledsl.plans import AttentionPlan
 from tiledsl.types import Compute, DType
@@ -82,6 +84,7 @@ class AttentionProgram:
         self.refs = {i: sig.tensor("in", i, inp.type.shape) for i, inp in enumerate(region.inputs)
                      if not inp.scalar}
         self.scalars = {i: sig.scalar(i) for i, inp in enumerate(region.inputs) if inp.scalar}
+        em.gather_from(region, self.refs, sig.size)
         self.outs = [sig.tensor("out", j, self.value_type(v).shape) for j, v in enumerate(region.outputs)]
         self.M, self.N = sig.size(self.score_shape[-2]), sig.size(self.score_shape[-1])
         self.D = sig.size(self.value_type(self.q_src).shape[-1])
@@ -360,19 +363,19 @@ class AttentionProgram:
 
     def run(self, vals: dict[int, Val], values: tuple[int, ...], space: str) -> None:
         """Emit the elementwise ops `values` (and the constants they read) at a tile."""
-        n_in, wanted = self.n_in, with_scalar_operands(self.region, values, vals)
-        for v in wanted:
-            for i in self.region.ops[v - n_in].operands:
-                if i < n_in and i not in vals:
-                    vals[i] = self.load(i, space)
+        wanted = with_scalar_operands(self.region, values, vals)
+        for i in self.inputs_of(wanted):
+            if i not in vals:
+                vals[i] = self.load(i, space)
         self.em.run(self.region, vals, lambda op: self.index(op, space), skip=lambda v: v not in wanted)
 
     def inputs_of(self, values) -> list[int]:
         """Region inputs the given ops read (other than the matmul results they start from)."""
         found: dict[int, None] = {}
         for v in values:
-            for o in self.region.ops[v - self.n_in].operands:
-                if o < self.n_in:
+            rop = self.region.ops[v - self.n_in]
+            for slot, o in enumerate(rop.operands):
+                if o < self.n_in and not ops.gathers_at(rop.op.kind, slot):  # gathered: by pointer
                     found[o] = None
         return list(found)
 
@@ -427,7 +430,7 @@ class AttentionProgram:
         half = self.qk_op.dtype is not DType.F32
 
         def sizes(dims: Mapping[str, int]) -> tuple[int, ...]:
-            return tuple(d if isinstance(d, int) else dims[d] for d in dims_of)
+            return tuple(evaluate(d, dims) for d in dims_of)
 
         def config(dims, bm: int, bn: int, warps: int | None, stages: int | None) -> LaunchConfig:
             m, n, d, dv = sizes(dims)

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tiledsl.dims import evaluate
 from tiledsl.diagnostics import TileHintError
 from tiledsl.ir import KernelOp
 from tiledsl.source import Span
@@ -138,7 +139,7 @@ def sm_count() -> int:
 def numel(shape, dims: Mapping[str, int]) -> int:
     total = 1
     for d in shape:
-        total *= d if isinstance(d, int) else dims[d]
+        total *= evaluate(d, dims)
     return total
 
 

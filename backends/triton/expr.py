@@ -14,15 +14,15 @@ compute `index` ops over their tile (`index`); `Emitter.run` emits the rest.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Container, Iterable
+from collections.abc import Callable, Container, Iterable, Mapping
 from dataclasses import dataclass
 
 from tiledsl import ops
-from tiledsl.ir import Op, Region
+from tiledsl.ir import Op, Region, RegionOp
 from tiledsl.ops import Reads
 from tiledsl.types import Compute, DType, TensorType, compute_type, result_dtype, value_compute
 
-from .codegen import Code
+from .codegen import Code, TensorRef
 
 TRITON_TYPE = {Compute.F32: "tl.float32", Compute.F64: "tl.float64", Compute.I32: "tl.int32",
                Compute.I64: "tl.int64",
@@ -130,13 +130,25 @@ def with_scalar_operands(region: Region, values: Iterable[int], have: Container[
 
 
 @dataclass(frozen=True, slots=True)
+class Gather:
+    """A region input that an op reads at indices it computes (`take`): its pointer and
+    strides, the source text of each dim's size, and its type."""
+
+    ref: TensorRef
+    sizes: tuple[str, ...]
+    type: TensorType
+
+
+@dataclass(frozen=True, slots=True)
 class Val:
-    """A value during emission: source text, compute type, and whether it is a literal."""
+    """A value during emission: source text, compute type, and whether it is a literal.
+    `source`: the tensor an op gathers from (the operand `Emitter.operands` hands over)."""
 
     text: str
     cat: Compute
     literal: bool = False
     value: object = None  # the Python value of a literal
+    source: Gather | None = None
 
 
 def literal(value: object, cat: Compute) -> Val:
@@ -162,6 +174,7 @@ class Emitter:
         self.code = code
         self._count = 0
         self.helpers: set[str] = set()  # the HELPERS the module needs
+        self.sources: dict[int, Gather] = {}  # region inputs that ops gather from
 
     def widen(self, text: str, dtype: DType) -> str:
         """Source text of a stored `dtype` value in its compute type."""
@@ -209,6 +222,29 @@ class Emitter:
         if mask is None:
             return self.load(f"tl.load({ptrs})", t)
         return self.load(f"tl.load({ptrs}, mask={mask}, other={'0.0' if t.dtype.is_float else '0'})", t)
+
+    def gather_from(self, region: Region, refs: Mapping[int, TensorRef],
+                    size: Callable[[object], str]) -> None:
+        """Register the region inputs that ops gather from (`take`), by their pointers and
+        strides. A template loads an input at its tile only if `region.read_whole(i)`."""
+        for i, ref in refs.items():
+            if region.gathered(i):
+                t = region.inputs[i].type
+                self.sources[i] = Gather(ref, tuple(size(d) for d in t.shape), t)
+
+    def operands(self, rop: RegionOp, vals: Mapping[int, Val]) -> list[Val] | None:
+        """The Vals of an op's operands (a gathered one: its source), or None while one is
+        not computed yet."""
+        out = []
+        for slot, o in enumerate(rop.operands):
+            if ops.gathers_at(rop.op.kind, slot):
+                src = self.sources[o]
+                out.append(Val(src.ref.ptr, compute_type(src.type.dtype), source=src))
+            elif o in vals:
+                out.append(vals[o])
+            else:
+                return None
+        return out
 
     def index(self, expr: str | None) -> Val:
         """An `index` op's value: `expr` is the tile's index along its axis, None along a
@@ -278,7 +314,7 @@ class Emitter:
             elif op.kind == "index":
                 vals[vid] = index(op)
             elif ops.is_elementwise(op.kind):
-                args = [vals[v] for v in rop.operands]
+                args = self.operands(rop, vals)
                 types = tuple(region.value_type(v) for v in rop.operands)
                 vals[vid] = self.op(op, args, types)
             else:

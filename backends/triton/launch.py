@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tiledsl.dims import evaluate
 from tiledsl.types import DType
 
 from .base import EmittedKernel, LaunchConfig
@@ -76,6 +77,34 @@ class KernelStep:
 
 
 @dataclass(frozen=True, slots=True)
+class ViewStep:
+    """A `slice` view of the program: its source read, its items and the slot it fills."""
+
+    source: Read
+    items: tuple
+    slot: int
+
+    def launch(self, dims: Mapping[str, int]) -> KernelLaunch:
+        """The view as a plan step: a torch view of the source (no copy), made per call
+        because the source is a new tensor each call; it allocates and launches nothing."""
+        from tiledsl.ops.structure import python_index
+
+        slot, perm = self.source
+        index, target = python_index(self.items, dims), self.slot
+        if perm is None:
+            def view(values: list) -> None:
+                values[target] = values[slot][index]
+        else:
+            def view(values: list) -> None:
+                values[target] = values[slot].permute(perm)[index]
+        return KernelLaunch(view, _values, {}, (), target)
+
+
+def _values(values: list, outs: list) -> tuple:
+    return (values,)
+
+
+@dataclass(frozen=True, slots=True)
 class KernelLaunch:
     """One kernel's launch at a plan's sizes."""
 
@@ -108,11 +137,11 @@ def argument_function(emitted: EmittedKernel, reads: Sequence[Read], out_shapes:
         elif isinstance(spec, Stride):  # outputs are fresh and contiguous
             exprs.append(str(contiguous_strides(out_shapes[spec.index])[spec.dim]))
         elif isinstance(spec, DimSize):
-            exprs.append(str(dims[spec.symbol]))
+            exprs.append(str(evaluate(spec.symbol, dims)))
         elif isinstance(spec, Numel):
             total = 1
             for d in spec.shape:
-                total *= d if isinstance(d, int) else dims[d]
+                total *= evaluate(d, dims)
             exprs.append(str(total))
         elif isinstance(spec, TmaReady) and spec.role == "out":  # fresh and contiguous
             t = emitted.kernel.result_types[spec.index]

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from tiledsl import ops
+from tiledsl.dims import evaluate
 from tiledsl.ir import KernelOp, Op, Region
 from tiledsl.plans import GemmPlan
 from tiledsl.types import Compute, DType, compute_type
@@ -145,6 +147,7 @@ class GemmProgram:
         self.zero_dim = {i: sig.tensor("in", i, ()).ptr for i, inp in enumerate(region.inputs)
                          if not inp.scalar and inp.type.rank == 0}
         self.outs = [sig.tensor("out", j, self.shape) for j in range(len(region.outputs))]
+        self.em.gather_from(region, self.refs, sig.size)
         self.M, self.N = M, N = sig.size(self.shape[-2]), sig.size(self.shape[-1])
         self.K = sig.size(a_type.shape[-1])
         for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M"):
@@ -280,8 +283,11 @@ class GemmProgram:
                  f"mask={tile_mask})")
 
     def _used_in_epilogue(self, i: int, skip: set[int]) -> bool:
-        return any(i in r.operands for k, r in enumerate(self.region.ops)
-                   if self.n_in + k not in skip) or i in self.region.outputs
+        """Does the epilogue read input `i` element for element (a gathered input is read
+        through its pointer)?"""
+        return any(o == i and not ops.gathers_at(r.op.kind, slot)
+                   for k, r in enumerate(self.region.ops) if self.n_in + k not in skip
+                   for slot, o in enumerate(r.operands)) or i in self.region.outputs
 
     def load_d(self, i: int, shape, rank: int) -> Val:
         """A D tensor at the output tile, read through its strides (broadcast dims: none)."""
@@ -309,7 +315,7 @@ class GemmProgram:
         wide = not self.plan.has_prologue  # 128 x 256 and 256 x 128 tiles
 
         def sizes(dims: Mapping[str, int]) -> tuple[int, int, int]:
-            m, n, k = (d if isinstance(d, int) else dims[d] for d in (shape[-2], shape[-1], k_dim))
+            m, n, k = (evaluate(d, dims) for d in (shape[-2], shape[-1], k_dim))
             return m, n, k
 
         def config(dims: Mapping[str, int], bm: int, bn: int, bk: int, warps: int,

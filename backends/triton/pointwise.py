@@ -39,13 +39,15 @@ def emit(kernel: KernelOp, hints: Hints) -> EmittedKernel:
     body(f"mask = offs < {total}")
 
     needs_index = any(op.kind == "index" for op in kernel.covered) or any(
-        any(s is not None for s in ref.strides) and rank > 1 for ref in tensors.values())
+        any(s is not None for s in ref.strides) and rank > 1 and region.read_whole(i)
+        for i, ref in tensors.items())
     index_names: list[str | None] = [None if d == 1 else f"i{a}" for a, d in enumerate(shape)]
     if rank == 1 and shape[0] != 1:
         index_names = ["offs"]
     elif needs_index:
         decompose(body, "offs", shape, index_names, sig.size, "t")
 
+    em.gather_from(region, tensors, sig.size)
     inputs: dict[int, Val] = {}
     for i, inp in enumerate(region.inputs):
         if i in scalars:
@@ -55,13 +57,14 @@ def emit(kernel: KernelOp, hints: Hints) -> EmittedKernel:
             inputs[i] = em.load_at(sig.tensor("in", i, ()).ptr, None, inp.type)
             continue
         ref = tensors[i]
-        offset = ref.offset(index_names[rank - inp.type.rank:])
-        inputs[i] = (em.load_at(ref.ptr, None, inp.type) if offset == "0"
-                     else em.load_at(f"{ref.ptr} + {offset}", "mask", inp.type))
+        if region.read_whole(i):
+            offset = ref.offset(index_names[rank - inp.type.rank:])
+            inputs[i] = (em.load_at(ref.ptr, None, inp.type) if offset == "0"
+                         else em.load_at(f"{ref.ptr} + {offset}", "mask", inp.type))
 
     def index(op: Op) -> Val:
-        axis = op.attr("axis") + rank - len(op.shape)
-        return em.index(index_names[axis])
+        axis = op.attr("axis")
+        return em.index(None if op.shape[axis] == 1 else index_names[axis + rank - len(op.shape)])
 
     vals = em.run(region, inputs, index)
     for j, (value, t) in enumerate(zip(region.outputs, out_types, strict=True)):

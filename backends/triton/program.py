@@ -35,6 +35,7 @@ from .launch import (
     launcher,
     specialize,
     swap_axes,
+    ViewStep,
 )
 
 MAX_PLANS = 4096  # launch plans kept per program (one per size class)
@@ -102,7 +103,7 @@ class TritonBackend(Backend):
             op = graph.op(node)
             if isinstance(op, Op) and op.kind in ("param", "return"):
                 continue
-            if not isinstance(op, KernelOp) and op.kind not in ("dim", "transpose"):
+            if not isinstance(op, KernelOp) and op.kind not in ("dim", "transpose", "slice"):
                 raise InternalError(op.span, message=(
                     f"'{op.kind}' reached the Triton backend outside a kernel; "
                     "run 'lower-kernels' last"))
@@ -117,6 +118,8 @@ class TritonBackend(Backend):
                 steps.append(KernelStep(emitted, reads, n_slots))
             elif op.kind == "dim":
                 dims.append((n_slots, op.attr("symbol")))
+            elif op.kind == "slice":
+                steps.append(ViewStep(views.get(inputs[0], (inputs[0], None)), op.attr("items"), n_slots))
             else:  # a transpose of a transpose composes
                 source, perm = views.get(inputs[0], (inputs[0], None))
                 axes = swap_axes(op.type.rank, op.attr("dims"))
@@ -190,6 +193,11 @@ class TritonBackend(Backend):
         for slot, symbol in self.dim_slots:
             values[slot] = dims[symbol]
         for step in self.steps:
+            if isinstance(step, ViewStep):
+                view = step.launch(dims)
+                view.launch(values)
+                yield step, (), view, None
+                continue
             outputs = tuple((eval_shape(t.shape, dims), storage_dtype(t))
                             for t in step.emitted.kernel.result_types)
             outs = [_empty(shape, dtype=dtype, device=device) for shape, dtype in outputs]
@@ -204,13 +212,17 @@ class TritonBackend(Backend):
         values = list(bound.values) + [None] * (self.n_slots - len(bound.values))
         dims = tuple(sorted(bound.dims.items()))
         return [Launch(step.emitted, _arguments(step.emitted, args), dims)
-                for step, _, _, args in self._walk(bound, values, bound.device or _CPU_DEVICE)]
+                for step, _, _, args in self._walk(bound, values, bound.device or _CPU_DEVICE)
+                if not isinstance(step, ViewStep)]
 
     def _plan(self, bound: BoundCall, values: list, device, target: str) -> LaunchPlan:
         """Build the plan for this call's sizes by running the call step by step."""
         dims = bound.dims
         kernels = []
         for step, outputs, arg_fn, args in self._walk(bound, values, device):
+            if isinstance(step, ViewStep):
+                kernels.append(arg_fn)  # the view's plan step
+                continue
             emitted = step.emitted
             launch = launcher(self.load(emitted, target), target)
             candidates = emitted.launch_candidates(dims, target)

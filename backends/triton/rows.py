@@ -65,6 +65,7 @@ class RowProgram:
                 self.refs[i] = self.sig.tensor("in", i, inp.type.shape)
         self.outs = [self.sig.tensor("out", j, region.value_type(v).shape)
                      for j, v in enumerate(region.outputs)]
+        self.em.gather_from(region, self.refs, self.sig.size)
         self.length = self.sig.size(shape[axis])
         self.softmax_stats: dict[int, tuple[str, str]] = {}  # softmax value -> (m, 1/z) names
 
@@ -102,7 +103,8 @@ class RowProgram:
         return need
 
     def used(self, v: int) -> bool:
-        return v in self.region.outputs or any(v in r.operands for r in self.region.ops)
+        """Is `v` read element for element (a gathered input is read through its pointer)?"""
+        return self.region.read_whole(v)
 
     # --- emission helpers -------------------------------------------------------------------
 
@@ -158,9 +160,9 @@ class RowProgram:
             elif op.kind in ops.ROW_KINDS and not self.is_row_op(v):
                 if self.operands(v)[0] in vals:
                     vals[v] = self.trivial_reduce(op, vals[self.operands(v)[0]])
-            elif not self.is_row_op(v) and all(o in vals for o in self.operands(v)):
+            elif not self.is_row_op(v) and (args := em.operands(self.region.ops[v - self.n_in], vals)):
                 types = tuple(self.region.value_type(o) for o in self.operands(v))
-                vals[v] = em.op(op, [vals[o] for o in self.operands(v)], types)
+                vals[v] = em.op(op, args, types)
 
     def trivial_reduce(self, op: Op, x: Val) -> Val:
         """A reduction over a size-1 axis: the value itself (softmax: 1, or 0 at -inf)."""

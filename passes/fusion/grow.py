@@ -26,8 +26,8 @@ def candidate_kind(graph: Graph, node: int) -> bool:
     """Ops a fusion pass may consider at all: not params, dims, views, returns, kernels,
     nor constants and scalar expressions, which every kernel reading them clones."""
     op = graph.op(node)
-    return (isinstance(op, Op) and op.kind not in ("param", "dim", "const", "transpose", "return")
-            and not is_clonable(graph, node))
+    return (isinstance(op, Op) and op.kind not in ("param", "dim", "const", "return")
+            and ops.category(op.kind) is not ops.Category.LAYOUT and not is_clonable(graph, node))
 
 
 def elementwise_candidate(graph: Graph, node: int) -> bool:

@@ -100,9 +100,9 @@ class Group(set):
 
 
 def view_source(graph: Graph, node: int) -> int | None:
-    """The node a `transpose` view reads, or None for anything else."""
+    """The node a view (`transpose`, `slice`) reads, or None for anything else."""
     op = graph.op(node)
-    if isinstance(op, Op) and op.kind == "transpose":
+    if isinstance(op, Op) and ops.category(op.kind) is ops.Category.LAYOUT:
         return graph.operands(node)[0]
     return None
 
@@ -120,15 +120,21 @@ def result_type(graph: Graph, node: int, res: int = 0) -> TensorType:
 def reads_other_index(graph: Graph, consumer: int, group: set[int]) -> str | None:
     """Why `consumer` cannot read group values element for element (None if it can)."""
     out = graph.op(consumer).shape
-    for src in graph.operands(consumer):
+    for slot, src in enumerate(graph.operands(consumer)):
         source = view_source(graph, src)
         if source is not None and (source in group or view_source(graph, source) in group):
-            return f"it reads {describe_node(graph, source)} transposed"
+            how = "transposed" if graph.op(src).kind == "transpose" else "through a slice"
+            return f"it reads {describe_node(graph, source)} {how}"
+        if src in group and ops.gathers_at(graph.op(consumer).kind, slot):
+            return f"it gathers from {describe_node(graph, src)} at computed indices"
         if src in group:
             shape = result_type(graph, src).shape
             if shape and shape != out:
                 return (f"it broadcasts {describe_node(graph, src)} from {format_shape(shape)} "
                         f"to {format_shape(out)}")
+    for user, slot in graph.users(consumer):
+        if user in group and ops.gathers_at(graph.op(user).kind, slot):
+            return f"{describe_node(graph, user)} gathers from it at computed indices"
     return None
 
 
@@ -150,7 +156,16 @@ class RowSpace:
     axis: int
 
     def default_layout(self, shape: Shape) -> Layout | None:
-        """Right-aligned broadcasting onto the space (None when it does not fit)."""
+        """Right-aligned broadcasting onto the space; failing that, one value per row (the
+        shape of the rows without the reduced axis, as a reduction's result); None when
+        it does not fit."""
+        right = self._right_aligned(shape)
+        kept = tuple(d for d in range(len(self.shape)) if d != self.axis)
+        if right is None and shape and shape == tuple(self.shape[d] for d in kept):
+            return tuple(None if shape[k] == 1 else d for k, d in enumerate(kept))
+        return right
+
+    def _right_aligned(self, shape: Shape) -> Layout | None:
         lead = len(self.shape) - len(shape)
         if lead < 0:
             return None
@@ -211,7 +226,8 @@ def row_layouts(region: Region, space: RowSpace) -> dict[int, Layout] | Refusal:
             return Refusal(Rule.TILE, f"{op.kind} is not part of a row program")
         shape = op.shape
         result: list[int | None] = [None] * len(shape)
-        for v in rop.operands:
+        read = [v for slot, v in enumerate(rop.operands) if not ops.gathers_at(op.kind, slot)]
+        for v in read:
             if v not in layouts:
                 continue
             lead = len(shape) - len(layouts[v])
@@ -234,7 +250,7 @@ def row_layouts(region: Region, space: RowSpace) -> dict[int, Layout] | Refusal:
         if len({d for d in result if d is not None}) < sum(d is not None for d in result):
             return Refusal(Rule.TILE, f"{op.kind} reads one row-space dim twice")
         layouts[vid] = tuple(result)
-        for v in rop.operands:  # external inputs take the layout their consumer reads them with
+        for v in read:  # external inputs take the layout their consumer reads them with
             if v < n_in:
                 t = region.value_type(v)
                 lead = len(shape) - t.rank

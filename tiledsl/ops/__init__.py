@@ -25,6 +25,7 @@ from .core import (
     Reads,
     RuleError,
     category,
+    gathers_at,
     infer,
     is_elementwise,
 )
@@ -36,4 +37,4 @@ BINARY_KINDS = {d.symbol: k for k, d in OPS.items()
                 if d.symbol and d.arity == 2 and d.reads is Reads.PROMOTED}
 
 __all__ = ["BINARY_KINDS", "COMPARE_KINDS", "OPS", "REQUIRED", "ROW_KINDS", "BParam", "Category", "OpDef",
-           "Reads", "RuleError", "category", "infer", "is_elementwise"]
+           "Reads", "RuleError", "category", "gathers_at", "infer", "is_elementwise"]

@@ -88,6 +88,9 @@ class OpDef:
     # an instruction or two per element (no transcendental, no division): cheap enough to
     # recompute for every output tile in a GEMM operand prologue
     cheap: bool = False
+    # the operand this op reads at indices it computes (`take`): kernels hold it as a
+    # pointer, never load it at the tile's index, and never fuse its producer
+    gathers: int | None = None
 
 
 OPS: dict[str, OpDef] = {}
@@ -105,6 +108,13 @@ def category(kind: str) -> Category:
 
 def is_elementwise(kind: str) -> bool:
     return kind in OPS and OPS[kind].category is Category.ELEMENTWISE
+
+
+def gathers_at(kind: str, slot: int) -> bool:
+    """Does an op of `kind` read operand `slot` at indices it computes (not element for
+    element)?"""
+    d = OPS.get(kind)
+    return d is not None and d.gathers == slot
 
 
 _F8_OPS = (Category.SOURCE, Category.MATMUL, Category.LAYOUT, Category.RETURN)

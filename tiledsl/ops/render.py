@@ -102,3 +102,20 @@ def all_of(*conds: str) -> str:
     for c in reversed(conds[:-1]):
         text = f"tl.where({c}, {text}, False)"
     return text
+
+
+def take(em, op, args, out):
+    """`x[i0, i1, ...]`: a load through the indices from the source tensor the template
+    handed over as `args[0].source` (negative indices count from the end; an index out of
+    range reads 0)."""
+    x, *indices = args
+    src = x.source
+    terms, inside = [], []
+    for i, size, stride in zip(indices, src.sizes, src.ref.strides, strict=True):
+        i = em.tensor(i)
+        j = em.assign(f"tl.where({i.text} < 0, {i.text} + {size}, {i.text}).to(tl.int64)", Compute.I64)
+        inside += [f"{j.text} >= 0", f"{j.text} < {size}"]
+        if stride is not None:
+            terms.append(f"{j.text} * {stride}")
+    ptrs = " + ".join([src.ref.ptr, *terms])
+    return em.load_at(ptrs, all_of(*inside), src.type)

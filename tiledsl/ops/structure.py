@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from tiledsl import diagnostics as diag
+from tiledsl.dims import evaluate
 from tiledsl.types import (
     BroadcastMismatch,
     DType,
@@ -20,7 +21,8 @@ from tiledsl.types import (
     result_dtype,
 )
 
-from .core import BParam, Category, RuleError, define
+from .core import BParam, Category, Reads, RuleError, define
+from .render import take as _take_render
 from .rules import axis, float_of, reduced_shape
 
 X = BParam("x")
@@ -57,6 +59,54 @@ def _arange(axis: int, shape: tuple[int, ...]) -> torch.Tensor:
 # compute it over their tile (the reference gets the shape with its dims bound)
 define("index", 0, Category.ELEMENTWISE, _index, params=(X, BParam("axis", "int")),
        reference=_arange)
+
+
+# --- gathers --------------------------------------------------------------------
+
+
+def _take(types, attrs):
+    x, *indices = types
+    if len(indices) != x.rank:
+        raise RuleError(diag.IndexingError, (0,), message=(
+            f"indexing a rank-{x.rank} value needs {x.rank} indices, got {len(indices)}"))
+    for k, t in enumerate(indices, start=1):
+        if not t.dtype.is_int:
+            raise RuleError(diag.IndexingError, (k,), message=index_dtype_message(t.dtype))
+    try:
+        shape = broadcast_shapes(*(t.shape for t in indices))
+    except BroadcastMismatch as err:
+        raise RuleError(diag.IndexingError, tuple(range(1, len(types))), message=(
+            f"index arrays cannot be broadcast together: they differ at dim {err.dim} "
+            f"({err.a} vs {err.b})")) from None
+    return TensorType(x.dtype, shape)
+
+
+def index_dtype_message(dtype: DType) -> str:
+    if dtype is DType.BOOL:
+        return ("indexing needs an integer value, got bool: a mask selects a data-dependent "
+                "number of elements, which tiledsl shapes cannot express; use where(mask, x, 0)")
+    return f"indexing needs an integer value, got {dtype}; cast(i, i32) if it holds whole numbers"
+
+
+def _take_reference(x: torch.Tensor, *indices: torch.Tensor) -> torch.Tensor:
+    """x[i0, i1, ...] with NumPy's negative indices; 0 where an index is out of range."""
+    shape = torch.broadcast_shapes(*(i.shape for i in indices))
+    valid = torch.ones(shape, dtype=torch.bool)
+    wrapped = []
+    for n, i in zip(x.shape, indices, strict=True):
+        i = i.to(torch.int64).expand(shape)
+        i = torch.where(i < 0, i + n, i)
+        inside = (i >= 0) & (i < n)
+        valid &= inside
+        wrapped.append(torch.where(inside, i, 0))
+    return torch.where(valid, x[tuple(wrapped)], torch.zeros((), dtype=x.dtype))
+
+
+# take(x, i0, ..., i{r-1}) = x[i0, ..., i{r-1}], the index arrays broadcast together: what
+# advanced indexing and gather() build. Kernels load x through the indices (masked: an
+# out-of-range index reads 0), so x is never loaded, or fused, element for element.
+define("take", -1, Category.ELEMENTWISE, _take, reads=Reads.OPERAND, reference=_take_reference,
+       triton=_take_render, gathers=0)
 
 
 # --- reductions, softmax -------------------------------------------------------
@@ -167,6 +217,48 @@ def _transpose(types, attrs):
     return TensorType(x.dtype, tuple(shape), x.weak)
 
 
+def _slice(types, attrs):
+    (x,) = types
+    shape = []
+    for item in attrs["items"]:
+        if item[0] == "range":
+            shape.append(item[4])
+        elif item[0] == "new":
+            shape.append(1)
+    return TensorType(x.dtype, tuple(shape), x.weak)
+
+
+def _slice_reference(x: torch.Tensor, items, dims) -> torch.Tensor:
+    return x[python_index(items, dims)]
+
+
+def python_index(items, dims) -> tuple:
+    """A `slice` op's items as a Python index tuple at the bound `dims`."""
+    out: list[object] = []
+    for item in items:
+        if item[0] == "range":
+            out.append(slice(evaluate(item[1], dims), evaluate(item[2], dims), item[3]))
+        elif item[0] == "at":
+            out.append(evaluate(item[1], dims))
+        else:
+            out.append(None)
+    return tuple(out)
+
+
+def format_items(items) -> str:
+    """A `slice` op's items as the subscript that builds them (`:, 0, 64:128, None`)."""
+    out = []
+    for item in items:
+        if item[0] == "range":
+            _, start, stop, step, _ = item
+            out.append(f"{'' if start == 0 else start}:{stop}" + (f":{step}" if step != 1 else ""))
+        elif item[0] == "at":
+            out.append(str(item[1]))
+        else:
+            out.append("None")
+    return ", ".join(out)
+
+
 def _return(types, attrs):
     return TensorType(DType.BOOL, ())  # `return` has no value of its own
 
@@ -174,4 +266,8 @@ def _return(types, attrs):
 define("matmul", 2, Category.MATMUL, _matmul, symbol="@", reference=torch.matmul)
 define("transpose", 1, Category.LAYOUT, _transpose, params=(X, BParam("a", "int"), BParam("b", "int")),
        reference=lambda x, dims: x.transpose(*dims))
+# x[...] with integers, slices and None: a view (no copy), read through an offset and
+# strides; items, one per source axis plus new axes: ("range", start, stop, step, length),
+# ("at", index) or ("new",), starts, lengths and indices being dims
+define("slice", 1, Category.LAYOUT, _slice, reference=_slice_reference)
 define("return", -1, Category.RETURN, _return)

@@ -1,0 +1,186 @@
+"""Dim expressions: sizes computed from the dims a call binds (`D // 2`, `D - D // 2`, `H * M`).
+
+A dim in a shape is an int, a symbol ("D") or the canonical text of an integer
+expression of symbols ("D - (D // 2)"). Canonical means linear combinations are
+normalised (terms sorted, like terms added, zero terms dropped; every `//` a
+parenthesised atom), so shapes still compare structurally:
+`concat(x[..., D // 2:], x[..., :D // 2])` has the dim `D - (D // 2) + (D // 2)`,
+which is "D". Expressions are built with `Lin` arithmetic in sema and read back
+with `parse` (a walk over Python's own expression syntax that accepts only
+names, integers, +, -, * and //), so evaluating one at call time never runs text.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from tiledsl.types import Dim
+
+
+@dataclass(frozen=True)
+class Lin:
+    """const + sum(coeff * atom): atoms are symbols, products of atoms ("H * M") and
+    parenthesised floor divisions ("(D // 2)")."""
+
+    terms: tuple[tuple[str, int], ...] = ()
+    const: int = 0
+
+    @staticmethod
+    def of(dim: Dim) -> Lin:
+        if isinstance(dim, int):
+            return Lin((), dim)
+        return parse(dim)
+
+    @staticmethod
+    def _make(terms: Mapping[str, int], const: int) -> Lin:
+        return Lin(tuple(sorted(((a, c) for a, c in terms.items() if c != 0),
+                              key=lambda t: (not t[0].isidentifier(), t[0]))), const)
+
+    @property
+    def is_const(self) -> bool:
+        return not self.terms
+
+    def __add__(self, other: Lin) -> Lin:
+        terms = dict(self.terms)
+        for a, c in other.terms:
+            terms[a] = terms.get(a, 0) + c
+        return Lin._make(terms, self.const + other.const)
+
+    def __neg__(self) -> Lin:
+        return Lin(tuple((a, -c) for a, c in self.terms), -self.const)
+
+    def __sub__(self, other: Lin) -> Lin:
+        return self + (-other)
+
+    def scale(self, k: int) -> Lin:
+        return Lin._make({a: c * k for a, c in self.terms}, self.const * k)
+
+    def __mul__(self, other: Lin) -> Lin:
+        if other.is_const:
+            return self.scale(other.const)
+        if self.is_const:
+            return other.scale(self.const)
+        out = Lin((), 0)
+        for a, c in (*self.terms, ("", self.const)):
+            for b, d in (*other.terms, ("", other.const)):
+                atom = " * ".join(sorted(x for x in (*a.split(" * "), *b.split(" * ")) if x))
+                out = out + (Lin(((atom, c * d),), 0) if atom else Lin((), c * d))
+        return out
+
+    def __floordiv__(self, other: Lin) -> Lin:
+        if other.is_const:
+            k = other.const
+            if k == 0:
+                raise ZeroDivisionError("a dim divided by 0")
+            if all(c % k == 0 for _, c in self.terms) and self.const % k == 0:
+                return Lin._make({a: c // k for a, c in self.terms}, self.const // k)
+            if self.is_const:
+                return Lin((), self.const // k)
+        return Lin(((f"({_operand(self)} // {_operand(other)})", 1),), 0)
+
+    def __mod__(self, other: Lin) -> Lin:
+        return self - (self // other) * other
+
+    def dim(self) -> Dim:
+        """The shape entry: an int, a symbol, or the canonical text."""
+        if self.is_const:
+            return self.const
+        if len(self.terms) == 1 and self.terms[0][1] == 1 and not self.const \
+                and self.terms[0][0].startswith("("):
+            return self.terms[0][0][1:-1]  # one floor division: "D // 2"
+        return text(self)
+
+
+def _operand(x: Lin) -> str:
+    """`x` as an operand of `//`: bare when it is one atom or a number."""
+    t = text(x)
+    if x.is_const or (len(x.terms) == 1 and x.terms[0][1] == 1 and x.const == 0):
+        return t
+    return f"({t})"
+
+
+def text(x: Lin) -> str:
+    out = ""
+    for atom, c in x.terms:
+        mag = atom if abs(c) == 1 else f"{abs(c)} * {atom}"
+        if not out:
+            out = mag if c > 0 else f"-{mag}"
+        else:
+            out += f" + {mag}" if c > 0 else f" - {mag}"
+    if not out:
+        return str(x.const)
+    if x.const:
+        out += f" + {x.const}" if x.const > 0 else f" - {-x.const}"
+    return out
+
+
+def is_symbol(dim: Dim) -> bool:
+    """A dim a parameter binds (not an expression of them)."""
+    return isinstance(dim, str) and dim.isidentifier()
+
+
+@functools.lru_cache(maxsize=4096)
+def parse(dim: str) -> Lin:
+    """The `Lin` of a canonical dim text (or a plain symbol)."""
+    return _walk(ast.parse(dim, mode="eval").body, dim)
+
+
+def _walk(node: ast.AST, dim: str) -> Lin:
+    if isinstance(node, ast.Name):
+        return Lin(((node.id, 1),), 0)
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return Lin((), node.value)
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        return -_walk(node.operand, dim)
+    if isinstance(node, ast.BinOp):
+        a, b = _walk(node.left, dim), _walk(node.right, dim)
+        if isinstance(node.op, ast.Add):
+            return a + b
+        if isinstance(node.op, ast.Sub):
+            return a - b
+        if isinstance(node.op, ast.Mult):
+            return a * b
+        if isinstance(node.op, ast.FloorDiv):
+            return a // b
+    raise ValueError(f"not a dim expression: {dim!r}")
+
+
+@functools.lru_cache(maxsize=4096)
+def symbols(dim: str) -> tuple[str, ...]:
+    """The symbols a dim expression reads."""
+    return tuple(sorted({n.id for n in ast.walk(ast.parse(dim, mode="eval")) if isinstance(n, ast.Name)}))
+
+
+def evaluate(dim: Dim, dims: Mapping[str, int]) -> int:
+    """The size of `dim` at the bound `dims` (which hold the symbols)."""
+    if isinstance(dim, int):
+        return dim
+    if dim in dims:
+        return dims[dim]
+    return _eval(ast.parse(dim, mode="eval").body, dims)
+
+
+def _eval(node: ast.AST, dims: Mapping[str, int]) -> int:
+    if isinstance(node, ast.Name):
+        return dims[node.id]
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.UnaryOp):
+        return -_eval(node.operand, dims)
+    a, b = _eval(node.left, dims), _eval(node.right, dims)
+    if isinstance(node.op, ast.Add):
+        return a + b
+    if isinstance(node.op, ast.Sub):
+        return a - b
+    if isinstance(node.op, ast.Mult):
+        return a * b
+    return a // b if b else 0
+
+
+def derived(shapes) -> tuple[str, ...]:
+    """The dim expressions (not plain symbols) that occur in `shapes`, sorted."""
+    return tuple(sorted({d for shape in shapes for d in shape
+                         if isinstance(d, str) and not d.isidentifier()}))
