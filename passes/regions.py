@@ -9,7 +9,8 @@ like `rsqrt(D) * N`) are cloned into every region that reads them instead of
 becoming inputs: they cost nothing to recompute, and a 0-d value never has to
 be stored by one kernel for another. So are index expressions (`index` ops and
 elementwise ops on them, scalars and constants, like the shifted index of a
-`concat`) where every user computes them over its own tile. Scalar parameters and dims become
+`concat`, and loads through them from an index array) where every user computes
+them over its own tile. Scalar parameters and dims become
 by-value inputs.
 """
 
@@ -49,14 +50,15 @@ def is_clonable(graph: Graph, node: int, memo: dict[int, bool] | None = None) ->
             memo[n] = False
         elif op.kind == "index":
             memo[n] = op.shape != ()
-        elif not ops.is_elementwise(op.kind) or ops.OPS[op.kind].gathers is not None:
+        elif not ops.is_elementwise(op.kind):
             memo[n] = False
-        else:
-            pending = [o for o in graph.operands(n) if o not in memo and not _leaf(graph, o)]
+        else:  # a gathered operand is read through its pointer: any stored tensor will do
+            read = [o for slot, o in enumerate(graph.operands(n)) if not ops.gathers_at(op.kind, slot)]
+            pending = [o for o in read if o not in memo and not _leaf(graph, o)]
             if pending:
                 stack.extend(pending)
                 continue
-            memo[n] = all(_leaf(graph, o) or memo[o] for o in graph.operands(n))
+            memo[n] = all(_leaf(graph, o) or memo[o] for o in read)
         stack.pop()
     return memo[node]
 

@@ -29,8 +29,9 @@ UNARY = ["exp", "exp2", "tanh", "sigmoid", "relu", "silu", "erf", "gelu", "abs",
 UNARY_POSITIVE = ["log", "log2", "sqrt", "rsqrt", "log1p"]
 BINARY = ["+", "-", "*", "/", "maximum", "minimum", "//", "%", "**"]
 COMPARISONS = ["<", "<=", ">", ">=", "==", "!="]
-# ops with tests of their own below
-OWN_TESTS = ["neg", "and", "or", "where", "cast", "index", "not", "isnan", "isinf", "clamp"]
+# ops with tests of their own below (take: gathers, advanced indexing and concat in
+# tests/test_indexing.py)
+OWN_TESTS = ["neg", "and", "or", "where", "cast", "index", "not", "isnan", "isinf", "clamp", "take"]
 
 
 @pytest.mark.parametrize("dt", DTYPES)

@@ -24,8 +24,8 @@ import sys
 import time
 from collections.abc import Sequence
 
-from tiledsl.dims import evaluate
 from tiledsl import diagnostics as diag
+from tiledsl.dims import evaluate
 
 
 def _parser() -> argparse.ArgumentParser:

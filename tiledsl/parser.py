@@ -21,9 +21,9 @@ from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput
 from tiledsl import ast
 from tiledsl.diagnostics import (
     EmptySourceError,
-    RankError,
     LimitError,
     Note,
+    RankError,
     TileDSLError,
     UnexpectedCharacterError,
     UnexpectedEndError,

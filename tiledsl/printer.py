@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import math
 
-from tiledsl.ops.structure import format_items
 from tiledsl.ir import Graph, KernelOp, Op, Region
+from tiledsl.ops.structure import format_items
 from tiledsl.plans import Plan, format_plan
 from tiledsl.types import DType, TensorType
 

@@ -16,16 +16,16 @@ from typing import Any
 from tiledsl import ast, ops
 from tiledsl import diagnostics as diag
 from tiledsl.builtins import BUILTINS, REQUIRED, TILE_HINTS, BParam, Builtin
-from tiledsl.ir import Graph, Op, make_attrs
-from tiledsl.source import Span
 from tiledsl.dims import Lin
 from tiledsl.dims import symbols as dim_symbols
+from tiledsl.ir import Graph, Op, make_attrs
 from tiledsl.ops.structure import index_dtype_message
+from tiledsl.source import Span
 from tiledsl.types import (
     DTYPES,
-    BroadcastMismatch,
     MAX_RANK,
     PARAM_DTYPES,
+    BroadcastMismatch,
     DType,
     TensorType,
     broadcast_shapes,
@@ -430,10 +430,11 @@ class _KernelBuilder:
         try:
             b = broadcast_shapes(*shapes)
         except BroadcastMismatch as err:
-            raise diag.IndexingError(e.span, [diag.Note(f"this index has shape {format_shape(s)}",
-                                                        advanced[a][1]) for a, s in zip(axes, shapes)],
-                                     message=(f"the index arrays cannot be broadcast together: they "
-                                              f"differ at dim {err.dim} ({err.a} vs {err.b})")) from None
+            notes = [diag.Note(f"this index has shape {format_shape(s)}", advanced[a][1])
+                     for a, s in zip(axes, shapes, strict=True)]
+            raise diag.IndexingError(e.span, notes, message=(
+                f"the index arrays cannot be broadcast together: they differ at dim {err.dim} "
+                f"({err.a} vs {err.b})")) from None
         rest = [a for a in range(t.rank) if a not in advanced]
         adjacent = axes == list(range(axes[0], axes[0] + len(axes)))
         before = [a for a in rest if adjacent and a < axes[0]]
@@ -485,7 +486,8 @@ class _KernelBuilder:
                        for k, d in enumerate(ot.shape)]
                 operands.append((self._reindex(o, sub, span), span))
             return self._emit(op.kind, operands, op.span or span, **op.attr_map)
-        sub = [self._const(0, DType.I32, span) if d == 1 else i for d, i in zip(op.shape, indices)]
+        sub = [self._const(0, DType.I32, span) if d == 1 else i
+               for d, i in zip(op.shape, indices, strict=True)]
         return self._emit("take", [(node, span), *((i, span) for i in sub)], span)
 
     def _concat(self, e: ast.Call) -> int:
@@ -526,7 +528,8 @@ class _KernelBuilder:
         for (node, span), offset in zip(pieces, offsets, strict=True):
             shifted = idx
             if offset != Lin():
-                shifted = self._emit("sub", [(idx, e.span), (self._dim_value(offset, e.span), e.span)], e.span)
+                start = self._dim_value(offset, e.span)
+                shifted = self._emit("sub", [(idx, e.span), (start, e.span)], e.span)
             indices = [shifted if d == axis else self._index_of(out, d, e.span) for d in range(first.rank)]
             values.append((self._reindex(node, indices, span), span))
         result = values[-1]

@@ -14,8 +14,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tiledsl.dims import evaluate
 from tiledsl.diagnostics import TileHintError
+from tiledsl.dims import evaluate
 from tiledsl.ir import KernelOp
 from tiledsl.source import Span
 

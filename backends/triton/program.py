@@ -30,12 +30,12 @@ from .launch import (
     KernelLaunch,
     KernelStep,
     LaunchPlan,
+    ViewStep,
     argument_function,
     launch_options,
     launcher,
     specialize,
     swap_axes,
-    ViewStep,
 )
 
 MAX_PLANS = 4096  # launch plans kept per program (one per size class)
