@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import ast
 import functools
-from collections.abc import Mapping
+import operator
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from tiledsl.types import Dim
 
@@ -125,33 +127,36 @@ def is_symbol(dim: Dim) -> bool:
 @functools.lru_cache(maxsize=4096)
 def parse(dim: str) -> Lin:
     """The `Lin` of a canonical dim text (or a plain symbol)."""
-    return _walk(ast.parse(dim, mode="eval").body, dim)
+    return _fold(_tree(dim), lambda name: Lin(((name, 1),), 0), lambda k: Lin((), k))
 
 
-def _walk(node: ast.AST, dim: str) -> Lin:
+@functools.lru_cache(maxsize=4096)
+def _tree(dim: str) -> ast.AST:
+    return ast.parse(dim, mode="eval").body
+
+
+_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+           ast.FloorDiv: operator.floordiv}
+
+
+def _fold(node: ast.AST, name: Callable[[str], Any], number: Callable[[int], Any]) -> Any:
+    """Evaluate a dim expression's tree with `name` for symbols and `number` for integers
+    (only names, integers, unary minus, +, -, * and // are accepted)."""
     if isinstance(node, ast.Name):
-        return Lin(((node.id, 1),), 0)
+        return name(node.id)
     if isinstance(node, ast.Constant) and type(node.value) is int:
-        return Lin((), node.value)
+        return number(node.value)
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-        return -_walk(node.operand, dim)
-    if isinstance(node, ast.BinOp):
-        a, b = _walk(node.left, dim), _walk(node.right, dim)
-        if isinstance(node.op, ast.Add):
-            return a + b
-        if isinstance(node.op, ast.Sub):
-            return a - b
-        if isinstance(node.op, ast.Mult):
-            return a * b
-        if isinstance(node.op, ast.FloorDiv):
-            return a // b
-    raise ValueError(f"not a dim expression: {dim!r}")
+        return -_fold(node.operand, name, number)
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+        return _BINARY[type(node.op)](_fold(node.left, name, number), _fold(node.right, name, number))
+    raise ValueError(f"not a dim expression: {ast.unparse(node)!r}")
 
 
 @functools.lru_cache(maxsize=4096)
 def symbols(dim: str) -> tuple[str, ...]:
     """The symbols a dim expression reads."""
-    return tuple(sorted({n.id for n in ast.walk(ast.parse(dim, mode="eval")) if isinstance(n, ast.Name)}))
+    return tuple(sorted({n.id for n in ast.walk(_tree(dim)) if isinstance(n, ast.Name)}))
 
 
 def evaluate(dim: Dim, dims: Mapping[str, int]) -> int:
@@ -160,24 +165,7 @@ def evaluate(dim: Dim, dims: Mapping[str, int]) -> int:
         return dim
     if dim in dims:
         return dims[dim]
-    return _eval(ast.parse(dim, mode="eval").body, dims)
-
-
-def _eval(node: ast.AST, dims: Mapping[str, int]) -> int:
-    if isinstance(node, ast.Name):
-        return dims[node.id]
-    if isinstance(node, ast.Constant):
-        return node.value
-    if isinstance(node, ast.UnaryOp):
-        return -_eval(node.operand, dims)
-    a, b = _eval(node.left, dims), _eval(node.right, dims)
-    if isinstance(node.op, ast.Add):
-        return a + b
-    if isinstance(node.op, ast.Sub):
-        return a - b
-    if isinstance(node.op, ast.Mult):
-        return a * b
-    return a // b if b else 0
+    return _fold(_tree(dim), dims.__getitem__, int)
 
 
 def derived(shapes) -> tuple[str, ...]:
