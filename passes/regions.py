@@ -49,7 +49,7 @@ def is_clonable(graph: Graph, node: int, memo: dict[int, bool] | None = None) ->
         elif op.shape != () and not _index_expression_users(graph, n):
             memo[n] = False
         elif op.kind == "index":
-            memo[n] = op.shape != ()
+            memo[n] = True
         elif not ops.is_elementwise(op.kind):
             memo[n] = False
         else:  # a gathered operand is read through its pointer: any stored tensor will do

@@ -258,6 +258,13 @@ def test_indexing_diagnostics(body, first):
     assert str(err.value).splitlines()[0] == first
 
 
+def test_a_scalar_cannot_be_indexed():
+    with pytest.raises(TileDSLError) as err:
+        tiledsl.compile("kernel f(s: f32) -> f32[1] { return (s * 2.0)[None] }")
+    assert str(err.value).splitlines()[0] == (
+        "<string>:1:37: error: a 0-d value (f32) cannot be indexed; it broadcasts as it is")
+
+
 def test_parameters_cannot_declare_dim_expressions():
     with pytest.raises(TileDSLError) as err:
         tiledsl.compile("kernel f(x: f32[N - 1]) -> f32[N - 1] { return x }")

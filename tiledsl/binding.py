@@ -47,15 +47,21 @@ class DimRules:
                             for d, span in sorted(spans.items(), key=lambda x: x[0]))
         self.checks += tuple((d, span, message, 0) for d, span, message in graph.requires)
 
-    def __bool__(self) -> bool:
-        return bool(self.checks)
-
     def __call__(self, dims: Mapping[str, int]) -> None:
         for d, span, message, least in self.checks:
             if evaluate(d, dims) < least:
                 sizes = ", ".join(f"{k}={v}" for k, v in sorted(dims.items()))
                 raise ArgumentError(span, message=f"{message}; at these sizes ({sizes}) it is not "
                                     f"({d} = {evaluate(d, dims)})")
+
+
+def dim_rules(graph: Graph) -> DimRules | None:
+    """The graph's `DimRules` (None when it has none), found once per graph."""
+    memo = graph.memo("dim-rules")
+    if None not in memo:
+        rules = DimRules(graph)
+        memo[None] = rules if rules.checks else None
+    return memo[None]
 
 
 @dataclass
@@ -137,8 +143,8 @@ def bind(graph: Graph, args: Sequence[Any], kwargs: Mapping[str, Any]) -> BoundC
                 dims.setdefault(declared, (size, name))
         values.append(value)
     sizes = {k: v for k, (v, _) in dims.items()}
-    rules = DimRules(graph)
-    if rules:
+    rules = dim_rules(graph)
+    if rules is not None:
         rules(sizes)
     return BoundCall(values, sizes, device)
 
@@ -168,7 +174,7 @@ class Binder:
                                      if isinstance(d, str)}))
         self._tensor, self._strided = torch.Tensor, torch.strided
         self._grad = torch.is_grad_enabled
-        self.rules = DimRules(graph)
+        self.rules = dim_rules(graph)
 
     def __call__(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> BoundCall:
         given = list(args)
@@ -215,7 +221,7 @@ class Binder:
                 return bind(self.graph, args, kwargs)
         values = [float(v) if shape is None and type(v) is int and dtype.is_float else v
                   for v, (dtype, shape) in zip(given, self.params, strict=True)]
-        if self.rules:
+        if self.rules is not None:
             self.rules(dims)
         return BoundCall(values, dims, device)
 

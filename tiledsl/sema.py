@@ -292,6 +292,9 @@ class _KernelBuilder:
         (advanced indexing) gather with `take`, NumPy's broadcasting and placement rules."""
         value = self.expr(e.value)
         t = self.graph.op(value).type
+        if t.rank == 0:  # a scalar is computed where it is read: there is nothing to view
+            raise diag.IndexingError(e.span, message=(
+                f"a 0-d value ({t}) cannot be indexed; it broadcasts as it is"))
         items = self._expand_ellipsis(e, t.rank)
         advanced: dict[int, tuple[int, Span]] = {}  # source axis -> index value
         axis = 0
