@@ -68,7 +68,7 @@ class Lin:
         out = Lin((), 0)
         for a, c in (*self.terms, ("", self.const)):
             for b, d in (*other.terms, ("", other.const)):
-                atom = " * ".join(sorted(x for x in (*a.split(" * "), *b.split(" * ")) if x))
+                atom = " * ".join(sorted((*factors(a), *factors(b))))
                 out = out + (Lin(((atom, c * d),), 0) if atom else Lin((), c * d))
         return out
 
@@ -91,9 +91,22 @@ class Lin:
         if self.is_const:
             return self.const
         if len(self.terms) == 1 and self.terms[0][1] == 1 and not self.const \
-                and self.terms[0][0].startswith("("):
+                and self.terms[0][0].startswith("(") and len(factors(self.terms[0][0])) == 1:
             return self.terms[0][0][1:-1]  # one floor division: "D // 2"
         return text(self)
+
+
+def factors(atom: str) -> list[str]:
+    """The factors of a product atom ("(C * W // G) * H" -> ["(C * W // G)", "H"]): split at
+    the top-level " * " only."""
+    out, depth, start = [], 0, 0
+    for k, ch in enumerate(atom):
+        depth += (ch == "(") - (ch == ")")
+        if depth == 0 and atom.startswith(" * ", k):
+            out.append(atom[start:k])
+            start = k + 3
+    out.append(atom[start:])
+    return [f for f in out if f]
 
 
 def _operand(x: Lin) -> str:
