@@ -78,5 +78,6 @@ def _phases(region: Region) -> int:
     phase = [0] * (n_in + len(region.ops))
     for i, rop in enumerate(region.ops):
         p = max((phase[o] for o in rop.operands), default=0)
-        phase[n_in + i] = p + 1 if rop.op.kind in ROW_OPS else p
+        scan = ops.category(rop.op.kind) is ops.Category.SCAN  # computed in any pass
+        phase[n_in + i] = p + 1 if rop.op.kind in ROW_OPS and not scan else p
     return max(phase, default=0)

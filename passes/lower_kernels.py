@@ -5,15 +5,16 @@ fusion passes.
 After: every compute op is inside a `KernelOp` whose template implements it:
 
     elementwise op (incl. index)             -> pointwise
-    sum / max / min / mean / logsumexp, softmax -> rows
+    sum / max / min / mean / logsumexp, softmax, cumsum -> rows
     matmul                                   -> matmul
 
-What stays outside kernels: parameters, dims, views (`transpose`, `slice`:
+What stays outside kernels: parameters, dims, views (`transpose`, `slice`, `reshape`:
 consumers read them through their offsets and strides, no copy), and the return. Constants are
 inlined into the kernels that use them, and so are scalar expressions
 (`rsqrt(D) * N`): only a returned one becomes a kernel. A returned value that no kernel
 produces (a parameter, a view, a constant) gets a pointwise copy kernel, so
-every output is a fresh tensor. Finally all kernels are named k0, k1, ... in
+every output is a fresh tensor; a reshape of a kernel result read by nothing else is
+already one. Finally all kernels are named k0, k1, ... in
 launch (topological) order. Must run last.
 """
 
@@ -29,7 +30,7 @@ from tiledsl.passes.regions import is_by_value, is_clonable, replace_with_kernel
 from tiledsl.passes.registry import Pass, PassContext, register
 
 TEMPLATES = {Category.ELEMENTWISE: "pointwise", Category.REDUCTION: "rows",
-             Category.SOFTMAX: "rows", Category.MATMUL: "matmul"}
+             Category.SOFTMAX: "rows", Category.SCAN: "rows", Category.MATMUL: "matmul"}
 
 
 @register
@@ -58,7 +59,7 @@ class LowerKernels(Pass):
         new_outputs = []
         for src, res in outputs:
             op = graph.op(src)
-            if isinstance(op, KernelOp):
+            if isinstance(op, KernelOp) or self._is_fresh_reshape(graph, src, outputs):
                 new_outputs.append((src, res))
                 continue
             if op.kind == "const":
@@ -75,3 +76,14 @@ class LowerKernels(Pass):
                 op = graph.op(node)
                 if isinstance(op, Op) and op.kind == "const" and graph.nx.out_degree(node) == 0:
                     graph.remove(node)
+
+    @staticmethod
+    def _is_fresh_reshape(graph: Graph, node: int, outputs) -> bool:
+        """A reshape of a kernel result that nothing else reads, returned once: the kernel's
+        fresh contiguous tensor viewed in the returned shape is already a fresh output."""
+        op = graph.op(node)
+        if not (isinstance(op, Op) and op.kind == "reshape") or outputs.count((node, 0)) != 1:
+            return False
+        (src, _), = graph.operand_edges(node)
+        return (isinstance(graph.op(src), KernelOp) and len(graph.users(src)) == 1
+                and len(graph.users(node)) == 1)

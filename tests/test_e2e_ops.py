@@ -364,6 +364,40 @@ def test_softmax_of_large_logits_stays_finite():
     assert torch.isfinite(out).all()
 
 
+# --- cumsum ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+@pytest.mark.parametrize("axis", [0, 1])
+@pytest.mark.parametrize("shape", [(1, 1), (17, 113), (3, 5000)], ids=str)
+def test_cumsum(shape, axis, dt):
+    x = randn(*shape, dtype=DTYPES[dt])
+    fn, out = run_checked(f"kernel f(x: {dt}[M, N]) -> {dt}[M, N] {{ return cumsum(x, axis={axis}) }}", x)
+    assert [k.template for k in fn.kernels] == ["rows"]
+
+
+@pytest.mark.parametrize("n", [1, 113, 5000])
+def test_cumsum_of_integers_and_bools_is_exact_and_feeds_reductions(n):
+    x = torch.randint(-50, 50, (7, n), dtype=torch.int32)
+    m = torch.rand(7, n) > 0.5
+    fn, (c, k, t) = run_checked("""
+    kernel f(x: i32[M, N], m: bool[M, N]) -> (i32[M, N], i32[M, N], f32[M]) {
+        return cumsum(x), cumsum(m, axis=1), sum(cumsum(cast(x, f32)) * 0.5, axis=-1)
+    }""", x, m)
+    assert torch.equal(c, torch.cumsum(x, 1).int()) and torch.equal(k, torch.cumsum(m.int(), 1).int())
+    assert c.dtype == k.dtype == torch.int32
+
+
+def test_cumsum_with_a_row_statistic_in_one_kernel():
+    x = randn(5, 5000)
+    fn, out = run_checked("""
+    kernel f(x: f32[M, N]) -> f32[M, N] {
+        c = cumsum(exp(x - max(x, keepdims=true)))
+        return c / sum(c, keepdims=true)
+    }""", x)
+    assert len(fn.kernels) == 1
+
+
 # --- matmul ----------------------------------------------------------------------------------------
 
 

@@ -271,3 +271,168 @@ def test_parameters_cannot_declare_dim_expressions():
     assert str(err.value).splitlines()[0] == (
         "<string>:1:17: error: parameter 'x' declares the dim N - 1: a parameter's dims are symbols "
         "or integers (dim expressions may appear in return types)")
+
+
+# --- reshape, squeeze ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n, d", [(1, 2), (17, 14), (113, 64)])
+def test_reshape_splits_and_merges_dims_as_views(n, d):
+    src = """
+    kernel f(x: f32[N, D]) -> (f32[N, 2, D // 2], f32[N * D], f32[D // 2, 2 * N]) {
+        return reshape(x, [N, 2, -1]) * 2.0, reshape(x, [-1]), reshape(x, (D // 2, 2 * N))
+    }"""
+    x = randn(n, d)
+    fn, (a, b, c) = run_checked(src, x)
+    assert fn.ir().count("= reshape %x {copy = false}") == 3
+    assert torch.equal(a, x.view(n, 2, d // 2) * 2)
+    assert torch.equal(b, x.reshape(-1)) and torch.equal(c, x.reshape(d // 2, 2 * n))
+
+
+GQA = """
+kernel gqa(q: f16[B, H, S, D], k: f16[B, KH, S, D], v: f16[B, KH, S, D]) -> f16[B, H, S, D] {
+    qg = reshape(q, [B, KH, H // KH, S, D])
+    s = qg @ k[:, :, None].T * rsqrt(D)
+    s = where(causal(s), s, -inf)
+    return reshape(softmax(s) @ v[:, :, None], [B, H, S, D])
+}"""
+
+
+@pytest.mark.parametrize("h, kh, s", [(6, 2, 17), (4, 4, 1), (8, 1, 113)])
+def test_gqa_with_reshape_into_head_groups_is_one_attention_kernel(h, kh, s):
+    q = randn(2, h, s, 32, dtype=torch.float16)
+    k, v = (randn(2, kh, s, 32, dtype=torch.float16) for _ in range(2))
+    fn, out = run_checked(GQA, q, k, v)
+    assert [k.template for k in fn.kernels] == ["attention"]  # both reshapes are views
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k.double(), v.double(), is_causal=True, enable_gqa=True)
+    assert torch.allclose(out.double(), expected, atol=2e-3)
+
+
+def test_group_norm_statistics_over_a_merged_axis():
+    src = """
+    kernel gn(x: f32[N, C, W], g: f32[C]) -> f32[N, C, W] {
+        xg = reshape(x, [N, 4, -1])
+        d = xg - mean(xg, axis=-1, keepdims=true)
+        y = d * rsqrt(mean(d * d, axis=-1, keepdims=true) + 1e-5)
+        return reshape(y, [N, C, W]) * g[:, None]
+    }"""
+    for n, c, w in [(1, 8, 1), (3, 8, 17), (2, 12, 113)]:
+        x, g = randn(n, c, w), randn(c)
+        fn, out = run_checked(src, x, g)
+        assert "C * W // 4" in fn.ir("graph")
+        expected = torch.nn.functional.group_norm(x.double(), 4, eps=1e-5) * g.double()[:, None]
+        assert torch.allclose(out.double(), expected, atol=1e-5)
+
+
+def test_a_reshape_that_needs_a_copy_names_the_dims_unless_asked_to_copy():
+    fn = tiledsl.compile("kernel f(x: f32[N, C, W]) -> f32[N, C * W] { return reshape(x, [N, -1]) }")
+    x = randn(3, 8, 17)
+    with pytest.raises(TileDSLError) as err:
+        fn(x.transpose(0, 1).contiguous().transpose(0, 1))  # C outermost in memory
+    assert str(err.value).splitlines()[0] == (
+        "<string>:1:53: error: this reshape merges dims C and W of [N, C, W], which are not adjacent "
+        "in memory at this call (strides 51 and 1, W = 17); reshape never copies unless asked: "
+        "reshape(x, [...], copy=true)")
+    assert torch.equal(fn(x), x.reshape(3, -1))
+    copying = tiledsl.compile("kernel f(x: f32[N, D]) -> f32[D * N] { return reshape(x.T, [-1], copy=true) }")
+    fn, out = run_checked(copying, x[0])
+    assert torch.equal(out, x[0].T.reshape(-1))
+
+
+def test_a_reshape_whose_counts_differ_at_the_call_is_refused_there():
+    fn = tiledsl.compile("kernel f(x: f32[N, D]) -> f32[N, 2, D // 2] { return reshape(x, [N, 2, -1]) }")
+    with pytest.raises(TileDSLError) as err:
+        fn(randn(3, 5))
+    assert str(err.value).splitlines()[0] == (
+        "<string>:1:65: error: reshape from [N, D] to [N, 2, D // 2] changes the number of elements; "
+        "at these sizes (D=5, N=3) it is not (2 * (D // 2) * N - D * N = -3)")
+
+
+def test_a_returned_reshape_of_a_kernel_result_is_not_copied():
+    fn, out = run_checked("kernel f(x: f32[N, D]) -> f32[D, N] { return reshape(exp(x), [D, N]) }",
+                          x := randn(17, 6))
+    assert len(fn.kernels) == 1
+    assert torch.allclose(out, x.exp().reshape(6, 17))
+
+
+def test_squeeze_drops_size_one_axes():
+    x = randn(17, 1, 5, 1)
+    fn, out = run_checked("kernel f(x: f32[N, 1, D, 1]) -> f32[N, D] { return squeeze(x, (1, -1)) * 2.0 }", x)
+    assert torch.equal(out, x[:, 0, :, 0] * 2)
+    assert len(fn.kernels) == 1
+
+
+R = "kernel f(x: f32[N, D], s: i32, m: f32[N, M, D]) -> f32[N, D] {\n    %s\n}"
+
+
+@pytest.mark.parametrize("body, first", [
+    ("return reshape(x, [N, -1, -1])", "<string>:2:31: error: only one dim of a reshape can be -1"),
+    ("return reshape(x, [N, 0])", "<string>:2:27: error: a reshape dim must be at least 1, got 0"),
+    ("return reshape(x, [N, s])",
+     "<string>:2:27: error: reshape dims are integer expressions of dims and literals (like D // 2 "
+     "or N - 1); 's' is not one"),
+    ("return reshape(x, N)",
+     "<string>:2:23: error: the shape of 'reshape' must be a list of dims, like [B, H // 2, 2]"),
+    ("return reshape(x, [N, D, 2])",
+     "<string>:2:23: error: reshape from [N, D] to [N, D, 2] changes the number of elements"),
+    ("return reshape(s * 2, [1])", "<string>:2:12: error: a 0-d value (i32) cannot be reshaped; it "
+     "broadcasts as it is"),
+    ("y = [N, D]; return x",
+     "<string>:2:9: error: a list is only allowed as a shape, e.g. reshape(x, [B, H // 2, 2])"),
+    ("return squeeze(m, 1)",
+     "<string>:2:23: error: squeeze needs axis 1 to have size 1; it has size M (to take index 0 of "
+     "it, write x[:, 0])"),
+    ("return squeeze(x, 2)", "<string>:2:23: error: axis 2 is out of range for a value of rank 2 "
+     "(valid: -2 to 1)"),
+])
+def test_reshape_and_squeeze_diagnostics(body, first):
+    with pytest.raises(TileDSLError) as err:
+        tiledsl.compile(R % body)
+    assert str(err.value).splitlines()[0] == first
+
+
+# --- check_bounds ----------------------------------------------------------------------------
+
+CHECKED = """
+kernel f(x: f32[N, V], y: i64[N], t: f32[T, H], b: i32[M]) -> (f32[N], f32[M, H]) {
+    return gather(x, y), t[b] * 2.0
+}"""
+
+
+def test_check_bounds_raises_at_the_indexing_naming_the_tensor():
+    fn = tiledsl.compile(CHECKED, check_bounds=True)
+    x, t = randn(5, 7), randn(4, 3)
+    y = torch.tensor([0, 6, -7, 3, 1])
+    b = torch.tensor([3, -4, 0, 1, 2, 1], dtype=torch.int32)
+    a, c = fn(x, y, t, b)  # in range, negative ones included: the same results as unchecked
+    assert torch.equal(a, x.gather(1, (y % 7)[:, None])[:, 0]) and torch.equal(c, t[b.long()] * 2)
+    for call in (fn, fn.reference):
+        with pytest.raises(TileDSLError) as err:
+            call(x, torch.tensor([0, 7, -8, 3, 1]), t, b)
+        assert str(err.value).splitlines()[0] == (
+            "<string>:3:12: error: index out of range: 2 index values for axis 1 of 'x' (size V = 7 "
+            "at this call) are outside [-7, 7)")
+    b[4] = 4
+    with pytest.raises(TileDSLError) as err:
+        fn(x, y, t, b)
+    assert str(err.value).splitlines()[0] == (
+        "<string>:3:26: error: index out of range: 1 index value for axis 0 of 't' (size T = 4 at "
+        "this call) is outside [-4, 4)")
+    unchecked = tiledsl.compile(CHECKED)
+    assert torch.equal(unchecked(x, y, t, b)[1][4], torch.zeros(3))  # reads 0 unchecked
+    assert len(unchecked.kernels) < len(fn.kernels)
+
+
+def test_check_bounds_covers_indices_computed_inside_attention():
+    src = DOC_ATTENTION.replace("doc: i32[M]", "doc: i32[L]")
+    fn = tiledsl.compile(src, check_bounds=True)
+    q, k, v = (randn(2, 17, 32, dtype=torch.float16) for _ in range(3))
+    doc = torch.sort(torch.randint(0, 3, (17,), dtype=torch.int32)).values
+    out = fn(q, k, v, doc)
+    assert torch.equal(out, tiledsl.compile(src)(q, k, v, doc))
+    with pytest.raises(TileDSLError) as err:
+        fn(q, k, v, doc[:15])  # shorter than the queries and keys it is read at
+    assert str(err.value).splitlines()[0] == (
+        "<string>:4:28: error: index out of range: 68 index values for axis 0 of 'doc' (size L = 15 "
+        "at this call) are outside [-15, 15)")

@@ -22,7 +22,8 @@ ELEMENTWISE = sorted(k for k, d in OPS.items() if d.category is Category.ELEMENT
 COMPUTING = sorted(k for k, d in OPS.items()
                    if d.category not in (Category.SOURCE, Category.RETURN))
 # ops whose builtin does more than bind operands and attributes (sema's special handlers)
-SPECIAL_BUILTINS = {"index", "transpose", "sum", "max", "min", "mean", "logsumexp", "softmax"}
+SPECIAL_BUILTINS = {"index", "transpose", "sum", "max", "min", "mean", "logsumexp", "softmax",
+                    "cumsum", "reshape"}
 # ops built by subscripts (x[i, a:b], gather, concat) rather than called by name
 SUBSCRIPT_OPS = {"take": -1, "slice": 1}
 

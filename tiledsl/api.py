@@ -71,6 +71,7 @@ def compile(  # noqa: A001 - the public name is part of the design
     pipeline: str | None = None,
     allow_tf32: bool = False,
     verify: bool | None = None,
+    check_bounds: bool = False,
 ) -> Program:
     """Compile one kernel of a tiledsl program.
 
@@ -78,16 +79,19 @@ def compile(  # noqa: A001 - the public name is part of the design
     online softmax, the fusion passes, lower-kernels); `lower-kernels` is
     appended when missing, since backends run kernels. `allow_tf32` lets fp32
     matmuls use tf32 on GPUs. `verify` checks the IR after every pass (default:
-    the TILEDSL_VERIFY env var).
+    the TILEDSL_VERIFY env var). `check_bounds` makes every call check the indices the
+    program gives (`x[i]`, `gather`) and raise a located error naming the indexed tensor
+    when one is out of range (without it such a read gives 0); the check costs extra
+    kernels and a device sync per call.
     """
     text, name = load_source(source)
     return compile_text(text, name, kernel, backend, pipeline=pipeline, allow_tf32=allow_tf32,
-                        verify=verify)
+                        verify=verify, check_bounds=check_bounds)
 
 
 def compile_text(text: str, name: str, kernel: str | None = None, backend: str = "triton", *,
                  pipeline: str | None = None, allow_tf32: bool = False,
-                 verify: bool | None = None) -> Program:
+                 verify: bool | None = None, check_bounds: bool = False) -> Program:
     """`compile` of program text, reporting diagnostics under `name`."""
     check_option("compile()", "kernel", kernel, "a kernel name (str) or None", str, type(None))
     check_option("compile()", "backend", backend, "a str", str)
@@ -95,13 +99,14 @@ def compile_text(text: str, name: str, kernel: str | None = None, backend: str =
                  str, type(None))
     check_option("compile()", "allow_tf32", allow_tf32, "a bool", bool)
     check_option("compile()", "verify", verify, "a bool or None", bool, type(None))
+    check_option("compile()", "check_bounds", check_bounds, "a bool", bool)
     if backend not in BACKENDS:
         raise diag.OptionError(message=(
             f"unknown backend '{backend}'{diag.did_you_mean(backend, BACKENDS)} "
             f"(backends: {', '.join(BACKENDS)})"))
     program = parse(text, name)
     selected = select_kernel(program, kernel)
-    graph = analyze(selected)
+    graph = analyze(selected, check_bounds)
     manager = PassManager(pipeline or DEFAULT_PIPELINE, verify=verify)
     if not manager.passes or manager.passes[-1].name != "lower-kernels":
         manager = PassManager(manager.pipeline + ",lower-kernels" if manager.passes
@@ -134,7 +139,25 @@ class Program:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         runtime = self.runtime
-        outs = runtime.run(runtime.binder(args, kwargs))
+        bound = runtime.binder(args, kwargs)
+        return self._returned(runtime.run(bound), bound.dims)
+
+    def _returned(self, outs: list[Any], dims: Mapping[str, int]) -> Any:
+        """The program's results; with check_bounds, the index checks' counts are read (a
+        device sync) and one above 0 raises at the indexing it counts."""
+        checks = self._graph.checks
+        if checks:
+            from tiledsl.dims import evaluate
+
+            outs, counts = outs[:-len(checks)], outs[-len(checks):]
+            for count, (span, name, axis, size) in zip(counts, checks, strict=True):
+                bad = int(count)
+                if bad:
+                    n = evaluate(size, dims)
+                    raise diag.IndexingError(span, message=(
+                        f"index out of range: {bad} index value{'s' if bad > 1 else ''} for axis "
+                        f"{axis} of {name} (size {size}{'' if size == n else f' = {n}'} at this "
+                        f"call) {'are' if bad > 1 else 'is'} outside [-{n}, {n})"))
         return outs[0] if len(outs) == 1 else tuple(outs)
 
     def cuda_graph(self, *args: Any, **kwargs: Any) -> CapturedCall:
@@ -142,6 +165,10 @@ class Program:
         kernel with no Python and no launch gaps (static shapes). See `CapturedCall`."""
         runtime = self.runtime
         bound = runtime.binder(args, kwargs)
+        if self._graph.checks:
+            raise diag.OptionError(message=(
+                "cuda_graph() cannot capture a program compiled with check_bounds=True: its "
+                "checks read their results on the host after every call"))
         if bound.device is None or bound.device.type != "cuda":
             raise diag.OptionError(message=(
                 "cuda_graph() captures a call on CUDA tensors; these arguments are on "
@@ -161,7 +188,7 @@ class Program:
         check_option("reference()", "float64", float64, "a bool", bool)
         bound = bind(self._graph, args, kwargs)
         outs = reference.run(self._result.stages["graph"], bound, float64=float64)
-        return outs[0] if len(outs) == 1 else tuple(outs)
+        return self._returned(outs, bound.dims)
 
     # --- inspection -----------------------------------------------------------------------
 

@@ -51,6 +51,14 @@ class TupleLit(Expr):
 
 
 @dataclass(frozen=True, slots=True)
+class ListLit(Expr):
+    """`[a, b, ...]`: a shape, e.g. reshape(x, [B, H // 2, 2])."""
+
+    items: tuple[Expr, ...]
+    depth: int
+
+
+@dataclass(frozen=True, slots=True)
 class Slice(Expr):
     """`start:stop:step` inside a subscript (a missing part is None)."""
 

@@ -40,6 +40,8 @@ BUILTINS["causal"] = Builtin("causal", (BParam("x"),))
 BUILTINS["concat"] = Builtin("concat", (BParam("values"), BParam("axis", "int", -1)))
 # gather(x, idx, axis) is a take: idx along `axis`, index(..) along the others
 BUILTINS["gather"] = Builtin("gather", (BParam("x"), BParam("index"), BParam("axis", "int", -1)))
+# squeeze(x, axis) is a `slice` taking index 0 of size-1 axes
+BUILTINS["squeeze"] = Builtin("squeeze", (BParam("x"), BParam("axis", "int")))
 
 # @tile(...) hints
 TILE_HINTS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from tiledsl import cost, ops
 from tiledsl.ir import Graph, KernelOp, Op
 from tiledsl.ops.structure import format_items
+from tiledsl.types import format_shape
 from tiledsl.passes.fusion.remarks import FusionRemark, describe
 
 if TYPE_CHECKING:
@@ -36,6 +37,9 @@ def _name(graph: Graph, node: int, res: int) -> str:
     if op.kind == "slice":
         (src,) = graph.operand_edges(node)
         return f"{_name(graph, *src)}[{format_items(op.attr('items'))}]"
+    if op.kind == "reshape":
+        (src,) = graph.operand_edges(node)
+        return f"reshape({_name(graph, *src)}, {format_shape(op.shape)})"
     if op.kind == "dim":
         return op.attr("symbol")
     return op.kind

@@ -172,6 +172,9 @@ class Graph:
         # dim expressions a call's sizes must keep >= 0 (slice bounds inside their axis),
         # with the construct that needs it and what to say when one does not
         self.requires: tuple[tuple[str, Span | None, str], ...] = ()
+        # compile(check_bounds=True): the last len(checks) outputs count the out-of-range
+        # values of one index each, (span of the indexing, indexed tensor, axis, its size)
+        self.checks: tuple[tuple[Span | None, str, int, object], ...] = ()
         self._ids = itertools.count()
 
     # construction ---------------------------------------------------------------
@@ -198,6 +201,7 @@ class Graph:
         other.output = self.output
         other.returns = self.returns
         other.requires = self.requires
+        other.checks = self.checks
         start = max(self.nx.nodes, default=-1) + 1
         other._ids = itertools.count(start)
         other._memos = {}

@@ -368,6 +368,12 @@ class _Builder(lark.visitors.Transformer_NonRecursive):
         span = self._span(meta)
         return ast.TupleLit(span, items, self._nested(span, *items))
 
+    @lark.v_args(meta=True)
+    def list_lit(self, meta, children):
+        items = tuple(c for c in children if c is not None)
+        span = self._span(meta)
+        return ast.ListLit(span, items, self._nested(span, *items))
+
 
 class _Returns(tuple):
     """(types, span) of a kernel's declared return type(s)."""

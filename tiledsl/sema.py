@@ -16,7 +16,7 @@ from typing import Any
 from tiledsl import ast, ops
 from tiledsl import diagnostics as diag
 from tiledsl.builtins import BUILTINS, REQUIRED, TILE_HINTS, BParam, Builtin
-from tiledsl.dims import Lin
+from tiledsl.dims import Lin, factors
 from tiledsl.dims import symbols as dim_symbols
 from tiledsl.ir import Graph, Op, make_attrs
 from tiledsl.ops.structure import index_dtype_message
@@ -37,9 +37,10 @@ MAX_PARAMS = 256
 I32_MAX = 2**31 - 1
 
 
-def analyze(kernel: ast.Kernel) -> Graph:
-    """Check one kernel and lower it to a graph IR."""
-    return _KernelBuilder(kernel).build()
+def analyze(kernel: ast.Kernel, check_bounds: bool = False) -> Graph:
+    """Check one kernel and lower it to a graph IR. `check_bounds`: every index a program
+    gives also counts its out-of-range values, returned as extra outputs (`Graph.checks`)."""
+    return _KernelBuilder(kernel, check_bounds).build()
 
 
 def select_kernel(program: ast.Program, name: str | None) -> ast.Kernel:
@@ -66,8 +67,10 @@ def select_kernel(program: ast.Program, name: str | None) -> ast.Kernel:
 
 
 class _KernelBuilder:
-    def __init__(self, kernel: ast.Kernel) -> None:
+    def __init__(self, kernel: ast.Kernel, check_bounds: bool = False) -> None:
         self.kernel = kernel
+        self.check_bounds = check_bounds
+        self.checks: list[tuple[int, tuple]] = []  # (count node, Graph.checks entry)
         self.graph = Graph(kernel.name, kernel.span)
         # name -> (node, span where it was bound)
         self.scope: dict[str, tuple[int, Span]] = {}
@@ -192,6 +195,10 @@ class _KernelBuilder:
                         f"convert it explicitly with cast(..., {want.dtype})"))
                 node = self._emit("cast", [(node, value.span)], value.span, dtype=want.dtype)
             outs.append(node)
+        if self.checks:
+            outs += [node for node, _ in self.checks]
+            self.graph.returns += (TensorType(DType.I32, ()),) * len(self.checks)
+            self.graph.checks = tuple(check for _, check in self.checks)
         self.graph.add(Op("return", DType.BOOL, (), (), stmt.span), outs)
 
     # --- expressions --------------------------------------------------------------------
@@ -251,6 +258,10 @@ class _KernelBuilder:
     def _TupleLit(self, e: ast.TupleLit) -> int:
         raise diag.DTypeError(e.span, message=(
             "a tuple is only allowed as the axes of a reduction, e.g. sum(x, axis=(0, 1))"))
+
+    def _ListLit(self, e: ast.ListLit) -> int:
+        raise diag.DTypeError(e.span, message=(
+            "a list is only allowed as a shape, e.g. reshape(x, [B, H // 2, 2])"))
 
     def _StrLit(self, e: ast.StrLit) -> int:
         raise diag.DTypeError(e.span, message="a string is only allowed as a keyword value, "
@@ -397,24 +408,24 @@ class _KernelBuilder:
             return size - self._dim_expr(expr.operand)
         return self._dim_expr(expr)
 
-    def _dim_expr(self, expr: ast.Expr) -> Lin:
+    def _dim_expr(self, expr: ast.Expr, what: str = "slice bounds") -> Lin:
         """An integer expression of dims and literals, as a dim."""
         if isinstance(expr, ast.IntLit):
             return Lin((), expr.value)
         if isinstance(expr, ast.Name) and expr.id in self.dims and expr.id not in self.scope:
             return Lin(((expr.id, 1),), 0)
         if isinstance(expr, ast.Unary) and expr.op in "-+":
-            inner = self._dim_expr(expr.operand)
+            inner = self._dim_expr(expr.operand, what)
             return -inner if expr.op == "-" else inner
         if isinstance(expr, ast.Binary) and expr.op in ("+", "-", "*", "//", "%"):
-            a, b = self._dim_expr(expr.lhs), self._dim_expr(expr.rhs)
+            a, b = self._dim_expr(expr.lhs, what), self._dim_expr(expr.rhs, what)
             if expr.op in ("//", "%") and b.is_const and b.const <= 0:
                 raise diag.IndexingError(expr.rhs.span, message=(
                     f"a dim can only be divided by a positive number, got {b.const}"))
             return {"+": a.__add__, "-": a.__sub__, "*": a.__mul__, "//": a.__floordiv__,
                     "%": a.__mod__}[expr.op](b)
         raise diag.IndexingError(expr.span, message=(
-            "slice bounds are integer expressions of dims and literals (like D // 2 or N - 1); "
+            f"{what} are integer expressions of dims and literals (like D // 2 or N - 1); "
             f"'{expr.span.text}' is not one"))
 
     def _require(self, x: Lin, span: Span, message: str, requires: list) -> None:
@@ -438,6 +449,8 @@ class _KernelBuilder:
             raise diag.IndexingError(e.span, notes, message=(
                 f"the index arrays cannot be broadcast together: they differ at dim {err.dim} "
                 f"({err.a} vs {err.b})")) from None
+        for a in axes:
+            self._check_index(value, t, a, *advanced[a], e.span)
         rest = [a for a in range(t.rank) if a not in advanced]
         adjacent = axes == list(range(axes[0], axes[0] + len(axes)))
         before = [a for a in rest if adjacent and a < axes[0]]
@@ -458,6 +471,30 @@ class _KernelBuilder:
                 pos = before.index(a) if a in before else b0 + len(b) + after.index(a)
                 indices.append((self._index_of(out, pos, e.span), e.span))
         return self._emit("take", [(value, e.value.span), *indices], e.span)
+
+    def _check_index(self, x: int, t: TensorType, axis: int, idx: int, ispan: Span,
+                     span: Span) -> None:
+        """compile(check_bounds=True): count the values of `idx` outside [-n, n) for axis
+        `axis` (size n) of `x`, as one more (hidden) output of the program."""
+        if not self.check_bounds:
+            return
+        n = self._dim_value(Lin.of(t.shape[axis]), ispan)
+        low = self._emit("lt", [(idx, ispan), (self._emit("neg", [(n, ispan)], ispan), ispan)], ispan)
+        high = self._emit("ge", [(idx, ispan), (n, ispan)], ispan)
+        count = self._emit("or", [(low, ispan), (high, ispan)], ispan)
+        rank = self.graph.op(count).type.rank
+        if rank == 0:
+            count = self._emit("cast", [(count, ispan)], ispan, dtype=DType.I32)
+        for a in reversed(range(rank)):
+            count = self._emit("sum", [(count, ispan)], ispan, axis=a, keepdims=False)
+        source = x
+        while ops.category(self.graph.op(source).kind) is ops.Category.LAYOUT:
+            source = self.graph.operands(source)[0]
+        op = self.graph.op(source)
+        name = "the indexed value"
+        if op.kind == "param":
+            name = f"'{op.attr('name')}'" if source == x else f"a view of '{op.attr('name')}'"
+        self.checks.append((count, (span, name, axis, t.shape[axis])))
 
     def _index_of(self, shape: tuple, axis: int, span: Span) -> int:
         """The index along `axis` of a value of `shape`, as an index value that broadcasts
@@ -634,12 +671,13 @@ class _KernelBuilder:
             x = (self._emit(e.func, [x], e.span, axis=axis, keepdims=keepdims), e.span)
         return x[0]
 
-    def _call_softmax(self, e: ast.Call, b: Builtin, args: dict[str, ast.Expr]) -> int:
+    def _call_along(self, e: ast.Call, b: Builtin, args: dict[str, ast.Expr]) -> int:
+        """softmax, cumsum: one value per element, computed along one axis."""
         x = self._value(args, "x")
         rank = self.graph.op(x[0]).type.rank
         if rank == 0:
-            raise diag.RankError(e.span, message="'softmax' needs a value of rank 1 or more")
-        return self._emit("softmax", [x], e.span, axis=self._axis_arg(e, args, "axis", rank))
+            raise diag.RankError(e.span, message=f"'{e.func}' needs a value of rank 1 or more")
+        return self._emit(e.func, [x], e.span, axis=self._axis_arg(e, args, "axis", rank))
 
     def _call_transpose(self, e: ast.Call, b: Builtin, args: dict[str, ast.Expr]) -> int:
         x = self._value(args, "x")
@@ -684,7 +722,112 @@ class _KernelBuilder:
                    (self._index_of(out, d, e.span), e.span) for k, d in enumerate(dims)]
         if it.rank == xt.rank:
             indices[axis] = (idx, ispan)
+        self._check_index(x, xt, axis, idx, ispan, e.span)
         return self._emit("take", [(x, xspan), *indices], e.span)
+
+
+    def _call_reshape(self, e: ast.Call, b: Builtin, args: dict[str, ast.Expr]) -> int:
+        """reshape(x, [d0, ...], copy=false): the dims are integer expressions of dims and
+        literals, one of them may be -1 (what is left); element counts that only the call
+        can compare are checked at every call (`Graph.requires`)."""
+        x, xspan = self._value(args, "x")
+        t = self.graph.op(x).type
+        if t.rank == 0:
+            raise diag.IndexingError(e.span, message=(
+                f"a 0-d value ({t}) cannot be reshaped; it broadcasts as it is"))
+        given = args["shape"]
+        if not isinstance(given, ast.ListLit | ast.TupleLit):
+            raise diag.ConstantExpected(given.span, what="the shape of 'reshape'",
+                                        expected="a list of dims, like [B, H // 2, 2]")
+        if len(given.items) > MAX_RANK:
+            raise diag.LimitError(given.span, what=f"rank {len(given.items)}", limit=MAX_RANK)
+        shape: list[Lin | None] = []
+        rest: ast.Expr | None = None
+        for item in given.items:
+            if _literal_int(item) == -1:
+                if rest is not None:
+                    raise diag.IndexingError(item.span, [diag.Note("the first -1 is here", rest.span)],
+                                             message="only one dim of a reshape can be -1")
+                rest = item
+                shape.append(None)
+                continue
+            d = self._dim_expr(item, "reshape dims")
+            if d.is_const and d.const < 1:
+                raise diag.IndexingError(item.span, message=(
+                    f"a reshape dim must be at least 1, got {d.const}"))
+            shape.append(d)
+        total = _product(Lin.of(d) for d in t.shape)
+        if rest is not None:
+            shape[shape.index(None)] = _quotient(total, _product(d for d in shape if d is not None))
+        new = tuple(d.dim() for d in shape)
+        diff = total - _product(shape)
+        note = [diag.Note(f"this value is {t}", xspan)]
+        message = (f"reshape from {format_shape(t.shape)} to {format_shape(new)} changes the "
+                   "number of elements")
+        if _never_zero(diff):
+            raise diag.IndexingError(given.span, note, message=message)
+        if not diff.is_const:
+            requires = list(self.graph.requires)
+            self._require(diff, given.span, message, requires)
+            self._require(-diff, given.span, message, requires)
+            self.graph.requires = tuple(requires)
+        copy = _const_bool(args.get("copy"), "'copy' of 'reshape'")
+        return self._emit("reshape", [(x, xspan)], e.span, shape=new, copy=copy)
+
+    def _call_squeeze(self, e: ast.Call, b: Builtin, args: dict[str, ast.Expr]) -> int:
+        """squeeze(x, axis): drops size-1 axes (an int or a tuple of them), a view."""
+        x, xspan = self._value(args, "x")
+        t = self.graph.op(x).type
+        given = args["axis"]
+        items = given.items if isinstance(given, ast.TupleLit) else (given,)
+        axes: dict[int, ast.Expr] = {}
+        for item in items:
+            axis = _const_int(item, "an axis of 'squeeze'")
+            norm = normalize_axis(axis, t.rank)
+            if norm is None:
+                raise diag.AxisError(item.span, axis=axis, rank=t.rank, lo=-t.rank, hi=t.rank - 1)
+            if norm in axes:
+                raise diag.DuplicateAxisError(item.span, axis=axis, func="squeeze")
+            if t.shape[norm] != 1:
+                raise diag.IndexingError(item.span, [diag.Note(f"this value is {t}", xspan)], message=(
+                    f"squeeze needs axis {axis} to have size 1; it has size {t.shape[norm]}"
+                    + ("" if isinstance(t.shape[norm], int) else
+                       f" (to take index 0 of it, write x[{', '.join([':'] * norm + ['0'])}])")))
+            axes[norm] = item
+        out = tuple(("at", 0) if k in axes else ("range", 0, d, 1, d) for k, d in enumerate(t.shape))
+        return self._emit("slice", [(x, xspan)], e.span, items=out)
+
+
+def _never_zero(x: Lin) -> bool:
+    """Is a difference of element counts nonzero at every size? Its atoms are products of
+    dims, each at least 1 at any call, so terms of one sign never cancel."""
+    signs = {c > 0 for _, c in x.terms} | ({x.const > 0} if x.const else set())
+    return len(signs) == 1
+
+
+def _product(dims) -> Lin:
+    out = Lin((), 1)
+    for d in dims:
+        out = out * d
+    return out
+
+
+def _quotient(total: Lin, known: Lin) -> Lin:
+    """total // known, cancelling the factors they share (B * H * S * D over B * H * S * 2
+    is D // 2), so the dim inferred for a reshape's -1 reads as the user would write it."""
+    if len(total.terms) == 1 and not total.const and (known.is_const or (
+            len(known.terms) == 1 and not known.const)):
+        (atom, c), k = total.terms[0], known.const
+        left = factors(atom)
+        if known.terms:
+            (katom, k), = known.terms
+            for f in factors(katom):
+                if f not in left:
+                    return total // known
+                left.remove(f)
+        rest = Lin(((" * ".join(left), 1),), 0) if left else Lin((), 1)
+        return rest.scale(c // k) if c % k == 0 else rest.scale(c) // Lin((), k)
+    return total // known
 
 
 _ELEMENTWISE_SPELLING = {"max": "maximum", "min": "minimum"}
@@ -692,8 +835,8 @@ _ELEMENTWISE_SPELLING = {"max": "maximum", "min": "minimum"}
 # builtins that need more than `_call_op` (axes checked against the operand's rank, macros)
 _HANDLERS = {
     "sum": "reduce", "max": "reduce", "min": "reduce", "mean": "reduce", "logsumexp": "reduce",
-    "softmax": "softmax", "transpose": "transpose", "index": "index", "causal": "causal",
-    "gather": "gather",
+    "softmax": "along", "cumsum": "along", "transpose": "transpose", "index": "index", "causal": "causal",
+    "gather": "gather", "reshape": "reshape", "squeeze": "squeeze",
 }
 
 

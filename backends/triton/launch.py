@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tiledsl.diagnostics import ArgumentError
 from tiledsl.dims import evaluate
 from tiledsl.types import DType
 
@@ -78,25 +79,45 @@ class KernelStep:
 
 @dataclass(frozen=True, slots=True)
 class ViewStep:
-    """A `slice` view of the program: its source read, its items and the slot it fills."""
+    """A `slice` or `reshape` view of the program: the op, its source read and its shape
+    (a reshape's error names the source's dims), and the slot it fills."""
 
     source: Read
-    items: tuple
+    op: Any  # the graph's view op
+    source_shape: tuple
     slot: int
 
     def launch(self, dims: Mapping[str, int]) -> KernelLaunch:
-        """The view as a plan step: a torch view of the source (no copy), made per call
-        because the source is a new tensor each call; it allocates and launches nothing."""
-        from tiledsl.ops.structure import python_index
+        """The view as a plan step: a torch view of the source (no copy unless a reshape
+        asked for one), made per call because the source is a new tensor each call; it
+        allocates and launches nothing."""
+        from tiledsl.ops.structure import python_index, reshape_view
 
         slot, perm = self.source
-        index, target = python_index(self.items, dims), self.slot
-        if perm is None:
+        target, op = self.slot, self.op
+
+        def read(values: list) -> Any:
+            return values[slot] if perm is None else values[slot].permute(perm)
+
+        if op.kind == "slice":
+            index = python_index(op.attr("items"), dims)
+
             def view(values: list) -> None:
-                values[target] = values[slot][index]
+                values[target] = read(values)[index]
+        elif op.attr("copy"):
+            shape = tuple(evaluate(d, dims) for d in op.attr("shape"))
+
+            def view(values: list) -> None:
+                values[target] = read(values).reshape(shape)
         else:
+            shape = tuple(evaluate(d, dims) for d in op.attr("shape"))
+            source = self.source_shape
+
+            def fail(message: str) -> ArgumentError:
+                return ArgumentError(op.span, message=message)
+
             def view(values: list) -> None:
-                values[target] = values[slot].permute(perm)[index]
+                values[target] = reshape_view(read(values), shape, source, fail)
         return KernelLaunch(view, _values, {}, (), target)
 
 

@@ -103,7 +103,7 @@ class TritonBackend(Backend):
             op = graph.op(node)
             if isinstance(op, Op) and op.kind in ("param", "return"):
                 continue
-            if not isinstance(op, KernelOp) and op.kind not in ("dim", "transpose", "slice"):
+            if not isinstance(op, KernelOp) and op.kind not in ("dim", "transpose", "slice", "reshape"):
                 raise InternalError(op.span, message=(
                     f"'{op.kind}' reached the Triton backend outside a kernel; "
                     "run 'lower-kernels' last"))
@@ -118,8 +118,10 @@ class TritonBackend(Backend):
                 steps.append(KernelStep(emitted, reads, n_slots))
             elif op.kind == "dim":
                 dims.append((n_slots, op.attr("symbol")))
-            elif op.kind == "slice":
-                steps.append(ViewStep(views.get(inputs[0], (inputs[0], None)), op.attr("items"), n_slots))
+            elif op.kind in ("slice", "reshape"):
+                source = graph.operands(node)[0]
+                steps.append(ViewStep(views.get(inputs[0], (inputs[0], None)), op,
+                                      _shape_of(graph, source, graph.operand_edges(node)[0][1]), n_slots))
             else:  # a transpose of a transpose composes
                 source, perm = views.get(inputs[0], (inputs[0], None))
                 axes = swap_axes(op.type.rank, op.attr("dims"))
@@ -272,6 +274,11 @@ def ensure_allocator() -> None:
 
 
 _ALLOCATOR: list[Any] = []  # (Triton's allocator context variable, its null allocator class)
+
+
+def _shape_of(graph: Graph, node: int, res: int) -> tuple:
+    op = graph.op(node)
+    return (op.result_types[res] if isinstance(op, KernelOp) else op.type).shape
 
 
 def storage_dtype(t):

@@ -31,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from tiledsl import ops
+from tiledsl.dims import evaluate
 from tiledsl.ir import KernelOp, Op
 from tiledsl.plans import RowPlan
 from tiledsl.types import Compute, DType, compute_type
@@ -42,6 +43,8 @@ from .expr import TRITON_TYPE, Emitter, Val, literal
 F32, I32 = Compute.F32, Compute.I32
 
 NEG_INF = '-float("inf")'
+# row ops computed inside the loops from their operand (not accumulated in a phase of their own)
+_IN_LOOP = ("softmax", "cumsum")
 _COLLAPSE = {"sum": "tl.sum", "mean": "tl.sum", "max": "tl.max", "min": "tl.min"}
 
 
@@ -68,6 +71,7 @@ class RowProgram:
         self.em.gather_from(region, self.refs, self.sig.size)
         self.length = self.sig.size(shape[axis])
         self.softmax_stats: dict[int, tuple[str, str]] = {}  # softmax value -> (m, 1/z) names
+        self.carries: dict[int, str] = {}  # cumsum value -> its running total in this loop
 
     # --- analysis --------------------------------------------------------------------------
 
@@ -98,7 +102,7 @@ class RowProgram:
                 continue
             need.add(v)
             op = self.op(v)
-            if op is not None and (op.kind == "softmax" or not self.is_row_op(v)):
+            if op is not None and (op.kind in _IN_LOOP or not self.is_row_op(v)):
                 stack.extend(o for o in self.operands(v) if self.full(o) or o < self.n_in)
         return need
 
@@ -157,6 +161,10 @@ class RowProgram:
                     ms, inv = self.softmax_stats[v]
                     xt = em.tensor(em.convert(vals[x], F32))
                     vals[v] = em.assign(f"tl.exp({xt.text} - {ms}) * {inv}", F32)
+            elif op.kind == "cumsum" and self.is_row_op(v):
+                (x,) = self.operands(v)
+                if x in vals:
+                    vals[v] = self.scan(v, vals[x])
             elif op.kind in ops.ROW_KINDS and not self.is_row_op(v):
                 if self.operands(v)[0] in vals:
                     vals[v] = self.trivial_reduce(op, vals[self.operands(v)[0]])
@@ -171,7 +179,35 @@ class RowProgram:
             return self.em.assign(f"tl.where({x.text} == {NEG_INF}, 0.0, tl.exp({x.text} - {x.text}))", F32)
         if op.kind in ("mean", "logsumexp"):
             return self.em.convert(x, F32)
+        if op.kind == "cumsum" and op.dtype.is_float:
+            return self.em.convert(x, F32)
         return self.em.convert(x, x.cat if x.cat in (F32, Compute.I64) else I32)
+
+    def scan(self, v: int, x: Val) -> Val:
+        """cumsum along the row: within this chunk, plus the chunks before it (`carries[v]`,
+        a running per-row total, when the row takes several chunks). f32 accumulates in
+        f64, like a sum."""
+        em, cat = self.em, self.reduce_cat(v)
+        x = em.convert(x, cat)
+        if self.wide(v):
+            x = em.assign(f"{em.tensor(x).text}.to(tl.float64)", F32)
+        xm = self.masked(x, "0")
+        total = em.fresh("cs")
+        self.body(f"{total} = tl.cumsum({xm}, axis=1)")
+        carry = self.carries.get(v)
+        if carry is not None:
+            self.body(f"{total} = {total} + {carry}")
+            self.body(f"{carry} = {carry} + tl.sum({xm}, axis=1)[:, None]")
+        return em.assign(total + (".to(tl.float32)" if self.wide(v) else ""), cat)
+
+    def start_scans(self, need: set[int]) -> None:
+        """Before a loop over the row: a zero carry for every scan the loop computes."""
+        self.carries = {}
+        for v in sorted(need):
+            if self.is_row_op(v) and self.op(v).kind == "cumsum":
+                name = self.carries[v] = self.em.fresh("carry")
+                compute = "tl.float64" if self.wide(v) else TRITON_TYPE[self.reduce_cat(v)]
+                self.body(f"{name} = tl.zeros([BLOCK_O, 1], {compute})")
 
     def masked(self, x: Val, fill: str) -> str:
         x = self.em.tensor(x)
@@ -198,7 +234,7 @@ class RowProgram:
     def wide(self, v: int) -> bool:
         """Accumulate in f64: an f32 sum or mean."""
         op = self.op(v)
-        return op.kind in ("sum", "mean") and op.dtype is DType.F32
+        return op.kind in ("sum", "mean", "cumsum") and op.dtype is DType.F32
 
     def mean(self, total: Val, v: int) -> Val:
         return self.em.assign(f"{total.text} / {self.length}", F32) if self.op(v).kind == "mean" else total
@@ -232,9 +268,10 @@ class RowProgram:
         self.body("r = r_base")
         self.tile_mask()
         vals: dict[int, Val] = {}
+        self.carries = {}  # one chunk: scans need no carry
         for v in self.values:
             self.emit_values(vals, None)
-            if self.is_row_op(v) and v not in vals:
+            if self.is_row_op(v) and v not in vals and self.op(v).kind != "cumsum":
                 vals[v] = self.one_pass_reduce(v, vals[self.operands(v)[0]])
         self.emit_values(vals, None)
         self.store(vals, full=True)
@@ -281,11 +318,12 @@ class RowProgram:
         body = self.body
         row_vals: dict[int, Val] = {}
         self.emit_row_values(row_vals)
-        reductions = [v for v in self.values if self.is_row_op(v)]
+        reductions = [v for v in self.values if self.is_row_op(v) and self.op(v).kind != "cumsum"]
         for p in range(1, max((self.plan.phases[v] for v in reductions), default=0) + 1):
             current = [v for v in reductions if self.plan.phases[v] == p]
             state = {v: self.init_state(v) for v in current}
             need = self.needed([self.operands(v)[0] for v in current])
+            self.start_scans(need)
             body(f"for r0 in range(0, {self.length}, BLOCK_R):")
             with body.indent():
                 body("r = r0 + r_base")
@@ -299,6 +337,7 @@ class RowProgram:
             self.emit_row_values(row_vals)
         full_outputs = [v for v in self.region.outputs if self.full(v)]
         if full_outputs:
+            self.start_scans(self.needed(full_outputs))
             body(f"for r0 in range(0, {self.length}, BLOCK_R):")
             with body.indent():
                 body("r = r0 + r_base")
@@ -311,7 +350,7 @@ class RowProgram:
     def emit_row_values(self, row_vals: dict[int, Val]) -> None:
         """Per-row values whose inputs are known: computed once, outside the loops."""
         self.emit_values(row_vals, {v for v in self.values if not self.full(v)
-                                    and (not self.is_row_op(v) or self.op(v).kind == "softmax")})
+                                    and (not self.is_row_op(v) or self.op(v).kind in _IN_LOOP)})
 
 
     def init_state(self, v: int) -> dict[str, str]:
@@ -394,7 +433,7 @@ def emit(kernel: KernelOp, hints: Hints) -> EmittedKernel:
     limit = one_pass_limit(prog.plan, kernel.region.inputs)
 
     def configure(dims: Mapping[str, int], device: str) -> LaunchConfig:
-        length = shape[axis] if isinstance(shape[axis], int) else dims[shape[axis]]
+        length = evaluate(shape[axis], dims)
         rows = numel(shape, dims) // length
         caps = CAPS[device]
         block_r = max(2, min(next_pow2(length), limit if device == "cuda" else caps["row"]))

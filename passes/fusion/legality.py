@@ -100,7 +100,7 @@ class Group(set):
 
 
 def view_source(graph: Graph, node: int) -> int | None:
-    """The node a view (`transpose`, `slice`) reads, or None for anything else."""
+    """The node a view (`transpose`, `slice`, `reshape`) reads, or None for anything else."""
     op = graph.op(node)
     if isinstance(op, Op) and ops.category(op.kind) is ops.Category.LAYOUT:
         return graph.operands(node)[0]
@@ -123,7 +123,8 @@ def reads_other_index(graph: Graph, consumer: int, group: set[int]) -> str | Non
     for slot, src in enumerate(graph.operands(consumer)):
         source = view_source(graph, src)
         if source is not None and (source in group or view_source(graph, source) in group):
-            how = "transposed" if graph.op(src).kind == "transpose" else "through a slice"
+            how = {"transpose": "transposed", "slice": "through a slice"}.get(graph.op(src).kind,
+                                                                            "through a reshape")
             return f"it reads {describe_node(graph, source)} {how}"
         if src in group and ops.gathers_at(graph.op(consumer).kind, slot):
             return f"it gathers from {describe_node(graph, src)} at computed indices"
@@ -215,7 +216,7 @@ def row_layouts(region: Region, space: RowSpace) -> dict[int, Layout] | Refusal:
             if x not in layouts and (err := fit(x, lx)):
                 return err
             axis = op.attr("axis")
-            if op.kind == "softmax":
+            if ops.category(op.kind) is not ops.Category.REDUCTION:  # softmax, cumsum
                 layouts[vid] = lx
             elif op.attr("keepdims"):
                 layouts[vid] = lx[:axis] + (None,) + lx[axis + 1:]

@@ -48,7 +48,9 @@ def row_plan(region: Region) -> RowPlan:
         reduces = rop is not None and rop.op.kind in ROW_OPS and space.axis in layouts.get(operands[0], ())
         if reduces:
             reducing.add(v)
-        phases.append(max((phases[o] for o in operands), default=0) + reduces)
+        # a scan is computed in whichever pass over the row reads it: no pass of its own
+        phases.append(max((phases[o] for o in operands), default=0)
+                      + (reduces and ops.category(rop.op.kind) is not Category.SCAN))
     return RowPlan(space.shape, space.axis, tuple(layouts.get(v) for v in values),
                    frozenset(reducing), tuple(phases))
 

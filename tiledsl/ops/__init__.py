@@ -31,7 +31,8 @@ from .core import (
 )
 
 # ops a row program computes along its row axis (the rows template)
-ROW_KINDS = tuple(k for k, d in OPS.items() if d.category in (Category.REDUCTION, Category.SOFTMAX))
+ROW_KINDS = tuple(k for k, d in OPS.items()
+                  if d.category in (Category.REDUCTION, Category.SOFTMAX, Category.SCAN))
 COMPARE_KINDS = {d.symbol: k for k, d in OPS.items() if d.reads is Reads.COMPARE}
 BINARY_KINDS = {d.symbol: k for k, d in OPS.items()
                 if d.symbol and d.arity == 2 and d.reads is Reads.PROMOTED}

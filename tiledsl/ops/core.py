@@ -25,6 +25,7 @@ class Category(str, enum.Enum):
     ELEMENTWISE = "elementwise"
     REDUCTION = "reduction"
     SOFTMAX = "softmax"
+    SCAN = "scan"  # a running total along one axis (cumsum): no extra pass over the row
     MATMUL = "matmul"
     LAYOUT = "layout"  # a view: consumers read it through permuted strides
     RETURN = "return"
@@ -60,10 +61,10 @@ REQUIRED = object()
 class BParam:
     """A parameter of a DSL builtin. `kind` says what the argument must be: a tensor
     expression ("value": an operand) or a compile-time constant ("int", "bool", "dtype",
-    "str": an attribute of the same name)."""
+    "str", "shape": an attribute of the same name)."""
 
     name: str
-    kind: str = "value"  # value | int | bool | dtype | str
+    kind: str = "value"  # value | int | bool | dtype | str | shape
     default: object = REQUIRED
     choices: tuple[str, ...] = ()
 

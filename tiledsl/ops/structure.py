@@ -7,6 +7,8 @@ reference implementation of their own.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from tiledsl import diagnostics as diag
@@ -165,6 +167,17 @@ def _softmax_reference(x: torch.Tensor, axis: int) -> torch.Tensor:
 define("softmax", 1, Category.SOFTMAX, _softmax, params=(X, AXIS), reference=_softmax_reference)
 
 
+def _cumsum(types, attrs):
+    (x,) = types
+    axis(attrs, x.rank)
+    return TensorType(_sum(types, {"axis": attrs["axis"], "keepdims": True}).dtype, x.shape)
+
+
+# cumsum keeps sum's dtypes (i32 for bool and i32; torch's integer cumsum is i64)
+define("cumsum", 1, Category.SCAN, _cumsum, params=(X, AXIS),
+       reference=lambda x, axis: torch.cumsum(x, dim=axis))
+
+
 # --- matmul, layout, return ------------------------------------------------------
 
 
@@ -259,6 +272,37 @@ def format_items(items) -> str:
     return ", ".join(out)
 
 
+def _reshape(types, attrs):
+    (x,) = types
+    return TensorType(x.dtype, tuple(attrs["shape"]), x.weak)
+
+
+def reshape_view(x: torch.Tensor, shape: tuple[int, ...], source: tuple, fail) -> torch.Tensor:
+    """`x` viewed as `shape` (no copy). When its strides do not allow that, `fail(message)`
+    is raised with the first pair of dims of `source` (the symbolic shape of x) that a merge
+    needs adjacent in memory and this call's tensor does not have adjacent."""
+    try:
+        return x.view(shape)
+    except RuntimeError:
+        pass
+    sizes, strides = list(x.shape), list(x.stride())
+    kept, p = set(), 1  # the element counts at which the new shape starts a dim
+    for d in shape:
+        kept.add(p)
+        p *= d
+    real = [k for k, n in enumerate(sizes) if n != 1]
+    for a, b in zip(real, real[1:], strict=False):
+        before = math.prod(sizes[:b])
+        if before not in kept and strides[a] != strides[b] * sizes[b]:  # a new dim spans a and b
+            raise fail(
+                f"this reshape merges dims {source[a]} and {source[b]} of "
+                f"{format_shape(source)}, which are not adjacent in memory at this call "
+                f"(strides {strides[a]} and {strides[b]}, {source[b]} = {sizes[b]}); "
+                "reshape never copies unless asked: reshape(x, [...], copy=true)")
+    raise fail(f"this reshape cannot view a tensor of strides {tuple(strides)}; "
+               "reshape(x, [...], copy=true) copies it")
+
+
 def _return(types, attrs):
     return TensorType(DType.BOOL, ())  # `return` has no value of its own
 
@@ -270,4 +314,10 @@ define("transpose", 1, Category.LAYOUT, _transpose, params=(X, BParam("a", "int"
 # strides; items, one per source axis plus new axes: ("range", start, stop, step, length),
 # ("at", index) or ("new",), starts, lengths and indices being dims
 define("slice", 1, Category.LAYOUT, _slice, reference=_slice_reference)
+# reshape(x, [d0, ...]): the same elements in row-major order, as a view (the backend
+# refuses, naming the dims, a call whose strides need a copy) or, with copy=true, a copy
+# where a view cannot be had
+define("reshape", 1, Category.LAYOUT, _reshape,
+       params=(X, BParam("shape", "shape"), BParam("copy", "bool", False)),
+       reference=lambda x, shape, copy: x.reshape(shape))
 define("return", -1, Category.RETURN, _return)
