@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 from tiledsl import cost, ops
 from tiledsl.ir import Graph, KernelOp, Op
 from tiledsl.ops.structure import format_items
-from tiledsl.types import format_shape
 from tiledsl.passes.fusion.remarks import FusionRemark, describe
+from tiledsl.types import format_shape
 
 if TYPE_CHECKING:
     from tiledsl.api import Program
