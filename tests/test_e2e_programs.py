@@ -159,3 +159,61 @@ def test_new_sizes_reuse_the_compiled_program():
     fn = example("softmax")
     for m, n in [(3, 7), (17, 113), (2, 4097)]:
         run_checked(fn, randn(m, n), temperature=1.5)
+
+
+# --- the language of real models (indexing, integer arithmetic, reshape) --------------------
+
+
+@pytest.mark.parametrize("h, kh, d", [(1, 1, 2), (6, 2, 8), (4, 1, 64)])
+def test_rope_for_q_and_k(h, kh, d):
+    fn = example("rope")
+    assert [k.template for k in fn.kernels] == ["pointwise", "pointwise"]  # one per output
+    q, k = randn(2, h, 17, d), randn(2, kh, 17, d)
+    c, s = randn(17, d), randn(17, d)
+    _, (qr, kr) = run_checked(fn, q, k, c, s)
+
+    def rotate_half(x):
+        return torch.cat((-x[..., d // 2:], x[..., :d // 2]), dim=-1)
+
+    assert torch.allclose(qr, q * c + rotate_half(q) * s, atol=1e-6)
+    assert torch.allclose(kr, k * c + rotate_half(k) * s, atol=1e-6)
+
+
+@pytest.mark.parametrize("n, v", [(1, 1), (17, 113), (5, 5000)])
+def test_cross_entropy_with_ignore_index_is_one_row_kernel(n, v):
+    x = randn(n, v, scale=3)
+    y = torch.randint(0, v, (n,))
+    y[::2] = -100
+    for fn in (example("cross_entropy"), tiledsl.compile(EXAMPLES / "cross_entropy.tdsl", check_bounds=True)):
+        _, out = run_checked(fn, x, y)
+        expected = torch.nn.functional.cross_entropy(x.double(), y, ignore_index=-100, reduction="none")
+        assert torch.allclose(out.double(), expected, rtol=1e-5, atol=1e-5)
+    assert [k.template for k in example("cross_entropy").kernels] == ["rows"]
+
+
+def _sdpa(q, k, v, keep):
+    return torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(),
+                                                            attn_mask=keep)
+
+
+@pytest.mark.parametrize("m", [1, 17, 113])
+def test_dilated_window_attention_is_one_kernel(m):
+    fn = example("dilated_window_attention")
+    assert [k.template for k in fn.kernels] == ["attention"]
+    q, k, v = (randn(1, 2, m, 32, dtype=torch.bfloat16) for _ in range(3))
+    _, out = run_checked(fn, q, k, v)
+    d = torch.arange(m)[:, None] - torch.arange(m)[None, :]
+    assert torch.allclose(out.double(), _sdpa(q, k, v, (d >= 0) & (d < 64) & (d % 3 == 0)), atol=2e-2)
+
+
+@pytest.mark.parametrize("rows, width, radius", [(1, 1, 1), (5, 8, 1), (7, 13, 2)])
+def test_neighborhood_attention_is_one_kernel(rows, width, radius):
+    fn = example("neighborhood_attention")
+    assert [k.template for k in fn.kernels] == ["attention"]
+    n = rows * width
+    q, k, v = (randn(2, 1, n, 16, dtype=torch.float16) for _ in range(3))
+    _, out = run_checked(fn, q, k, v, width=width, radius=radius)
+    i = torch.arange(n)
+    near = (((i // width)[:, None] - (i // width)[None, :]).abs() <= radius) & \
+        (((i % width)[:, None] - (i % width)[None, :]).abs() <= radius)
+    assert torch.allclose(out.double(), _sdpa(q, k, v, near), atol=2e-3)

@@ -3,6 +3,7 @@ indexing, gather()) and concat, checked against torch in float64, with kernel co
 and the exact text of their diagnostics."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +12,9 @@ import tiledsl
 from helpers import randn, run_checked
 from tiledsl import TileDSLError
 from tiledsl.dims import Lin, evaluate, parse
+
+
+EXAMPLES = Path(__file__).parent.parent / "examples"
 
 
 def kernels(fn, template=None):
@@ -175,12 +179,7 @@ def test_concat_of_three_pieces_along_a_middle_axis():
 
 # --- attention ------------------------------------------------------------------------------
 
-DOC_ATTENTION = """
-kernel doc_attention(q: f16[H, M, D], k: f16[H, N, D], v: f16[H, N, D], doc: i32[M]) -> f16[H, M, D] {
-    s = q @ k.T * rsqrt(D)
-    s = where(causal(s) & (doc[index(s, -2)] == doc[index(s, -1)]), s, -inf)
-    return softmax(s) @ v
-}"""
+DOC_ATTENTION = (EXAMPLES / "document_mask_attention.tdsl").read_text()
 
 
 @pytest.mark.parametrize("m", [1, 17, 113])
@@ -196,15 +195,7 @@ def test_document_masked_causal_attention_is_one_kernel(m):
     assert torch.allclose(out.double(), expected, atol=2e-3)
 
 
-T5_BIAS = """
-kernel t5(q: f32[H, M, D], k: f32[H, N, D], v: f32[H, N, D], table: f32[NB, H]) -> f32[H, M, D] {
-    s = q @ k.T
-    n = maximum(index(s, -2) - index(s, -1), 0)
-    exact = NB // 2
-    large = exact + cast(log(cast(maximum(n, 1), f32) / exact) / log(128.0 / exact) * (NB - exact), i32)
-    bucket = where(n < exact, n, minimum(large, NB - 1))
-    return softmax(s + table[bucket, index(s, 0)]) @ v
-}"""
+T5_BIAS = (EXAMPLES / "t5_bias_attention.tdsl").read_text()
 
 
 def test_t5_bucketed_relative_bias_is_one_attention_kernel():
@@ -289,13 +280,7 @@ def test_reshape_splits_and_merges_dims_as_views(n, d):
     assert torch.equal(b, x.reshape(-1)) and torch.equal(c, x.reshape(d // 2, 2 * n))
 
 
-GQA = """
-kernel gqa(q: f16[B, H, S, D], k: f16[B, KH, S, D], v: f16[B, KH, S, D]) -> f16[B, H, S, D] {
-    qg = reshape(q, [B, KH, H // KH, S, D])
-    s = qg @ k[:, :, None].T * rsqrt(D)
-    s = where(causal(s), s, -inf)
-    return reshape(softmax(s) @ v[:, :, None], [B, H, S, D])
-}"""
+GQA = (EXAMPLES / "gqa_attention.tdsl").read_text()
 
 
 @pytest.mark.parametrize("h, kh, s", [(6, 2, 17), (4, 4, 1), (8, 1, 113)])
@@ -426,6 +411,7 @@ def test_check_bounds_raises_at_the_indexing_naming_the_tensor():
 
 def test_check_bounds_covers_indices_computed_inside_attention():
     src = DOC_ATTENTION.replace("doc: i32[M]", "doc: i32[L]")
+    assert src != DOC_ATTENTION
     fn = tiledsl.compile(src, check_bounds=True)
     q, k, v = (randn(2, 17, 32, dtype=torch.float16) for _ in range(3))
     doc = torch.sort(torch.randint(0, 3, (17,), dtype=torch.int32)).values
@@ -434,5 +420,5 @@ def test_check_bounds_covers_indices_computed_inside_attention():
     with pytest.raises(TileDSLError) as err:
         fn(q, k, v, doc[:15])  # shorter than the queries and keys it is read at
     assert str(err.value).splitlines()[0] == (
-        "<string>:4:28: error: index out of range: 68 index values for axis 0 of 'doc' (size L = 15 "
+        "<string>:7:28: error: index out of range: 68 index values for axis 0 of 'doc' (size L = 15 "
         "at this call) are outside [-15, 15)")
