@@ -2,7 +2,8 @@
 
 A program has a few statements over parameters of mixed shapes and dtypes,
 then returns one to three of its values. Expressions mix elementwise builtins,
-operators, comparisons and `where`, reductions, softmax, logsumexp, matmul,
+operators, comparisons and `where`, reductions, softmax, logsumexp, matmul, indexing
+(slices, concat, gather, computed indices), reshape, cumsum,
 casts and transposes, and integer and bitwise arithmetic on an i32 tensor;
 leaves include constants, dims, scalar parameters, `index` values and
 scalar-only subexpressions (`rsqrt(N) * s`), so constants shared between
@@ -198,13 +199,34 @@ class Generator:
                     scores = Value(f"where({self.cond(0).text}, {scores.text}, -inf)", a.shape)
                 return Value(f"(softmax({scores.text}, axis=-1) @ w)", a.shape)
             return Value(f"({a.text} @ w)", a.shape)
-        if r < 0.96:
+        if r < 0.95:
+            return self.indexed(self.expr(depth - 1))
+        if r < 0.97:
             a = self.expr(depth - 1)
             return Value(f"cast({a.text}, {self.rng.choice(['f16', 'bf16', 'f32'])})", a.shape)
         a = self.expr(depth - 1)
         if len(a.shape) != 2:
             return a
         return Value(f"transpose({a.text}, 0, 1)", (a.shape[1], a.shape[0]))
+
+    def indexed(self, a: Value) -> Value:
+        """Indexing, views and scans of `a`: a half rotation (concat of two slices), a
+        gather or a flip through computed indices, a reshape, a cumsum."""
+        if not a.shape:
+            return a
+        choice = self.rng.randrange(5)
+        if choice in (1, 2, 3) and a.shape != ("M", "N"):
+            a = self.values[0]  # x: [M, N]
+        if choice == 0 and a.shape[-1] == "N":
+            return Value(f"concat({a.text}[..., N // 2:], {a.text}[..., :N // 2], axis=-1)", a.shape)
+        if choice == 1:
+            return Value(f"gather({a.text}, abs(k) % N, axis=-1)", a.shape)
+        if choice == 2:
+            return Value(f"{a.text}[M - 1 - index({a.text}, 0), index({a.text}, 1)]", a.shape)
+        if choice == 3:
+            return Value(f"reshape(reshape({a.text}, [-1]), [N, M])", ("N", "M"))
+        axis = self.rng.randrange(len(a.shape))
+        return Value(f"cumsum({a.text}, axis={axis})", a.shape)
 
     def statement(self, i: int) -> str:
         v = self.expr(self.rng.randint(1, 3))
