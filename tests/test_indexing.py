@@ -13,7 +13,6 @@ from helpers import randn, run_checked
 from tiledsl import TileDSLError
 from tiledsl.dims import Lin, evaluate, parse
 
-
 EXAMPLES = Path(__file__).parent.parent / "examples"
 
 
