@@ -201,6 +201,17 @@ HABITS = {
     "return ~x": (
         "<string>:2:12: error: '~' needs a bool (or i32) operand, got f32; compare first, e.g. ~(x > 0)",
         "<string>:2:13: note: this operand is f32[M, N]"),
+    "return x.reshape([-1])": (
+        "<string>:2:21: error: unexpected '('; expected one of: ',', ';', '[', '}', a newline, an operator",
+        "note: tiledsl values have no methods: write reshape(x, [...])"),
+    "return x.unsqueeze(0)": (
+        "<string>:2:23: error: unexpected '('; expected one of: ',', ';', '[', '}', a newline, an operator",
+        "note: tiledsl values have no methods: write x[:, None] (None adds an axis where it stands)"),
+    "return cat(x, x, axis=0)": (
+        "<string>:2:12: error: unknown function 'cat'; tiledsl writes concat(a, b, axis=...)", ""),
+    "return torch.view(x, [-1])": (
+        "<string>:2:22: error: unexpected '('; expected one of: ',', ';', '[', '}', a newline, an operator",
+        "note: tiledsl writes reshape(x, [...])"),
     "return (x > 0) // 2": (
         "<string>:2:12: error: '//' is not defined for bool values",
         "<string>:2:13: note: this operand is bool[M, N]"),

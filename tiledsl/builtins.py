@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from tiledsl.ops import OPS, REQUIRED, BParam
 
-__all__ = ["BUILTINS", "REQUIRED", "TILE_HINTS", "BParam", "Builtin"]
+__all__ = ["BUILTINS", "REQUIRED", "TILE_HINTS", "TORCH_SPELLINGS", "BParam", "Builtin"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +42,15 @@ BUILTINS["concat"] = Builtin("concat", (BParam("values"), BParam("axis", "int", 
 BUILTINS["gather"] = Builtin("gather", (BParam("x"), BParam("index"), BParam("axis", "int", -1)))
 # squeeze(x, axis) is a `slice` taking index 0 of size-1 axes
 BUILTINS["squeeze"] = Builtin("squeeze", (BParam("x"), BParam("axis", "int")))
+
+# torch names of builtins tiledsl spells otherwise, and how tiledsl writes them ({x}: the value)
+TORCH_SPELLINGS = {
+    "cat": "concat(a, b, axis=...)", "view": "reshape({x}, [...])", "flatten": "reshape({x}, [-1])",
+    "unsqueeze": "{x}[:, None] (None adds an axis where it stands)", "permute": "transpose({x}, a, b)",
+    "amax": "max({x}, axis=...)", "amin": "min({x}, axis=...)", "pow": "pow({x}, y) or {x} ** y",
+    "reshape": "reshape({x}, [...])", "squeeze": "squeeze({x}, axis)", "cumsum": "cumsum({x}, axis=...)",
+    "take_along_dim": "gather({x}, idx, axis=...)", "clip": "clamp({x}, lo, hi)",
+}
 
 # @tile(...) hints
 TILE_HINTS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")

@@ -19,6 +19,7 @@ from lark import Token
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
 
 from tiledsl import ast
+from tiledsl.builtins import BUILTINS, TORCH_SPELLINGS
 from tiledsl.diagnostics import (
     EmptySourceError,
     LimitError,
@@ -497,7 +498,12 @@ def _habit_notes(source: Source, start: int, token: str) -> list[Note]:
         return [Note("a conditional value is where(cond, a, b)")]
     module, dot, func = last.rpartition(".")
     if token == "(" and dot and module.split("(")[-1] in _MODULES and func:
+        if func in TORCH_SPELLINGS and func not in BUILTINS:
+            return [Note(f"tiledsl writes {TORCH_SPELLINGS[func].format(x='x')}")]
         return [Note(f"builtins are called by their bare names: {func}(...)")]
+    if token == "(" and dot and module.isidentifier() and func.isidentifier():  # x.reshape(...)
+        name = TORCH_SPELLINGS.get(func, f"{func}({{x}}, ...)").format(x=module)
+        return [Note(f"tiledsl values have no methods: write {name}")]
     return []
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from tiledsl import ast, ops
 from tiledsl import diagnostics as diag
-from tiledsl.builtins import BUILTINS, REQUIRED, TILE_HINTS, BParam, Builtin
+from tiledsl.builtins import BUILTINS, REQUIRED, TILE_HINTS, TORCH_SPELLINGS, BParam, Builtin
 from tiledsl.dims import Lin, factors
 from tiledsl.dims import symbols as dim_symbols
 from tiledsl.ir import Graph, Op, make_attrs
@@ -600,6 +600,9 @@ class _KernelBuilder:
             return self._concat(e)
         builtin = BUILTINS.get(e.func)
         if builtin is None:
+            if e.func in TORCH_SPELLINGS:
+                raise diag.UnknownFunctionError(e.func_span, name=e.func, hint=(
+                    f"; tiledsl writes {TORCH_SPELLINGS[e.func].format(x='x')}"))
             raise diag.UnknownFunctionError(e.func_span, name=e.func,
                                             hint=diag.did_you_mean(e.func, BUILTINS))
         args = _bind(builtin, e)
