@@ -49,6 +49,8 @@ PROGRAMS = {
     "rmsnorm": ("rmsnorm.tdsl", {"M": 4, "N": 4096}),
     "softmax": ("softmax.tdsl", {"M": 4, "N": 1024}),
     "gemm_multiply_multiply": ("gemm_multiply_multiply.tdsl", {"M": 16, "N": 256, "K": 256}),
+    # four views per call: q and the result reshaped, k and v sliced with a new axis
+    "gqa_attention": ("gqa_attention.tdsl", {"B": 1, "H": 8, "KH": 2, "S": 64, "D": 64}),
 }
 
 

@@ -47,7 +47,7 @@ def test_host_overhead_smoke_run(capsys):
 
     load("host_overhead").main(["--json", "--calls", "3"])
     result = json.loads(capsys.readouterr().out)
-    assert sorted(result) == ["attention", "gemm_multiply_multiply", "rmsnorm", "softmax"]
+    assert sorted(result) == ["attention", "gemm_multiply_multiply", "gqa_attention", "rmsnorm", "softmax"]
     for row in result.values():
         assert row["kernels"] == 1 and row["tiledsl_us"] > 0 and row["triton_dispatch_us"] > 0
 
@@ -62,9 +62,10 @@ def test_run_all_smoke_run(capsys, tmp_path):
     assert lines[1] == "| benchmark | case | tiledsl | rate | baseline | baseline / tiledsl | goals |"
     rows = [line.split("|")[1].strip() for line in lines[3:]]
     assert rows.count("attention") == 12 and rows.count("gemm_epilogue") == 6
-    assert rows.count("softmax") == 4 and rows.count("host overhead") == 4
+    assert rows.count("softmax") == 4 and rows.count("host overhead") == 5
     assert "| f16 B=1 H=2 N=77 D=64 causal |" in lines[6] and "SDPA flash n/a | n/a | n/a (no GPU) |" in lines[6]
     result = json.loads(out_json.read_text())
     assert sorted(result["kernels"]) == ["attention", "gemm_epilogue", "softmax"]
     assert all("ours_ms" in row for rows in result["kernels"].values() for row in rows)
-    assert sorted(result["host_overhead"]) == ["attention", "gemm_multiply_multiply", "rmsnorm", "softmax"]
+    assert sorted(result["host_overhead"]) == ["attention", "gemm_multiply_multiply", "gqa_attention", "rmsnorm",
+                                              "softmax"]

@@ -45,14 +45,25 @@ class DimRules:
                         spans.setdefault(d, span)
         self.checks = tuple((d, span, f"the dim {d} of this value must be at least 1", 1)
                             for d, span in sorted(spans.items(), key=lambda x: x[0]))
-        self.checks += tuple((d, span, message, 0) for d, span, message in graph.requires)
+        seen: set[tuple[str, str]] = set()
+        for d, span, message in graph.requires:
+            if (d, message) not in seen:  # a view read twice states its rules twice
+                seen.add((d, message))
+                self.checks += ((d, span, message, 0),)
+        self.passed: set[tuple] = set()  # sizes already checked (they depend on nothing else)
 
     def __call__(self, dims: Mapping[str, int]) -> None:
+        key = tuple(dims.items())
+        if key in self.passed:
+            return
         for d, span, message, least in self.checks:
             if evaluate(d, dims) < least:
                 sizes = ", ".join(f"{k}={v}" for k, v in sorted(dims.items()))
                 raise ArgumentError(span, message=f"{message}; at these sizes ({sizes}) it is not "
                                     f"({d} = {evaluate(d, dims)})")
+        if len(self.passed) >= 1024:  # sizes that never repeat: keep memory bounded
+            self.passed.clear()
+        self.passed.add(key)
 
 
 def dim_rules(graph: Graph) -> DimRules | None:

@@ -429,7 +429,11 @@ class _KernelBuilder:
             f"'{expr.span.text}' is not one"))
 
     def _require(self, x: Lin, span: Span, message: str, requires: list) -> None:
-        """`x >= 0`: checked now when it is a number, at every call otherwise."""
+        """`x >= 0`: checked now when it is a number, at every call otherwise (unless it holds
+        at any sizes: a sum of products of dims, each at least 1)."""
+        if x.const >= 0 and all(c > 0 and not any(f.startswith("(") for f in factors(a))
+                                for a, c in x.terms):
+            return
         if x.is_const:
             if x.const < 0:
                 raise diag.IndexingError(span, message=message)

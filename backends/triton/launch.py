@@ -99,7 +99,12 @@ class ViewStep:
         def read(values: list) -> Any:
             return values[slot] if perm is None else values[slot].permute(perm)
 
-        if op.kind == "slice":
+        if op.kind == "slice" and _only_new_axes(op.attr("items"), self.source_shape, dims):
+            shape = tuple(evaluate(d, dims) for d in op.type.shape)
+
+            def view(values: list) -> None:  # x[:, None]: a view adding size-1 dims, faster
+                values[target] = read(values).view(shape)
+        elif op.kind == "slice":
             index = python_index(op.attr("items"), dims)
 
             def view(values: list) -> None:
@@ -119,6 +124,21 @@ class ViewStep:
             def view(values: list) -> None:
                 values[target] = reshape_view(read(values), shape, source, fail)
         return KernelLaunch(view, _values, {}, (), target)
+
+
+def _only_new_axes(items: tuple, source: tuple, dims: Mapping[str, int]) -> bool:
+    """Does a slice only add axes (every other item the whole axis, in order)?"""
+    axis = 0
+    for item in items:
+        if item[0] == "at":
+            return False
+        if item[0] == "range":
+            _, start, _, step, length = item
+            if step != 1 or evaluate(start, dims) != 0 or \
+                    evaluate(length, dims) != evaluate(source[axis], dims):
+                return False
+            axis += 1
+    return True
 
 
 def _values(values: list, outs: list) -> tuple:
