@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from tiledsl import ops
 from tiledsl.ir import Graph, Region
 from tiledsl.passes.fusion.grow import candidate_kind, fuse_groups, outputs_of
-from tiledsl.passes.fusion.legality import ROW_OPS, GroupPlan, RowSpace, result_type, row_layouts
+from tiledsl.passes.fusion.legality import PASS_OPS, ROW_OPS, GroupPlan, RowSpace, row_layouts
 from tiledsl.passes.fusion.profitability import MAX_ROW_OPS, MAX_ROW_PHASES
 from tiledsl.passes.fusion.remarks import Refusal, Rule
 from tiledsl.passes.regions import outline
@@ -43,7 +43,7 @@ class FuseRows(Pass):
             return candidate_kind(graph, node) and (ops.is_elementwise(kind) or kind in ROW_OPS)
 
         def admit_for(plan: GroupPlan, seed: int):
-            x = result_type(graph, *graph.operand_edges(seed)[0])
+            x = graph.result_type(*graph.operand_edges(seed)[0])
             space = RowSpace(x.shape, graph.op(seed).attr("axis"))
             return lambda group, cand: _admit(graph, plan, group, cand, space)
 
@@ -78,6 +78,5 @@ def _phases(region: Region) -> int:
     phase = [0] * (n_in + len(region.ops))
     for i, rop in enumerate(region.ops):
         p = max((phase[o] for o in rop.operands), default=0)
-        scan = ops.category(rop.op.kind) is ops.Category.SCAN  # computed in any pass
-        phase[n_in + i] = p + 1 if rop.op.kind in ROW_OPS and not scan else p
+        phase[n_in + i] = p + 1 if rop.op.kind in PASS_OPS else p
     return max(phase, default=0)

@@ -220,6 +220,11 @@ class Graph:
     def op(self, node: int) -> Payload:
         return self.nx.nodes[node]["op"]
 
+    def result_type(self, node: int, res: int = 0) -> TensorType:
+        """The type of result `res` of `node` (a kernel has one per output)."""
+        op = self.op(node)
+        return op.result_types[res] if isinstance(op, KernelOp) else op.type
+
     def operand_edges(self, node: int) -> list[tuple[int, int]]:
         """(producer, result index) for each operand slot, in order."""
         edges = sorted(self.nx.in_edges(node, keys=True, data="res"), key=lambda e: e[2])

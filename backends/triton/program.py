@@ -119,9 +119,8 @@ class TritonBackend(Backend):
             elif op.kind == "dim":
                 dims.append((n_slots, op.attr("symbol")))
             elif op.kind in ("slice", "reshape"):
-                source = graph.operands(node)[0]
-                steps.append(ViewStep(views.get(inputs[0], (inputs[0], None)), op,
-                                      _shape_of(graph, source, graph.operand_edges(node)[0][1]), n_slots))
+                source = graph.result_type(*graph.operand_edges(node)[0]).shape
+                steps.append(ViewStep(views.get(inputs[0], (inputs[0], None)), op, source, n_slots))
             else:  # a transpose of a transpose composes
                 source, perm = views.get(inputs[0], (inputs[0], None))
                 axes = swap_axes(op.type.rank, op.attr("dims"))
@@ -274,11 +273,6 @@ def ensure_allocator() -> None:
 
 
 _ALLOCATOR: list[Any] = []  # (Triton's allocator context variable, its null allocator class)
-
-
-def _shape_of(graph: Graph, node: int, res: int) -> tuple:
-    op = graph.op(node)
-    return (op.result_types[res] if isinstance(op, KernelOp) else op.type).shape
 
 
 def storage_dtype(t):

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from tiledsl.ir import Graph
 from tiledsl.types import Shape, format_shape
 
-from .legality import reads_other_index, result_type
+from .legality import reads_other_index
 from .profitability import MAX_EPILOGUE_INPUTS, prologue_refusal
 from .remarks import Refusal, Rule
 
@@ -41,7 +41,7 @@ def epilogue_refusal(graph: Graph, group: set[int], cand: int, shape: Shape, wha
     if why:
         return Refusal(Rule.OTHER_INDEX, why)
     extra = {e for m in (*epilogue, cand) for e in graph.operand_edges(m)
-             if e[0] not in group and e[0] != cand and result_type(graph, *e).rank > 0}
+             if e[0] not in group and e[0] != cand and graph.result_type(*e).rank > 0}
     if len(extra) > MAX_EPILOGUE_INPUTS:
         return Refusal(Rule.PROFIT, f"the epilogue would read more than {MAX_EPILOGUE_INPUTS} extra "
                        "tensors")
@@ -54,8 +54,8 @@ def prologue_op_refusal(graph: Graph, cand: int, users_outside: bool) -> Refusal
     why = prologue_refusal(op.kind, users_outside)
     if why:
         return Refusal(Rule.PROFIT, why)
-    tensors = [s for s in graph.operand_edges(cand) if result_type(graph, *s).rank > 0]
-    if len(tensors) != 1 or result_type(graph, *tensors[0]).shape != op.shape:
+    tensors = [s for s in graph.operand_edges(cand) if graph.result_type(*s).rank > 0]
+    if len(tensors) != 1 or graph.result_type(*tensors[0]).shape != op.shape:
         return Refusal(Rule.OTHER_INDEX,
                        "a prologue reads one operand tensor element for element (plus scalars)")
     return None

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from tiledsl import ops
 from tiledsl.ir import Graph, KernelOp, Op, Region
-from tiledsl.types import Shape, TensorType, format_shape
+from tiledsl.types import Shape, format_shape
 
 from .remarks import Refusal, Rule
 
@@ -112,11 +112,6 @@ def is_elementwise(graph: Graph, node: int) -> bool:
     return isinstance(op, Op) and ops.is_elementwise(op.kind)
 
 
-def result_type(graph: Graph, node: int, res: int = 0) -> TensorType:
-    op = graph.op(node)
-    return op.result_types[res] if isinstance(op, KernelOp) else op.type
-
-
 def reads_other_index(graph: Graph, consumer: int, group: set[int]) -> str | None:
     """Why `consumer` cannot read group values element for element (None if it can)."""
     out = graph.op(consumer).shape
@@ -129,7 +124,7 @@ def reads_other_index(graph: Graph, consumer: int, group: set[int]) -> str | Non
         if src in group and ops.gathers_at(graph.op(consumer).kind, slot):
             return f"it gathers from {describe_node(graph, src)} at computed indices"
         if src in group:
-            shape = result_type(graph, src).shape
+            shape = graph.result_type(src).shape
             if shape and shape != out:
                 return (f"it broadcasts {describe_node(graph, src)} from {format_shape(shape)} "
                         f"to {format_shape(out)}")
@@ -182,6 +177,9 @@ class RowSpace:
 
 
 ROW_OPS = ops.ROW_KINDS
+# row ops that need a pass over the row of their own (a scan is computed in whichever pass
+# reads it)
+PASS_OPS = tuple(k for k in ROW_OPS if ops.category(k) is not ops.Category.SCAN)
 
 
 def row_layouts(region: Region, space: RowSpace) -> dict[int, Layout] | Refusal:

@@ -17,7 +17,7 @@ from tiledsl.plans import GemmPlan, Plan, PointwisePlan, RowPlan
 from tiledsl.types import broadcast_shapes
 
 from .attention import attention_plan, operand_source
-from .legality import ROW_OPS, RowSpace, row_layouts
+from .legality import PASS_OPS, ROW_OPS, RowSpace, row_layouts
 
 
 def pointwise_plan(region: Region) -> PointwisePlan:
@@ -48,9 +48,8 @@ def row_plan(region: Region) -> RowPlan:
         reduces = rop is not None and rop.op.kind in ROW_OPS and space.axis in layouts.get(operands[0], ())
         if reduces:
             reducing.add(v)
-        # a scan is computed in whichever pass over the row reads it: no pass of its own
         phases.append(max((phases[o] for o in operands), default=0)
-                      + (reduces and ops.category(rop.op.kind) is not Category.SCAN))
+                      + (reduces and rop.op.kind in PASS_OPS))
     return RowPlan(space.shape, space.axis, tuple(layouts.get(v) for v in values),
                    frozenset(reducing), tuple(phases))
 
