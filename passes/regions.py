@@ -10,8 +10,10 @@ becoming inputs: they cost nothing to recompute, and a 0-d value never has to
 be stored by one kernel for another. So are index expressions (`index` ops and
 elementwise ops on them, scalars and constants, like the shifted index of a
 `concat`, and loads through them from an index array) where every user computes
-them over its own tile. Scalar parameters and dims become
-by-value inputs.
+them over its own tile, and values the recompute pass marked (cheap expressions of
+a smaller shape than their readers, like `sqrt(abs(y))` with `y: [N]` read at
+`[M, N]`). Scalar parameters and dims become by-value inputs; the tensors a
+recomputed value reads become ordinary inputs.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ def is_by_value(op: Op | KernelOp) -> bool:
 
 
 def is_clonable(graph: Graph, node: int, memo: dict[int, bool] | None = None) -> bool:
-    """A constant or a scalar expression: cloned into each kernel that reads it.
+    """A constant, a scalar or index expression, or a recomputed value: cloned into each
+    kernel that reads it.
 
     Answers are memoized on the graph until it changes (or in `memo`), which keeps
     a long chain of scalar statements linear.
@@ -44,7 +47,7 @@ def is_clonable(graph: Graph, node: int, memo: dict[int, bool] | None = None) ->
         op = graph.op(n)
         if not isinstance(op, Op):
             memo[n] = False
-        elif op.kind == "const":
+        elif op.kind == "const" or graph.recomputed(n):
             memo[n] = True
         elif op.shape != () and not _index_expression_users(graph, n):
             memo[n] = False
@@ -74,10 +77,10 @@ def _index_expression_users(graph: Graph, node: int) -> bool:
             return False  # it reads a stored copy: formed when the value was not clonable
         if ops.gathers_at(op.kind, slot) or not (ops.is_elementwise(op.kind) or op.kind in ops.ROW_KINDS):
             return False
-    return not _feeds_dot(graph, node)
+    return not feeds_dot(graph, node)
 
 
-def _feeds_dot(graph: Graph, node: int) -> bool:
+def feeds_dot(graph: Graph, node: int) -> bool:
     """Does `node` reach a matmul operand through elementwise ops?"""
     memo = graph.memo("feeds-dot")
     stack, seen = [node], set()

@@ -122,4 +122,5 @@ def _load_builtin_passes() -> None:
         fuse_rows,
         lower_kernels,
         online_softmax,
+        recompute,
     )

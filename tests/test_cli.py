@@ -97,7 +97,7 @@ def test_check_and_passes():
     code, out, _ = cli("passes")
     assert [line.split()[0] for line in out.splitlines()] == [
         "canonicalize", "cse", "dce", "fuse-attention", "fuse-elementwise", "fuse-epilogue", "fuse-rows",
-        "lower-kernels", "online-softmax"]
+        "lower-kernels", "online-softmax", "recompute"]
 
 
 def test_console_script_is_installed():

@@ -136,11 +136,22 @@ def test_an_operand_depending_on_the_product_is_a_cycle():
     assert ("matmul", "mul", "cycle") in rules
 
 
-def test_broadcast_producer_is_refused_not_recomputed():
+def test_a_cheap_broadcast_producer_is_recomputed_by_its_reader():
     fn, _ = run_checked("kernel f(x: f32[M, N], y: f32[N]) -> f32[M, N] { return x + exp(y) }",
                         randn(17, 113), randn(113))
-    assert structure(fn) == [("pointwise", ["exp"]), ("pointwise", ["add"])]
+    assert structure(fn) == [("pointwise", ["exp", "add"])]
+    assert [(r.pass_name, r.fused, r.detail) for r in fn.remarks] == [
+        ("recompute", True, "computed again at each [M, N] element of its reader (4 operation units "
+                            "per element, within 16) instead of stored as [N] by a kernel of its own")]
+
+
+def test_a_costly_broadcast_producer_is_refused_not_recomputed():
+    fn, _ = run_checked("kernel f(x: f32[M, N], y: f32[N]) -> f32[M, N] { return x + exp(exp(exp(exp(exp(y))))) }",
+                        randn(17, 113), randn(113, scale=0.1))
+    assert structure(fn) == [("pointwise", ["exp"] * 5), ("pointwise", ["add"])]
     assert [(r.rule, r.detail) for r in fn.remarks] == [
+        ("profit", "recomputing it costs 20 operation units per element, more than the 16 a "
+                   "memory-bound reader hides"),
         ("other-index", "add (line 1) reads the group's values broadcast from [N] to [M, N]")]
 
 

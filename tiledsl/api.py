@@ -24,7 +24,7 @@ from tiledsl.passes.registry import PassContext
 from tiledsl.printer import print_graph
 from tiledsl.sema import analyze, select_kernel
 
-DEFAULT_PIPELINE = ("canonicalize,cse,dce,online-softmax,fuse-attention,fuse-epilogue,fuse-rows,"
+DEFAULT_PIPELINE = ("canonicalize,cse,dce,online-softmax,recompute,fuse-attention,fuse-epilogue,fuse-rows,"
                     "fuse-elementwise,lower-kernels")
 
 

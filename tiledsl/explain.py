@@ -2,7 +2,8 @@
 
 For each kernel, in launch order: its template, the DSL ops it absorbed and
 their lines, its inputs and outputs, and the HBM traffic it moves fused
-against the same ops run one kernel each. Then every fusion that did not
+against the same ops run one kernel each. Then the rewrites that made fusion
+possible (values recomputed by their readers), and every fusion that did not
 happen: the refusals the passes recorded (with their rule and lines), and,
 for any other edge between two kernels, that no fusion pass joins them.
 """
@@ -22,6 +23,8 @@ if TYPE_CHECKING:
     from tiledsl.api import Program
 
 FUSION_PASSES = ("fuse-elementwise", "fuse-epilogue", "fuse-rows", "online-softmax", "fuse-attention")
+# passes whose decisions change what kernels compute, not only which kernel computes it
+REWRITE_PASSES = ("recompute",)
 
 
 def _name(graph: Graph, node: int, res: int) -> str:
@@ -88,6 +91,12 @@ def explain(program: Program, dims: Mapping[str, int] | None = None) -> str:
         lines.append(f"  {'':<{width}}    traffic: {_traffic(fused, dims)}"
                      + (f" (op by op: {_traffic(alone, dims)})" if alone != fused else ""))
     lines.append("")
+    rewrites = [r for r in program.remarks if isinstance(r, FusionRemark) and r.fused
+                and r.pass_name in REWRITE_PASSES]
+    if rewrites:
+        lines.append("rewrites:")
+        lines.extend(f"  {r}" for r in rewrites)
+        lines.append("")
     refusals = _refusals(program, graph)
     if refusals:
         lines.append("fusions not made:")

@@ -220,6 +220,15 @@ class Graph:
     def op(self, node: int) -> Payload:
         return self.nx.nodes[node]["op"]
 
+    def recomputed(self, node: int) -> bool:
+        """Did the recompute pass decide that every kernel reading `node` computes it again
+        (`passes/recompute.py`)?"""
+        return self.nx.nodes[node].get("recompute", False)
+
+    def set_recomputed(self, node: int) -> None:
+        self._changed()
+        self.nx.nodes[node]["recompute"] = True
+
     def result_type(self, node: int, res: int = 0) -> TensorType:
         """The type of result `res` of `node` (a kernel has one per output)."""
         op = self.op(node)

@@ -112,8 +112,9 @@ def print_graph(graph: Graph, locations: bool = False) -> str:
             lines.append("  }")
         else:
             names[(node, 0)] = name
+            mark = "  // recomputed by each reader" if graph.recomputed(node) else ""
             lines.append(f"  {name} = {_op_head(op, args)}{_attrs(op)} : {op.type}"
-                         f"{_loc(op, locations)}")
+                         f"{_loc(op, locations)}{mark}")
     lines.append("}")
     return "\n".join(lines) + "\n"
 

@@ -19,6 +19,18 @@ weigh here is work that a fused kernel repeats:
   and starting a new kernel costs less; and at `MAX_ROW_OPS` ops, which keeps
   each kernel's registers, source and compile time bounded (and compile time
   linear in the program's length).
+
+And work a fused kernel adds: a cheap elementwise value of a smaller shape
+(`sqrt(abs(y))` with `y: [N]` read by an `[M, N]` chain, document ids compared
+as `[M, 1] == [1, N]` in an attention mask) can be computed again by every
+kernel that reads it, at every element of the reader, instead of by a kernel
+of its own. Its own kernel costs a launch (a few microseconds, more than a
+small kernel's whole run) and a round trip of its result through memory; the
+recompute costs arithmetic in readers that are memory-bound (an H100 does
+about 18 f32 operations in the time it loads one byte), so it pays while the
+value's expression stays short: `RECOMPUTE_BUDGET` operation units per read
+element, an instruction-or-two op (`cheap` in the registry) costing 1 and
+anything else (a transcendental, a division) 4.
 """
 
 from __future__ import annotations
@@ -29,6 +41,26 @@ PROLOGUE_KINDS = frozenset(kind for kind, d in ops.OPS.items() if d.cheap)
 MAX_EPILOGUE_INPUTS = 8
 MAX_ROW_PHASES = 8
 MAX_ROW_OPS = 256
+RECOMPUTE_BUDGET = 16
+COSTLY_OP_UNITS = 4
+
+
+# one instruction each, besides the `cheap` ones: comparisons, selects, logic, index arithmetic
+ONE_UNIT_KINDS = PROLOGUE_KINDS | frozenset(ops.COMPARE_KINDS.values()) | {"where", "and", "or",
+                                                                         "const", "index"}
+
+
+def op_units(kind: str) -> int:
+    """The arithmetic one element of `kind` costs, in units of a cheap op."""
+    return 1 if kind in ONE_UNIT_KINDS else COSTLY_OP_UNITS
+
+
+def recompute_refusal(units: int) -> str | None:
+    """Why a value costing `units` per element should not be computed again by each reader."""
+    if units > RECOMPUTE_BUDGET:
+        return (f"recomputing it costs {units} operation units per element, more than the "
+                f"{RECOMPUTE_BUDGET} a memory-bound reader hides")
+    return None
 
 
 def prologue_refusal(kind: str, users_outside: bool) -> str | None:

@@ -1,0 +1,138 @@
+"""recompute: cheap values of a smaller shape are computed again by every kernel that reads them.
+
+Before: `sqrt(abs(y))` with `y: [N]` read by an `[M, N]` chain, or document ids compared as
+`dq == dk` (`[M, 1]` and `[1, N]`) in the mask of an attention over `[H, M, N]`. Fusion
+refuses a producer that its consumer reads broadcast ("other-index"), so each became a
+kernel of its own, writing its result for the next kernel to read.
+After: such values are marked recomputed (the IR prints `// recomputed by each reader`).
+Fusion passes leave them alone, and every kernel that reads one clones its expression, as
+it does scalar and index expressions (`regions.is_clonable`), reading the expression's
+inputs at its own tile.
+
+A value is recomputed when
+- it is an elementwise op of rank > 0 whose operands are parameters, dims, constants,
+  scalar or index expressions, or recomputed values, so that a clone needs no other
+  kernel's result (a gathered operand must be a parameter);
+- every reader is an elementwise op, a reduction or a softmax that reads it broadcast to a
+  larger shape, or a recomputed value; it is not returned, not gathered from, and does not
+  reach a matmul operand (a dot prologue reads tensors, not tiles of an index space);
+- its expression costs at most `profitability.RECOMPUTE_BUDGET` operation units per element.
+Each decision is a fused remark; a value refused for its cost is a "profit" refusal.
+Must run before the fusion passes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tiledsl import ops
+from tiledsl.ir import Graph, Op
+from tiledsl.passes.fusion.profitability import RECOMPUTE_BUDGET, op_units, recompute_refusal
+from tiledsl.passes.fusion.remarks import FusionRemark, Refusal, Rule
+from tiledsl.passes.regions import feeds_dot, is_clonable
+from tiledsl.passes.registry import Pass, PassContext, register
+from tiledsl.types import broadcast_shapes, format_shape
+
+NAME = "recompute"
+
+
+@register
+@dataclass(frozen=True)
+class Recompute(Pass):
+    name = NAME
+
+    def run(self, graph: Graph, ctx: PassContext) -> None:
+        order = graph.topo_order()
+        too_costly: dict[int, int] = {}  # value -> its units when it was refused
+        while True:
+            chosen = _decide(graph, order, too_costly)
+            units = _units(graph, order, chosen)
+            over = {n: units[n] for n in chosen if recompute_refusal(units[n])}
+            if not over:
+                break
+            too_costly.update(over)
+        for n in order:
+            readers = list(dict.fromkeys(u for u, _ in graph.users(n) if u not in chosen))
+            if n in chosen:
+                graph.set_recomputed(n)
+                cost = f"{_plural(units[n], 'operation unit')} per element, within {RECOMPUTE_BUDGET}"
+                for u in readers:
+                    ctx.remarks.append(FusionRemark(
+                        NAME, True, None, graph.op(n), graph.op(u),
+                        f"computed again at each {format_shape(graph.op(u).shape)} element of its "
+                        f"reader ({cost}) instead of stored as {format_shape(graph.op(n).shape)} by a "
+                        "kernel of its own"))
+            elif n in too_costly and readers:
+                refusal = Refusal(Rule.PROFIT, recompute_refusal(too_costly[n]))
+                ctx.remarks.append(FusionRemark.refused(NAME, refusal, graph.op(n), graph.op(readers[0])))
+
+
+def _decide(graph: Graph, order: list[int], excluded) -> set[int]:
+    """The values to recompute, given those refused for their cost."""
+    memo: dict[int, bool] = {}
+    chosen = {n for n in order if n not in excluded and _computable(graph, n, memo)}
+    # readers and operands must agree: drop values until both conditions hold, revisiting
+    # the neighbours of each value dropped
+    work = list(chosen)
+    while work:
+        n = work.pop()
+        if n in chosen and not (_readers_ok(graph, n, chosen) and _operands_ok(graph, n, chosen, memo)):
+            chosen.discard(n)
+            work.extend(o for o in graph.operands(n) if o in chosen)
+            work.extend(u for u, _ in graph.users(n) if u in chosen)
+    return chosen
+
+
+def _units(graph: Graph, order: list[int], chosen: set[int]) -> dict[int, int]:
+    """Operation units per element of each chosen value's expression, its recomputed
+    operands included."""
+    units: dict[int, int] = {}
+    for n in order:
+        if n in chosen:
+            units[n] = op_units(graph.op(n).kind) + sum(
+                units[o] for o in set(graph.operands(n)) if o in chosen)
+    return units
+
+
+def _computable(graph: Graph, n: int, memo: dict[int, bool]) -> bool:
+    op = graph.op(n)
+    return (isinstance(op, Op) and ops.is_elementwise(op.kind) and op.shape != ()
+            and not is_clonable(graph, n, memo))
+
+
+def _leaf(graph: Graph, n: int, memo: dict[int, bool]) -> bool:
+    op = graph.op(n)
+    return isinstance(op, Op) and (op.kind in ("param", "dim", "const") or is_clonable(graph, n, memo))
+
+
+def _operands_ok(graph: Graph, n: int, chosen: set[int], memo: dict[int, bool]) -> bool:
+    kind = graph.op(n).kind
+    for slot, o in enumerate(graph.operands(n)):
+        if ops.gathers_at(kind, slot):
+            if graph.op(o).kind != "param":
+                return False
+        elif o not in chosen and not _leaf(graph, o, memo):
+            return False
+    return True
+
+
+def _readers_ok(graph: Graph, n: int, chosen: set[int]) -> bool:
+    """Every reader is recomputed too, or is an elementwise op that reads `n` broadcast to a
+    larger shape (not gathering from it); and `n` does not reach a matmul operand."""
+    shape = graph.op(n).shape
+    users = graph.users(n)
+    if not users or feeds_dot(graph, n):
+        return False
+    for u, slot in users:
+        if u in chosen:
+            continue
+        op = graph.op(u)
+        if not isinstance(op, Op) or not ops.is_elementwise(op.kind) or ops.gathers_at(op.kind, slot):
+            return False
+        if op.shape == shape or broadcast_shapes(shape, op.shape) != op.shape:
+            return False
+    return True
+
+
+def _plural(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
