@@ -16,8 +16,11 @@ softmax whose result is the left operand of a matmul (`p @ v`):
 - a cheap elementwise prologue on either matmul operand (`(q * scale) @ k.T`,
   `q @ (k * scale).T`) is applied to each loaded tile;
 - `logsumexp` of the same scores over the keys is stored by the kernel too;
+- a cast of the probabilities to the dtype of `v` (`cast(softmax(s), f16) @ v`)
+  is the narrowing of P the kernel does before its second dot;
 - the epilogue is every elementwise op that consumes the output element for
-  element, as in fuse-epilogue.
+  element, and the elementwise producers of its other operands at the output's
+  shape (a gate `o * sigmoid(g)`), as in fuse-epilogue.
 
 Refused, with a recorded rule: softmax along another axis than the keys
 ("tile"), scores or probabilities that something else needs whole (a
@@ -76,7 +79,8 @@ class _Match:
 
     def members(self) -> list[int] | None:
         graph, sm = self.graph, self.softmax
-        pv = [u for u, slot in graph.users(sm) if slot == 0 and _is(graph, u, "matmul")]
+        p = self._cast_of(sm)
+        pv = [u for u, slot in graph.users(p) if slot == 0 and _is(graph, u, "matmul")]
         if not pv:
             return None  # not attention: fuse-rows takes the softmax
         pv = pv[0]
@@ -84,7 +88,10 @@ class _Match:
         if op.attr("axis") != len(op.shape) - 1:
             return self.refuse(Rule.TILE, sm, pv, f"the softmax runs along axis {op.attr('axis')}, not "
                                "along the keys (the last axis), so p @ v cannot consume it block by block")
-        other = [u for u, slot in graph.users(sm) if (u, slot) != (pv, 0)]
+        if p != sm and graph.op(p).dtype is not graph.op(pv).dtype:
+            return self.refuse(Rule.OP, p, pv, f"the probabilities are cast to {graph.op(p).dtype}, not to "
+                               f"the {graph.op(pv).dtype} that p @ v multiplies in")
+        other = [u for u, slot in graph.users(p) if (u, slot) != (pv, 0)]
         if other:
             return self.refuse(Rule.MATERIALIZE, sm, other[0], self._whole("the probabilities", other[0]))
         (x,) = graph.operands(sm)
@@ -99,7 +106,7 @@ class _Match:
             for u, _ in graph.users(n):
                 if u not in inside:
                     return self.refuse(Rule.MATERIALIZE, n, u, self._whole("the scores", u))
-        members = {qk, sm, pv, *chain, *lse}
+        members = {qk, sm, p, pv, *chain, *lse}
         for operand in (0, 1):
             members |= self._prologue(qk, operand)
         if self.plan.creates_cycle(members - {qk}, qk):
@@ -112,6 +119,14 @@ class _Match:
         detail = "flash attention" + (f" (score modification: {n_mod} ops)" if chain else "")
         self.remarks.append(FusionRemark(NAME, True, None, graph.op(qk), graph.op(pv), detail))
         return list(group)
+
+    def _cast_of(self, sm: int) -> int:
+        """The probabilities as p @ v reads them: the softmax, or its one cast (p, cast to the
+        dtype of v, is what a flash kernel feeds the second dot anyway)."""
+        users = self.graph.users(sm)
+        if len(users) == 1 and _is(self.graph, users[0][0], "cast") and not self.plan.grouped(users[0][0]):
+            return users[0][0]
+        return sm
 
     def _index_expressions(self, chain: list[int]) -> set[int]:
         """The index expressions (`causal`'s comparison) the chain reads: cloned into the
@@ -202,14 +217,18 @@ class _Match:
         return out
 
     def _epilogue(self, group: Group, pv: int) -> None:
-        """Elementwise consumers of the output, element for element, as in fuse-epilogue."""
+        """Elementwise consumers of the output, element for element, and the producers of
+        their other operands, as in fuse-epilogue."""
         graph = self.graph
         shape = graph.op(pv).shape
         epilogue: set[int] = set()
         work = deque([pv])
         while work:
             member = work.popleft()
-            for cand, _ in graph.users(member):
+            # consumers of the output, and producers of the epilogue's other operands (a gate
+            # `sigmoid(g)`), which the kernel computes at the output tile
+            producers = graph.operands(member) if member in epilogue else []
+            for cand in dict.fromkeys([u for u, _ in graph.users(member)] + producers):
                 if cand in group or self.plan.grouped(cand) or not elementwise_candidate(graph, cand):
                     continue
                 why = epilogue_refusal(graph, group, cand, shape, "the attention output", epilogue)

@@ -14,8 +14,9 @@ inlined into the kernels that use them, and so are scalar expressions
 (`rsqrt(D) * N`): only a returned one becomes a kernel. A returned value that no kernel
 produces (a parameter, a view, a constant) gets a pointwise copy kernel, so
 every output is a fresh tensor; a reshape of a kernel result read by nothing else is
-already one. Finally all kernels are named k0, k1, ... in
-launch (topological) order. Must run last.
+already one, and a transpose of one is stored in the transposed order by the kernel
+(`KernelOp.out_orders`) where its template stores through strides. Finally all
+kernels are named k0, k1, ... in launch (topological) order. Must run last.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from tiledsl.passes.fusion.planning import pointwise_plan
 from tiledsl.passes.regions import is_by_value, is_clonable, replace_with_kernel
 from tiledsl.passes.registry import Pass, PassContext, register
 
+# templates that store every output through its strides (the pointwise one stores at a flat index)
+STRIDED_STORES = ("rows", "matmul", "attention")
 TEMPLATES = {Category.ELEMENTWISE: "pointwise", Category.REDUCTION: "rows",
              Category.SOFTMAX: "rows", Category.SCAN: "rows", Category.MATMUL: "matmul"}
 
@@ -59,7 +62,8 @@ class LowerKernels(Pass):
         new_outputs = []
         for src, res in outputs:
             op = graph.op(src)
-            if isinstance(op, KernelOp) or self._is_fresh_reshape(graph, src, outputs):
+            if isinstance(op, KernelOp) or self._is_fresh_reshape(graph, src, outputs) \
+                    or self._store_transposed(graph, src, outputs):
                 new_outputs.append((src, res))
                 continue
             if op.kind == "const":
@@ -76,6 +80,31 @@ class LowerKernels(Pass):
                 op = graph.op(node)
                 if isinstance(op, Op) and op.kind == "const" and graph.nx.out_degree(node) == 0:
                     graph.remove(node)
+
+    @staticmethod
+    def _store_transposed(graph: Graph, node: int, outputs) -> bool:
+        """A returned transpose of a kernel result that nothing else reads, from a template
+        that stores through strides (`STRIDED_STORES`): the kernel stores the result in the
+        transposed order (recorded in its `out_orders`), so the returned view is a fresh
+        contiguous tensor and needs no copy (composable-kernel's gemm-softmax-gemm-permute)."""
+        op = graph.op(node)
+        if not (isinstance(op, Op) and op.kind == "transpose") or outputs.count((node, 0)) != 1 \
+                or len(graph.users(node)) != 1:
+            return False
+        (src, res), = graph.operand_edges(node)
+        kernel = graph.op(src)
+        if not isinstance(kernel, KernelOp) or kernel.template not in STRIDED_STORES \
+                or kernel.out_order(res) is not None:
+            return False
+        if [u for u, slot in graph.users(src) if graph.operand_edges(u)[slot] == (src, res)] != [node]:
+            return False
+        orders = list(kernel.out_orders) + [None] * (len(kernel.result_types) - len(kernel.out_orders))
+        a, b = op.attr("dims")
+        order = list(range(op.type.rank))
+        order[a], order[b] = order[b], order[a]
+        orders[res] = tuple(order)
+        graph.set_op(src, kernel.replace(out_orders=tuple(orders)))
+        return True
 
     @staticmethod
     def _is_fresh_reshape(graph: Graph, node: int, outputs) -> bool:

@@ -69,3 +69,73 @@ def test_document_mask_with_broadcast_ids_is_one_attention_kernel(m):
     fn, _ = run_checked(src, h(2, m, 32), h(2, n, 32), h(2, n, 32), ids[:m, None].contiguous(),
                         ids[None, :])
     assert templates(fn) == ["attention"]
+
+
+# --- attention: epilogue, output layout, logsumexp -------------------------------------------
+
+
+def half(*shape):
+    return randn(*shape, dtype=torch.float16)
+
+
+@pytest.mark.parametrize("m", SIZES)
+def test_gated_attention_is_one_kernel(m):
+    src = """kernel f(q: f16[H, M, D], k: f16[H, N, D], v: f16[H, N, D], g: f16[H, M, D]) -> f16[H, M, D] {
+    o = softmax(q @ k.T * rsqrt(D)) @ v
+    return o * sigmoid(g)
+}"""
+    fn, _ = run_checked(src, half(2, m, 32), half(2, m + 5, 32), half(2, m + 5, 32), half(2, m, 32))
+    assert templates(fn) == ["attention"]
+    assert "epilogue: sigmoid (line 3), mul (line 3)" in fn.explain()
+
+
+@pytest.mark.parametrize("m", SIZES)
+def test_permuted_attention_output_is_stored_by_the_kernel(m):
+    src = """kernel f(q: f16[B, H, M, D], k: f16[B, H, N, D], v: f16[B, H, N, D]) -> f16[B, M, H, D] {
+    o = softmax(q @ k.T * rsqrt(D)) @ v
+    return transpose(o, 1, 2)
+}"""
+    fn, out = run_checked(src, half(2, 3, m, 32), half(2, 3, 40, 32), half(2, 3, 40, 32))
+    assert templates(fn) == ["attention"]
+    assert out.shape == (2, m, 3, 32) and out.is_contiguous()
+    assert "kernel @k0 attention(%q, %0, %1, %v) : f16[B, H, M, D] stored (0, 2, 1, 3)" in fn.ir("fused")
+
+
+def test_a_returned_transpose_of_a_gemm_or_row_result_is_stored_transposed():
+    fn, out = run_checked("kernel f(a: f32[B, M, K], b: f32[B, K, N]) -> f32[M, B, N] {\n"
+                          "    return transpose(a @ b, 0, 1)\n}", randn(2, 17, 33), randn(2, 33, 113))
+    assert templates(fn) == ["matmul"] and out.is_contiguous()
+    fn, (t, s) = run_checked("kernel f(a: f32[M, N]) -> (f32[N, M], f32[M, N]) {\n"
+                             "    s = softmax(a, axis=0)\n    return transpose(s, 0, 1), s * 2.0\n}",
+                             randn(17, 113))
+    assert templates(fn) == ["rows"] and t.is_contiguous() and s.is_contiguous()
+
+
+def test_a_returned_transpose_of_a_pointwise_result_is_copied():
+    # the pointwise template stores at a flat index: the transpose is its own copy kernel
+    fn, out = run_checked("kernel f(a: f32[M, N]) -> f32[N, M] { return transpose(exp(a), 0, 1) }",
+                          randn(17, 113))
+    assert templates(fn) == ["pointwise", "pointwise"] and out.is_contiguous()
+
+
+@pytest.mark.parametrize("m", SIZES)
+def test_attention_with_an_f32_logsumexp_is_one_kernel(m):
+    src = """kernel f(q: f16[H, M, D], k: f16[H, N, D], v: f16[H, N, D]) -> (f16[H, M, D], f32[H, M]) {
+    s = cast(q @ k.T, f32) * rsqrt(D)
+    return softmax(s) @ v, logsumexp(s, axis=-1)
+}"""
+    fn, _ = run_checked(src, half(2, m, 32), half(2, m + 3, 32), half(2, m + 3, 32))
+    assert templates(fn) == ["attention"]
+
+
+@pytest.mark.parametrize("dt", ["f16", "bf16"])
+def test_a_cast_between_the_softmax_and_p_at_v_is_one_kernel(dt):
+    src = f"""kernel f(q: f16[H, M, D], k: f16[H, N, D], v: {dt}[H, N, D]) -> {dt}[H, M, D] {{
+    s = cast(q @ k.T, f32) * rsqrt(D)
+    return cast(softmax(s), {dt}) @ v
+}}"""
+    vdt = torch.float16 if dt == "f16" else torch.bfloat16
+    for m in SIZES:
+        fn, _ = run_checked(src, half(2, m, 32), half(2, m + 7, 32), randn(2, m + 7, 32, dtype=vdt))
+        assert templates(fn) == ["attention"]
+    assert "online softmax: softmax (line 3), cast (line 3)" in fn.explain()

@@ -139,6 +139,13 @@ class KernelOp:
     span: Span | None = None
     kind: str = "kernel"
     plan: Plan | None = None
+    # per result, the axis order of its tensor in memory when a returned transpose of it is
+    # stored directly (lower-kernels): result r is a view of a contiguous tensor of the
+    # transposed shape. Empty (or None at r): contiguous in its own order.
+    out_orders: tuple[tuple[int, ...] | None, ...] = ()
+
+    def out_order(self, r: int) -> tuple[int, ...] | None:
+        return self.out_orders[r] if r < len(self.out_orders) else None
 
     @property
     def result_types(self) -> tuple[TensorType, ...]:

@@ -125,6 +125,9 @@ class AttentionPlan:
     lse: tuple[int, ...]  # logsumexp of the scores, stored too
     epilogue: tuple[int, ...]  # ops after pv
     bound: KeyBound | None
+    # a cast of the probabilities to the dtype of p @ v, which the template's narrowing of
+    # P before the second dot performs
+    p_cast: int | None = None
 
     def role(self, value: int) -> str:
         if value in self.q_chain:
@@ -137,7 +140,8 @@ class AttentionPlan:
             return "logsumexp"
         if value in self.epilogue:
             return "epilogue"
-        return {self.qk: "q @ k.T", self.softmax: "online softmax", self.pv: "p @ v"}[value]
+        return {self.qk: "q @ k.T", self.softmax: "online softmax", self.p_cast: "online softmax",
+                self.pv: "p @ v"}[value]
 
 
 Plan = PointwisePlan | RowPlan | GemmPlan | AttentionPlan
@@ -187,6 +191,7 @@ def format_plan(plan: Plan, name) -> str:
         if plan.bound.exact:
             bound += " exactly"
     return (f"plan attention {{qk = {name(plan.qk)}, softmax = {name(plan.softmax)}, "
+            f"{'' if plan.p_cast is None else f'p_cast = {name(plan.p_cast)}, '}"
             f"pv = {name(plan.pv)}, q = {name(plan.q_source)}, "
             f"k = {name(plan.k_source)}{' (transposed)' if plan.k_transposed else ''}, "
             f"v = {name(plan.v)}, score_mod = {names(plan.score_ops)}, lse = {names(plan.lse)}, "

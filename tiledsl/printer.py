@@ -105,7 +105,9 @@ def print_graph(graph: Graph, locations: bool = False) -> str:
             for r in range(n_out):
                 names[(node, r)] = name if r == 0 else f"{name}#{r}"
             lhs = name if n_out == 1 else f"{name}:{n_out}"
-            types = ", ".join(str(t) for t in op.result_types)
+            types = ", ".join(str(t) + ("" if op.out_order(r) is None else
+                                        f" stored {format_value(op.out_order(r))}")
+                              for r, t in enumerate(op.result_types))
             lines.append(f"  {lhs} = kernel @{op.name} {op.template}({', '.join(args)}) : "
                          f"{types}{_loc(op, locations)} {{")
             lines.extend("  " + line for line in print_region(op.region, locations, op.plan))

@@ -148,7 +148,12 @@ def _verify_plan(k: KernelOp, fail) -> None:
         expect(plan.qk, ("matmul",), "q @ k.T")
         expect(plan.pv, ("matmul",), "p @ v")
         expect(plan.softmax, ("softmax",), "softmax")
-        if region.ops[plan.pv - n_in].operands != (plan.softmax, plan.v) \
+        p = plan.softmax if plan.p_cast is None else plan.p_cast
+        if plan.p_cast is not None:
+            expect(plan.p_cast, ("cast",), "the cast of p")
+            if region.ops[plan.p_cast - n_in].operands != (plan.softmax,):
+                fail(f"kernel @{k.name}: its attention plan's cast of p does not read the softmax", k.span)
+        if region.ops[plan.pv - n_in].operands != (p, plan.v) \
                 or region.ops[plan.softmax - n_in].operands != (plan.scores,):
             fail(f"kernel @{k.name}: its attention plan does not match p @ v", k.span)
         for v in (plan.q_source, plan.k_source, plan.v):

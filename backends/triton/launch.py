@@ -79,8 +79,9 @@ class KernelStep:
 
 @dataclass(frozen=True, slots=True)
 class ViewStep:
-    """A `slice` or `reshape` view of the program: the op, its source read and its shape
-    (a reshape's error names the source's dims), and the slot it fills."""
+    """A `slice` or `reshape` view of the program, or a returned `transpose`: the op, its
+    source read and its shape (a reshape's error names the source's dims), and the slot it
+    fills."""
 
     source: Read
     op: Any  # the graph's view op
@@ -99,7 +100,11 @@ class ViewStep:
         def read(values: list) -> Any:
             return values[slot] if perm is None else values[slot].permute(perm)
 
-        if op.kind == "slice" and _only_new_axes(op.attr("items"), self.source_shape, dims):
+        if op.kind == "transpose":  # a returned transpose: the result a kernel stored transposed
+
+            def view(values: list) -> None:
+                values[target] = read(values)
+        elif op.kind == "slice" and _only_new_axes(op.attr("items"), self.source_shape, dims):
             shape = tuple(evaluate(d, dims) for d in op.type.shape)
 
             def view(values: list) -> None:  # x[:, None]: a view adding size-1 dims, faster
@@ -152,7 +157,7 @@ class KernelLaunch:
     launch: Callable[..., Any]
     args: Callable[[list, list], tuple]
     options: Mapping[str, Any]  # grid, constexprs, warps and stages
-    outputs: tuple[tuple[tuple[int, ...], Any], ...]  # (shape, torch dtype) to allocate
+    outputs: tuple[tuple, ...]  # (memory shape, torch dtype, view permutation or None) to allocate
     slot: int
 
 
@@ -162,9 +167,11 @@ class LaunchPlan:
     kernels: tuple[KernelLaunch, ...]
 
 
-def argument_function(emitted: EmittedKernel, reads: Sequence[Read], out_shapes: Sequence[tuple],
+def argument_function(emitted: EmittedKernel, reads: Sequence[Read], outputs: Sequence[tuple],
                       dims: Mapping[str, int]) -> Callable[[list, list], tuple]:
-    """`args(values, outputs)`: the kernel's arguments, in its parameter order."""
+    """`args(values, outputs)`: the kernel's arguments, in its parameter order. `outputs`:
+    each output's allocation (memory shape, dtype, the permutation the kernel sees it
+    through or None; `program.output_allocation`)."""
     region = emitted.kernel.region
     strides: dict[int, None] = {}
     exprs = []
@@ -175,8 +182,9 @@ def argument_function(emitted: EmittedKernel, reads: Sequence[Read], out_shapes:
             slot, perm = reads[spec.index]
             strides[slot] = None
             exprs.append(f"s{slot}[{spec.dim if perm is None else perm[spec.dim]}]")
-        elif isinstance(spec, Stride):  # outputs are fresh and contiguous
-            exprs.append(str(contiguous_strides(out_shapes[spec.index])[spec.dim]))
+        elif isinstance(spec, Stride):  # outputs are fresh: contiguous, or stored transposed
+            shape, _, view = outputs[spec.index]
+            exprs.append(str(contiguous_strides(shape)[spec.dim if view is None else view[spec.dim]]))
         elif isinstance(spec, DimSize):
             exprs.append(str(evaluate(spec.symbol, dims)))
         elif isinstance(spec, Numel):
@@ -186,8 +194,9 @@ def argument_function(emitted: EmittedKernel, reads: Sequence[Read], out_shapes:
             exprs.append(str(total))
         elif isinstance(spec, TmaReady) and spec.role == "out":  # fresh and contiguous
             t = emitted.kernel.result_types[spec.index]
-            pitches = contiguous_strides(out_shapes[spec.index])[:-1]
-            fits = all(p * t.dtype.itemsize % 16 == 0 for p in pitches)
+            shape, _, view = outputs[spec.index]
+            pitches = contiguous_strides(shape)[:-1]
+            fits = view is None and all(p * t.dtype.itemsize % 16 == 0 for p in pitches)
             exprs.append(f"(o[{spec.index}].data_ptr() % 16 == 0)" if fits else "False")
         elif isinstance(spec, TmaReady):
             slot, perm = reads[spec.index]

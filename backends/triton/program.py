@@ -125,6 +125,8 @@ class TritonBackend(Backend):
                 source, perm = views.get(inputs[0], (inputs[0], None))
                 axes = swap_axes(op.type.rank, op.attr("dims"))
                 views[n_slots] = (source, axes if perm is None else tuple(perm[a] for a in axes))
+                if (node, 0) in graph.outputs:  # returned: a torch view of a result stored transposed
+                    steps.append(ViewStep(views[n_slots], op, (), n_slots))
             n_slots += n_out
         self.steps = tuple(steps)
         # kernels that may build TMA descriptors on the device need Triton's allocator
@@ -182,7 +184,9 @@ class TritonBackend(Backend):
         for slot, size in plan.dims:
             values[slot] = size
         for k in plan.kernels:
-            outs = [_empty(shape, dtype=dtype, device=device) for shape, dtype in k.outputs]
+            outs = [_empty(shape, dtype=dtype, device=device) if order is None
+                    else _empty(shape, dtype=dtype, device=device).permute(order)
+                    for shape, dtype, order in k.outputs]
             k.launch(*k.args(values, outs), **k.options)
             values[k.slot:k.slot + len(outs)] = outs
 
@@ -199,10 +203,12 @@ class TritonBackend(Backend):
                 view.launch(values)
                 yield step, (), view, None
                 continue
-            outputs = tuple((eval_shape(t.shape, dims), storage_dtype(t))
-                            for t in step.emitted.kernel.result_types)
-            outs = [_empty(shape, dtype=dtype, device=device) for shape, dtype in outputs]
-            arg_fn = argument_function(step.emitted, step.reads, [o[0] for o in outputs], dims)
+            kernel = step.emitted.kernel
+            outputs = tuple(output_allocation(eval_shape(t.shape, dims), storage_dtype(t),
+                                              kernel.out_order(r))
+                            for r, t in enumerate(kernel.result_types))
+            outs = [allocate(o, device) for o in outputs]
+            arg_fn = argument_function(step.emitted, step.reads, outputs, dims)
             yield step, outputs, arg_fn, arg_fn(values, outs)
             values[step.slot:step.slot + len(outs)] = outs
 
@@ -273,6 +279,21 @@ def ensure_allocator() -> None:
 
 
 _ALLOCATOR: list[Any] = []  # (Triton's allocator context variable, its null allocator class)
+
+
+def output_allocation(shape: tuple[int, ...], dtype, order: tuple[int, ...] | None) -> tuple:
+    """(memory shape, dtype, the permutation viewing it in the result's order, or None) of a
+    kernel output: contiguous, or stored in the axis `order` its kernel records."""
+    if order is None:
+        return shape, dtype, None
+    inverse = tuple(order.index(a) for a in range(len(order)))
+    return tuple(shape[a] for a in order), dtype, inverse
+
+
+def allocate(output: tuple, device):
+    shape, dtype, view = output
+    out = _empty(shape, dtype=dtype, device=device)
+    return out if view is None else out.permute(view)
 
 
 def storage_dtype(t):

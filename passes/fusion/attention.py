@@ -21,7 +21,9 @@ def attention_plan(region: Region) -> AttentionPlan:
     n_in = len(region.inputs)
     ops = {n_in + i: r for i, r in enumerate(region.ops)}
     (sm,) = [v for v, r in ops.items() if r.op.kind == "softmax"]
-    (pv,) = [v for v, r in ops.items() if r.op.kind == "matmul" and r.operands[0] == sm]
+    casts = [v for v, r in ops.items() if r.op.kind == "cast" and r.operands == (sm,)]
+    p = casts[0] if casts else sm
+    (pv,) = [v for v, r in ops.items() if r.op.kind == "matmul" and r.operands[0] == p]
     (qk,) = [v for v, r in ops.items() if r.op.kind == "matmul" and v != pv]
     scores = ops[sm].operands[0]
     a, b = ops[qk].operands
@@ -30,12 +32,12 @@ def attention_plan(region: Region) -> AttentionPlan:
     score_ops = tuple(v for v in ops if v in before and v not in q_chain | k_chain and v != qk
                       and ops[v].op.kind != "const")
     lse = tuple(v for v, r in ops.items() if r.op.kind == "logsumexp")
-    after = set(ops) - before - q_chain - k_chain - {qk, sm, pv, *lse}
+    after = set(ops) - before - q_chain - k_chain - {qk, sm, p, pv, *lse}
     epilogue = tuple(v for v in ops if v in after and ops[v].op.kind != "const")
     transposes = sum(ops[v].op.kind == "transpose" for v in k_chain if v >= n_in)
     return AttentionPlan(qk, pv, sm, scores, q_chain, k_chain, operand_source(region, q_chain),
                          operand_source(region, k_chain), ops[pv].operands[1], transposes % 2 == 1,
-                         score_ops, lse, epilogue, _key_bound(region, scores))
+                         score_ops, lse, epilogue, _key_bound(region, scores), casts[0] if casts else None)
 
 
 def operand_source(region: Region, chain: frozenset[int]) -> int:
