@@ -232,8 +232,8 @@ class _Match:
                 if cand in group or self.plan.grouped(cand) or not elementwise_candidate(graph, cand):
                     continue
                 why = epilogue_refusal(graph, group, cand, shape, "the attention output", epilogue)
-                if why is None and self.plan.creates_cycle(group, cand):
-                    why = Refusal(Rule.CYCLE, "a value between them is computed outside the group")
+                if why is None:
+                    why = self.plan.cycle_refusal(group, cand)
                 if why is not None:
                     self.refuse(why.rule, member, cand, why.detail)
                     continue

@@ -205,3 +205,42 @@ def remove_dead_clonables(graph: Graph, nodes: Sequence[int],
             operands = graph.operands(n)
             graph.remove(n)
             stack.extend(operands)
+
+
+def merge_kernels(graph: Graph, nodes: Sequence[int]) -> int:
+    """Replace independent kernels of one template by one kernel computing all their results
+    (horizontal fusion); returns it. Inputs they share become one input; the merged region
+    is planned again (`fusion.planning`). No kernel may read another's result."""
+    kernels = [graph.op(n) for n in nodes]
+    edges: dict[tuple[int, int], int] = {}
+    inputs: list[RegionInput] = []
+    body: list[RegionOp] = []
+    outputs: list[int] = []
+    regions = [k.region for k in kernels]
+    for node, region in zip(nodes, regions, strict=True):
+        for e, inp in zip(graph.operand_edges(node), region.inputs, strict=True):
+            if e not in edges:
+                edges[e] = len(inputs)
+                inputs.append(inp)
+    n_in = len(inputs)
+    for node, region in zip(nodes, regions, strict=True):
+        local = [edges[e] for e in graph.operand_edges(node)]
+        base = n_in + len(body)
+        local += [base + i for i in range(len(region.ops))]
+        body.extend(RegionOp(r.op, tuple(local[v] for v in r.operands)) for r in region.ops)
+        outputs.extend(local[v] for v in region.outputs)
+    region = Region(tuple(inputs), tuple(body), tuple(outputs))
+    span = None
+    for k in kernels:
+        if k.span is not None:
+            span = k.span if span is None else span.to(k.span)
+    template = kernels[0].template
+    merged = graph.add(KernelOp("k?", template, region, span, plan=plan_kernel(template, region)),
+                       list(edges))
+    offset = 0
+    for node, region in zip(nodes, regions, strict=True):
+        for r in range(len(region.outputs)):
+            graph.replace_uses(node, merged, new_res=offset + r, old_res=r)
+        offset += len(region.outputs)
+        graph.remove(node)
+    return merged

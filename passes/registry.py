@@ -119,6 +119,7 @@ def _load_builtin_passes() -> None:
         fuse_attention,
         fuse_elementwise,
         fuse_epilogue,
+        fuse_horizontal,
         fuse_rows,
         lower_kernels,
         online_softmax,

@@ -52,7 +52,8 @@ def test_graph_is_the_fused_networkx_graph(attention):
 
 def test_ir_stages(attention):
     assert attention.stages == ["graph", "canonicalize", "cse", "dce", "online-softmax", "recompute", "fuse-attention",
-                                "fuse-epilogue", "fuse-rows", "fuse-elementwise", "lower-kernels", "fused"]
+                                "fuse-epilogue", "fuse-rows", "fuse-elementwise", "fuse-horizontal", "lower-kernels",
+                                "fused"]
     assert "%7 = neg %6 : weak f32" in attention.ir("graph")
     assert "const -inf" in attention.ir("canonicalize")
     assert "kernel @k? attention(" in attention.ir("fuse-attention")  # named at lower-kernels
@@ -68,7 +69,7 @@ def test_explain_reports_kernels_traffic_and_fusions_not_made(attention):
     assert text.splitlines()[:5] == [
         "fusion report for @attention",
         "  pipeline: canonicalize,cse,dce,online-softmax,recompute,fuse-attention,fuse-epilogue,fuse-rows,"
-        "fuse-elementwise,lower-kernels",
+        "fuse-elementwise,fuse-horizontal,lower-kernels",
         "  1 kernel for 8 ops",
         "  modeled HBM traffic: 4·B·D·H·M + 4·B·D·H·N B fused; "
         "4·B·D·H·M + 4·B·D·H·N + 34·B·H·M·N B op by op",

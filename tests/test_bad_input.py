@@ -157,7 +157,7 @@ RUN = ("--dims", "M=3,N=4", "--repeat", "0")
     (["opt", "{p}", "--print-ir-after", "fuse-bogus"],
      "--print-ir-after fuse-bogus: no such stage in this pipeline; did you mean 'fuse-rows'? (stages: graph, "
      "canonicalize, cse, dce, online-softmax, recompute, fuse-attention, fuse-epilogue, fuse-rows, fuse-elementwise, "
-     "lower-kernels)"),
+     "fuse-horizontal, lower-kernels)"),
     (["check", "kernel"], "cannot read kernel: No such file or directory"),
     (["check", "missing.tdsl"], "cannot read missing.tdsl: No such file or directory"),
 ])

@@ -96,7 +96,8 @@ def test_check_and_passes():
     assert code == 0 and out.strip().endswith("kernel 'attention' ok")
     code, out, _ = cli("passes")
     assert [line.split()[0] for line in out.splitlines()] == [
-        "canonicalize", "cse", "dce", "fuse-attention", "fuse-elementwise", "fuse-epilogue", "fuse-rows",
+        "canonicalize", "cse", "dce", "fuse-attention", "fuse-elementwise", "fuse-epilogue", "fuse-horizontal",
+        "fuse-rows",
         "lower-kernels", "online-softmax", "recompute"]
 
 

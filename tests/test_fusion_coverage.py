@@ -139,3 +139,53 @@ def test_a_cast_between_the_softmax_and_p_at_v_is_one_kernel(dt):
         fn, _ = run_checked(src, half(2, m, 32), half(2, m + 7, 32), randn(2, m + 7, 32, dtype=vdt))
         assert templates(fn) == ["attention"]
     assert "online softmax: softmax (line 3), cast (line 3)" in fn.explain()
+
+
+# --- horizontal fusion -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("m, n", [(1, 1), (17, 113), (3, 5000)])
+def test_max_and_min_of_the_same_rows_are_one_row_kernel(m, n):
+    fn, _ = run_checked("kernel f(x: f32[M, N]) -> (f32[M], f32[M]) { return max(x, axis=-1), "
+                        "min(x, axis=-1) }", randn(m, n))
+    assert templates(fn) == ["rows"]
+    assert ("[fuse-horizontal] fused: max (line 1) -> min (line 1): 2 rows kernels over [M, N] rows "
+            "along axis 1 as one: 1 launch fewer; shared inputs read once: saves 4·M·N B") in fn.explain()
+
+
+ROPE = """kernel rope(q: f32[B, H, S, D], k: f32[B, H, S, D], c: f32[S, D],
+            s: f32[S, D]) -> (f32[B, H, S, D], f32[B, H, S, D]) {
+    qr = q * c + concat(-q[..., D // 2:], q[..., :D // 2], axis=-1) * s
+    kr = k * c + concat(-k[..., D // 2:], k[..., :D // 2], axis=-1) * s
+    return qr, kr
+}"""
+
+
+@pytest.mark.parametrize("s, d", [(1, 2), (17, 8), (5, 64)])
+def test_rope_q_and_k_are_one_kernel(s, d):
+    fn, (qr, kr) = run_checked(ROPE, randn(2, 3, s, d), randn(2, 3, s, d), randn(s, d), randn(s, d))
+    assert templates(fn) == ["pointwise"]
+    assert qr.shape == kr.shape == (2, 3, s, d)
+
+
+def test_independent_kernels_that_share_nothing_stay_apart_unless_launch_bound():
+    fn, _ = run_checked("kernel f(x: f32[M, N], y: f32[M, N]) -> (f32[M, N], f32[M, N]) {\n"
+                        "    return exp(x), exp(y)\n}", randn(17, 113), randn(17, 113))
+    assert templates(fn) == ["pointwise", "pointwise"]
+    fn, _ = run_checked("kernel f(x: f32[64, 32], y: f32[64, 32]) -> (f32[64, 32], f32[64, 32]) {\n"
+                        "    return exp(x), exp(y)\n}", randn(64, 32), randn(64, 32))
+    assert templates(fn) == ["pointwise"]
+
+
+def test_an_epilogue_leaves_a_gate_computed_from_a_pending_softmax_to_fuse_rows():
+    src = """kernel f(q: f32[H, M, D], k: f32[H, N, D], v: f32[H, N, D], g: f32[H, M, D]) -> f32[H, M, D] {
+    o = softmax(q @ k.T * rsqrt(D)) @ v
+    return o * clamp(softmax(g, axis=-1), 0.0, 0.5)
+}"""
+    fn, _ = run_checked(src, randn(2, 17, 16), randn(2, 23, 16), randn(2, 23, 16), randn(2, 17, 16))
+    assert [(k.template, [op.kind for op in k.ops]) for k in fn.kernels] == [
+        ("rows", ["softmax", "clamp"]),
+        ("attention", ["matmul", "rsqrt", "mul", "softmax", "matmul", "mul"])]
+    assert ("[fuse-attention] refused: mul (line 3) -> clamp (line 3): it is computed from softmax "
+            "(line 3), which a later fusion can keep in registers with it; the epilogue takes values "
+            "computed from the program's inputs [rule: profit]") in fn.explain()

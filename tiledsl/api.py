@@ -25,7 +25,7 @@ from tiledsl.printer import print_graph
 from tiledsl.sema import analyze, select_kernel
 
 DEFAULT_PIPELINE = ("canonicalize,cse,dce,online-softmax,recompute,fuse-attention,fuse-epilogue,fuse-rows,"
-                    "fuse-elementwise,lower-kernels")
+                    "fuse-elementwise,fuse-horizontal,lower-kernels")
 
 
 def check_option(where: str, name: str, value: Any, expected: str, *types: type) -> None:

@@ -23,8 +23,9 @@ if TYPE_CHECKING:
     from tiledsl.api import Program
 
 FUSION_PASSES = ("fuse-elementwise", "fuse-epilogue", "fuse-rows", "online-softmax", "fuse-attention")
-# passes whose decisions change what kernels compute, not only which kernel computes it
-REWRITE_PASSES = ("recompute",)
+# passes whose decisions the kernel list alone does not show: values computed again by their
+# readers, independent kernels merged
+REWRITE_PASSES = ("recompute", "fuse-horizontal")
 
 
 def _name(graph: Graph, node: int, res: int) -> str:

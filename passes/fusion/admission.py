@@ -1,7 +1,10 @@
 """Admitting elementwise ops into a GEMM or attention kernel: one set of checks for every
 pass that grows one (fuse-epilogue, fuse-attention).
 
-- An epilogue op consumes the kernel's output element for element: its result
+- An epilogue op consumes the kernel's output element for element, or produces
+  another operand of the epilogue from the program's inputs (a gate `sigmoid(g)`;
+  one computed from a pending reduction or softmax is left to the pass that fuses
+  it with that, "profit"): its result
   has the output's shape (legality: "tile" or "other-index"), it reads no
   group value transposed or broadcast ("other-index"), and the epilogue reads
   at most `MAX_EPILOGUE_INPUTS` extra tensors ("profit").
@@ -14,10 +17,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from tiledsl.ir import Graph
+from tiledsl import ops
+from tiledsl.ir import Graph, KernelOp
 from tiledsl.types import Shape, format_shape
 
-from .legality import reads_other_index
+from .legality import describe_node, reads_other_index
 from .profitability import MAX_EPILOGUE_INPUTS, prologue_refusal
 from .remarks import Refusal, Rule
 
@@ -30,8 +34,12 @@ def epilogue_refusal(graph: Graph, group: set[int], cand: int, shape: Shape, wha
     read from outside the group count against `MAX_EPILOGUE_INPUTS`.
     """
     op = graph.op(cand)
+    consumer = any(s in group for s in graph.operands(cand))
+    if not consumer and (source := _pending_source(graph, cand)) is not None:
+        return Refusal(Rule.PROFIT, f"it is computed from {describe_node(graph, source)}, which "
+                       "a later fusion can keep in registers with it; the epilogue takes values "
+                       "computed from the program's inputs")
     if op.shape != shape:
-        consumer = any(s in group for s in graph.operands(cand))
         if not consumer and len(op.shape) <= len(shape):
             return Refusal(Rule.OTHER_INDEX, f"the epilogue would read it broadcast from "
                            f"{format_shape(op.shape)} to {format_shape(shape)}")
@@ -59,3 +67,31 @@ def prologue_op_refusal(graph: Graph, cand: int, users_outside: bool) -> Refusal
         return Refusal(Rule.OTHER_INDEX,
                        "a prologue reads one operand tensor element for element (plus scalars)")
     return None
+
+
+def _pending_source(graph: Graph, node: int) -> int | None:
+    """The first op `node` is computed from, through elementwise ops and views, that no kernel
+    computes yet and that is not elementwise (a reduction, a softmax, a matmul), or None when
+    it is computed from inputs, constants and kernel results only: a side chain an epilogue
+    can take without splitting what a later pass would fuse. Memoized until the graph
+    changes, so growing a group stays linear."""
+    memo = graph.memo("pending-source")
+    stack = list(graph.operands(node))
+    while stack:
+        n = stack[-1]
+        if n in memo:
+            stack.pop()
+            continue
+        op = graph.op(n)
+        if isinstance(op, KernelOp) or op.kind in ("param", "dim", "const"):
+            memo[n] = None
+        elif ops.is_elementwise(op.kind) or ops.category(op.kind) is ops.Category.LAYOUT:
+            pending = [o for o in graph.operands(n) if o not in memo]
+            if pending:
+                stack.extend(pending)
+                continue
+            memo[n] = next((memo[o] for o in graph.operands(n) if memo[o] is not None), None)
+        else:
+            memo[n] = n
+        stack.pop()
+    return next((memo[o] for o in graph.operands(node) if memo[o] is not None), None)

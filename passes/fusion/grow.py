@@ -17,7 +17,7 @@ from tiledsl.ir import Graph, KernelOp, Op
 from tiledsl.passes.regions import is_clonable, replace_with_kernel
 
 from .legality import Group, GroupPlan
-from .remarks import FusionRemark, Refusal, Rule
+from .remarks import FusionRemark, Refusal
 
 Admit = Callable[[set[int], int], "Refusal | None"]
 
@@ -50,8 +50,8 @@ def grow(plan: GroupPlan, seed: int, admit: Admit, pass_name: str,
 
     def visit(member: int, cand: int) -> None:
         reason = admit(group, cand)
-        if reason is None and plan.creates_cycle(group, cand):
-            reason = Refusal(Rule.CYCLE, "a value between them is computed outside the group")
+        if reason is None:
+            reason = plan.cycle_refusal(group, cand)
         if reason is None:
             group.add(cand)
             refused.pop(cand, None)

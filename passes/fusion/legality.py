@@ -53,6 +53,27 @@ class GroupPlan:
         Other planned groups count as single nodes (they will be contracted).
         Only nodes ordered before the group's last member can lead back into it.
         """
+        return self.cycle_through(group, candidate) is not None
+
+    def cycle_refusal(self, group: set[int], candidate: int) -> Refusal | None:
+        """A "cycle" refusal naming the node outside the group that the cycle runs through,
+        and why that node could not join (a read at another index), or None."""
+        between = self.cycle_through(group, candidate)
+        if between is None:
+            return None
+        graph = self.graph
+        op = graph.op(between)
+        why = None
+        if isinstance(op, Op) and ops.is_elementwise(op.kind):
+            why = reads_other_index(graph, between, set(group) | {candidate})
+        elif isinstance(op, Op) and op.kind != "return":
+            why = f"a {ops.category(op.kind).name.lower()} op, which this kernel does not compute"
+        return Refusal(Rule.CYCLE, f"{describe_node(graph, between)} lies between them outside the "
+                       "group" + (f": {why}" if why else ""))
+
+    def cycle_through(self, group: set[int], candidate: int) -> int | None:
+        """The node outside `group` through which `group` plus `candidate` would depend on
+        itself (the last one before the path re-enters), or None (see `creates_cycle`)."""
         if isinstance(group, Group):
             limit, starts = group.limit, set(group.frontier)
         else:
@@ -77,9 +98,9 @@ class GroupPlan:
                     nexts.extend(succ(m))
             for s in nexts:
                 if s in members:
-                    return True
+                    return n
                 stack.append(s)
-        return False
+        return None
 
 
 class Group(set):
@@ -89,6 +110,7 @@ class Group(set):
     def __init__(self, plan: GroupPlan, seed: int) -> None:
         super().__init__([seed])
         self.plan = plan
+        self.seed = seed
         self.limit = plan.order[seed]
         self.frontier = set(plan.graph.nx.successors(seed))
 
@@ -118,9 +140,7 @@ def reads_other_index(graph: Graph, consumer: int, group: set[int]) -> str | Non
     for slot, src in enumerate(graph.operands(consumer)):
         source = view_source(graph, src)
         if source is not None and (source in group or view_source(graph, source) in group):
-            how = {"transpose": "transposed", "slice": "through a slice"}.get(graph.op(src).kind,
-                                                                            "through a reshape")
-            return f"it reads {describe_node(graph, source)} {how}"
+            return f"it reads {describe_node(graph, source)} {_through(graph, src)}"
         if src in group and ops.gathers_at(graph.op(consumer).kind, slot):
             return f"it gathers from {describe_node(graph, src)} at computed indices"
         if src in group:
@@ -131,7 +151,16 @@ def reads_other_index(graph: Graph, consumer: int, group: set[int]) -> str | Non
     for user, slot in graph.users(consumer):
         if user in group and ops.gathers_at(graph.op(user).kind, slot):
             return f"{describe_node(graph, user)} gathers from it at computed indices"
+        if view_source(graph, user) == consumer:  # the group reads it through a view
+            for reader, _ in graph.users(user):
+                if reader in group:
+                    return f"{describe_node(graph, reader)} reads it {_through(graph, user)}"
     return None
+
+
+def _through(graph: Graph, view: int) -> str:
+    return {"transpose": "transposed", "slice": "through a slice"}.get(graph.op(view).kind,
+                                                                      "through a reshape")
 
 
 def describe_node(graph: Graph, node: int) -> str:

@@ -41,6 +41,9 @@ PROLOGUE_KINDS = frozenset(kind for kind, d in ops.OPS.items() if d.cheap)
 MAX_EPILOGUE_INPUTS = 8
 MAX_ROW_PHASES = 8
 MAX_ROW_OPS = 256
+# a kernel moving less than this (at sizes fixed in the program) is launch-bound: at ~3 TB/s
+# it runs for about a microsecond, less than a launch costs
+LAUNCH_BOUND_BYTES = 4 << 20
 RECOMPUTE_BUDGET = 16
 COSTLY_OP_UNITS = 4
 

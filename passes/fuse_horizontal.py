@@ -1,0 +1,137 @@
+"""fuse-horizontal: independent kernels over one iteration space become one kernel with
+several outputs.
+
+Before: kernels that share inputs but no value (RoPE's q and k rotations, reading the same
+cos and sin tables; `max(x)` and `min(x)` of the same rows), each launched on its own and
+each reading the shared inputs again.
+After: one kernel per set of them, computing every output; a shared input is read once.
+
+Merged: pointwise kernels over the same shape, and row programs over the same space and
+axis (their merged region must still be a row program: `legality.row_layouts`), when
+- neither depends on the other, through any path (legality: "cycle");
+- they share a tensor input (the merged kernel reads it once: the modelled saving), or
+  both are small and fixed in size (`profitability.LAUNCH_BOUND_BYTES`), so each would be
+  launch-bound;
+- the merged row program stays within `MAX_ROW_OPS` ops and `MAX_ROW_PHASES` phases.
+Each merge is a fused remark; kernels that share an input but may not merge get a refusal.
+Must run after the other fusion passes, which form the kernels it merges.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tiledsl import cost
+from tiledsl.ir import Graph, KernelOp
+from tiledsl.passes.fusion.legality import Group, GroupPlan, RowSpace, row_layouts
+from tiledsl.passes.fusion.planning import row_space
+from tiledsl.passes.fusion.profitability import LAUNCH_BOUND_BYTES, MAX_ROW_OPS, MAX_ROW_PHASES
+from tiledsl.passes.fusion.remarks import FusionRemark, Refusal, Rule
+from tiledsl.passes.regions import merge_kernels
+from tiledsl.passes.registry import Pass, PassContext, register
+from tiledsl.types import format_shape
+
+NAME = "fuse-horizontal"
+
+
+@register
+@dataclass(frozen=True)
+class FuseHorizontal(Pass):
+    name = NAME
+
+    def run(self, graph: Graph, ctx: PassContext) -> None:
+        plan = GroupPlan(graph)
+        open_groups: dict[tuple, list[Group]] = {}  # iteration space -> groups being formed
+        for node in graph.topo_order():
+            op = graph.op(node)
+            key = _space(op) if isinstance(op, KernelOp) else None
+            if key is None:
+                continue
+            for group in open_groups.setdefault(key, []):
+                refusal = _refusal(graph, plan, group, node)
+                if refusal is None:
+                    group.add(node)
+                    plan.groups[plan.group_of[group.seed]].append(node)
+                    plan.group_of[node] = plan.group_of[group.seed]
+                    break
+                if _shared(graph, group, node):
+                    ctx.remarks.append(FusionRemark.refused(NAME, refusal, _first_op(graph, group.seed),
+                                                            _first_op(graph, node)))
+            else:
+                group = Group(plan, node)
+                plan.add_group([node])
+                open_groups[key].append(group)
+        for groups in open_groups.values():
+            for group in groups:
+                if len(group) > 1:
+                    members = sorted(group, key=plan.order.__getitem__)
+                    ctx.remarks.append(FusionRemark(NAME, True, None, _first_op(graph, members[0]),
+                                                    _first_op(graph, members[-1]),
+                                                    _saving(graph, members)))
+                    merge_kernels(graph, members)
+
+
+def _space(kernel: KernelOp) -> tuple | None:
+    """The iteration space kernels must share to merge (None: a template not merged here)."""
+    if kernel.template == "pointwise":
+        return ("pointwise", kernel.plan.shape)
+    if kernel.template == "rows":
+        return ("rows", kernel.plan.shape, kernel.plan.axis)
+    return None
+
+
+def _refusal(graph: Graph, plan: GroupPlan, group: Group, node: int) -> Refusal | None:
+    direct = any(m in graph.operands(node) for m in group)  # a path of one edge is no cycle
+    if direct or plan.creates_cycle(group, node):
+        return Refusal(Rule.CYCLE, "one reads what the other computes")
+    if not _shared(graph, group, node) and not all(_launch_bound(graph, m) for m in (*group, node)):
+        return Refusal(Rule.PROFIT, "they share no input and are not both launch-bound")
+    kernel = graph.op(node)
+    if kernel.template == "rows":
+        regions = [graph.op(m).region for m in (*group, node)]
+        if sum(len(r.ops) for r in regions) > MAX_ROW_OPS:
+            return Refusal(Rule.PROFIT, f"the merged row program would exceed {MAX_ROW_OPS} ops")
+        if max(max(graph.op(m).plan.phases, default=0) for m in (*group, node)) > MAX_ROW_PHASES:
+            return Refusal(Rule.PROFIT, f"the merged row program would exceed {MAX_ROW_PHASES} phases")
+        space = row_space(regions[0])
+        if any(not isinstance(row_layouts(r, RowSpace(space.shape, space.axis)), dict) for r in regions):
+            return Refusal(Rule.TILE, "their values do not map onto one row space")
+    return None
+
+
+def _inputs(graph: Graph, node: int) -> set[tuple[int, int]]:
+    kernel = graph.op(node)
+    return {e for e, inp in zip(graph.operand_edges(node), kernel.region.inputs, strict=True)
+            if not inp.scalar and inp.type.rank > 0}
+
+
+def _shared(graph: Graph, group, node: int) -> set[tuple[int, int]]:
+    mine = _inputs(graph, node)
+    return {e for m in group for e in _inputs(graph, m) if e in mine}
+
+
+def _launch_bound(graph: Graph, node: int) -> bool:
+    traffic = cost.kernel_traffic(graph.op(node))
+    return all(not mono for mono in traffic) and cost.evaluate(traffic, {}) <= LAUNCH_BOUND_BYTES
+
+
+def _saving(graph: Graph, members: list[int]) -> str:
+    """What merging saves: launches, and the bytes of inputs read once instead of per kernel."""
+    reads: dict[tuple[int, int], int] = {}
+    for m in members:
+        for e in _inputs(graph, m):
+            reads[e] = reads.get(e, 0) + 1
+    saved = cost.add(*({mono: c * (n - 1) for mono, c in cost.tensor_bytes(graph.result_type(*e)).items()}
+                       for e, n in reads.items() if n > 1))
+    kernel = graph.op(members[0])
+    space = format_shape(kernel.plan.shape) + (f" rows along axis {kernel.plan.axis}"
+                                               if kernel.template == "rows" else "")
+    shared = f"; shared inputs read once: saves {cost.format_poly(saved)} B" if saved else ""
+    fewer = len(members) - 1
+    return (f"{len(members)} {kernel.template} kernels over {space} as one: {fewer} "
+            f"launch{'es' if fewer > 1 else ''} fewer{shared}")
+
+
+def _first_op(graph: Graph, node: int):
+    """The op a remark names for a kernel: its first (constants aside)."""
+    return next(r.op for r in graph.op(node).region.ops if r.op.kind != "const")
