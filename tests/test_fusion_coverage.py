@@ -189,3 +189,42 @@ def test_an_epilogue_leaves_a_gate_computed_from_a_pending_softmax_to_fuse_rows(
     assert ("[fuse-attention] refused: mul (line 3) -> clamp (line 3): it is computed from softmax "
             "(line 3), which a later fusion can keep in registers with it; the epilogue takes values "
             "computed from the program's inputs [rule: profit]") in fn.explain()
+
+
+# --- dual GEMM -------------------------------------------------------------------------------
+
+SWIGLU = """kernel mlp(x: {dt}[M, K], w1: {dt}[F, K], w3: {dt}[F, K], w2: {dt}[N, F]) -> {dt}[M, N] {{
+    return (silu(x @ w1.T) * (x @ w3.T)) @ w2.T
+}}"""
+
+
+@pytest.mark.parametrize("dt", ["f32", "f16", "bf16"])
+@pytest.mark.parametrize("m, k, f, n", [(1, 1, 1, 1), (17, 33, 40, 23), (113, 64, 130, 17)])
+def test_swiglu_mlp_is_a_dual_gemm_and_a_gemm(dt, m, k, f, n):
+    tdt = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[dt]
+    w = lambda *s: randn(*s, dtype=tdt, scale=0.3)  # noqa: E731
+    fn, _ = run_checked(SWIGLU.format(dt=dt), w(m, k), w(f, k), w(f, k), w(n, f))
+    assert templates(fn) == ["matmul", "matmul"]
+    assert "plan gemm {matmul = %r0, a = %a0, b = %a1, dual = %r2 with b = %a2, epilogue = (%r1, %r3)}" \
+        in fn.ir("fused")
+
+
+def test_a_dual_gemm_with_operand_prologues_and_a_second_output():
+    src = """kernel f(x: f16[M, K], w1: f16[K, N], w3: f32[K, N], s: f32) -> (f32[M, N], f32[M, N]) {
+    a = cast(x, f32) * s
+    h = a @ cast(w1, f32)
+    g = a @ w3
+    return h * sigmoid(g), g
+}"""
+    for m, k, n in ((1, 1, 1), (17, 33, 23)):
+        fn, _ = run_checked(src, randn(m, k, dtype=torch.float16), randn(k, n, dtype=torch.float16),
+                            randn(k, n), s=0.7)
+        assert templates(fn) == ["matmul"]
+
+
+def test_matmuls_of_different_a_stay_apart():
+    fn, _ = run_checked("kernel f(x: f32[M, K], y: f32[M, K], w: f32[K, N]) -> f32[M, N] {\n"
+                        "    return (x @ w) * (y @ w)\n}", randn(17, 9), randn(17, 9), randn(9, 23))
+    assert templates(fn) == ["matmul", "matmul"]
+    assert ("[fuse-epilogue] refused: matmul (line 2) -> mul (line 2): a dual GEMM shares the A "
+            "operand; these multiply different ones [rule: op]") in fn.explain()

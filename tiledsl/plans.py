@@ -53,6 +53,17 @@ class RowPlan:
 
 
 @dataclass(frozen=True, slots=True)
+class DualB:
+    """A further matmul of the same A in a GEMM kernel (a dual GEMM: `x @ w1.T` and
+    `x @ w3.T` meeting in one epilogue), with its own B operand and accumulator."""
+
+    matmul: int
+    b: int
+    b_source: int
+    b_prologue: frozenset[int]
+
+
+@dataclass(frozen=True, slots=True)
 class GemmPlan:
     """C = A @ B with operand prologues and an epilogue on the f32 accumulator.
 
@@ -60,7 +71,8 @@ class GemmPlan:
     inputs their tiles are loaded from; `a_prologue`, `b_prologue`: the values
     each operand is computed from (source and scalars included), applied per
     loaded tile; `prologue_only`: prologue ops the epilogue does not read;
-    `epilogue`: the ops computed at the output tile, in order.
+    `epilogue`: the ops computed at the output tile, in order; `duals`: further
+    matmuls of the same `a` whose products the epilogue also reads.
     """
 
     matmul: int
@@ -72,10 +84,12 @@ class GemmPlan:
     b_prologue: frozenset[int]
     prologue_only: frozenset[int]
     epilogue: tuple[int, ...]
+    duals: tuple[DualB, ...] = ()  # more matmuls of A, one accumulator each
 
     @property
     def has_prologue(self) -> bool:
-        return self.a != self.a_source or self.b != self.b_source
+        return self.a != self.a_source or self.b != self.b_source or any(
+            d.b != d.b_source for d in self.duals)
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,7 +191,9 @@ def format_plan(plan: Plan, name) -> str:
         return (f"plan gemm {{matmul = {name(plan.matmul)}, "
                 f"a = {operand(plan.a, plan.a_source, plan.a_prologue)}, "
                 f"b = {operand(plan.b, plan.b_source, plan.b_prologue)}, "
-                f"epilogue = {names(plan.epilogue)}}}")
+                + "".join(f"dual = {name(d.matmul)} with b = {operand(d.b, d.b_source, d.b_prologue)}, "
+                          for d in plan.duals)
+                + f"epilogue = {names(plan.epilogue)}}}")
     bound = "none"
     if plan.bound is not None:
         c = plan.bound.constant

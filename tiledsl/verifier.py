@@ -138,7 +138,12 @@ def _verify_plan(k: KernelOp, fail) -> None:
         expect(plan.matmul, ("matmul",), "matmul")
         if region.ops[plan.matmul - n_in].operands != (plan.a, plan.b):
             fail(f"kernel @{k.name}: its plan's operands are not the matmul's", k.span)
-        for source, chain in ((plan.a_source, plan.a_prologue), (plan.b_source, plan.b_prologue)):
+        for d in plan.duals:
+            expect(d.matmul, ("matmul",), "dual matmul")
+            if region.ops[d.matmul - n_in].operands != (plan.a, d.b):
+                fail(f"kernel @{k.name}: a dual matmul does not share the A operand", k.span)
+        for source, chain in ((plan.a_source, plan.a_prologue), (plan.b_source, plan.b_prologue),
+                              *((d.b_source, d.b_prologue) for d in plan.duals)):
             expect(source, (None,), "operand source")
             if source not in chain:
                 fail(f"kernel @{k.name}: an operand source is outside its prologue", k.span)

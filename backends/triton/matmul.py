@@ -124,9 +124,11 @@ class GemmProgram:
         self.n_in = len(region.inputs)
         self.mm = plan.matmul
         self.op: Op = region.ops[self.mm - self.n_in].op
-        self.a_val, self.b_val = plan.a, plan.b
-        self.prologues = [plan.a_prologue, plan.b_prologue]
-        self.sources = [plan.a_source, plan.b_source]
+        # operand 0 is A; 1 is B; 2, 3, ... the B operands of the dual matmuls
+        self.prologues = [plan.a_prologue, plan.b_prologue, *(d.b_prologue for d in plan.duals)]
+        self.sources = [plan.a_source, plan.b_source, *(d.b_source for d in plan.duals)]
+        self.values = [plan.a, plan.b, *(d.b for d in plan.duals)]
+        self.matmuls = [self.mm, *(d.matmul for d in plan.duals)]  # one accumulator each
         # what each operand enters the dot as: the product's dtype, or an f8 operand as it is
         # (f8 products accumulate in f32, their result dtype)
         self.dots = [region.inputs[s].type.dtype if region.inputs[s].type.dtype.is_f8 else self.op.dtype
@@ -159,7 +161,7 @@ class GemmProgram:
         batch = " * ".join(sig.size(d) for d in self.batch if d != 1)
         body(f"tiles_all = tiles{f' * {batch}' if batch else ''}")
         # operands read as they are may come through TMA descriptors (`tma.py`)
-        descs = [self.descriptors(which) for which in (0, 1)]
+        descs = [self.descriptors(which) for which in range(len(self.sources))]
         # one tile per program, or (a persistent grid) every program-count-th tile
         body("for pid in range(tl.program_id(0), tiles_all, tl.num_programs(0)):")
         with body.indent():
@@ -168,8 +170,8 @@ class GemmProgram:
     def tile_body(self, descs: list[tma.Descriptors | None]) -> None:
         """One output tile: its indices, the K loop, the epilogue."""
         sig, body = self.sig, self.body
-        a_src, b_src = self.sources
-        a_type, b_type = self.region.inputs[a_src].type, self.region.inputs[b_src].type
+        a_src = self.sources[0]
+        a_type = self.region.inputs[a_src].type
         M, N, K = self.M, self.N, self.K
         body("pid_b = pid // tiles")
         body("t = pid % tiles")
@@ -187,32 +189,47 @@ class GemmProgram:
         body("rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)")
         body("rk = tl.arange(0, BLOCK_K)")
         a_tile = self.tile(self.refs[a_src], a_type.rank, "rm[:, None]", "rk[None, :]", "[BLOCK_M, BLOCK_K]")
-        b_tile = self.tile(self.refs[b_src], b_type.rank, "rk[:, None]", "rn[None, :]", "[BLOCK_K, BLOCK_N]")
         body(f"a_ptrs = {a_tile}")
-        body(f"b_ptrs = {b_tile}")
-        body("acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)")
+        names = self.operand_names()
+        for which in range(1, len(self.sources)):
+            src = self.sources[which]
+            b_tile = self.tile(self.refs[src], self.region.inputs[src].type.rank, "rk[:, None]",
+                               "rn[None, :]", "[BLOCK_K, BLOCK_N]")
+            body(f"{names[which]}_ptrs = {b_tile}")
+        accs = self.accumulators()
+        for acc in accs:
+            body(f"{acc} = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)")
         body(f"for k0 in range(0, {K}, BLOCK_K):")
         with body.indent():
             body(f"kmask = rk < {K} - k0")
             body(f"a_mask = (rm[:, None] < {M}) & kmask[None, :]")
             body(f"b_mask = kmask[:, None] & (rn[None, :] < {N})")
-            coords = (("pid_m * BLOCK_M", "k0"), ("k0", "pid_n * BLOCK_N"))
-            for which, name in enumerate("ab"):
-                with tma.load_or_pointers(self.em, descs[which], name, coords[which], self.bnames,
+            for which, name in enumerate(names):
+                coords = ("pid_m * BLOCK_M", "k0") if which == 0 else ("k0", "pid_n * BLOCK_N")
+                with tma.load_or_pointers(self.em, descs[which], name, coords, self.bnames,
                                           self.dots[which]):
-                    self.operand(name, which, f"{name}_mask")
-            body(f"acc = tl.dot(a, b, acc{self.precision()})")
-            for name, src, axis in (("a", a_src, -1), ("b", b_src, -2)):
-                step = self.refs[src].strides[axis]
+                    self.operand(name, which, "a_mask" if which == 0 else "b_mask")
+            for acc, name in zip(accs, names[1:], strict=True):
+                body(f"{acc} = tl.dot(a, {name}, {acc}{self.precision()})")
+            for which, (name, src) in enumerate(zip(names, self.sources, strict=True)):
+                step = self.refs[src].strides[-1 if which == 0 else -2]
                 if step is not None:
                     body(f"{name}_ptrs += BLOCK_K * {step}")
         # the epilogue runs on the two column halves of the tile in turn, so the D tiles it
         # loads and the values it computes live beside half the accumulator, not all of it
-        body("acc = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))")
-        body("acc_0, acc_1 = tl.split(acc)")
+        for acc in accs:
+            body(f"{acc} = tl.permute(tl.reshape({acc}, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))")
+            body(f"{acc}_0, {acc}_1 = tl.split({acc})")
         for half in (0, 1):
             body(f"rn = pid_n * BLOCK_N + {half} * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)")
-            self.epilogue(f"acc_{half}")
+            self.epilogue([f"{acc}_{half}" for acc in accs])
+
+    def operand_names(self) -> list[str]:
+        """The tile names of the operands: a, b, then b1, b2, ... for the dual matmuls."""
+        return ["a", "b", *(f"b{i}" for i in range(1, len(self.sources) - 1))]
+
+    def accumulators(self) -> list[str]:
+        return ["acc", *(f"acc{i}" for i in range(1, len(self.matmuls)))]
 
     def precision(self) -> str:
         if self.dots[0] is not DType.F32:
@@ -229,12 +246,12 @@ class GemmProgram:
         t = self.region.inputs[src].type
         if self.prologues[which] != {src} or not tma.eligible(t, self.dots[which]):
             return None
-        return tma.declare(self.sig, self.body, "ab"[which], src, self.refs[src], t,
-                           OPERAND_BLOCKS[which])
+        return tma.declare(self.sig, self.body, self.operand_names()[which], src, self.refs[src], t,
+                           OPERAND_BLOCKS[min(which, 1)])
 
     def operand(self, name: str, which: int, mask: str) -> str:
         """Load one operand tile, apply its prologue, and bring it to the dot's dtype."""
-        value = (self.a_val, self.b_val)[which]
+        value = self.values[which]
         return operand_tile(self.em, self.region, name, f"{name}_ptrs", mask, value,
                             self.sources[which], self.prologues[which], self.scalars, self.dots[which])
 
@@ -249,16 +266,16 @@ class GemmProgram:
             return "rn[None, :]"
         return self.bnames[dim]
 
-    def epilogue(self, acc: str) -> None:
-        """Elementwise ops on the accumulator `acc` (the columns `rn` of the output tile) and
-        the D tensors there, then stores."""
+    def epilogue(self, accs: list[str]) -> None:
+        """Elementwise ops on the accumulators `accs` (one per matmul, the columns `rn` of the
+        output tile) and the D tensors there, then stores."""
         em, region, body = self.em, self.region, self.body
         rank = len(self.shape)
         M, N = self.M, self.N
-        vals: dict[int, Val] = {self.mm: Val(acc, Compute.F32)}
+        vals: dict[int, Val] = {mm: Val(acc, Compute.F32) for mm, acc in zip(self.matmuls, accs, strict=True)}
         # prologue ops are done inside the K loop; an input may feed both an operand and the
         # epilogue, and so may a constant or scalar op, which the epilogue computes again
-        skip = self.plan.prologue_only | {self.mm}
+        skip = self.plan.prologue_only | set(self.matmuls)
         for i, inp in enumerate(region.inputs):
             if i in skip or not self._used_in_epilogue(i, skip):
                 continue
@@ -312,7 +329,8 @@ class GemmProgram:
         k_dim = self.region.inputs[self.sources[0]].type.shape[-1]
         dot = self.dots[0]
         batch = self.batch
-        wide = not self.plan.has_prologue  # 128 x 256 and 256 x 128 tiles
+        # 128 x 256 and 256 x 128 tiles: not with a prologue tile or a second accumulator
+        wide = not self.plan.has_prologue and not self.plan.duals
 
         def sizes(dims: Mapping[str, int]) -> tuple[int, int, int]:
             m, n, k = (evaluate(d, dims) for d in (shape[-2], shape[-1], k_dim))

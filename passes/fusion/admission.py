@@ -15,7 +15,7 @@ pass that grows one (fuse-epilogue, fuse-attention).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from tiledsl import ops
 from tiledsl.ir import Graph, KernelOp
@@ -27,15 +27,18 @@ from .remarks import Refusal, Rule
 
 
 def epilogue_refusal(graph: Graph, group: set[int], cand: int, shape: Shape, what: str,
-                     epilogue: Iterable[int]) -> Refusal | None:
+                     epilogue: Iterable[int], joins: Callable[[int], bool] | None = None,
+                     memo: dict | None = None) -> Refusal | None:
     """Why `cand` cannot join the epilogue of a kernel whose output (`what`) has `shape`.
 
     `epilogue`: the epilogue ops admitted so far; the extra tensors they and `cand`
-    read from outside the group count against `MAX_EPILOGUE_INPUTS`.
+    read from outside the group count against `MAX_EPILOGUE_INPUTS`. `joins`: ops the
+    kernel may take besides elementwise ones (the dual matmuls of a GEMM), which a producer
+    may be computed from; `memo`: the caller's memo for them (see `_pending_source`).
     """
     op = graph.op(cand)
     consumer = any(s in group for s in graph.operands(cand))
-    if not consumer and (source := _pending_source(graph, cand)) is not None:
+    if not consumer and (source := _pending_source(graph, cand, joins, memo)) is not None:
         return Refusal(Rule.PROFIT, f"it is computed from {describe_node(graph, source)}, which "
                        "a later fusion can keep in registers with it; the epilogue takes values "
                        "computed from the program's inputs")
@@ -69,13 +72,15 @@ def prologue_op_refusal(graph: Graph, cand: int, users_outside: bool) -> Refusal
     return None
 
 
-def _pending_source(graph: Graph, node: int) -> int | None:
+def _pending_source(graph: Graph, node: int, joins: Callable[[int], bool] | None = None,
+                    memo: dict | None = None) -> int | None:
     """The first op `node` is computed from, through elementwise ops and views, that no kernel
     computes yet and that is not elementwise (a reduction, a softmax, a matmul), or None when
     it is computed from inputs, constants and kernel results only: a side chain an epilogue
     can take without splitting what a later pass would fuse. Memoized until the graph
-    changes, so growing a group stays linear."""
-    memo = graph.memo("pending-source")
+    changes (or in `memo`, which a caller with `joins` owns), so growing a group stays
+    linear."""
+    memo = graph.memo("pending-source") if memo is None else memo
     stack = list(graph.operands(node))
     while stack:
         n = stack[-1]
@@ -83,7 +88,7 @@ def _pending_source(graph: Graph, node: int) -> int | None:
             stack.pop()
             continue
         op = graph.op(n)
-        if isinstance(op, KernelOp) or op.kind in ("param", "dim", "const"):
+        if isinstance(op, KernelOp) or op.kind in ("param", "dim", "const") or (joins and joins(n)):
             memo[n] = None
         elif ops.is_elementwise(op.kind) or ops.category(op.kind) is ops.Category.LAYOUT:
             pending = [o for o in graph.operands(n) if o not in memo]

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from tiledsl import ops
 from tiledsl.ir import Region
 from tiledsl.ops import Category
-from tiledsl.plans import GemmPlan, Plan, PointwisePlan, RowPlan
+from tiledsl.plans import DualB, GemmPlan, Plan, PointwisePlan, RowPlan
 from tiledsl.types import broadcast_shapes
 
 from .attention import attention_plan, operand_source
@@ -55,29 +55,38 @@ def row_plan(region: Region) -> RowPlan:
 
 
 def gemm_plan(region: Region) -> GemmPlan:
+    """The first matmul of the region, and any further ones of the same A (a dual GEMM)."""
     n_in = len(region.inputs)
-    (mm,) = [n_in + i for i, r in enumerate(region.ops) if ops.category(r.op.kind) is Category.MATMUL]
+    mm, *more = [n_in + i for i, r in enumerate(region.ops) if ops.category(r.op.kind) is Category.MATMUL]
     a, b = region.ops[mm - n_in].operands
     a_chain, b_chain = frozenset(region.depends(a)), frozenset(region.depends(b))
-    prologue_only = _prologue_only(region, mm, a_chain | b_chain)
+    duals = []
+    for m in more:
+        a_m, b_m = region.ops[m - n_in].operands
+        assert a_m == a, "the matmuls of a dual GEMM share their A operand"
+        chain = frozenset(region.depends(b_m))
+        duals.append(DualB(m, b_m, operand_source(region, chain), chain))
+    prologue = a_chain | b_chain | frozenset().union(*(d.b_prologue for d in duals))
+    matmuls = {mm, *more}
+    prologue_only = _prologue_only(region, matmuls, prologue)
     epilogue = tuple(v for v in range(n_in, n_in + len(region.ops))
-                     if v != mm and v not in prologue_only)
+                     if v not in matmuls and v not in prologue_only)
     return GemmPlan(mm, a, b, operand_source(region, a_chain), operand_source(region, b_chain),
-                    a_chain, b_chain, prologue_only, epilogue)
+                    a_chain, b_chain, prologue_only, epilogue, tuple(duals))
 
 
-def _prologue_only(region: Region, mm: int, prologue: frozenset[int]) -> frozenset[int]:
+def _prologue_only(region: Region, matmuls: set[int], prologue: frozenset[int]) -> frozenset[int]:
     """Prologue ops whose values the epilogue does not read (an input, a constant or a scalar
     op may feed both an operand and the epilogue, which then computes it again)."""
     n_in, body = len(region.inputs), region.ops
     ops_in = {v for v in prologue if v >= n_in}
     stack = list(region.outputs)
-    stack += [o for k, r in enumerate(body) if n_in + k not in ops_in and n_in + k != mm
+    stack += [o for k, r in enumerate(body) if n_in + k not in ops_in and n_in + k not in matmuls
               for o in r.operands]
     needed: set[int] = set()
     while stack:
         v = stack.pop()
-        if v in needed or v == mm or v < n_in:
+        if v in needed or v in matmuls or v < n_in:
             continue
         needed.add(v)
         stack.extend(body[v - n_in].operands)

@@ -39,6 +39,9 @@ from tiledsl import ops
 
 PROLOGUE_KINDS = frozenset(kind for kind, d in ops.OPS.items() if d.cheap)
 MAX_EPILOGUE_INPUTS = 8
+# a dual GEMM keeps one f32 accumulator tile per matmul in registers: two of 128 x 128 fill
+# a Hopper warpgroup pair's budget
+MAX_ACCUMULATORS = 2
 MAX_ROW_PHASES = 8
 MAX_ROW_OPS = 256
 # a kernel moving less than this (at sizes fixed in the program) is launch-bound: at ~3 TB/s
