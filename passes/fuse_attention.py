@@ -231,11 +231,19 @@ class _Match:
             for cand in dict.fromkeys([u for u, _ in graph.users(member)] + producers):
                 if cand in group or self.plan.grouped(cand) or not elementwise_candidate(graph, cand):
                     continue
+                # the score modification is computed per block of keys, the epilogue at the
+                # output: a value cannot be read in both
+                inner = [o for o in graph.operands(cand) if o in group and o != pv and o not in epilogue]
+                inner += [u for u, _ in graph.users(cand) if u in group and u not in epilogue]
                 why = epilogue_refusal(graph, group, cand, shape, "the attention output", epilogue)
+                if inner:
+                    why = Refusal(Rule.OTHER_INDEX, f"{describe_node(graph, inner[0])} is computed per "
+                                  "block of keys, the epilogue at the output")
                 if why is None:
                     why = self.plan.cycle_refusal(group, cand)
                 if why is not None:
-                    self.refuse(why.rule, member, cand, why.detail)
+                    producer, consumer = (cand, member) if cand in graph.operands(member) else (member, cand)
+                    self.refuse(why.rule, producer, consumer, why.detail)
                     continue
                 group.add(cand)
                 epilogue.add(cand)

@@ -28,12 +28,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tiledsl.ir import Graph
+from tiledsl import ops
+from tiledsl.ir import Graph, KernelOp, Op
 from tiledsl.passes.fusion.admission import epilogue_refusal, prologue_op_refusal
 from tiledsl.passes.fusion.grow import elementwise_candidate, fuse_groups
-from tiledsl.passes.fusion.legality import GroupPlan
+from tiledsl.passes.fusion.legality import GroupPlan, describe_node
 from tiledsl.passes.fusion.profitability import MAX_ACCUMULATORS
 from tiledsl.passes.fusion.remarks import Refusal, Rule
+from tiledsl.passes.regions import is_clonable
 from tiledsl.passes.registry import Pass, PassContext, register
 
 
@@ -44,35 +46,150 @@ class FuseEpilogue(Pass):
 
     def run(self, graph: Graph, ctx: PassContext) -> None:
         def candidate(node: int) -> bool:
-            return elementwise_candidate(graph, node) or _is_matmul(graph, node)
+            return elementwise_candidate(graph, node) or _is_matmul(graph, node) or _is_stat_kind(graph, node)
 
         def admit_for(plan: GroupPlan, seed: int):
-            matmuls = {seed}  # the seed and the dual matmuls admitted with it
-            prologue: set[int] = set()  # members feeding the matmuls' operands
-            memo: dict = {}  # producers' sources, with the duals this seed may take
-
-            def joins(node: int) -> bool:
-                return _is_matmul(graph, node) and _dual_refusal(graph, seed, set(), node) is None
-
-            def admit(group: set[int], cand: int) -> Refusal | None:
-                if _is_matmul(graph, cand):
-                    reason = _dual_refusal(graph, seed, matmuls, cand)
-                    if reason is None and not plan.creates_cycle(group, cand):
-                        matmuls.add(cand)
-                    return reason
-                reason = _admit(graph, group, cand, matmuls, prologue, joins, memo)
-                if reason is None and _is_prologue(graph, cand, matmuls, prologue):
-                    prologue.add(cand)
-                return reason
-
-            return admit
+            return _Kernel(graph, plan, seed).admit
 
         fuse_groups(graph, ctx.remarks, self.name, "matmul", lambda node: _is_matmul(graph, node),
                     candidate, admit_for)
 
 
+STAT_KINDS = ("sum", "mean")  # reductions a GEMM computes from its A tiles in the K loop
+
+
 def _is_matmul(graph: Graph, node: int) -> bool:
     return graph.op(node).kind == "matmul"
+
+
+def _is_stat_kind(graph: Graph, node: int) -> bool:
+    op = graph.op(node)
+    return isinstance(op, Op) and op.kind in STAT_KINDS
+
+
+class _Kernel:
+    """The GEMM kernel growing around one matmul: what each member is for."""
+
+    def __init__(self, graph: Graph, plan: GroupPlan, seed: int) -> None:
+        self.graph, self.plan, self.seed = graph, plan, seed
+        self.matmuls = {seed}  # the seed and the dual matmuls admitted with it
+        self.prologue: set[int] = set()  # members feeding the matmuls' operands or the stats
+        self.a_side: set[int] = set()  # ... those computed from A's tiles (stats included)
+        self.stats: set[int] = set()  # reductions of A's rows along K, done in the K loop
+        self.rows: set[int] = set()  # values of the rows' shape [..., M, 1], from the stats
+        self.memo: dict = {}  # producers' sources, with the duals this seed may take
+        product = graph.op(seed).shape
+        self.row_shape = product[:-1] + (1,)
+        self.a = graph.operands(seed)[0]
+
+    def joins(self, node: int) -> bool:
+        """Ops besides elementwise ones an epilogue producer may be computed from."""
+        return (_is_matmul(self.graph, node) and _dual_refusal(self.graph, self.seed, set(), node) is None) \
+            or (_is_stat_kind(self.graph, node) and self.stat_refusal(node) is None)
+
+    def admit(self, group: set[int], cand: int) -> Refusal | None:
+        graph = self.graph
+        if _is_matmul(graph, cand):
+            reason = _dual_refusal(graph, self.seed, self.matmuls, cand)
+            if reason is None and not self.plan.creates_cycle(group, cand):
+                self.matmuls.add(cand)
+            return reason
+        if _is_stat_kind(graph, cand):
+            reason = self.stat_refusal(cand) or self.users_outside(group, cand)
+            if reason is None:
+                self.stats.add(cand)
+                self.a_side.add(cand)
+            return reason
+        users = [(u, slot) for u, slot in graph.users(cand)]
+        consumers = self.matmuls | self.prologue | self.stats
+        if any(u in consumers for u, _ in users):  # a prologue op
+            if any(u in group and u not in consumers for u, _ in users):
+                return Refusal(Rule.OTHER_INDEX, "it feeds both a matmul operand and the epilogue")
+            on_a = any((u == self.seed or u in self.matmuls) and slot == 0 or u in self.a_side
+                       for u, slot in users)
+            k = graph.op(self.a).shape[-1] if on_a else None
+            reason = prologue_op_refusal(graph, cand, any(u not in group for u, _ in users), k_vectors=k)
+            if reason is None:
+                self.prologue.add(cand)
+                if on_a:
+                    self.a_side.add(cand)
+            return reason
+        if graph.op(cand).shape == self.row_shape and graph.op(cand).shape != graph.op(self.seed).shape:
+            reason = self.row_refusal(group, cand)
+            if reason is None:
+                self.rows.add(cand)
+            return reason
+        epilogue = [m for m in group if m not in consumers and m not in self.rows]
+        return epilogue_refusal(graph, group, cand, graph.op(self.seed).shape, "the product", epilogue,
+                                self.joins, self.memo, broadcast=self.rows | self.stats)
+
+    def users_outside(self, group: set[int], cand: int) -> Refusal | None:
+        if any(u not in group for u, _ in self.graph.users(cand)):
+            return Refusal(Rule.MATERIALIZE, "it is also used outside the GEMM, which only computes it "
+                           "row by row")
+        return None
+
+    def stat_refusal(self, node: int) -> Refusal | None:
+        """Why reduction `node` is not a statistic of A's rows the K loop can accumulate: a sum
+        or mean along K, keeping the dim, of cheap elementwise ops of A's source tensor."""
+        graph = self.graph
+        op = graph.op(node)
+        (x,) = graph.operands(node)
+        a_shape = graph.op(self.a).shape
+        if not op.attr("keepdims") or op.attr("axis") != len(graph.op(x).shape) - 1 \
+                or graph.op(x).shape != a_shape:
+            return Refusal(Rule.TILE, f"only a {' or '.join(STAT_KINDS)} of A's rows along K "
+                           "(keepdims=true) is computed in the K loop")
+        root = _operand_root(graph, x, a_shape)
+        if root is None or root != _operand_root(graph, self.a, a_shape):
+            return Refusal(Rule.OP, "the statistic is not computed from the tiles of A alone")
+        return None
+
+    def row_refusal(self, group: set[int], cand: int) -> Refusal | None:
+        """Why a value of the rows' shape cannot be computed at the output tile from the
+        statistics (and scalars, and row-shaped inputs)."""
+        graph = self.graph
+        if (outside := self.users_outside(group, cand)) is not None:
+            return outside
+        stack = list(graph.operands(cand))
+        seen: set[int] = set()
+        while stack:
+            n = stack.pop()
+            if n in seen or n in group:
+                continue
+            seen.add(n)
+            op = graph.op(n)
+            if isinstance(op, KernelOp) or op.kind in ("param", "dim", "const") or op.shape == ():
+                continue
+            if _is_stat_kind(graph, n):
+                why = self.stat_refusal(n)
+                if why is None:
+                    continue
+                return Refusal(why.rule, f"it is computed from {describe_node(graph, n)}: {why.detail}")
+            if ops.is_elementwise(op.kind) and op.shape == self.row_shape:
+                stack.extend(graph.operands(n))
+                continue
+            return Refusal(Rule.OTHER_INDEX, f"it is computed from {describe_node(graph, n)}, which the "
+                           "GEMM does not compute per row")
+        return None
+
+
+def _operand_root(graph: Graph, node: int, shape) -> int | None:
+    """The one tensor of `shape` that `node` is computed from through elementwise ops (the
+    source a prologue or statistic reads), or None."""
+    roots: set[int] = set()
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        op = graph.op(n)
+        if isinstance(op, Op) and ops.is_elementwise(op.kind) and not is_clonable(graph, n):
+            stack.extend(graph.operands(n))
+        elif graph.result_type(n).shape == shape:
+            roots.add(n)
+    return roots.pop() if len(roots) == 1 else None
 
 
 def _dual_refusal(graph: Graph, seed: int, matmuls: set[int], cand: int) -> Refusal | None:
@@ -86,21 +203,3 @@ def _dual_refusal(graph: Graph, seed: int, matmuls: set[int], cand: int) -> Refu
     if len(matmuls) >= MAX_ACCUMULATORS:
         return Refusal(Rule.PROFIT, f"a GEMM kernel holds at most {MAX_ACCUMULATORS} accumulators")
     return None
-
-
-def _is_prologue(graph: Graph, cand: int, matmuls: set[int], prologue: set[int]) -> bool:
-    """Does `cand` feed a matmul's operands (directly or through the prologue)?"""
-    return any(u in matmuls or u in prologue for u, _ in graph.users(cand))
-
-
-def _admit(graph: Graph, group: set[int], cand: int, matmuls: set[int], prologue: set[int],
-           joins, memo: dict) -> Refusal | None:
-    users = [u for u, _ in graph.users(cand)]
-    if _is_prologue(graph, cand, matmuls, prologue):
-        if any(u in group and u not in matmuls and u not in prologue for u in users):
-            return Refusal(Rule.OTHER_INDEX, "it feeds both a matmul operand and the epilogue")
-        return prologue_op_refusal(graph, cand, any(u not in group for u in users))
-    epilogue = [m for m in group if m not in matmuls and m not in prologue]
-    seed = min(matmuls)
-    return epilogue_refusal(graph, group, cand, graph.op(seed).shape, "the product", epilogue,
-                            joins, memo)

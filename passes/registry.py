@@ -121,6 +121,7 @@ def _load_builtin_passes() -> None:
         fuse_epilogue,
         fuse_horizontal,
         fuse_rows,
+        hoist_row_scale,
         lower_kernels,
         online_softmax,
         recompute,

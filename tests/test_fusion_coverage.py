@@ -186,7 +186,7 @@ def test_an_epilogue_leaves_a_gate_computed_from_a_pending_softmax_to_fuse_rows(
     assert [(k.template, [op.kind for op in k.ops]) for k in fn.kernels] == [
         ("rows", ["softmax", "clamp"]),
         ("attention", ["matmul", "rsqrt", "mul", "softmax", "matmul", "mul"])]
-    assert ("[fuse-attention] refused: mul (line 3) -> clamp (line 3): it is computed from softmax "
+    assert ("[fuse-attention] refused: clamp (line 3) -> mul (line 3): it is computed from softmax "
             "(line 3), which a later fusion can keep in registers with it; the epilogue takes values "
             "computed from the program's inputs [rule: profit]") in fn.explain()
 
@@ -228,3 +228,59 @@ def test_matmuls_of_different_a_stay_apart():
     assert templates(fn) == ["matmul", "matmul"]
     assert ("[fuse-epilogue] refused: matmul (line 2) -> mul (line 2): a dual GEMM shares the A "
             "operand; these multiply different ones [rule: op]") in fn.explain()
+
+
+# --- norm -> GEMM: the row scale hoisted, the statistic in the K loop ----------------------------
+
+RMS_QKV = """kernel f(x: {dt}[M, K], g: {dt}[K], w: {dt}[N, K]) -> {dt}[M, N] {{
+    xf = cast(x, f32)
+    y = xf * rsqrt(mean(xf * xf, axis=-1, keepdims=true) + 1e-6) * g
+    return cast(y, {dt}) @ w.T
+}}"""
+
+
+@pytest.mark.parametrize("dt", ["f16", "bf16", "f32"])
+@pytest.mark.parametrize("m, k, n", [(1, 1, 1), (17, 33, 23), (113, 64, 130)])
+def test_rmsnorm_then_projection_is_one_gemm(dt, m, k, n):
+    tdt = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[dt]
+    fn, _ = run_checked(RMS_QKV.format(dt=dt), randn(m, k, dtype=tdt), randn(k, dtype=tdt),
+                        randn(n, k, dtype=tdt, scale=0.2))
+    assert templates(fn) == ["matmul"]
+    report = fn.explain()
+    assert "rewrites:\n  [hoist-row-scale] fused: rsqrt (line 3) -> matmul (line 4): the row scale" in report
+
+
+def test_a_prenorm_block_is_three_kernels():
+    src = """kernel block(x: f16[M, K], g1: f16[K], wqkv: f16[N, K], wo: f16[K, N],
+                   g2: f16[K]) -> (f16[M, N], f16[M, K]) {
+    xf = cast(x, f32)
+    h = cast(xf * rsqrt(mean(xf * xf, axis=-1, keepdims=true) + 1e-6) * g1, f16)
+    qkv = h @ wqkv.T
+    r = qkv @ wo.T + x
+    rf = cast(r, f32)
+    out = cast(rf * rsqrt(mean(rf * rf, axis=-1, keepdims=true) + 1e-6) * g2, f16)
+    return qkv, out
+}"""
+    h = lambda *s, scale=1.0: randn(*s, dtype=torch.float16, scale=scale)  # noqa: E731
+    for m, k, n in ((1, 1, 1), (17, 33, 23)):
+        fn, _ = run_checked(src, h(m, k), h(k), h(n, k, scale=0.2), h(k, n, scale=0.2), h(k))
+        assert templates(fn) == ["matmul", "matmul", "rows"]
+
+
+def test_row_and_column_scales_of_a_are_one_gemm():
+    for src in ("kernel f(x: f32[M, K], s: f32[M, 1], w: f32[K, N]) -> f32[M, N] { return (x * s) @ w }",
+                "kernel f(x: f32[M, K], s: f32[K], w: f32[K, N]) -> f32[M, N] { return (x * s) @ w }"):
+        for m, k, n in ((1, 1, 1), (17, 33, 23)):
+            s = randn(m, 1) if "s: f32[M, 1]" in src else randn(k)
+            fn, _ = run_checked(src, randn(m, k), s, randn(k, n))
+            assert templates(fn) == ["matmul"]
+
+
+def test_a_statistic_of_another_tensor_is_not_computed_in_the_k_loop():
+    src = """kernel f(x: f32[M, K], y: f32[M, K], w: f32[K, N]) -> f32[M, N] {
+    return (x * rsqrt(mean(y * y, axis=-1, keepdims=true) + 1e-6)) @ w
+}"""
+    fn, _ = run_checked(src, randn(17, 33), randn(17, 33), randn(33, 23))
+    assert templates(fn) == ["rows", "matmul"]
+    assert ("[fuse-epilogue] refused: rsqrt (line 2) -> mul (line 2): it is computed from mean (line 2): "
+            "the statistic is not computed from the tiles of A alone [rule: op]") in fn.explain()

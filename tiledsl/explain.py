@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 FUSION_PASSES = ("fuse-elementwise", "fuse-epilogue", "fuse-rows", "online-softmax", "fuse-attention")
 # passes whose decisions the kernel list alone does not show: values computed again by their
 # readers, independent kernels merged
-REWRITE_PASSES = ("recompute", "fuse-horizontal")
+REWRITE_PASSES = ("hoist-row-scale", "recompute", "fuse-horizontal")
 
 
 def _name(graph: Graph, node: int, res: int) -> str:
@@ -149,10 +149,14 @@ def _refusals(program: Program, graph: Graph) -> list[str]:
             for rop in region.ops:
                 if slot in rop.operands and (prod_op, rop.op) not in covered:
                     covered.add((prod_op, rop.op))
-                    out.append(f"{describe(prod_op)} -> {describe(rop.op)}: no fusion pass joins a "
-                               f"{producer.template} kernel ({producer.name}) to a {consumer.template} "
-                               f"kernel ({consumer.name}) [rule: op]")
+                    out.append(f"{describe(prod_op)} -> {describe(rop.op)}: no fusion pass joins "
+                               f"{_a(producer.template)} kernel ({producer.name}) to "
+                               f"{_a(consumer.template)} kernel ({consumer.name}) [rule: op]")
     return out
+
+
+def _a(word: str) -> str:
+    return ("an " if word[0] in "aeiou" else "a ") + word
 
 
 def _through_views(graph: Graph, node: int, res: int) -> tuple[int, int]:

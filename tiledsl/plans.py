@@ -85,6 +85,10 @@ class GemmPlan:
     prologue_only: frozenset[int]
     epilogue: tuple[int, ...]
     duals: tuple[DualB, ...] = ()  # more matmuls of A, one accumulator each
+    # sums and means of A's rows along K, accumulated in the K loop from A's source tiles
+    # (through `stat_chain`, the ops they are computed from); the epilogue reads them per row
+    row_stats: tuple[int, ...] = ()
+    stat_chain: frozenset[int] = frozenset()
 
     @property
     def has_prologue(self) -> bool:
@@ -193,6 +197,8 @@ def format_plan(plan: Plan, name) -> str:
                 f"b = {operand(plan.b, plan.b_source, plan.b_prologue)}, "
                 + "".join(f"dual = {name(d.matmul)} with b = {operand(d.b, d.b_source, d.b_prologue)}, "
                           for d in plan.duals)
+                + (f"row_stats = {names(plan.row_stats)} of {names(plan.stat_chain)}, "
+                   if plan.row_stats else "")
                 + f"epilogue = {names(plan.epilogue)}}}")
     bound = "none"
     if plan.bound is not None:

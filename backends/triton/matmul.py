@@ -80,20 +80,29 @@ def tile_ptrs(ref: TensorRef, rank: int, bnames: list[str | None], rows: str, co
 
 
 def operand_tile(em: Emitter, region: Region, name: str, ptrs: str, mask: str, value: int, src: int,
-                 chain: set[int], scalars: Mapping[int, str], dot: DType) -> str:
+                 chain: set[int], scalars: Mapping[int, str], dot: DType,
+                 vectors: Mapping[int, str] | None = None, keep: dict[int, Val] | None = None) -> str:
     """Load a dot operand tile of `src` into `name`, apply the prologue `chain` (the values
     `value` is computed from: elementwise ops with scalars, and transposes, which the
     pointers already account for) in f32, and bring it to the dot's dtype. The prologue
-    result is masked back to 0 outside the tile, so tails add nothing to the dot."""
+    result is masked back to 0 outside the tile, so tails add nothing to the dot.
+
+    `vectors`: inputs read along K (an A prologue's `g: [K]`), as source text of their
+    loaded value for this step; `keep`: when given, the chain's values are left there, with
+    any values it already names computed too (a GEMM's row statistics of the same tile)."""
     body, n_in = em.code, len(region.inputs)
     src_type = region.inputs[src].type
     body(f"{name} = tl.load({ptrs}, mask={mask}, other=0.0)")
-    if value != src:
+    wanted = set(chain) | (set(keep) if keep else set())
+    if value != src or keep:
         vals = {src: em.assign(em.widen(name, src_type.dtype), compute_type(src_type.dtype))}
-        for i in chain:
+        for i in wanted:
             if i < n_in and i != src:
-                vals[i] = em.scalar(scalars[i], region.inputs[i].type.dtype)
-        for v in sorted(v for v in chain if v >= n_in):
+                if vectors is not None and i in vectors:
+                    vals[i] = em.load(vectors[i], region.inputs[i].type)
+                else:
+                    vals[i] = em.scalar(scalars[i], region.inputs[i].type.dtype)
+        for v in sorted(v for v in wanted if v >= n_in):
             rop = region.ops[v - n_in]
             if rop.op.kind == "transpose":
                 vals[v] = vals[rop.operands[0]]
@@ -102,6 +111,9 @@ def operand_tile(em: Emitter, region: Region, name: str, ptrs: str, mask: str, v
             else:
                 types = tuple(region.value_type(o) for o in rop.operands)
                 vals[v] = em.op(rop.op, [vals[o] for o in rop.operands], types)
+        if keep is not None:
+            keep.update(vals)
+    if value != src:
         result = em.tensor(em.convert(vals[value], compute_type(dot)))
         body(f"{name} = tl.where({mask}, {em.narrow(result.text, dot)}, 0.0)")
     elif src_type.dtype is not dot:  # mixed operands meet in the promoted dtype (f32)
@@ -129,6 +141,7 @@ class GemmProgram:
         self.sources = [plan.a_source, plan.b_source, *(d.b_source for d in plan.duals)]
         self.values = [plan.a, plan.b, *(d.b for d in plan.duals)]
         self.matmuls = [self.mm, *(d.matmul for d in plan.duals)]  # one accumulator each
+        self.stats = plan.row_stats  # sums and means of A's rows, accumulated in the K loop
         # what each operand enters the dot as: the product's dtype, or an f8 operand as it is
         # (f8 products accumulate in f32, their result dtype)
         self.dots = [region.inputs[s].type.dtype if region.inputs[s].type.dtype.is_f8 else self.op.dtype
@@ -199,6 +212,8 @@ class GemmProgram:
         accs = self.accumulators()
         for acc in accs:
             body(f"{acc} = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)")
+        for j in range(len(self.stats)):
+            body(f"stat{j} = tl.zeros([BLOCK_M], dtype=tl.float32)")
         body(f"for k0 in range(0, {K}, BLOCK_K):")
         with body.indent():
             body(f"kmask = rk < {K} - k0")
@@ -215,6 +230,9 @@ class GemmProgram:
                 step = self.refs[src].strides[-1 if which == 0 else -2]
                 if step is not None:
                     body(f"{name}_ptrs += BLOCK_K * {step}")
+        for j, v in enumerate(self.stats):
+            if self.region.ops[v - self.n_in].op.kind == "mean":
+                body(f"stat{j} = stat{j} / {K}")
         # the epilogue runs on the two column halves of the tile in turn, so the D tiles it
         # loads and the values it computes live beside half the accumulator, not all of it
         for acc in accs:
@@ -244,7 +262,8 @@ class GemmProgram:
         prologue)."""
         src = self.sources[which]
         t = self.region.inputs[src].type
-        if self.prologues[which] != {src} or not tma.eligible(t, self.dots[which]):
+        if self.prologues[which] != {src} or not tma.eligible(t, self.dots[which]) or (
+                which == 0 and self.stats):
             return None
         return tma.declare(self.sig, self.body, self.operand_names()[which], src, self.refs[src], t,
                            OPERAND_BLOCKS[min(which, 1)])
@@ -252,8 +271,27 @@ class GemmProgram:
     def operand(self, name: str, which: int, mask: str) -> str:
         """Load one operand tile, apply its prologue, and bring it to the dot's dtype."""
         value = self.values[which]
-        return operand_tile(self.em, self.region, name, f"{name}_ptrs", mask, value,
-                            self.sources[which], self.prologues[which], self.scalars, self.dots[which])
+        if which != 0:
+            return operand_tile(self.em, self.region, name, f"{name}_ptrs", mask, value,
+                                self.sources[which], self.prologues[which], self.scalars, self.dots[which])
+        # A: its prologue may read vectors along K, and the row statistics are summed from
+        # the same tile
+        region, n_in = self.region, self.n_in
+        vectors = {}
+        for i in self.prologues[0] | self.plan.stat_chain:
+            inp = region.inputs[i] if i < n_in else None
+            if inp is not None and i != self.sources[0] and not inp.scalar and inp.type.rank > 0:
+                ref = self.refs[i]
+                offset = ref.offset([None] * (inp.type.rank - 1) + ["(k0 + rk)[None, :]"])
+                vectors[i] = f"tl.load({ref.ptr} + {offset}, mask=kmask[None, :], other=0.0)"
+        keep = dict.fromkeys(self.plan.stat_chain) if self.stats else None
+        operand_tile(self.em, region, name, f"{name}_ptrs", mask, value, self.sources[0],
+                     self.prologues[0], self.scalars, self.dots[0], vectors, keep)
+        for j, v in enumerate(self.stats):
+            (x,) = region.ops[v - n_in].operands
+            term = self.em.tensor(self.em.convert(keep[x], Compute.F32)).text
+            self.body(f"stat{j} += tl.sum(tl.where({mask}, {term}, 0.0), 1)")
+        return name
 
     def out_index(self, dim: int) -> str | None:
         """Index of an output dim at the tile: batch scalars, rows, columns."""
@@ -273,9 +311,10 @@ class GemmProgram:
         rank = len(self.shape)
         M, N = self.M, self.N
         vals: dict[int, Val] = {mm: Val(acc, Compute.F32) for mm, acc in zip(self.matmuls, accs, strict=True)}
+        vals.update({v: Val(f"stat{j}[:, None]", Compute.F32) for j, v in enumerate(self.stats)})
         # prologue ops are done inside the K loop; an input may feed both an operand and the
         # epilogue, and so may a constant or scalar op, which the epilogue computes again
-        skip = self.plan.prologue_only | set(self.matmuls)
+        skip = self.plan.prologue_only | set(self.matmuls) | set(self.stats)
         for i, inp in enumerate(region.inputs):
             if i in skip or not self._used_in_epilogue(i, skip):
                 continue

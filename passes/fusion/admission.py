@@ -28,13 +28,14 @@ from .remarks import Refusal, Rule
 
 def epilogue_refusal(graph: Graph, group: set[int], cand: int, shape: Shape, what: str,
                      epilogue: Iterable[int], joins: Callable[[int], bool] | None = None,
-                     memo: dict | None = None) -> Refusal | None:
+                     memo: dict | None = None, broadcast: set[int] = frozenset()) -> Refusal | None:
     """Why `cand` cannot join the epilogue of a kernel whose output (`what`) has `shape`.
 
     `epilogue`: the epilogue ops admitted so far; the extra tensors they and `cand`
     read from outside the group count against `MAX_EPILOGUE_INPUTS`. `joins`: ops the
     kernel may take besides elementwise ones (the dual matmuls of a GEMM), which a producer
-    may be computed from; `memo`: the caller's memo for them (see `_pending_source`).
+    may be computed from; `memo`: the caller's memo for them (see `_pending_source`);
+    `broadcast`: members the kernel computes per row, which ops may read broadcast.
     """
     op = graph.op(cand)
     consumer = any(s in group for s in graph.operands(cand))
@@ -48,7 +49,7 @@ def epilogue_refusal(graph: Graph, group: set[int], cand: int, shape: Shape, wha
                            f"{format_shape(op.shape)} to {format_shape(shape)}")
         return Refusal(Rule.TILE, f"its result {format_shape(op.shape)} is not {what}'s "
                        f"{format_shape(shape)}")
-    why = reads_other_index(graph, cand, group)
+    why = reads_other_index(graph, cand, set(group) - broadcast)
     if why:
         return Refusal(Rule.OTHER_INDEX, why)
     extra = {e for m in (*epilogue, cand) for e in graph.operand_edges(m)
@@ -59,13 +60,18 @@ def epilogue_refusal(graph: Graph, group: set[int], cand: int, shape: Shape, wha
     return None
 
 
-def prologue_op_refusal(graph: Graph, cand: int, users_outside: bool) -> Refusal | None:
-    """Why `cand` cannot be applied to each loaded tile of a dot operand."""
+def prologue_op_refusal(graph: Graph, cand: int, users_outside: bool,
+                        k_vectors: object | None = None) -> Refusal | None:
+    """Why `cand` cannot be applied to each loaded tile of a dot operand. `k_vectors`: the K
+    dim of an A operand, whose prologue may also read vectors along K (`x * g` with `g: [K]`),
+    loaded once per K step."""
     op = graph.op(cand)
     why = prologue_refusal(op.kind, users_outside)
     if why:
         return Refusal(Rule.PROFIT, why)
-    tensors = [s for s in graph.operand_edges(cand) if graph.result_type(*s).rank > 0]
+    tensors = list(dict.fromkeys(  # one tensor read twice (`x * x`) is one tensor
+        s for s in graph.operand_edges(cand) if graph.result_type(*s).rank > 0
+        and not (k_vectors is not None and _along_k(graph.result_type(*s).shape, k_vectors))))
     if len(tensors) != 1 or graph.result_type(*tensors[0]).shape != op.shape:
         return Refusal(Rule.OTHER_INDEX,
                        "a prologue reads one operand tensor element for element (plus scalars)")
@@ -100,3 +106,8 @@ def _pending_source(graph: Graph, node: int, joins: Callable[[int], bool] | None
             memo[n] = n
         stack.pop()
     return next((memo[o] for o in graph.operands(node) if memo[o] is not None), None)
+
+
+def _along_k(shape, k) -> bool:
+    """A vector along A's K dim: [K], or [1, ..., 1, K]."""
+    return len(shape) >= 1 and shape[-1] == k and all(d == 1 for d in shape[:-1])

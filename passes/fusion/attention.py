@@ -41,9 +41,12 @@ def attention_plan(region: Region) -> AttentionPlan:
 
 
 def operand_source(region: Region, chain: frozenset[int]) -> int:
-    """The one tensor input a dot operand is loaded from (its prologue adds only scalars)."""
+    """The one tensor input a dot operand is loaded from (its prologue adds only scalars and,
+    for a GEMM's A, vectors along K: [1, ..., 1, K])."""
     tensors = [v for v in chain if v < len(region.inputs) and not region.inputs[v].scalar
                and region.inputs[v].type.rank > 0]
+    if len(tensors) > 1:
+        tensors = [v for v in tensors if any(d != 1 for d in region.inputs[v].type.shape[:-1])]
     assert len(tensors) == 1, "a dot operand is computed from one tensor"
     return tensors[0]
 

@@ -66,13 +66,17 @@ def gemm_plan(region: Region) -> GemmPlan:
         assert a_m == a, "the matmuls of a dual GEMM share their A operand"
         chain = frozenset(region.depends(b_m))
         duals.append(DualB(m, b_m, operand_source(region, chain), chain))
-    prologue = a_chain | b_chain | frozenset().union(*(d.b_prologue for d in duals))
+    # statistics of A's rows (`hoist-row-scale`'s norms), accumulated in the K loop from the
+    # same loaded tiles; the ops they are computed from run there too
+    stats = tuple(n_in + i for i, r in enumerate(region.ops) if ops.category(r.op.kind) is Category.REDUCTION)
+    stat_chain = frozenset().union(*(region.depends(region.ops[v - n_in].operands[0]) for v in stats))
+    prologue = a_chain | b_chain | frozenset().union(*(d.b_prologue for d in duals)) | stat_chain
     matmuls = {mm, *more}
-    prologue_only = _prologue_only(region, matmuls, prologue)
+    prologue_only = _prologue_only(region, matmuls | set(stats), prologue)
     epilogue = tuple(v for v in range(n_in, n_in + len(region.ops))
-                     if v not in matmuls and v not in prologue_only)
+                     if v not in matmuls and v not in prologue_only and v not in stats)
     return GemmPlan(mm, a, b, operand_source(region, a_chain), operand_source(region, b_chain),
-                    a_chain, b_chain, prologue_only, epilogue, tuple(duals))
+                    a_chain, b_chain, prologue_only, epilogue, tuple(duals), stats, stat_chain)
 
 
 def _prologue_only(region: Region, matmuls: set[int], prologue: frozenset[int]) -> frozenset[int]:
