@@ -5,6 +5,8 @@
 
 Runs attention (against SDPA's flash backend, SDPA's default and eager math),
 GEMM + multi-D epilogue (against torch.matmul alone, eager and torch.compile),
+the dual GEMM and the norm -> GEMM rewrite (against tiledsl without them, eager and
+torch.compile),
 row softmax (against torch.softmax and a device copy) and host overhead
 (against Triton's own dispatch and torch eager). Every baseline is timed in
 the same run on the same inputs, and every ratio is baseline time / tiledsl
@@ -25,6 +27,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import attention  # noqa: E402
+import fusion_rewrites  # noqa: E402
 import gemm_epilogue  # noqa: E402
 import host_overhead  # noqa: E402
 import softmax  # noqa: E402
@@ -37,6 +40,8 @@ BASELINES = {
     "gemm_epilogue": (("matmul_ms", "torch.matmul alone"), ("eager_ms", "eager"),
                       ("compile_ms", "torch.compile")),
     "softmax": (("torch_softmax_ms", "torch.softmax"), ("copy_ms", "device copy")),
+    "fusion_rewrites": (("unfused_ms", "tiledsl unfused"), ("eager_ms", "eager"),
+                        ("compile_ms", "torch.compile")),
 }
 
 
@@ -46,6 +51,9 @@ def case(bench: str, row: dict) -> str:
         return f"{row['dtype']} B={row['B']} H={row['H']} N={row['N']} D={row['D']}{mask}"
     if bench == "gemm_epilogue":
         return f"{row['dtype']} {row['M']}x{row['N']}x{row['K']}"
+    if bench == "fusion_rewrites":
+        return (f"{row['program']} {row['dtype']} {row['size']} ({row['kernels']} vs "
+                f"{row['unfused_kernels']} kernels)")
     return f"{row['dtype']} {row['M']}x{row['N']}" + (" one pass" if row.get("one_pass") else "")
 
 
@@ -70,6 +78,8 @@ def goal_misses(bench: str, row: dict, rows: list[dict]) -> list[str]:
             misses.append("causal > 0.55x non-causal")
     if bench == "gemm_epilogue" and row["ours_ms"] > 1.05 * row["matmul_ms"]:
         misses.append("> 1.05x torch.matmul")
+    if bench == "fusion_rewrites" and row["ours_ms"] > row["unfused_ms"]:
+        misses.append("slower than unfused")
     if bench == "softmax":
         if row["ours_ms"] > row["torch_softmax_ms"]:
             misses.append("slower than torch.softmax")
@@ -123,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     results["kernels"]["attention"] = attention.measure(args.device, args.quick)
     results["kernels"]["gemm_epilogue"] = gemm_epilogue.measure(args.device, args.quick)
     results["kernels"]["softmax"] = softmax.measure(args.device, args.quick)
+    results["kernels"]["fusion_rewrites"] = fusion_rewrites.measure(args.device, args.quick)
     results["host_overhead"] = host_overhead.measure(3 if args.quick else 2000)
     results["seconds"] = round(time.perf_counter() - start, 1)
     print(f"tiledsl benchmarks on {device_name}, torch {torch.__version__}, "

@@ -43,13 +43,14 @@ from tiledsl.passes.registry import Pass, PassContext, register
 @dataclass(frozen=True)
 class FuseEpilogue(Pass):
     name = "fuse-epilogue"
+    dual_gemm: bool = True  # false: one matmul per kernel (the benchmarks' unfused baseline)
 
     def run(self, graph: Graph, ctx: PassContext) -> None:
         def candidate(node: int) -> bool:
             return elementwise_candidate(graph, node) or _is_matmul(graph, node) or _is_stat_kind(graph, node)
 
         def admit_for(plan: GroupPlan, seed: int):
-            return _Kernel(graph, plan, seed).admit
+            return _Kernel(graph, plan, seed, 2 if self.dual_gemm else 1).admit
 
         fuse_groups(graph, ctx.remarks, self.name, "matmul", lambda node: _is_matmul(graph, node),
                     candidate, admit_for)
@@ -70,8 +71,9 @@ def _is_stat_kind(graph: Graph, node: int) -> bool:
 class _Kernel:
     """The GEMM kernel growing around one matmul: what each member is for."""
 
-    def __init__(self, graph: Graph, plan: GroupPlan, seed: int) -> None:
+    def __init__(self, graph: Graph, plan: GroupPlan, seed: int, accumulators: int) -> None:
         self.graph, self.plan, self.seed = graph, plan, seed
+        self.accumulators = min(accumulators, MAX_ACCUMULATORS)
         self.matmuls = {seed}  # the seed and the dual matmuls admitted with it
         self.prologue: set[int] = set()  # members feeding the matmuls' operands or the stats
         self.a_side: set[int] = set()  # ... those computed from A's tiles (stats included)
@@ -90,7 +92,7 @@ class _Kernel:
     def admit(self, group: set[int], cand: int) -> Refusal | None:
         graph = self.graph
         if _is_matmul(graph, cand):
-            reason = _dual_refusal(graph, self.seed, self.matmuls, cand)
+            reason = _dual_refusal(graph, self.seed, self.matmuls, cand, self.accumulators)
             if reason is None and not self.plan.creates_cycle(group, cand):
                 self.matmuls.add(cand)
             return reason
@@ -192,7 +194,8 @@ def _operand_root(graph: Graph, node: int, shape) -> int | None:
     return roots.pop() if len(roots) == 1 else None
 
 
-def _dual_refusal(graph: Graph, seed: int, matmuls: set[int], cand: int) -> Refusal | None:
+def _dual_refusal(graph: Graph, seed: int, matmuls: set[int], cand: int,
+                  accumulators: int = MAX_ACCUMULATORS) -> Refusal | None:
     """Why matmul `cand` cannot share the kernel of `seed` as a dual GEMM (its own
     accumulator over the same A tiles)."""
     first, other = graph.op(seed), graph.op(cand)
@@ -200,6 +203,8 @@ def _dual_refusal(graph: Graph, seed: int, matmuls: set[int], cand: int) -> Refu
         return Refusal(Rule.OP, "a dual GEMM shares the A operand; these multiply different ones")
     if other.shape != first.shape or other.dtype is not first.dtype:
         return Refusal(Rule.TILE, f"its product {other.type} is not the kernel's {first.type}")
-    if len(matmuls) >= MAX_ACCUMULATORS:
-        return Refusal(Rule.PROFIT, f"a GEMM kernel holds at most {MAX_ACCUMULATORS} accumulators")
+    if accumulators == 1:
+        return Refusal(Rule.OP, "dual GEMMs are off in this pipeline (fuse-epilogue{dual-gemm=false})")
+    if len(matmuls) >= accumulators:
+        return Refusal(Rule.PROFIT, f"a GEMM kernel holds at most {accumulators} accumulators")
     return None

@@ -20,6 +20,14 @@ def test_gemm_epilogue_smoke_run(capsys):
     assert [line.split()[3] for line in lines[2:]] == ["f16", "bf16"]
 
 
+def test_fusion_rewrites_smoke_run(capsys):
+    assert load("fusion_rewrites").main(["--device", "cpu", "--quick"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split("|")[0].split() == ["program", "dtype", "size"]
+    assert [line.split()[:2] for line in lines[2:]] == [["swiglu", "f16"], ["swiglu", "bf16"],
+                                                        ["rms_proj", "f16"], ["rms_proj", "bf16"]]
+
+
 def test_compile_time_smoke_run(capsys):
     load("compile_time").main(["--quick", "--repeat", "2"])
     out = capsys.readouterr().out
@@ -63,9 +71,10 @@ def test_run_all_smoke_run(capsys, tmp_path):
     rows = [line.split("|")[1].strip() for line in lines[3:]]
     assert rows.count("attention") == 12 and rows.count("gemm_epilogue") == 6
     assert rows.count("softmax") == 4 and rows.count("host overhead") == 5
+    assert rows.count("fusion_rewrites") == 12
     assert "| f16 B=1 H=2 N=77 D=64 causal |" in lines[6] and "SDPA flash n/a | n/a | n/a (no GPU) |" in lines[6]
     result = json.loads(out_json.read_text())
-    assert sorted(result["kernels"]) == ["attention", "gemm_epilogue", "softmax"]
+    assert sorted(result["kernels"]) == ["attention", "fusion_rewrites", "gemm_epilogue", "softmax"]
     assert all("ours_ms" in row for rows in result["kernels"].values() for row in rows)
     assert sorted(result["host_overhead"]) == ["attention", "gemm_multiply_multiply", "gqa_attention", "rmsnorm",
                                               "softmax"]
