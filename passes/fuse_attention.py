@@ -36,6 +36,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from tiledsl import ops
 from tiledsl.ir import Graph, Op
 from tiledsl.passes.fusion.admission import epilogue_refusal, prologue_op_refusal
 from tiledsl.passes.fusion.grow import elementwise_candidate, rewrite_groups
@@ -59,7 +60,35 @@ class FuseAttention(Pass):
                 members = _Match(graph, plan, node, ctx.remarks).members()
                 if members is not None:
                     plan.add_group(members)
+        _unmatched(graph, plan, ctx.remarks)
         rewrite_groups(plan, "attention")
+
+
+def _unmatched(graph: Graph, plan: GroupPlan, remarks: list) -> None:
+    """Say why a matmul whose left operand is computed from a softmax is not attention: the
+    pattern looked for is `softmax(scores) @ v` (through one cast), and the probabilities
+    reach this matmul through other ops."""
+    for mm in graph.topo_order():
+        if not _is(graph, mm, "matmul") or plan.grouped(mm):
+            continue
+        a = graph.operands(mm)[0]
+        stack, seen, via = [a], set(), None
+        while stack:
+            n = stack.pop()
+            op = graph.op(n)
+            if n in seen or not isinstance(op, Op):
+                continue
+            seen.add(n)
+            if op.kind == "softmax" and not plan.grouped(n) and n != a:
+                refusal = Refusal(Rule.OP, f"attention is softmax(scores) @ v, the softmax along the "
+                                  f"keys read by the matmul directly (or through one cast); here it "
+                                  f"reaches the matmul through {describe_node(graph, via)}, which is not "
+                                  "distributed over the product")
+                remarks.append(FusionRemark.refused(NAME, refusal, op, graph.op(mm)))
+                break
+            if ops.is_elementwise(op.kind):
+                via = via if via is not None else n
+                stack.extend(graph.operands(n))
 
 
 def _is(graph: Graph, node: int, kind: str) -> bool:
@@ -116,7 +145,8 @@ class _Match:
             group.add(n)
         self._epilogue(group, pv)
         n_mod = len(chain) + len(self._index_expressions(chain))
-        detail = "flash attention" + (f" (score modification: {n_mod} ops)" if chain else "")
+        plural = "s" if n_mod != 1 else ""
+        detail = "flash attention" + (f" (score modification: {n_mod} op{plural})" if chain else "")
         self.remarks.append(FusionRemark(NAME, True, None, graph.op(qk), graph.op(pv), detail))
         return list(group)
 

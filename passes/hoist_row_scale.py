@@ -11,8 +11,10 @@ normalisation and the projection are one kernel, and the [M, K] normalised tenso
 formed.
 
 The factor is found through the ops that form A, each read by nothing else: `mul`s, whose
-operands are factors, and float `cast`s. A factor is hoisted when its shape is [..., M, 1]
-and dropping it leaves the `mul` with the type it had. Rounding moves: A is rounded to the
+operands are factors, and float `cast`s. A factor is hoisted when its shape is [..., M, 1],
+or when it is a scalar scaling a softmax (`lam * p` is then a softmax again, which
+fuse-attention takes; a scalar on any other tensor is already a cheap prologue), and
+dropping it leaves the `mul` with the type it had. Rounding moves: A is rounded to the
 dot's dtype before the scale instead of after it, and the scale is applied to the f32
 accumulator; the result is within the numerics contract's tolerance like any reordering of
 a reduction. Each rewrite is a fused remark with its modelled saving.
@@ -48,11 +50,13 @@ class HoistRowScale(Pass):
                 continue
             saving = cost.format_poly(cost.add(*[cost.tensor_bytes(a_type)] * 2))
             for _, factor in pairs:
+                shape = graph.op(factor).shape
+                what = f"the row scale {_describe(graph, factor)} {format_shape(shape)}" if shape else \
+                    f"the scale {_describe(graph, factor)}"
                 ctx.remarks.append(FusionRemark(
                     NAME, True, None, graph.op(factor), op,
-                    f"the row scale {_describe(graph, factor)} {format_shape(graph.op(factor).shape)} "
-                    f"is applied to the product, not to the A operand ((r * A) @ B = r * (A @ B)): the "
-                    f"normalised {format_shape(a_type.shape)} operand need not be stored "
+                    f"{what} is applied to the product, not to the A operand ((r * A) @ B = r * (A @ B)): "
+                    f"the scaled {format_shape(a_type.shape)} operand need not be stored "
                     f"(modelled saving: {saving} B)"))
             _hoist(graph, mm, pairs)
 
@@ -81,7 +85,8 @@ def _row_factors(graph: Graph, a: int, mm: int) -> list[tuple[int, int]]:
             x, y = graph.operands(n)
             for factor, other in ((y, x), (x, y)):
                 if factor != other and _constant_along_k(graph, factor, rows) \
-                        and graph.op(other).type == op.type and graph.op(factor).dtype.is_float:
+                        and graph.op(other).type == op.type and graph.op(factor).dtype.is_float \
+                        and (graph.op(factor).shape != () or _is_softmax(graph, other)):
                     found.append((n, factor))
                     break
             else:
@@ -92,9 +97,21 @@ def _row_factors(graph: Graph, a: int, mm: int) -> list[tuple[int, int]]:
     return found
 
 
+def _is_softmax(graph: Graph, node: int) -> bool:
+    """A softmax, through float casts: a scalar factor is hoisted only off one (a scaled
+    softmax is not attention; a scaled tensor is already a cheap prologue)."""
+    op = graph.op(node)
+    while isinstance(op, Op) and op.kind == "cast":
+        node = graph.operands(node)[0]
+        op = graph.op(node)
+    return isinstance(op, Op) and op.kind == "softmax"
+
+
 def _constant_along_k(graph: Graph, node: int, rows) -> bool:
-    """A [..., M, 1] value whose rows broadcast to the product's."""
+    """A scalar, or a [..., M, 1] value whose rows broadcast to the product's."""
     shape = graph.op(node).shape
+    if shape == ():
+        return True
     if len(shape) < 2 or shape[-1] != 1:
         return False
     lead = shape[:-1]
@@ -105,6 +122,7 @@ def _constant_along_k(graph: Graph, node: int, rows) -> bool:
 def _hoist(graph: Graph, mm: int, pairs: list[tuple[int, int]]) -> None:
     """Drop each factor from its `mul` and multiply the product by them all, in f32."""
     op = graph.op(mm)
+    spans = [graph.op(mul).span for mul, _ in pairs]
     for mul, factor in pairs:
         (other,) = [o for o in graph.operands(mul) if o != factor]
         graph.replace_uses(mul, other)
@@ -118,8 +136,8 @@ def _hoist(graph: Graph, mm: int, pairs: list[tuple[int, int]]) -> None:
         return graph.add(Op("cast", DType.F32, t.shape, make_attrs(dtype=DType.F32), like.span), [node])
 
     product = f32(mm, op)
-    for _, factor in pairs:
-        product = graph.add(Op("mul", DType.F32, op.shape, (), graph.op(factor).span),
+    for (_, factor), span in zip(pairs, spans, strict=True):
+        product = graph.add(Op("mul", DType.F32, op.shape, (), span),
                             [product, f32(factor, graph.op(factor))])
     if op.dtype is not DType.F32:
         product = graph.add(Op("cast", op.dtype, op.shape, make_attrs(dtype=op.dtype), op.span), [product])

@@ -116,6 +116,7 @@ def _load_builtin_passes() -> None:
         canonicalize,
         cse,
         dce,
+        distribute_matmul,
         fuse_attention,
         fuse_elementwise,
         fuse_epilogue,

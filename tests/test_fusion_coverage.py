@@ -284,3 +284,25 @@ def test_a_statistic_of_another_tensor_is_not_computed_in_the_k_loop():
     assert templates(fn) == ["rows", "matmul"]
     assert ("[fuse-epilogue] refused: rsqrt (line 2) -> mul (line 2): it is computed from mean (line 2): "
             "the statistic is not computed from the tiles of A alone [rule: op]") in fn.explain()
+
+
+# --- distributed matmuls ---------------------------------------------------------------------
+
+DIFF = """kernel diff(q1: {dt}[H, M, D], k1: {dt}[H, N, D], q2: {dt}[H, M, D], k2: {dt}[H, N, D],
+            v: {dt}[H, N, D], lam: f32) -> {dt}[H, M, D] {{
+    p1 = softmax(q1 @ k1.T * rsqrt(D))
+    p2 = softmax(q2 @ k2.T * rsqrt(D))
+    return (p1 - lam * p2) @ v
+}}"""
+
+
+@pytest.mark.parametrize("dt", ["f32", "f16"])
+@pytest.mark.parametrize("m", SIZES)
+def test_diff_attention_is_two_attention_kernels(dt, m):
+    tdt = torch.float32 if dt == "f32" else torch.float16
+    r = lambda *s: randn(*s, dtype=tdt)  # noqa: E731
+    n = m + 9
+    fn, _ = run_checked(DIFF.format(dt=dt), r(2, m, 16), r(2, n, 16), r(2, m, 16), r(2, n, 16), r(2, n, 16),
+                        lam=0.6)
+    assert templates(fn) == ["attention", "attention"]
+    assert "[distribute-matmul] fused: sub (line 5) -> matmul (line 5)" in fn.explain()

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 FUSION_PASSES = ("fuse-elementwise", "fuse-epilogue", "fuse-rows", "online-softmax", "fuse-attention")
 # passes whose decisions the kernel list alone does not show: values computed again by their
 # readers, independent kernels merged
-REWRITE_PASSES = ("hoist-row-scale", "recompute", "fuse-horizontal")
+REWRITE_PASSES = ("distribute-matmul", "hoist-row-scale", "recompute", "fuse-horizontal")
 
 
 def _name(graph: Graph, node: int, res: int) -> str:
