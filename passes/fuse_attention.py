@@ -248,10 +248,14 @@ class _Match:
 
     def _epilogue(self, group: Group, pv: int) -> None:
         """Elementwise consumers of the output, element for element, and the producers of
-        their other operands, as in fuse-epilogue."""
+        their other operands, as in fuse-epilogue; first the values per query row computed
+        from a stored logsumexp (a sink's `sigmoid(lse - sink)`), which the epilogue reads
+        broadcast along the output's last dim."""
         graph = self.graph
         shape = graph.op(pv).shape
-        epilogue: set[int] = set()
+        lse = {m for m in group if _is(graph, m, "logsumexp")}
+        rows = self._row_values(group, lse, shape[:-1] + (1,))
+        epilogue: set[int] = set(rows)
         work = deque([pv])
         while work:
             member = work.popleft()
@@ -263,9 +267,11 @@ class _Match:
                     continue
                 # the score modification is computed per block of keys, the epilogue at the
                 # output: a value cannot be read in both
-                inner = [o for o in graph.operands(cand) if o in group and o != pv and o not in epilogue]
+                inner = [o for o in graph.operands(cand) if o in group and o != pv and o not in epilogue
+                         and o not in lse]
                 inner += [u for u, _ in graph.users(cand) if u in group and u not in epilogue]
-                why = epilogue_refusal(graph, group, cand, shape, "the attention output", epilogue)
+                why = epilogue_refusal(graph, group, cand, shape, "the attention output",
+                                       epilogue - rows, broadcast=rows | lse)
                 if inner:
                     why = Refusal(Rule.OTHER_INDEX, f"{describe_node(graph, inner[0])} is computed per "
                                   "block of keys, the epilogue at the output")
@@ -278,3 +284,36 @@ class _Match:
                 group.add(cand)
                 epilogue.add(cand)
                 work.append(cand)
+
+    def _row_values(self, group: Group, lse: set[int], row_shape) -> set[int]:
+        """Elementwise ops of the rows' shape [..., M, 1] computed from the kernel's logsumexp
+        and from scalars and inputs that broadcast to the rows: the kernel has them once the
+        recurrence is finished, per query row (one read by nothing else is stored per row)."""
+        graph, rows = self.graph, set()
+        work = deque(lse)
+        while work:
+            member = work.popleft()
+            for cand, _ in graph.users(member):
+                op = graph.op(cand)
+                if cand in group or self.plan.grouped(cand) or not elementwise_candidate(graph, cand) \
+                        or op.shape != row_shape:
+                    continue
+                if not all(o in group or _row_input(graph, o, row_shape) for o in graph.operands(cand)):
+                    continue
+                if self.plan.creates_cycle(group, cand):
+                    continue
+                group.add(cand)
+                rows.add(cand)
+                work.append(cand)
+        return rows
+
+
+def _row_input(graph: Graph, node: int, row_shape) -> bool:
+    """A value from outside the kernel that an op per query row can read: a parameter,
+    constant, dim or scalar expression broadcasting to the rows."""
+    op = graph.op(node)
+    if not isinstance(op, Op) or not (op.kind in ("param", "dim", "const") or is_clonable(graph, node)):
+        return False
+    shape = op.shape
+    return len(shape) <= len(row_shape) and all(
+        d == 1 or d == r for d, r in zip(shape, row_shape[len(row_shape) - len(shape):], strict=True))

@@ -115,7 +115,7 @@ def _constant_along_k(graph: Graph, node: int, rows) -> bool:
     if len(shape) < 2 or shape[-1] != 1:
         return False
     lead = shape[:-1]
-    return len(lead) <= len(rows) and all(d == 1 or d == r for d, r in zip(reversed(lead), rows[-len(lead):],
+    return len(lead) <= len(rows) and all(d == 1 or d == r for d, r in zip(lead, rows[len(rows) - len(lead):],
                                                                           strict=True))
 
 

@@ -14,6 +14,8 @@ pass rewrites those into the ops the templates run online:
     e / sum(e, axis, keepdims=true)                -> softmax(x, axis)
     m = max(x, axis, keepdims=true)
     m + log(sum(exp(x - m), axis, keepdims=true))  -> logsumexp(x, axis, keepdims=true)
+    e / (sum(e, axis, keepdims=true) + exp(sink - m))
+                                -> softmax(x, axis) * sigmoid(logsumexp(x, axis) - sink)
 
 when the intermediate values have no other use. A row that is all -inf then
 gives 0 (softmax) and -inf (logsumexp) instead of the NaN of the written-out
@@ -29,6 +31,7 @@ from tiledsl import ops
 from tiledsl.ir import Graph, Op, make_attrs
 from tiledsl.passes.registry import Pass, PassContext, register
 from tiledsl.passes.rewrite import Pattern, Rewriter, apply_patterns
+from tiledsl.types import broadcast_shapes
 
 
 def _is(graph: Graph, node: int, kind: str) -> bool:
@@ -104,10 +107,74 @@ class RecognizeLogsumexp(Pattern):
         return False
 
 
+class RecognizeSinkSoftmax(Pattern):
+    """e / (sum(e) + exp(sink - m)), e = exp(x - m): a softmax whose denominator has one more
+    logit, `sink`, that no value is weighted by (gpt-oss's attention sinks), with m the row
+    max or the max of it and the sink. It equals softmax(x) * sigmoid(logsumexp(x) - sink):
+    an online softmax and a factor per row, which attention applies to its output."""
+
+    def apply(self, graph: Graph, node: int, op: Op, rewriter: Rewriter) -> bool:
+        if op.kind != "div" or not op.dtype.is_float:
+            return False
+        e, den = graph.operands(node)
+        found = _shifted_exp(graph, e)
+        if found is None or not _is(graph, den, "add"):
+            return False
+        x, m = found
+        for z, extra in (graph.operands(den), reversed(graph.operands(den))):
+            if not (_is(graph, z, "sum") and graph.operands(z) == [e] and graph.op(z).attr("keepdims")):
+                continue
+            axis = graph.op(z).attr("axis")
+            sink = _sink_of(graph, extra, m)
+            if sink is None or not (_row_max_of(graph, m, x, axis) or _max_with(graph, m, x, axis, sink)):
+                continue
+            if not (_only_used_by(graph, e, {node, z}) and _only_used_by(graph, z, {den})
+                    and _only_used_by(graph, den, {node}) and _only_used_by(graph, extra, {den})):
+                continue
+            return self._rewrite(graph, node, op, x, sink, axis, rewriter)
+        return False
+
+    @staticmethod
+    def _rewrite(graph: Graph, node: int, op: Op, x: int, sink: int, axis: int, rewriter: Rewriter) -> bool:
+        xt = graph.op(x).type
+        if xt.dtype is not op.dtype or graph.op(sink).dtype is not op.dtype and not graph.op(sink).weak:
+            return False
+        row_shape = xt.shape[:axis] + (1,) + xt.shape[axis + 1:]
+        span = op.span
+        sm = rewriter.create(Op("softmax", op.dtype, xt.shape, make_attrs(axis=axis), span), [x])
+        lse = rewriter.create(Op("logsumexp", op.dtype, row_shape, make_attrs(axis=axis, keepdims=True),
+                                 span), [x])
+        shape = broadcast_shapes(row_shape, graph.op(sink).shape)
+        if shape != row_shape:
+            return False
+        gap = rewriter.create(Op("sub", op.dtype, row_shape, (), span), [lse, sink])
+        keep = rewriter.create(Op("sigmoid", op.dtype, row_shape, (), span), [gap])
+        rewriter.replace(node, rewriter.create(Op("mul", op.dtype, op.shape, (), span), [sm, keep]))
+        return True
+
+
+def _sink_of(graph: Graph, extra: int, m: int) -> int | None:
+    """`sink` when `extra` = exp(sink - m)."""
+    if not _is(graph, extra, "exp"):
+        return None
+    (d,) = graph.operands(extra)
+    if not _is(graph, d, "sub") or graph.operands(d)[1] != m:
+        return None
+    return graph.operands(d)[0]
+
+
+def _max_with(graph: Graph, m: int, x: int, axis: int, sink: int) -> bool:
+    """Is `m` = maximum(max(x, axis, keepdims=true), sink) (either order)?"""
+    if not _is(graph, m, "maximum"):
+        return False
+    a, b = graph.operands(m)
+    return (b == sink and _row_max_of(graph, a, x, axis)) or (a == sink and _row_max_of(graph, b, x, axis))
+
+
 @register
 @dataclass(frozen=True)
 class OnlineSoftmax(Pass):
     name = "online-softmax"
 
     def run(self, graph: Graph, ctx: PassContext) -> None:
-        apply_patterns(graph, (RecognizeSoftmax(), RecognizeLogsumexp()))
+        apply_patterns(graph, (RecognizeSoftmax(), RecognizeSinkSoftmax(), RecognizeLogsumexp()))

@@ -306,3 +306,41 @@ def test_diff_attention_is_two_attention_kernels(dt, m):
                         lam=0.6)
     assert templates(fn) == ["attention", "attention"]
     assert "[distribute-matmul] fused: sub (line 5) -> matmul (line 5)" in fn.explain()
+
+
+# --- attention sinks ---------------------------------------------------------------------------
+
+SINKS = """kernel f(q: {dt}[H, M, D], k: {dt}[H, N, D], v: {dt}[H, N, D], sink: {dt}[H, 1, 1]) -> {dt}[H, M, D] {{
+    s = q @ k.T * rsqrt(D)
+    m = {m}
+    e = exp(s - m)
+    p = e / (sum(e, axis=-1, keepdims=true) + exp(sink - m))
+    return p @ v
+}}"""
+
+
+@pytest.mark.parametrize("dt", ["f32", "f16"])
+@pytest.mark.parametrize("m_form", ["max(s, axis=-1, keepdims=true)",
+                                    "maximum(max(s, axis=-1, keepdims=true), sink)"])
+@pytest.mark.parametrize("m", SIZES)
+def test_attention_with_a_sink_logit_is_one_kernel(dt, m_form, m):
+    tdt = torch.float32 if dt == "f32" else torch.float16
+    r = lambda *s: randn(*s, dtype=tdt)  # noqa: E731
+    fn, _ = run_checked(SINKS.format(dt=dt, m=m_form), r(2, m, 16), r(2, m + 5, 16), r(2, m + 5, 16),
+                        r(2, 1, 1))
+    assert templates(fn) == ["attention"]
+    structure = next(line for line in fn.explain().splitlines() if "structure:" in line)
+    assert "online softmax: softmax (line 5); p @ v: matmul (line 6); logsumexp: logsumexp (line 5); " \
+        "epilogue: " in structure and "sub (line 5), sigmoid (line 5)" in structure
+
+
+def test_a_value_per_query_row_from_the_logsumexp_is_stored_by_the_attention_kernel():
+    src = """kernel f(q: f32[H, M, D], k: f32[H, N, D], v: f32[H, N, D], b: f32[H, 1, 1]) -> (f32[H, M, D],
+                                                                                    f32[H, M, 1]) {
+    s = q @ k.T
+    l = logsumexp(s, axis=-1, keepdims=true)
+    return softmax(s) @ v * sigmoid(l - b), sigmoid(b - l)
+}"""
+    for m in SIZES:
+        fn, (o, g) = run_checked(src, randn(2, m, 16), randn(2, m + 3, 16), randn(2, m + 3, 16), randn(2, 1, 1))
+        assert templates(fn) == ["attention"] and g.shape == (2, m, 1)

@@ -312,22 +312,29 @@ class AttentionProgram:
             body('m_fin = tl.where(m_i == float("inf"), 0.0, m_i)')
             body(f"lse = tl.where(l_i > 0.0, (m_fin + tl.log2(l_i)) * {LN2!r}, "
                  f'tl.where(l_i == 0.0, {NEG_INF}, float("nan")))')
-            for v in parts.lse:
-                vals[v] = Val("lse", Compute.F32)
+            for v in parts.lse:  # a kept key dim: one value per row, broadcast along the output's
+                keepdims = self.value_type(v).rank == len(self.score_shape)
+                vals[v] = Val("lse[:, None]" if keepdims else "lse", Compute.F32)
         for i in self.inputs_of(parts.epilogue):
             vals[i] = self.load(i, "out")
         self.run(vals, parts.epilogue, "out")
         M, DV = self.M, self.DV
+        row_shape = self.out_shape[:-1] + (1,)
         for j, v in enumerate(region.outputs):
             t = self.value_type(v)
-            text = em.store_value(vals[v], t)
+            text = em.store_value(Val("lse", Compute.F32) if v in parts.lse else vals[v], t)
             ref = self.outs[j]
-            if v in parts.lse:  # one value per query row
+            if v in parts.lse or (t.shape == row_shape and row_shape != self.out_shape):
+                # one value per query row (a value of the epilogue per row is a [BLOCK_M, 1] tile)
                 shape = t.shape[:len(self.score_shape) - 1]  # without a kept size-1 key dim
-                rows = [*self.space_indices("score")[:-2], "rm"]
+                column = v not in parts.lse
+                rows = [*self.space_indices("score")[:-2], "rm[:, None]" if column else "rm"]
                 idx = [None if d == 1 else rows[len(rows) - len(shape) + k] for k, d in enumerate(shape)]
                 offset = ref.offset(idx + [None] * (t.rank - len(shape)))
-                body(f"tl.store({ref.ptr} + {offset}, {text}, mask=rm < {M})")
+                mask = f"(rm < {M})[:, None]" if column else f"rm < {M}"
+                if column and "rm[:, None]" not in idx:
+                    text = f"tl.broadcast_to({text}, [BLOCK_M, 1])"
+                body(f"tl.store({ref.ptr} + {offset}, {text}, mask={mask})")
             else:
                 ptrs = tile_ptrs(ref, t.rank, self.bnames, "rm[:, None]", "rdv[None, :]",
                                  "[BLOCK_M, BLOCK_DV]")
