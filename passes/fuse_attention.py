@@ -120,7 +120,8 @@ class _Match:
         if p != sm and graph.op(p).dtype is not graph.op(pv).dtype:
             return self.refuse(Rule.OP, p, pv, f"the probabilities are cast to {graph.op(p).dtype}, not to "
                                f"the {graph.op(pv).dtype} that p @ v multiplies in")
-        other = [u for u, slot in graph.users(p) if (u, slot) != (pv, 0)]
+        # returned as they are, the probabilities are stored by a second walk over the keys
+        other = [u for u, slot in graph.users(p) if (u, slot) != (pv, 0) and u != graph.output]
         if other:
             return self.refuse(Rule.MATERIALIZE, sm, other[0], self._whole("the probabilities", other[0]))
         (x,) = graph.operands(sm)

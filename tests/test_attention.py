@@ -268,11 +268,11 @@ def test_explain_names_the_roles():
 
 
 REFUSED = {
-    "probabilities returned": (
-        "kernel f(q: f32[M, D], k: f32[N, D], v: f32[N, D]) -> (f32[M, D], f32[M, N]) {"
-        " p = softmax(q @ k.T)\n return p @ v, p }",
-        "[fuse-attention] refused: softmax (line 1) -> return (line 2): the probabilities are also used by "
-        "return (line 2), which needs them whole; the flash-attention kernel never stores them "
+    "probabilities reduced": (
+        "kernel f(q: f32[M, D], k: f32[N, D], v: f32[N, D]) -> (f32[M, D], f32[M]) {"
+        " p = softmax(q @ k.T)\n return p @ v, max(p) }",
+        "[fuse-attention] refused: softmax (line 1) -> max (line 2): the probabilities are also used by "
+        "max (line 2), which needs them whole; the flash-attention kernel never stores them "
         "[rule: materialize]"),
     "second reduction over the keys": (
         "kernel f(q: f32[M, D], k: f32[N, D], v: f32[N, D]) -> (f32[M, D], f32[M]) {"

@@ -344,3 +344,24 @@ def test_a_value_per_query_row_from_the_logsumexp_is_stored_by_the_attention_ker
     for m in SIZES:
         fn, (o, g) = run_checked(src, randn(2, m, 16), randn(2, m + 3, 16), randn(2, m + 3, 16), randn(2, 1, 1))
         assert templates(fn) == ["attention"] and g.shape == (2, m, 1)
+
+
+# --- returned probabilities ----------------------------------------------------------------------
+
+RETURNED_P = """kernel f(q: {dt}[H, M, D], k: {dt}[H, N, D], v: {dt}[H, N, D]) -> ({dt}[H, M, D], {dt}[H, M, N]) {{
+    s = q @ k.T * rsqrt(D)
+    {mask}
+    p = softmax(s)
+    return p @ v, p
+}}"""
+
+
+@pytest.mark.parametrize("dt", ["f32", "f16"])
+@pytest.mark.parametrize("mask", ["", "s = where(causal(s), s, -inf)"])
+@pytest.mark.parametrize("m, n", [(1, 1), (17, 23), (113, 77)])
+def test_returned_probabilities_are_stored_by_the_attention_kernel(dt, mask, m, n):
+    tdt = torch.float32 if dt == "f32" else torch.float16
+    r = lambda *s: randn(*s, dtype=tdt)  # noqa: E731
+    fn, (o, p) = run_checked(RETURNED_P.format(dt=dt, mask=mask), r(2, m, 16), r(2, n, 16), r(2, n, 16))
+    assert templates(fn) == ["attention"] and p.shape == (2, m, n)
+    assert "stores_p = %r" in fn.ir("fused")

@@ -146,6 +146,9 @@ class AttentionPlan:
     # a cast of the probabilities to the dtype of p @ v, which the template's narrowing of
     # P before the second dot performs
     p_cast: int | None = None
+    # the probabilities (or their cast) when they are an output too: a second walk over the
+    # keys, with the statistics final, stores them normalised
+    p_out: int | None = None
 
     def role(self, value: int) -> str:
         if value in self.q_chain:
@@ -217,7 +220,8 @@ def format_plan(plan: Plan, name) -> str:
             f"pv = {name(plan.pv)}, q = {name(plan.q_source)}, "
             f"k = {name(plan.k_source)}{' (transposed)' if plan.k_transposed else ''}, "
             f"v = {name(plan.v)}, score_mod = {names(plan.score_ops)}, lse = {names(plan.lse)}, "
-            f"epilogue = {names(plan.epilogue)}, key_bound = {bound}}}")
+            f"epilogue = {names(plan.epilogue)}, key_bound = {bound}"
+            + ("" if plan.p_out is None else f", stores_p = {name(plan.p_out)}") + "}")
 
 
 def _layout(layout: Layout) -> str:

@@ -139,6 +139,7 @@ class AttentionProgram:
             scale = em.tensor(em.convert(self.fold[1], Compute.F32))
             body(f"qk_scale = {scale.text} * {LOG2E!r}")
 
+        first = "online" if parts.p_out is None else "stats"
         body(f"m_i = tl.full([BLOCK_M], {NEG_INF}, tl.float32)")
         body("l_i = tl.zeros([BLOCK_M], dtype=tl.float32)")
         body("acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)")
@@ -161,21 +162,32 @@ class AttentionProgram:
                      "// BLOCK_N * BLOCK_N), n_hi)")
                 body("for n0 in range(n_lo, n_in, BLOCK_N):")
                 with body.indent():
-                    self.key_block(masked=True, score_inputs=score_inputs)
+                    self.key_block(masked=True, score_inputs=score_inputs, phase=first)
         body(f"n_full = {self.full_blocks_end()}")
         if start != "0":
             body(f"n_full = tl.maximum({start}, n_full)")
         body(f"for n0 in range({start}, n_full, BLOCK_N):")
         with body.indent():
-            self.key_block(masked=False, score_inputs=score_inputs)
+            self.key_block(masked=False, score_inputs=score_inputs, phase=first)
         body(f"for n0 in range(n_full, {'n_hi' if lower is not None else self.key_limit()}, BLOCK_N):")
         with body.indent():
-            self.key_block(masked=True, score_inputs=score_inputs)
+            self.key_block(masked=True, score_inputs=score_inputs, phase=first)
+        self.normalisers()
+        if parts.p_out is not None:
+            # a returned P: the statistics are final, so a second walk over every key block
+            # (masks applied, nothing skipped: P is written whole) stores P and sums P @ v
+            body('m_fin2 = tl.where(tl.abs(m_i) == float("inf"), 0.0, m_i)')
+            body("acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)")
+            body(f"for n0 in range(0, {self.N}, BLOCK_N):")
+            with body.indent():
+                self.key_block(masked=True, score_inputs=score_inputs, phase="probabilities")
         self.finish_rows()
 
-    def key_block(self, masked: bool, score_inputs: list[int]) -> None:
-        """One step of the online softmax over the key block at n0. Unmasked blocks lie
-        inside the keys and, for an exact mask bound, inside the mask for every row."""
+    def key_block(self, masked: bool, score_inputs: list[int], phase: str = "online") -> None:
+        """One step over the key block at n0. Unmasked blocks lie inside the keys and, for an
+        exact mask bound, inside the mask for every row. `phase`: "online", the online softmax
+        and p @ v; "stats", its running max and sum only; "probabilities", with the row
+        statistics final, the normalised P stored and multiplied by v (a returned P)."""
         body, em, region, parts = self.body, self.em, self.region, self.parts
         N, D, DV = self.N, self.D, self.DV
         body("rn = n0 + rn_base")
@@ -208,13 +220,25 @@ class AttentionProgram:
             body(f"t = tl.where((rn < {N})[None, :], {t}, {NEG_INF})")
         else:
             body(f"t = {t}")
-        body("m_new = tl.maximum(m_i, tl.max(t, 1))")
-        # an infinite max is replaced by 0: -inf (all masked so far) gives p = 0, +inf
-        # (torch: a NaN row, logsumexp +inf) gives l_i = +inf, never inf - inf
-        body('m_safe = tl.where(tl.abs(m_new) == float("inf"), 0.0, m_new)')
-        body("alpha = tl.where(m_i == m_new, 1.0, tl.exp2(m_i - m_safe))")
-        body("p = tl.exp2(t - m_safe[:, None])")
-        body("l_i = l_i * alpha + tl.sum(p, 1)")
+        if phase == "probabilities":
+            body("p = tl.exp2(t - m_fin2[:, None]) * inv[:, None]")
+            (j,) = [j for j, v in enumerate(region.outputs) if v == parts.p_out]
+            t_p = self.value_type(parts.p_out)
+            ptrs = tile_ptrs(self.outs[j], t_p.rank, self.bnames, "rm[:, None]", "rn[None, :]",
+                             "[BLOCK_M, BLOCK_N]")
+            body(f"tl.store({ptrs}, {em.store_value(Val('p', Compute.F32), t_p)}, "
+                 f"mask=(rm[:, None] < {self.M}) & (rn[None, :] < {N}))")
+        else:
+            body("m_new = tl.maximum(m_i, tl.max(t, 1))")
+            # an infinite max is replaced by 0: -inf (all masked so far) gives p = 0, +inf
+            # (torch: a NaN row, logsumexp +inf) gives l_i = +inf, never inf - inf
+            body('m_safe = tl.where(tl.abs(m_new) == float("inf"), 0.0, m_new)')
+            body("alpha = tl.where(m_i == m_new, 1.0, tl.exp2(m_i - m_safe))")
+            body("p = tl.exp2(t - m_safe[:, None])")
+            body("l_i = l_i * alpha + tl.sum(p, 1)")
+            if phase == "stats":
+                body("m_i = m_new")
+                return
         body(f"v_ptrs = {self.tile(self.v_val, 'rn[:, None]', 'rdv[None, :]', '[BLOCK_N, BLOCK_DV]')}")
         v_mask = f"(rn[:, None] < {N}) & (rdv[None, :] < {DV})" if masked else f"rdv[None, :] < {DV}"
         with self.tma_or_pointers("v", "vt", ("n0", "0"), self.pv_op.dtype):
@@ -226,6 +250,9 @@ class AttentionProgram:
             body("if INTERPRETER:")
             with body.indent():
                 body(f"p = {em.widen('p', DType.BF16)}")
+        if phase == "probabilities":
+            body(f"acc = tl.dot(p, vt, acc{self.precision(pv_dtype)})")
+            return
         body("acc = acc * alpha[:, None]")
         body(f"acc = tl.dot(p, vt, acc{self.precision(pv_dtype)})")
         body("m_i = m_new")
@@ -299,14 +326,18 @@ class AttentionProgram:
                      else self.key_limit())
         return f"tl.minimum({whole}, tl.maximum(0, {first_row}) // BLOCK_N * BLOCK_N)"
 
+    def normalisers(self) -> None:
+        """1 / the row sums, once the recurrence is finished. All masked: l_i == 0, output 0,
+        lse -inf; a NaN score makes l_i NaN and a +inf one m_i +inf: the row is NaN like
+        torch's softmax, lse NaN or +inf like torch's logsumexp."""
+        self.body('nan_row = (m_i == float("inf")) | (l_i != l_i)')
+        self.body('inv = tl.where(nan_row, float("nan"), tl.where(l_i > 0.0, 1.0 / l_i, 0.0))')
+
     def finish_rows(self) -> None:
-        """Normalise once, compute logsumexp, run the epilogue, store."""
+        """Normalise the output (a returned P was normalised already), compute logsumexp,
+        run the epilogue, store."""
         body, em, region, parts = self.body, self.em, self.region, self.parts
-        # all masked: l_i == 0, output 0, lse -inf; a NaN score makes l_i NaN and a +inf one
-        # m_i +inf: the row is NaN like torch's softmax, lse NaN or +inf like torch's logsumexp
-        body('nan_row = (m_i == float("inf")) | (l_i != l_i)')
-        body('inv = tl.where(nan_row, float("nan"), tl.where(l_i > 0.0, 1.0 / l_i, 0.0))')
-        body("o = acc * inv[:, None]")
+        body("o = acc" if parts.p_out is not None else "o = acc * inv[:, None]")
         vals: dict[int, Val] = {parts.pv: Val("o", Compute.F32)}
         if parts.lse:
             body('m_fin = tl.where(m_i == float("inf"), 0.0, m_i)')
@@ -321,6 +352,8 @@ class AttentionProgram:
         M, DV = self.M, self.DV
         row_shape = self.out_shape[:-1] + (1,)
         for j, v in enumerate(region.outputs):
+            if v == parts.p_out:  # stored by the second walk over the keys
+                continue
             t = self.value_type(v)
             text = em.store_value(Val("lse", Compute.F32) if v in parts.lse else vals[v], t)
             ref = self.outs[j]

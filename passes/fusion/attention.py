@@ -37,7 +37,8 @@ def attention_plan(region: Region) -> AttentionPlan:
     transposes = sum(ops[v].op.kind == "transpose" for v in k_chain if v >= n_in)
     return AttentionPlan(qk, pv, sm, scores, q_chain, k_chain, operand_source(region, q_chain),
                          operand_source(region, k_chain), ops[pv].operands[1], transposes % 2 == 1,
-                         score_ops, lse, epilogue, _key_bound(region, scores), casts[0] if casts else None)
+                         score_ops, lse, epilogue, _key_bound(region, scores), casts[0] if casts else None,
+                         p if p in region.outputs else None)
 
 
 def operand_source(region: Region, chain: frozenset[int]) -> int:
