@@ -217,3 +217,41 @@ def test_neighborhood_attention_is_one_kernel(rows, width, radius):
     near = (((i // width)[:, None] - (i // width)[None, :]).abs() <= radius) & \
         (((i % width)[:, None] - (i % width)[None, :]).abs() <= radius)
     assert torch.allclose(out.double(), _sdpa(q, k, v, near), atol=2e-3)
+
+
+# --- issue 12's programs as examples -------------------------------------------------------------
+
+BF16 = torch.bfloat16
+
+
+@pytest.mark.parametrize("m, k, f", [(1, 1, 1), (17, 33, 40), (113, 64, 24)])
+def test_swiglu_mlp_example(m, k, f):
+    fn = example("swiglu_mlp")
+    assert [kern.template for kern in fn.kernels] == ["matmul", "matmul"]
+    run_checked(fn, randn(m, k, dtype=BF16), randn(f, k, dtype=BF16, scale=0.3),
+                randn(f, k, dtype=BF16, scale=0.3), randn(k, f, dtype=BF16, scale=0.3))
+
+
+@pytest.mark.parametrize("m, k, n", [(1, 1, 1), (17, 33, 113), (113, 64, 17)])
+def test_rmsnorm_projection_example(m, k, n):
+    fn = example("rmsnorm_projection")
+    assert [kern.template for kern in fn.kernels] == ["matmul"]
+    run_checked(fn, randn(m, k, dtype=BF16), randn(k, dtype=BF16), randn(n, k, dtype=BF16, scale=0.2),
+                eps=1e-6)
+
+
+@pytest.mark.parametrize("m", [1, 17, 113])
+def test_attention_sinks_example(m):
+    fn = example("attention_sinks")
+    assert [kern.template for kern in fn.kernels] == ["attention"]
+    n = m + 7
+    run_checked(fn, randn(1, 2, m, 32, dtype=BF16), randn(1, 2, n, 32, dtype=BF16),
+                randn(1, 2, n, 32, dtype=BF16), randn(2, 1, 1, dtype=BF16))
+
+
+@pytest.mark.parametrize("m", [1, 17, 113])
+def test_diff_attention_example(m):
+    fn = example("diff_attention")
+    assert [kern.template for kern in fn.kernels] == ["attention", "attention"]
+    h = [randn(1, 2, m if i % 2 == 0 and i < 4 else m + 3, 16, dtype=torch.float16) for i in range(5)]
+    run_checked(fn, *h, lam=0.4)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import tiledsl
 from helpers import SIZES, randn, run_checked
 
 
@@ -365,3 +366,21 @@ def test_returned_probabilities_are_stored_by_the_attention_kernel(dt, mask, m, 
     fn, (o, p) = run_checked(RETURNED_P.format(dt=dt, mask=mask), r(2, m, 16), r(2, n, 16), r(2, n, 16))
     assert templates(fn) == ["attention"] and p.shape == (2, m, n)
     assert "stores_p = %r" in fn.ir("fused")
+
+
+# --- sm_90: the new GEMM kernels at the benchmark's shape ------------------------------------------
+
+
+DUAL = """kernel gate_up(x: {dt}[M, K], w1: {dt}[F, K], w3: {dt}[F, K]) -> {dt}[M, F] {{
+    return silu(x @ w1.T) * (x @ w3.T)
+}}"""
+
+
+@pytest.mark.parametrize("src", [DUAL, RMS_QKV], ids=["dual_gemm", "rms_projection"])
+def test_dual_gemm_and_norm_gemm_compile_for_sm90_without_spills(src):
+    from tiledsl.backends.triton import aot
+
+    fn = tiledsl.compile(src.format(dt="bf16"))
+    (r,) = aot.inspect_program(fn, {"M": 8192, "N": 8192, "K": 4096, "F": 8192})
+    assert r.spill_bytes == 0, r
+    assert (r.config["BLOCK_M"], r.config["BLOCK_N"]) == (128, 128) and r.wgmma == ["m64n128k16"], r
