@@ -52,14 +52,10 @@ class DistributeMatmul(Pass):
                 f"{describe_node(graph, y)}) @ v is computed as two products, one per softmax, so "
                 f"each can be a flash-attention kernel (modelled saving: {saved} B of probabilities "
                 "stored and read)"))
-            users = graph.users(mm)
             left = graph.add(op, [x, b])
             right = graph.add(op, [y, b])
             combined = graph.add(Op(a_op.kind, op.dtype, op.shape, (), a_op.span), [left, right])
-            for user, slot in users:
-                edges = graph.operand_edges(user)
-                edges[slot] = (combined, 0)
-                graph.set_operands(user, edges)
+            graph.replace_uses(mm, combined)
             graph.remove(mm)
             graph.remove(a)
 
