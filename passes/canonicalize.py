@@ -6,7 +6,8 @@ After: constant scalar expressions are single `const` nodes (Python-scalar
 semantics: computed in double precision, rounded to the result dtype);
 `x * 1`, `1 * x`, `x + 0`, `0 + x`, `x - 0`, `x / 1`, `--x`, casts to the same
 type (but not a cast to f16/bf16 of a computed value, which rounds it) and
-double transposes are replaced by `x` when that leaves every type unchanged.
+double transposes are replaced by `x` when that leaves every type unchanged;
+a reduction over adjacent axes is one reduction over them merged.
 Results that are NaN or that Python cannot compute (`log(0)`) are left for
 run time.
 """
@@ -18,6 +19,7 @@ import struct
 from dataclasses import dataclass
 
 from tiledsl import ops
+from tiledsl.dims import Lin
 from tiledsl.ir import Graph, Op, make_attrs
 from tiledsl.ops import Reads
 from tiledsl.passes.registry import Pass, PassContext, register
@@ -153,7 +155,40 @@ class CancelInvolution(Pattern):
         return True
 
 
-PATTERNS = (FoldConstants(), RemoveIdentity(), RemoveNoOpCast(), CancelInvolution())
+class MergeReductions(Pattern):
+    """A reduction over several adjacent axes, which sema writes as one reduction per axis
+    (`mean(x, axis=(2, 3))` is `mean(mean(x, axis=3), axis=2)`), is one reduction over the
+    axes merged by a reshape: one row program instead of one per axis. The reshape is a
+    view where the input's strides allow it, and a copy otherwise (`copy=true`, as torch's
+    `reshape`). Only without kept dims, whose consumers would read the result through a
+    reshape."""
+
+    KINDS = ("sum", "mean", "max", "min")
+
+    def apply(self, graph: Graph, node: int, op: Op, rewriter: Rewriter) -> bool:
+        if op.kind not in self.KINDS or op.attr("keepdims"):
+            return False
+        (inner,) = graph.operands(node)
+        inner_op = graph.op(inner)
+        if not isinstance(inner_op, Op) or inner_op.kind != op.kind or inner_op.attr("keepdims") \
+                or graph.users(inner) != [(node, 0)]:
+            return False
+        first, second = inner_op.attr("axis"), op.attr("axis")
+        if second not in (first - 1, first):  # the axis before or after the first, in x
+            return False
+        lo = second
+        (x,) = graph.operands(inner)
+        xt = graph.op(x).type
+        size = (Lin.of(xt.shape[lo]) * Lin.of(xt.shape[lo + 1])).dim()
+        merged = xt.shape[:lo] + (size,) + xt.shape[lo + 2:]
+        view = rewriter.create(Op("reshape", xt.dtype, merged, make_attrs(shape=merged, copy=True),
+                                  inner_op.span, xt.weak), [x])
+        merged_op = op.replace(attrs=make_attrs(axis=lo, keepdims=False))
+        rewriter.replace(node, rewriter.create(merged_op, [view]))
+        return True
+
+
+PATTERNS = (FoldConstants(), RemoveIdentity(), RemoveNoOpCast(), CancelInvolution(), MergeReductions())
 
 
 @register

@@ -384,3 +384,22 @@ def test_dual_gemm_and_norm_gemm_compile_for_sm90_without_spills(src):
     (r,) = aot.inspect_program(fn, {"M": 8192, "N": 8192, "K": 4096, "F": 8192})
     assert r.spill_bytes == 0, r
     assert (r.config["BLOCK_M"], r.config["BLOCK_N"]) == (128, 128) and r.wgmma == ["m64n128k16"], r
+
+
+# --- reductions over several axes ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("src, kernels", [
+    ("kernel f(x: f32[B, C, H, W]) -> f32[B, C] { return mean(x, axis=(2, 3)) }", 1),
+    ("kernel f(x: f32[B, C, H, W]) -> f32[B] { return sum(x, axis=(1, 2, 3)) }", 1),
+    ("kernel f(x: f32[B, C, H, W]) -> f32[B, W] { return max(x, axis=(1, 2)) }", 1),
+    ("kernel f(x: f16[B, C, H, W]) -> f16[B, C] { return mean(x, axis=(-1, -2)) }", 1),
+    ("kernel f(x: f32[B, C, H, W]) -> f32[C, H] { return min(x, axis=(0, 3)) }", 2),  # not adjacent
+])
+def test_a_reduction_over_adjacent_axes_is_one_row_kernel(src, kernels):
+    dtype = torch.float16 if "f16" in src else torch.float32
+    for shape in ((1, 1, 1, 1), (2, 3, 17, 5)):
+        x = randn(*shape, dtype=dtype)
+        for arg in (x, x.transpose(2, 3).contiguous().transpose(2, 3)):  # a view, and a copy
+            fn, _ = run_checked(src, arg)
+            assert templates(fn) == ["rows"] * kernels
