@@ -403,3 +403,21 @@ def test_a_reduction_over_adjacent_axes_is_one_row_kernel(src, kernels):
         for arg in (x, x.transpose(2, 3).contiguous().transpose(2, 3)):  # a view, and a copy
             fn, _ = run_checked(src, arg)
             assert templates(fn) == ["rows"] * kernels
+
+
+@pytest.mark.parametrize("n, v", [(1, 1), (17, 113), (5, 5000)])
+def test_cross_entropy_with_its_mean_is_two_row_kernels(n, v):
+    src = """kernel f(logits: f32[N, V], labels: i64[N]) -> f32 {
+    ignored = labels == -100
+    picked = gather(logits, where(ignored, 0, labels), axis=-1)
+    loss = where(ignored, 0.0, logsumexp(logits, axis=-1) - picked)
+    return sum(loss, axis=0) / sum(where(ignored, 0.0, 1.0), axis=0)
+}"""
+    labels = torch.randint(0, v, (n,))
+    labels[::3] = -100
+    labels[0] = 0  # at least one label counts
+    logits = randn(n, v)
+    fn, out = run_checked(src, logits, labels)
+    assert templates(fn) == ["rows", "rows"]
+    expect = torch.nn.functional.cross_entropy(logits.double(), labels, ignore_index=-100)
+    assert out.shape == () and abs(out.item() - expect.item()) <= 1e-5 * max(1.0, abs(expect.item()))
