@@ -126,4 +126,5 @@ def _load_builtin_passes() -> None:
         lower_kernels,
         online_softmax,
         recompute,
+        sink_reshape,
     )

@@ -156,7 +156,8 @@ RUN = ("--dims", "M=3,N=4", "--repeat", "0")
     (["run", "{p}", "--dims", "M=3,N=4", "--device", "tpu"], "--device tpu: tiledsl runs on cpu or cuda (cuda:N)"),
     (["opt", "{p}", "--print-ir-after", "fuse-bogus"],
      "--print-ir-after fuse-bogus: no such stage in this pipeline; did you mean 'fuse-rows'? (stages: graph, "
-     "canonicalize, cse, dce, online-softmax, distribute-matmul, hoist-row-scale, recompute, fuse-attention, "
+     "canonicalize, sink-reshape, cse, dce, online-softmax, distribute-matmul, hoist-row-scale, recompute, "
+     "fuse-attention, "
      "fuse-epilogue, fuse-rows, fuse-elementwise, "
      "fuse-horizontal, lower-kernels)"),
     (["check", "kernel"], "cannot read kernel: No such file or directory"),

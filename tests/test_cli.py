@@ -98,7 +98,7 @@ def test_check_and_passes():
     assert [line.split()[0] for line in out.splitlines()] == [
         "canonicalize", "cse", "dce", "distribute-matmul", "fuse-attention", "fuse-elementwise", "fuse-epilogue", "fuse-horizontal",
         "fuse-rows",
-        "hoist-row-scale", "lower-kernels", "online-softmax", "recompute"]
+        "hoist-row-scale", "lower-kernels", "online-softmax", "recompute", "sink-reshape"]
 
 
 def test_console_script_is_installed():

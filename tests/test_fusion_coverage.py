@@ -421,3 +421,24 @@ def test_cross_entropy_with_its_mean_is_two_row_kernels(n, v):
     assert templates(fn) == ["rows", "rows"]
     expect = torch.nn.functional.cross_entropy(logits.double(), labels, ignore_index=-100)
     assert out.shape == () and abs(out.item() - expect.item()) <= 1e-5 * max(1.0, abs(expect.item()))
+
+
+# --- group norm: the affine step sunk through the reshape --------------------------------------
+
+GROUP_NORM = """kernel group_norm(x: f32[N, C, W], w: f32[C, 1], b: f32[C, 1]) -> f32[N, C, W] {
+    g = reshape(x, [N, 4, -1])
+    mu = mean(g, axis=-1, keepdims=true)
+    d = g - mu
+    var = mean(d * d, axis=-1, keepdims=true)
+    y = reshape(d * rsqrt(var + 1e-5), [N, C, W])
+    return y * w + b
+}"""
+
+
+@pytest.mark.parametrize("n, c, w", [(1, 4, 3), (2, 8, 17), (3, 12, 113)])
+def test_group_norm_is_one_row_kernel(n, c, w):
+    x, wt, b = randn(n, c, w), randn(c, 1), randn(c, 1)
+    fn, out = run_checked(GROUP_NORM, x, wt, b)
+    assert templates(fn) == ["rows"]
+    expect = torch.nn.functional.group_norm(x.double(), 4, wt[:, 0].double(), b[:, 0].double(), eps=1e-5)
+    assert (out.double() - expect).abs().max() < 1e-5

@@ -24,8 +24,9 @@ from tiledsl.passes.registry import PassContext
 from tiledsl.printer import print_graph
 from tiledsl.sema import analyze, select_kernel
 
-DEFAULT_PIPELINE = ("canonicalize,cse,dce,online-softmax,distribute-matmul,hoist-row-scale,recompute,"
-                    "fuse-attention,fuse-epilogue,fuse-rows,fuse-elementwise,fuse-horizontal,lower-kernels")
+DEFAULT_PIPELINE = ("canonicalize,sink-reshape,cse,dce,online-softmax,distribute-matmul,hoist-row-scale,"
+                    "recompute,fuse-attention,fuse-epilogue,fuse-rows,fuse-elementwise,fuse-horizontal,"
+                    "lower-kernels")
 
 
 def check_option(where: str, name: str, value: Any, expected: str, *types: type) -> None:

@@ -1,0 +1,181 @@
+"""sink-reshape: elementwise ops on a reshaped result are computed before the reshape, reading
+their other operands at the matching index.
+
+Before: group norm as written with a reshape to groups and back:
+`reshape(d * rsqrt(var + eps), [N, C, W]) * w + b`, with `w`, `b` per channel. The
+normalisation is a row program over [N, G, C // G * W]; the affine step is over [N, C, W],
+which the row program cannot read its result in (fusion refuses a read "through a
+reshape"), so it is a second kernel that reads the normalised tensor back.
+After: `reshape((d * rsqrt(var + eps)) * w' + b', [N, C, W])`, where `w'` and `b'` are `w` and
+`b` gathered at the channel of each element of the group space (`take` at an index
+expression: the flat index of [N, G, C // G * W] split by the shape [N, C, W]). The gathers
+are index expressions, computed by the reading kernel over its own tile, so the affine step
+joins the row program: one kernel; the returned reshape is a view of its result.
+
+Sunk: an elementwise op one of whose operands is a reshape of a computed value (not a
+parameter: reading a parameter through a reshape view is already free), read by nothing
+but elementwise ops, whose other operands are scalars or values that broadcast to the
+op's shape; applied until no op qualifies, so a chain sinks op by op. Each rewrite is a
+fused remark. Runs before recompute and the fusion passes.
+"""
+
+from __future__ import annotations
+
+import ast as pyast
+from dataclasses import dataclass
+
+from tiledsl import ops
+from tiledsl.ir import Graph, Op, make_attrs
+from tiledsl.passes.fusion.legality import describe_node
+from tiledsl.passes.fusion.remarks import FusionRemark
+from tiledsl.passes.registry import Pass, PassContext, register
+from tiledsl.source import Span
+from tiledsl.types import DType, TensorType, broadcast_shapes, format_shape
+
+NAME = "sink-reshape"
+
+
+@register
+@dataclass(frozen=True)
+class SinkReshape(Pass):
+    name = NAME
+
+    def run(self, graph: Graph, ctx: PassContext) -> None:
+        changed = True
+        while changed:
+            changed = False
+            for node in graph.topo_order():
+                if node in graph.nx and _sink(graph, node, ctx.remarks):
+                    changed = True
+                    break
+
+
+def _sink(graph: Graph, node: int, remarks: list) -> bool:
+    op = graph.op(node)
+    if not (isinstance(op, Op) and ops.is_elementwise(op.kind)) or op.kind in ("take", "index") \
+            or op.shape == ():
+        return False
+    operands = graph.operands(node)
+    found = next((i for i, o in enumerate(operands) if _sinkable(graph, o, op.shape)), None)
+    if found is None:
+        return False
+    view = operands[found]
+    (src,) = graph.operands(view)
+    inner = graph.op(src).shape
+    new_operands = []
+    for i, o in enumerate(operands):
+        if i == found:
+            new_operands.append(src)
+        elif graph.op(o).shape == ():
+            new_operands.append(o)
+        else:
+            new_operands.append(_gathered(graph, o, inner, op.shape, op.span))
+    types = tuple(graph.op(o).type for o in new_operands)
+    try:
+        t = ops.infer(op.kind, types, op.attr_map)
+    except ops.RuleError:
+        return False
+    if t.shape != inner or t.dtype is not op.dtype:
+        return False
+    computed = graph.add(Op(op.kind, t.dtype, t.shape, op.attrs, op.span, t.weak), new_operands)
+    back = graph.add(Op("reshape", op.dtype, op.shape, make_attrs(shape=op.shape, copy=False),
+                        graph.op(view).span, op.weak), [computed])
+    remarks.append(FusionRemark(
+        NAME, True, None, graph.op(view), op,
+        f"{describe_node(graph, node)} is computed in the reshape's source shape "
+        f"{format_shape(inner)}, its other operands gathered at the matching index, and reshaped "
+        f"to {format_shape(op.shape)} after: the kernel computing {format_shape(inner)} can take it"))
+    graph.replace_uses(node, back)
+    graph.remove(node)
+    if not graph.users(view):
+        graph.remove(view)
+    return True
+
+
+def _sinkable(graph: Graph, operand: int, shape) -> bool:
+    """A reshape to `shape` of a computed value, read only by elementwise ops."""
+    op = graph.op(operand)
+    if not (isinstance(op, Op) and op.kind == "reshape" and op.shape == shape):
+        return False
+    (src,) = graph.operands(operand)
+    producer = graph.op(src)
+    return (isinstance(producer, Op) and producer.kind not in ("param", "reshape", "slice", "transpose")
+            and all(isinstance(graph.op(u), Op) and ops.is_elementwise(graph.op(u).kind)
+                    for u, _ in graph.users(operand)))
+
+
+def _gathered(graph: Graph, value: int, inner, outer, span: Span | None) -> int:
+    """`value` (broadcast to `outer`) read at each element of `inner`: take at the index of
+    `outer` that the same flat position has."""
+    b = _Builder(graph, span)
+    rank = len(inner)
+    flat = None
+    for k in range(rank):
+        if inner[k] == 1:
+            continue
+        term = b.cast(b.op("index", [], axis=k, shape=inner))
+        stride = b.product(inner[k + 1:])
+        term = b.op("mul", [term, stride]) if stride is not None else term
+        flat = term if flat is None else b.op("add", [flat, term])
+    flat = flat if flat is not None else b.const(0, DType.I64)
+    vshape = graph.op(value).shape
+    lead = len(outer) - len(vshape)
+    if broadcast_shapes(vshape, outer) != tuple(outer):
+        raise AssertionError("an operand broadcasts to the op's shape")
+    indices = []
+    for j, d in enumerate(vshape):
+        jj = lead + j
+        if d == 1:
+            indices.append(b.const(0, DType.I64))
+            continue
+        q = b.product(outer[jj + 1:])
+        at = b.op("floordiv", [flat, q]) if q is not None else flat
+        indices.append(b.op("mod", [at, b.size(outer[jj])]))
+    return b.op("take", [value, *indices])
+
+
+class _Builder:
+    """Typed ops for index arithmetic (i64, so a flat index never overflows)."""
+
+    def __init__(self, graph: Graph, span: Span | None) -> None:
+        self.graph, self.span = graph, span
+        self.dims = {graph.op(n).attr("symbol"): n for n in graph.nodes()
+                     if isinstance(graph.op(n), Op) and graph.op(n).kind == "dim"}
+
+    def op(self, kind: str, operands: list[int], **attrs) -> int:
+        t = ops.infer(kind, tuple(self.graph.op(o).type for o in operands), attrs)
+        return self.graph.add(Op(kind, t.dtype, t.shape, make_attrs(**attrs), self.span, t.weak), operands)
+
+    def const(self, value: int, dtype: DType) -> int:
+        t = TensorType(dtype, (), True)
+        return self.graph.add(Op("const", dtype, (), make_attrs(value=value, type=t), self.span, True), [])
+
+    def cast(self, node: int) -> int:
+        return self.op("cast", [node], dtype=DType.I64)
+
+    def size(self, dim) -> int:
+        """A dim (an int or a dim expression) as an i64 value."""
+        def build(node) -> int:
+            if isinstance(node, pyast.Name):
+                if node.id not in self.dims:
+                    t = TensorType(DType.I32, (), True)
+                    self.dims[node.id] = self.graph.add(Op("dim", DType.I32, (), make_attrs(
+                        symbol=node.id, type=t), self.span, True), [])
+                return self.dims[node.id]
+            if isinstance(node, pyast.Constant):
+                return self.const(node.value, DType.I32)
+            if isinstance(node, pyast.UnaryOp):
+                return self.op("neg", [build(node.operand)])
+            kind = {pyast.Add: "add", pyast.Sub: "sub", pyast.Mult: "mul", pyast.FloorDiv: "floordiv"}
+            return self.op(kind[type(node.op)], [build(node.left), build(node.right)])
+
+        return self.cast(build(pyast.parse(str(dim), mode="eval").body))
+
+    def product(self, dims) -> int | None:
+        out = None
+        for d in dims:
+            if d == 1:
+                continue
+            s = self.size(d)
+            out = s if out is None else self.op("mul", [out, s])
+        return out
