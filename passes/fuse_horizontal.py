@@ -41,34 +41,45 @@ class FuseHorizontal(Pass):
 
     def run(self, graph: Graph, ctx: PassContext) -> None:
         plan = GroupPlan(graph)
-        open_groups: dict[tuple, list[Group]] = {}  # iteration space -> groups being formed
+        groups: list[Group] = []
+        by_input: dict[tuple, dict[int, None]] = {}  # (space, input edge) -> groups reading it
+        small: dict[tuple, dict[int, None]] = {}  # space -> groups of launch-bound kernels
         for node in graph.topo_order():
             op = graph.op(node)
             key = _space(op) if isinstance(op, KernelOp) else None
             if key is None:
                 continue
-            for group in open_groups.setdefault(key, []):
+            # only groups that share an input with the kernel (or, for a launch-bound kernel,
+            # groups of launch-bound ones) are tried: merging stays linear in the program
+            inputs = _inputs(graph, node)
+            tried = dict.fromkeys(g for e in inputs for g in by_input.get((key, e), {}))
+            if _launch_bound(graph, node):
+                tried.update(small.get(key, {}))
+            for gid in tried:
+                group = groups[gid]
                 refusal = _refusal(graph, plan, group, node)
                 if refusal is None:
                     group.add(node)
-                    plan.groups[plan.group_of[group.seed]].append(node)
-                    plan.group_of[node] = plan.group_of[group.seed]
+                    plan.groups[gid].append(node)
+                    plan.group_of[node] = gid
                     break
                 if _shared(graph, group, node):
                     ctx.remarks.append(FusionRemark.refused(NAME, refusal, _first_op(graph, group.seed),
                                                             _first_op(graph, node)))
             else:
-                group = Group(plan, node)
+                gid = len(groups)
+                groups.append(Group(plan, node))
                 plan.add_group([node])
-                open_groups[key].append(group)
-        for groups in open_groups.values():
-            for group in groups:
-                if len(group) > 1:
-                    members = sorted(group, key=plan.order.__getitem__)
-                    ctx.remarks.append(FusionRemark(NAME, True, None, _first_op(graph, members[0]),
-                                                    _first_op(graph, members[-1]),
-                                                    _saving(graph, members)))
-                    merge_kernels(graph, members)
+            for e in inputs:
+                by_input.setdefault((key, e), {})[gid] = None
+            if _launch_bound(graph, node) and all(_launch_bound(graph, m) for m in groups[gid]):
+                small.setdefault(key, {})[gid] = None
+        for group in groups:
+            if len(group) > 1:
+                members = sorted(group, key=plan.order.__getitem__)
+                ctx.remarks.append(FusionRemark(NAME, True, None, _first_op(graph, members[0]),
+                                                _first_op(graph, members[-1]), _saving(graph, members)))
+                merge_kernels(graph, members)
 
 
 def _space(kernel: KernelOp) -> tuple | None:

@@ -45,7 +45,7 @@ def is_clonable(graph: Graph, node: int, memo: dict[int, bool] | None = None) ->
             stack.pop()
             continue
         op = graph.op(n)
-        if not isinstance(op, Op):
+        if not isinstance(op, Op) or op.kind in ("param", "dim"):  # inputs, never cloned
             memo[n] = False
         elif op.kind == "const" or graph.recomputed(n):
             memo[n] = True

@@ -15,8 +15,8 @@ joins the row program: one kernel; the returned reshape is a view of its result.
 Sunk: an elementwise op one of whose operands is a reshape of a computed value (not a
 parameter: reading a parameter through a reshape view is already free), read by nothing
 but elementwise ops, whose other operands are scalars or values that broadcast to the
-op's shape; applied until no op qualifies, so a chain sinks op by op. Each rewrite is a
-fused remark. Runs before recompute and the fusion passes.
+op's shape; in one walk in dependency order, so a chain sinks op by op. Each rewrite is
+a fused remark. Runs before recompute and the fusion passes.
 """
 
 from __future__ import annotations
@@ -41,13 +41,11 @@ class SinkReshape(Pass):
     name = NAME
 
     def run(self, graph: Graph, ctx: PassContext) -> None:
-        changed = True
-        while changed:
-            changed = False
-            for node in graph.topo_order():
-                if node in graph.nx and _sink(graph, node, ctx.remarks):
-                    changed = True
-                    break
+        # one walk in dependency order: a sunk op's readers come later and then read the
+        # new reshape, so a chain sinks op by op
+        for node in graph.topo_order():
+            if node in graph.nx:
+                _sink(graph, node, ctx.remarks)
 
 
 def _sink(graph: Graph, node: int, remarks: list) -> bool:
