@@ -70,7 +70,7 @@ class Recompute(Pass):
 def _decide(graph: Graph, order: list[int], excluded) -> set[int]:
     """The values to recompute, given those refused for their cost."""
     memo: dict[int, bool] = {}
-    chosen = {n for n in order if n not in excluded and _computable(graph, n, memo)}
+    chosen = {n for n in _candidates(graph, order) if n not in excluded and _computable(graph, n, memo)}
     # readers and operands must agree: drop values until both conditions hold, revisiting
     # the neighbours of each value dropped
     work = list(chosen)
@@ -81,6 +81,25 @@ def _decide(graph: Graph, order: list[int], excluded) -> set[int]:
             work.extend(o for o in graph.operands(n) if o in chosen)
             work.extend(u for u, _ in graph.users(n) if u in chosen)
     return chosen
+
+
+def _candidates(graph: Graph, order: list[int]) -> set[int]:
+    """Elementwise values some elementwise reader reads broadcast, and the elementwise
+    values they are computed from: the only ones worth the checks (a program whose
+    elementwise ops all share one shape has none)."""
+    def elementwise(n: int) -> bool:
+        op = graph.op(n)
+        return isinstance(op, Op) and ops.is_elementwise(op.kind) and op.shape != ()
+
+    stack = [n for n in order if elementwise(n) and any(
+        elementwise(u) and graph.op(u).shape != graph.op(n).shape for u, _ in graph.users(n))]
+    found: set[int] = set()
+    while stack:
+        n = stack.pop()
+        if n not in found:
+            found.add(n)
+            stack.extend(o for o in graph.operands(n) if elementwise(o))
+    return found
 
 
 def _units(graph: Graph, order: list[int], chosen: set[int]) -> dict[int, int]:
