@@ -440,5 +440,6 @@ def test_group_norm_is_one_row_kernel(n, c, w):
     x, wt, b = randn(n, c, w), randn(c, 1), randn(c, 1)
     fn, out = run_checked(GROUP_NORM, x, wt, b)
     assert templates(fn) == ["rows"]
+    assert "rewrites:\n  [sink-reshape] fused: reshape (line 6) -> mul (line 7)" in fn.explain()
     expect = torch.nn.functional.group_norm(x.double(), 4, wt[:, 0].double(), b[:, 0].double(), eps=1e-5)
     assert (out.double() - expect).abs().max() < 1e-5

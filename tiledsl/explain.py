@@ -23,9 +23,9 @@ if TYPE_CHECKING:
     from tiledsl.api import Program
 
 FUSION_PASSES = ("fuse-elementwise", "fuse-epilogue", "fuse-rows", "online-softmax", "fuse-attention")
-# passes whose decisions the kernel list alone does not show: values computed again by their
-# readers, independent kernels merged
-REWRITE_PASSES = ("distribute-matmul", "hoist-row-scale", "recompute", "fuse-horizontal")
+# passes whose decisions the kernel list alone does not show: algebraic rewrites, values
+# computed again by their readers, independent kernels merged
+REWRITE_PASSES = ("sink-reshape", "distribute-matmul", "hoist-row-scale", "recompute", "fuse-horizontal")
 
 
 def _name(graph: Graph, node: int, res: int) -> str:
