@@ -97,6 +97,9 @@ class _Kernel:
                 self.matmuls.add(cand)
             return reason
         if _is_stat_kind(graph, cand):
+            if any(o in group for o in graph.operands(cand)):
+                return Refusal(Rule.TILE, "a reduction of the product needs whole rows of the output; "
+                               "the GEMM holds one tile of them")
             reason = self.stat_refusal(cand) or self.users_outside(group, cand)
             if reason is None:
                 self.stats.add(cand)
