@@ -23,11 +23,11 @@ from dataclasses import dataclass
 
 from tiledsl import cost
 from tiledsl.ir import Graph, KernelOp
-from tiledsl.passes.fusion.legality import Group, GroupPlan, RowSpace, row_layouts
+from tiledsl.passes.fusion.legality import Group, GroupPlan, row_layouts
 from tiledsl.passes.fusion.planning import row_space
 from tiledsl.passes.fusion.profitability import LAUNCH_BOUND_BYTES, MAX_ROW_OPS, MAX_ROW_PHASES
 from tiledsl.passes.fusion.remarks import FusionRemark, Refusal, Rule
-from tiledsl.passes.regions import merge_kernels
+from tiledsl.passes.regions import merge_kernels, merged_region
 from tiledsl.passes.registry import Pass, PassContext, register
 from tiledsl.types import format_shape
 
@@ -104,9 +104,10 @@ def _refusal(graph: Graph, plan: GroupPlan, group: Group, node: int) -> Refusal 
             return Refusal(Rule.PROFIT, f"the merged row program would exceed {MAX_ROW_OPS} ops")
         if max(max(graph.op(m).plan.phases, default=0) for m in (*group, node)) > MAX_ROW_PHASES:
             return Refusal(Rule.PROFIT, f"the merged row program would exceed {MAX_ROW_PHASES} phases")
-        space = row_space(regions[0])
-        if any(not isinstance(row_layouts(r, RowSpace(space.shape, space.axis)), dict) for r in regions):
-            return Refusal(Rule.TILE, "their values do not map onto one row space")
+        region, _ = merged_region(graph, [*sorted(group, key=plan.order.__getitem__), node])
+        layouts = row_layouts(region, row_space(region))
+        if not isinstance(layouts, dict):  # one input read along different dims, say
+            return Refusal(layouts.rule, f"merged, {layouts.detail}")
     return None
 
 

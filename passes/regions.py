@@ -207,16 +207,14 @@ def remove_dead_clonables(graph: Graph, nodes: Sequence[int],
             stack.extend(operands)
 
 
-def merge_kernels(graph: Graph, nodes: Sequence[int]) -> int:
-    """Replace independent kernels of one template by one kernel computing all their results
-    (horizontal fusion); returns it. Inputs they share become one input; the merged region
-    is planned again (`fusion.planning`). No kernel may read another's result."""
-    kernels = [graph.op(n) for n in nodes]
+def merged_region(graph: Graph, nodes: Sequence[int]) -> tuple[Region, list[tuple[int, int]]]:
+    """The region computing the results of independent kernels `nodes`, in order, and the
+    (node, result) each of its inputs reads: inputs they share become one."""
     edges: dict[tuple[int, int], int] = {}
     inputs: list[RegionInput] = []
     body: list[RegionOp] = []
     outputs: list[int] = []
-    regions = [k.region for k in kernels]
+    regions = [graph.op(n).region for n in nodes]
     for node, region in zip(nodes, regions, strict=True):
         for e, inp in zip(graph.operand_edges(node), region.inputs, strict=True):
             if e not in edges:
@@ -229,18 +227,25 @@ def merge_kernels(graph: Graph, nodes: Sequence[int]) -> int:
         local += [base + i for i in range(len(region.ops))]
         body.extend(RegionOp(r.op, tuple(local[v] for v in r.operands)) for r in region.ops)
         outputs.extend(local[v] for v in region.outputs)
-    region = Region(tuple(inputs), tuple(body), tuple(outputs))
+    return Region(tuple(inputs), tuple(body), tuple(outputs)), list(edges)
+
+
+def merge_kernels(graph: Graph, nodes: Sequence[int]) -> int:
+    """Replace independent kernels of one template by one kernel computing all their results
+    (horizontal fusion); returns it. The merged region (`merged_region`) is planned again
+    (`fusion.planning`). No kernel may read another's result."""
+    kernels = [graph.op(n) for n in nodes]
+    region, edges = merged_region(graph, nodes)
     span = None
     for k in kernels:
         if k.span is not None:
             span = k.span if span is None else span.to(k.span)
     template = kernels[0].template
-    merged = graph.add(KernelOp("k?", template, region, span, plan=plan_kernel(template, region)),
-                       list(edges))
+    merged = graph.add(KernelOp("k?", template, region, span, plan=plan_kernel(template, region)), edges)
     offset = 0
-    for node, region in zip(nodes, regions, strict=True):
-        for r in range(len(region.outputs)):
+    for node, kernel in zip(nodes, kernels, strict=True):
+        for r in range(len(kernel.region.outputs)):
             graph.replace_uses(node, merged, new_res=offset + r, old_res=r)
-        offset += len(region.outputs)
+        offset += len(kernel.region.outputs)
         graph.remove(node)
     return merged
