@@ -19,8 +19,9 @@ pass rewrites those into the ops the templates run online:
 
 when the intermediate values have no other use. A row that is all -inf then
 gives 0 (softmax) and -inf (logsumexp) instead of the NaN of the written-out
-form. Runs before fuse-attention, so a hand-written softmax between two
-matmuls is recognised as attention.
+form (with a sink, the row is 0: every weight is exp(-inf) over a finite sink term; the
+written form agrees when its max includes the sink). Runs before fuse-attention, so a
+hand-written softmax between two matmuls is recognised as attention.
 """
 
 from __future__ import annotations

@@ -193,11 +193,23 @@ class Generator:
             a = self.expr(depth - 1)
             if len(a.shape) != 2 or a.shape[-1] != "N":
                 a = self.values[0]  # x: [M, N]
-            if self.rng.random() < 0.4:  # attention-shaped: softmax of scores, then @ w
+            shape = self.rng.random()
+            if shape < 0.4:  # attention-shaped: softmax of scores, then @ w
                 scores = Value(f"({a.text} @ w.T * {self.rng.choice(['0.125', 's', 'rsqrt(N)'])})", a.shape)
                 if self.rng.random() < 0.5:
                     scores = Value(f"where({self.cond(0).text}, {scores.text}, -inf)", a.shape)
+                if self.rng.random() < 0.25:  # a sink logit per row in the denominator
+                    # (the max includes the sink, as gpt-oss writes it: a fully masked row is
+                    # then 0 in the written form too, not NaN)
+                    m = f"maximum(max({scores.text}, axis=-1, keepdims=true), z)"
+                    e = f"exp({scores.text} - {m})"
+                    return Value(f"(({e} / (sum({e}, axis=-1, keepdims=true) + exp(z - {m}))) @ w)", a.shape)
                 return Value(f"(softmax({scores.text}, axis=-1) @ w)", a.shape)
+            if shape < 0.5:  # two products of the same A meeting in one epilogue (a dual GEMM)
+                return Value(f"(silu({a.text} @ w) * ({a.text} @ w.T))", a.shape)
+            if shape < 0.6:  # a row-normalised A (a factor constant along K)
+                norm = f"rsqrt(mean({a.text} * {a.text}, axis=-1, keepdims=true) + 1.0)"
+                return Value(f"(({a.text} * {norm}) @ w)", a.shape)
             return Value(f"({a.text} @ w)", a.shape)
         if r < 0.95:
             return self.indexed(self.expr(depth - 1))
