@@ -17,7 +17,9 @@ fuse-attention takes; a scalar on any other tensor is already a cheap prologue),
 dropping it leaves the `mul` with the type it had. Rounding moves: A is rounded to the
 dot's dtype before the scale instead of after it, and the scale is applied to the f32
 accumulator; the result is within the numerics contract's tolerance like any reordering of
-a reduction. Each rewrite is a fused remark with its modelled saving.
+a reduction. Not when A is rounded to f16 after the scale: unscaled values may not fit
+f16's range and precision (a refused remark says so; bf16 and f32 operands are hoisted).
+Each rewrite is a fused remark with its modelled saving.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from dataclasses import dataclass
 from tiledsl import cost
 from tiledsl.ir import Graph, Op, make_attrs
 from tiledsl.passes.fusion.legality import describe_node
-from tiledsl.passes.fusion.remarks import FusionRemark
+from tiledsl.passes.fusion.remarks import FusionRemark, Refusal, Rule
 from tiledsl.passes.registry import Pass, PassContext, register
 from tiledsl.types import DType, format_shape
 
@@ -45,7 +47,13 @@ class HoistRowScale(Pass):
             if not (isinstance(op, Op) and op.kind == "matmul" and op.dtype.is_float):
                 continue
             a_type = graph.result_type(graph.operands(mm)[0])
-            pairs = _row_factors(graph, graph.operands(mm)[0], mm)
+            refused: list[int] = []
+            pairs = _row_factors(graph, graph.operands(mm)[0], mm, refused)
+            for factor in refused:
+                ctx.remarks.append(FusionRemark.refused(NAME, Refusal(Rule.OP, (
+                    f"the A operand is rounded to f16 after {_describe(graph, factor)} scales it; unscaled "
+                    "it could overflow f16 or lose precision, so the scale stays on A (a bf16 or f32 "
+                    "operand has no such limit)")), graph.op(factor), op))
             if not pairs:
                 continue
             saving = cost.format_poly(cost.add(*[cost.tensor_bytes(a_type)] * 2))
@@ -66,12 +74,17 @@ def _describe(graph: Graph, node: int) -> str:
     return f"'{op.attr('name')}'" if op.kind == "param" else describe_node(graph, node)
 
 
-def _row_factors(graph: Graph, a: int, mm: int) -> list[tuple[int, int]]:
+def _row_factors(graph: Graph, a: int, mm: int,
+                 refused: list | None = None) -> list[tuple[int, int]]:
     """(mul, factor) pairs: a `mul` among the ops forming A (through muls and float casts,
-    each read only by the next) and its operand constant along K."""
+    each read only by the next) and its operand constant along K.
+
+    Not below a cast that narrows to f16: the unscaled values would be rounded to f16's
+    range and precision (a large activation overflows, a small one loses bits), where the
+    scaled ones fitted; such factors go to `refused`. bf16 has f32's range."""
     rows = graph.op(mm).shape[:-1]
     found: list[tuple[int, int]] = []
-    stack, reader = [a], {a: mm}
+    stack, reader, narrowed = [a], {a: mm}, {a: False}
     while stack:
         n = stack.pop()
         op = graph.op(n)
@@ -80,6 +93,7 @@ def _row_factors(graph: Graph, a: int, mm: int) -> list[tuple[int, int]]:
         if op.kind == "cast" and op.dtype.is_float and graph.op(graph.operands(n)[0]).dtype.is_float:
             (src,) = graph.operands(n)
             reader[src] = n
+            narrowed[src] = narrowed[n] or (op.dtype is DType.F16 and graph.op(src).dtype is not DType.F16)
             stack.append(src)
         elif op.kind == "mul":
             x, y = graph.operands(n)
@@ -87,12 +101,16 @@ def _row_factors(graph: Graph, a: int, mm: int) -> list[tuple[int, int]]:
                 if factor != other and _constant_along_k(graph, factor, rows) \
                         and graph.op(other).type == op.type and graph.op(factor).dtype.is_float \
                         and (graph.op(factor).shape != () or _is_softmax(graph, other)):
-                    found.append((n, factor))
+                    if narrowed[n] and refused is not None:
+                        refused.append(factor)
+                    elif not narrowed[n]:
+                        found.append((n, factor))
                     break
             else:
                 for o in (x, y):
                     if o not in reader:
                         reader[o] = n
+                        narrowed[o] = narrowed[n]
                         stack.append(o)
     return found
 
