@@ -44,6 +44,7 @@ from tiledsl.passes.fusion.legality import Group, GroupPlan, describe_node
 from tiledsl.passes.fusion.remarks import FusionRemark, Refusal, Rule
 from tiledsl.passes.regions import is_clonable
 from tiledsl.passes.registry import Pass, PassContext, register
+from tiledsl.types import broadcasts_to
 
 NAME = "fuse-attention"
 
@@ -315,6 +316,4 @@ def _row_input(graph: Graph, node: int, row_shape) -> bool:
     op = graph.op(node)
     if not isinstance(op, Op) or not (op.kind in ("param", "dim", "const") or is_clonable(graph, node)):
         return False
-    shape = op.shape
-    return len(shape) <= len(row_shape) and all(
-        d == 1 or d == r for d, r in zip(shape, row_shape[len(row_shape) - len(shape):], strict=True))
+    return broadcasts_to(op.shape, row_shape)

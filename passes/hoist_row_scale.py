@@ -31,7 +31,7 @@ from tiledsl.ir import Graph, Op, make_attrs
 from tiledsl.passes.fusion.legality import describe_node
 from tiledsl.passes.fusion.remarks import FusionRemark, Refusal, Rule
 from tiledsl.passes.registry import Pass, PassContext, register
-from tiledsl.types import DType, format_shape
+from tiledsl.types import DType, broadcasts_to, format_shape
 
 NAME = "hoist-row-scale"
 
@@ -74,8 +74,7 @@ def _describe(graph: Graph, node: int) -> str:
     return f"'{op.attr('name')}'" if op.kind == "param" else describe_node(graph, node)
 
 
-def _row_factors(graph: Graph, a: int, mm: int,
-                 refused: list | None = None) -> list[tuple[int, int]]:
+def _row_factors(graph: Graph, a: int, mm: int, refused: list[int]) -> list[tuple[int, int]]:
     """(mul, factor) pairs: a `mul` among the ops forming A (through muls and float casts,
     each read only by the next) and its operand constant along K.
 
@@ -101,9 +100,9 @@ def _row_factors(graph: Graph, a: int, mm: int,
                 if factor != other and _constant_along_k(graph, factor, rows) \
                         and graph.op(other).type == op.type and graph.op(factor).dtype.is_float \
                         and (graph.op(factor).shape != () or _is_softmax(graph, other)):
-                    if narrowed[n] and refused is not None:
+                    if narrowed[n]:
                         refused.append(factor)
-                    elif not narrowed[n]:
+                    else:
                         found.append((n, factor))
                     break
             else:
@@ -127,14 +126,7 @@ def _is_softmax(graph: Graph, node: int) -> bool:
 
 def _constant_along_k(graph: Graph, node: int, rows) -> bool:
     """A scalar, or a [..., M, 1] value whose rows broadcast to the product's."""
-    shape = graph.op(node).shape
-    if shape == ():
-        return True
-    if len(shape) < 2 or shape[-1] != 1:
-        return False
-    lead = shape[:-1]
-    return len(lead) <= len(rows) and all(d == 1 or d == r for d, r in zip(lead, rows[len(rows) - len(lead):],
-                                                                          strict=True))
+    return broadcasts_to(graph.op(node).shape, (*rows, 1))
 
 
 def _hoist(graph: Graph, mm: int, pairs: list[tuple[int, int]]) -> None:

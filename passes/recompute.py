@@ -31,7 +31,7 @@ from tiledsl.passes.fusion.profitability import RECOMPUTE_BUDGET, op_units, reco
 from tiledsl.passes.fusion.remarks import FusionRemark, Refusal, Rule
 from tiledsl.passes.regions import feeds_dot, is_clonable
 from tiledsl.passes.registry import Pass, PassContext, register
-from tiledsl.types import broadcast_shapes, format_shape
+from tiledsl.types import broadcasts_to, format_shape
 
 NAME = "recompute"
 
@@ -148,7 +148,7 @@ def _readers_ok(graph: Graph, n: int, chosen: set[int]) -> bool:
         op = graph.op(u)
         if not isinstance(op, Op) or not ops.is_elementwise(op.kind) or ops.gathers_at(op.kind, slot):
             return False
-        if op.shape == shape or broadcast_shapes(shape, op.shape) != op.shape:
+        if op.shape == shape or not broadcasts_to(shape, op.shape):
             return False
     return True
 

@@ -21,16 +21,16 @@ a fused remark. Runs before recompute and the fusion passes.
 
 from __future__ import annotations
 
-import ast as pyast
 from dataclasses import dataclass
 
 from tiledsl import ops
+from tiledsl.dims import build as build_dim
 from tiledsl.ir import Graph, Op, make_attrs
 from tiledsl.passes.fusion.legality import describe_node
 from tiledsl.passes.fusion.remarks import FusionRemark
 from tiledsl.passes.registry import Pass, PassContext, register
 from tiledsl.source import Span
-from tiledsl.types import DType, TensorType, broadcast_shapes, format_shape
+from tiledsl.types import DType, TensorType, broadcasts_to, format_shape
 
 NAME = "sink-reshape"
 
@@ -118,8 +118,7 @@ def _gathered(graph: Graph, value: int, inner, outer, span: Span | None) -> int:
     flat = flat if flat is not None else b.const(0, DType.I64)
     vshape = graph.op(value).shape
     lead = len(outer) - len(vshape)
-    if broadcast_shapes(vshape, outer) != tuple(outer):
-        raise AssertionError("an operand broadcasts to the op's shape")
+    assert broadcasts_to(vshape, outer), "an elementwise operand broadcasts to the op's shape"
     indices = []
     for j, d in enumerate(vshape):
         jj = lead + j
@@ -153,21 +152,15 @@ class _Builder:
 
     def size(self, dim) -> int:
         """A dim (an int or a dim expression) as an i64 value."""
-        def build(node) -> int:
-            if isinstance(node, pyast.Name):
-                if node.id not in self.dims:
-                    t = TensorType(DType.I32, (), True)
-                    self.dims[node.id] = self.graph.add(Op("dim", DType.I32, (), make_attrs(
-                        symbol=node.id, type=t), self.span, True), [])
-                return self.dims[node.id]
-            if isinstance(node, pyast.Constant):
-                return self.const(node.value, DType.I32)
-            if isinstance(node, pyast.UnaryOp):
-                return self.op("neg", [build(node.operand)])
-            kind = {pyast.Add: "add", pyast.Sub: "sub", pyast.Mult: "mul", pyast.FloorDiv: "floordiv"}
-            return self.op(kind[type(node.op)], [build(node.left), build(node.right)])
+        return self.cast(build_dim(dim, self.dim, lambda k: self.const(k, DType.I32),
+                                   lambda kind, *args: self.op(kind, list(args))))
 
-        return self.cast(build(pyast.parse(str(dim), mode="eval").body))
+    def dim(self, symbol: str) -> int:
+        if symbol not in self.dims:
+            t = TensorType(DType.I32, (), True)
+            self.dims[symbol] = self.graph.add(Op("dim", DType.I32, (), make_attrs(symbol=symbol, type=t),
+                                                  self.span, True), [])
+        return self.dims[symbol]
 
     def product(self, dims) -> int | None:
         out = None

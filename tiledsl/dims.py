@@ -166,6 +166,27 @@ def _fold(node: ast.AST, name: Callable[[str], Any], number: Callable[[int], Any
     raise ValueError(f"not a dim expression: {ast.unparse(node)!r}")
 
 
+_KINDS = {ast.Add: "add", ast.Sub: "sub", ast.Mult: "mul", ast.FloorDiv: "floordiv"}
+
+
+def build(dim: Dim, name: Callable[[str], Any], number: Callable[[int], Any],
+          op: Callable[..., Any]) -> Any:
+    """Build a dim expression out of graph values: `name` for a symbol, `number` for an
+    integer, `op(kind, *operands)` for "neg", "add", "sub", "mul" and "floordiv"."""
+    def walk(node: ast.AST) -> Any:
+        if isinstance(node, ast.Name):
+            return name(node.id)
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return number(node.value)
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return op("neg", walk(node.operand))
+        if isinstance(node, ast.BinOp) and type(node.op) in _KINDS:
+            return op(_KINDS[type(node.op)], walk(node.left), walk(node.right))
+        raise ValueError(f"not a dim expression: {ast.unparse(node)!r}")
+
+    return walk(_tree(str(dim)))
+
+
 @functools.lru_cache(maxsize=4096)
 def symbols(dim: str) -> tuple[str, ...]:
     """The symbols a dim expression reads."""

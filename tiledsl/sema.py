@@ -9,7 +9,6 @@ the declared return type).
 
 from __future__ import annotations
 
-import ast as pyast
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,6 +16,7 @@ from tiledsl import ast, ops
 from tiledsl import diagnostics as diag
 from tiledsl.builtins import BUILTINS, REQUIRED, TILE_HINTS, TORCH_SPELLINGS, BParam, Builtin
 from tiledsl.dims import Lin, factors
+from tiledsl.dims import build as build_dim
 from tiledsl.dims import symbols as dim_symbols
 from tiledsl.ir import Graph, Op, make_attrs
 from tiledsl.ops.structure import index_dtype_message
@@ -584,18 +584,9 @@ class _KernelBuilder:
 
     def _dim_value(self, x: Lin, span: Span) -> int:
         """A dim expression as a value (a weak i32 computed from dim values)."""
-        def build(node) -> int:
-            if isinstance(node, pyast.Name):
-                return self._dim(node.id, span)
-            if isinstance(node, pyast.Constant):
-                return self._const(node.value, DType.I32, span)
-            if isinstance(node, pyast.UnaryOp):
-                return self._emit("neg", [(build(node.operand), span)], span)
-            kind = {pyast.Add: "add", pyast.Sub: "sub", pyast.Mult: "mul", pyast.FloorDiv: "floordiv"}
-            return self._emit(kind[type(node.op)], [(build(node.left), span), (build(node.right), span)],
-                              span)
-
-        return build(pyast.parse(str(x.dim()), mode="eval").body)
+        return build_dim(x.dim(), lambda name: self._dim(name, span),
+                          lambda k: self._const(k, DType.I32, span),
+                          lambda kind, *args: self._emit(kind, [(a, span) for a in args], span))
 
     def _Call(self, e: ast.Call) -> int:
         if e.func in self.scope:

@@ -191,6 +191,14 @@ def broadcast_shapes(*shapes: Shape) -> Shape:
     return tuple(out)
 
 
+def broadcasts_to(shape: Shape, target: Shape) -> bool:
+    """Does `shape` broadcast to exactly `target` (right-aligned; literal 1s stretch)?"""
+    try:
+        return broadcast_shapes(shape, target) == tuple(target)
+    except BroadcastMismatch:
+        return False
+
+
 def normalize_axis(axis: int, rank: int) -> int | None:
     """`axis` as a non-negative index, or None when out of range."""
     if -rank <= axis < rank:
