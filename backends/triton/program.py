@@ -183,7 +183,7 @@ class TritonBackend(Backend):
             return  # building the plan ran the call
         for slot, size in plan.dims:
             values[slot] = size
-        for k in plan.kernels:
+        for k in plan.kernels:  # `allocate`, inlined: this is the call path
             outs = [_empty(shape, dtype=dtype, device=device) if order is None
                     else _empty(shape, dtype=dtype, device=device).permute(order)
                     for shape, dtype, order in k.outputs]
