@@ -11,7 +11,9 @@ axis (their merged region must still be a row program: `legality.row_layouts`), 
 - neither depends on the other, through any path (legality: "cycle");
 - they share a tensor input (the merged kernel reads it once: the modelled saving), or
   both are small and fixed in size (`profitability.LAUNCH_BOUND_BYTES`), so each would be
-  launch-bound;
+  launch-bound, or both are reductions (row programs whose every output is reduced along
+  their axis: a bias's and a weight's gradient, column sums of different tensors), whose
+  merged loop costs nothing and saves a launch;
 - the merged row program stays within `MAX_ROW_OPS` ops and `MAX_ROW_PHASES` phases.
 Each merge is a fused remark; kernels that share an input but may not merge get a refusal.
 Must run after the other fusion passes, which form the kernels it merges.
@@ -44,6 +46,7 @@ class FuseHorizontal(Pass):
         groups: list[Group] = []
         by_input: dict[tuple, dict[int, None]] = {}  # (space, input edge) -> groups reading it
         small: dict[tuple, dict[int, None]] = {}  # space -> groups of launch-bound kernels
+        reducing: dict[tuple, int] = {}  # space -> the last group of reductions over it
         for node in graph.topo_order():
             op = graph.op(node)
             key = _space(op) if isinstance(op, KernelOp) else None
@@ -55,6 +58,8 @@ class FuseHorizontal(Pass):
             tried = dict.fromkeys(g for e in inputs for g in by_input.get((key, e), {}))
             if _launch_bound(graph, node):
                 tried.update(small.get(key, {}))
+            if _reduces(op) and key in reducing:
+                tried[reducing[key]] = None
             for gid in tried:
                 group = groups[gid]
                 refusal = _refusal(graph, plan, group, node)
@@ -74,6 +79,8 @@ class FuseHorizontal(Pass):
                 by_input.setdefault((key, e), {})[gid] = None
             if _launch_bound(graph, node) and all(_launch_bound(graph, m) for m in groups[gid]):
                 small.setdefault(key, {})[gid] = None
+            if all(_reduces(graph.op(m)) for m in groups[gid]):
+                reducing[key] = gid
         for group in groups:
             if len(group) > 1:
                 members = sorted(group, key=plan.order.__getitem__)
@@ -95,8 +102,9 @@ def _refusal(graph: Graph, plan: GroupPlan, group: Group, node: int) -> Refusal 
     direct = any(m in graph.operands(node) for m in group)  # a path of one edge is no cycle
     if direct or plan.creates_cycle(group, node):
         return Refusal(Rule.CYCLE, "one reads what the other computes")
-    if not _shared(graph, group, node) and not all(_launch_bound(graph, m) for m in (*group, node)):
-        return Refusal(Rule.PROFIT, "they share no input and are not both launch-bound")
+    if not _shared(graph, group, node) and not all(_launch_bound(graph, m) for m in (*group, node)) \
+            and not all(_reduces(graph.op(m)) for m in (*group, node)):
+        return Refusal(Rule.PROFIT, "they share no input and are not both launch-bound or reductions")
     kernel = graph.op(node)
     if kernel.template == "rows":
         regions = [graph.op(m).region for m in (*group, node)]
@@ -109,6 +117,14 @@ def _refusal(graph: Graph, plan: GroupPlan, group: Group, node: int) -> Refusal 
         if not isinstance(layouts, dict):  # one input read along different dims, say
             return Refusal(layouts.rule, f"merged, {layouts.detail}")
     return None
+
+
+def _reduces(kernel: KernelOp) -> bool:
+    """A row program whose every output is reduced along its axis (size 1 or dropped)."""
+    if kernel.template != "rows":
+        return False
+    space, axis = kernel.plan.shape, kernel.plan.axis
+    return all(len(t.shape) < len(space) or t.shape[axis] == 1 for t in kernel.result_types)
 
 
 def _inputs(graph: Graph, node: int) -> set[tuple[int, int]]:

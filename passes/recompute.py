@@ -15,7 +15,8 @@ A value is recomputed when
   kernel's result (a gathered operand must be a parameter);
 - every reader is an elementwise op, a reduction or a softmax that reads it broadcast to a
   larger shape, or a recomputed value; it is not returned, not gathered from, and does not
-  reach a matmul operand (a dot prologue reads tensors, not tiles of an index space);
+  reach a matmul operand through ops read once each (such a chain may become a dot
+  prologue, which reads tensors, not tiles of an index space);
 - its expression costs at most `profitability.RECOMPUTE_BUDGET` operation units per element.
 Each decision is a fused remark; a value refused for its cost is a "profit" refusal.
 Must run before the fusion passes.
@@ -140,7 +141,7 @@ def _readers_ok(graph: Graph, n: int, chosen: set[int]) -> bool:
     larger shape (not gathering from it); and `n` does not reach a matmul operand."""
     shape = graph.op(n).shape
     users = graph.users(n)
-    if not users or feeds_dot(graph, n):
+    if not users or _feeds_prologue(graph, n):
         return False
     for u, slot in users:
         if u in chosen:
@@ -151,6 +152,23 @@ def _readers_ok(graph: Graph, n: int, chosen: set[int]) -> bool:
         if op.shape == shape or not broadcasts_to(shape, op.shape):
             return False
     return True
+
+
+def _feeds_prologue(graph: Graph, n: int) -> bool:
+    """Could `n` end up in a matmul operand's prologue: does it reach a matmul operand
+    through elementwise ops each read by one op only? (A value read twice on the way is
+    stored by a kernel of its own, which can clone `n` like any kernel.)"""
+    if not feeds_dot(graph, n):
+        return False
+    stack = [u for u, _ in graph.users(n)]
+    while stack:
+        u = stack.pop()
+        op = graph.op(u)
+        if isinstance(op, Op) and op.kind == "matmul":
+            return True
+        if isinstance(op, Op) and ops.is_elementwise(op.kind) and len(graph.users(u)) == 1:
+            stack.extend(v for v, _ in graph.users(u))
+    return False
 
 
 def _plural(n: int, noun: str) -> str:

@@ -31,7 +31,8 @@ BINARY = ["+", "-", "*", "/", "maximum", "minimum", "//", "%", "**"]
 COMPARISONS = ["<", "<=", ">", ">=", "==", "!="]
 # ops with tests of their own below (take: gathers, advanced indexing and concat in
 # tests/test_indexing.py)
-OWN_TESTS = ["neg", "and", "or", "where", "cast", "index", "not", "isnan", "isinf", "clamp", "take"]
+OWN_TESTS = ["neg", "and", "or", "where", "cast", "index", "not", "isnan", "isinf", "clamp", "take",
+             "expand"]
 
 
 @pytest.mark.parametrize("dt", DTYPES)
@@ -525,3 +526,16 @@ def test_arithmetic_on_a_weak_bf16_value_is_double_precision(pipeline):
     fn = tiledsl.compile("kernel f(x: f32[M, N]) -> f32[M, N] { return 0.0 * x + exp(cast(0.5, bf16)) }",
                          pipeline=pipeline)
     run_checked(fn, randn(17, 33))
+
+
+@pytest.mark.parametrize("dt", ["f32", "bf16"])
+def test_expand_broadcasts_to_a_shape(dt):
+    x, y = randn(17, 1, dtype=DTYPES[dt]), randn(33, dtype=DTYPES[dt])
+    fn, (a, b, c) = run_checked(f"""kernel e(x: {dt}[M, 1], y: {dt}[N]) -> ({dt}[M, N], f32[M], {dt}[2, N]) {{
+        return expand(x, [M, N]), sum(cast(expand(x, [-1, N]), f32), axis=-1), expand(y, [2, -1])
+    }}""", x, y)
+    assert torch.equal(a, x.expand(17, 33)) and torch.equal(c, y.expand(2, 33))
+    with pytest.raises(tiledsl.TileDSLError) as err:
+        tiledsl.compile(f"kernel e(x: {dt}[M, 1]) -> {dt}[2, 3] {{ return expand(x, [2, 3]) }}")
+    assert err.value.message == ("expand cannot broadcast [M, 1] to [2, 3]: each dim must equal the "
+                                 "new one or be 1, and new dims go in front")

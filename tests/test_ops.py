@@ -23,7 +23,9 @@ COMPUTING = sorted(k for k, d in OPS.items()
                    if d.category not in (Category.SOURCE, Category.RETURN))
 # ops whose builtin does more than bind operands and attributes (sema's special handlers)
 SPECIAL_BUILTINS = {"index", "transpose", "sum", "max", "min", "mean", "logsumexp", "softmax",
-                    "cumsum", "reshape"}
+                    "cumsum", "reshape", "expand"}
+# ops whose results are never differentiated: bool or integer results, index positions
+NO_DERIVATIVE = {"eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "isnan", "isinf", "index"}
 # ops built by subscripts (x[i, a:b], gather, concat) rather than called by name
 SUBSCRIPT_OPS = {"take": -1, "slice": 1}
 
@@ -63,6 +65,13 @@ def test_builtin_signatures_bind_operands_then_attributes(kind):
         assert len(values) == d.arity, "sema's generic handler makes each value an operand"
 
 
+@pytest.mark.parametrize("kind", COMPUTING)
+def test_every_op_with_a_float_result_has_a_derivative_rule(kind):
+    """`tiledsl.autodiff` reads each op's `vjp`; the ops without one are exactly those that
+    never produce a floating-point value."""
+    assert (OPS[kind].vjp is None) == (kind in NO_DERIVATIVE), kind
+
+
 def test_operators_map_to_ops():
     assert ops.BINARY_KINDS == {"+": "add", "-": "sub", "*": "mul", "/": "div", "&": "and",
                                 "|": "or", "//": "floordiv", "%": "mod", "**": "pow"}
@@ -93,6 +102,8 @@ def _attr_choices(kind):
     (p,) = constants
     if p.kind == "dtype":
         return [{p.name: DType.F32}]
+    if p.kind == "shape":  # expand: a scalar to a 0-d shape is itself
+        return [{p.name: ()}]
     return [{p.name: c} for c in p.choices]
 
 

@@ -131,16 +131,17 @@ def test_negative_and_conjugate_bits_are_resolved():
     assert torch.equal(fn(x, y), x.resolve_neg() * 2.0 + y.resolve_neg())
 
 
-def test_inputs_that_require_grad_are_refused_not_silently_detached():
+def test_inputs_that_require_grad_get_gradients_and_scalars_say_they_have_none():
     fn = tiledsl.compile("kernel k(x: f32[N], s: f32) -> f32[N] { return x * s }")
     x = randn(5).requires_grad_()
+    fn(x, 2.0).sum().backward()
+    assert torch.equal(x.grad, torch.full_like(x, 2.0))
     with pytest.raises(tiledsl.TileDSLError) as err:
-        fn(x, 2.0)
-    assert err.value.message == (
-        "argument 'x' requires grad, but tiledsl programs have no autograd yet and its gradient "
-        "would be silently lost: pass x.detach() or call under torch.no_grad()")
-    with pytest.raises(tiledsl.TileDSLError, match="argument 's' requires grad"):
         fn(randn(5), torch.tensor(2.0, requires_grad=True))
+    assert err.value.message == (
+        "argument 's' requires grad, but 's' is a scalar parameter, which has no gradient: declare "
+        "it a tensor (like f32[1]) to differentiate it, or pass s.detach()")
+    assert torch.equal(fn(x.detach(), torch.tensor(2.0)), x.detach() * 2.0)
     with torch.no_grad():
         assert torch.equal(fn(x, 2.0), x.detach() * 2.0)
     assert torch.equal(fn(x.detach(), 2.0), x.detach() * 2.0)

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import networkx as nx
+import torch
 
+from tiledsl import autodiff
 from tiledsl import diagnostics as diag
 from tiledsl.backends.interface import BACKENDS, Backend, Kernel, make_backend
 from tiledsl.binding import BoundCall, bind
@@ -23,6 +26,7 @@ from tiledsl.passes.manager import PassManager, PipelineResult
 from tiledsl.passes.registry import PassContext
 from tiledsl.printer import print_graph
 from tiledsl.sema import analyze, select_kernel
+from tiledsl.source import Span
 
 DEFAULT_PIPELINE = ("canonicalize,sink-reshape,cse,dce,online-softmax,distribute-matmul,hoist-row-scale,"
                     "recompute,fuse-attention,fuse-epilogue,fuse-rows,fuse-elementwise,fuse-horizontal,"
@@ -108,6 +112,15 @@ def compile_text(text: str, name: str, kernel: str | None = None, backend: str =
     program = parse(text, name)
     selected = select_kernel(program, kernel)
     graph = analyze(selected, check_bounds)
+    return compile_graph(graph, backend, pipeline=pipeline, allow_tf32=allow_tf32, verify=verify,
+                         what=f"kernel '{selected.name}'", span=selected.name_span)
+
+
+def compile_graph(graph: Graph, backend: str = "triton", *, pipeline: str | None = None,
+                  allow_tf32: bool = False, verify: bool | None = None, what: str = "",
+                  span: Span | None = None) -> Program:
+    """Run the pass pipeline on a graph IR (from sema, or derived by `tiledsl.autodiff`) and
+    wrap the result as a `Program`."""
     manager = PassManager(pipeline or DEFAULT_PIPELINE, verify=verify)
     if not manager.passes or manager.passes[-1].name != "lower-kernels":
         manager = PassManager(manager.pipeline + ",lower-kernels" if manager.passes
@@ -118,8 +131,8 @@ def compile_text(text: str, name: str, kernel: str | None = None, backend: str =
     except diag.TileDSLError:
         raise
     except Exception as err:  # a compiler bug: report it at the kernel, keep the cause
-        raise diag.InternalError(selected.name_span, message=(
-            f"{type(err).__name__}: {err} (while compiling kernel '{selected.name}'; "
+        raise diag.InternalError(span or graph.span, message=(
+            f"{type(err).__name__}: {err} (while compiling {what or graph.name}; "
             "this is a tiledsl bug, please report it)")) from err
 
 
@@ -133,15 +146,110 @@ class Program:
         self.name = self._graph.name
         self.backend = backend
         self.pipeline = pipeline
+        self.allow_tf32 = allow_tf32
         self.runtime: Backend = make_backend(backend, self._graph, allow_tf32)
         self.kernels: list[Kernel] = self.runtime.kernels
+        self._op: Any = None
+        self._trainings: dict[tuple[int, ...], Training] = {}
+        params = [self.source_graph.op(p) for p in self.source_graph.params]
+        self._differentiable = tuple(autodiff.differentiable(p) for p in params)
+        self._names = tuple(p.attr("name") for p in params)
+        self._scalars = tuple(i for i, p in enumerate(params) if p.attr("scalar"))
 
     # --- running --------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the program. A call that autograd or a tracer must see (an input requires a
+        gradient, or torch.compile / torch.export is tracing) goes through `fn.op`; any
+        other call runs the op's kernel directly, without the dispatcher's overhead."""
+        if _through_op(args, kwargs):
+            return self.op(*self._positional(args, kwargs))
         runtime = self.runtime
         bound = runtime.binder(args, kwargs)
         return self._returned(runtime.run(bound), bound.dims)
+
+    def _positional(self, args: tuple, kwargs: dict) -> tuple:
+        """The arguments in parameter order, for the op's schema; an argument the schema
+        cannot take (a missing one, a tensor for a scalar) gets the binder's error."""
+        if kwargs and (set(kwargs) - set(self._names) or len(args) + len(kwargs) != len(self._names)
+                       or any(n in kwargs for n in self._names[:len(args)])):
+            self.runtime.binder(args, kwargs)  # raises the error naming the parameter
+        args = args + tuple(kwargs[n] for n in self._names[len(args):])
+        if any(isinstance(a, torch.Tensor) for a in self._scalar_args(args)):
+            self.runtime.binder(args, {})  # a scalar given as a tensor that needs a gradient
+            args = tuple(a.item() if isinstance(a, torch.Tensor) and i in self._scalars else a
+                         for i, a in enumerate(args))
+        return args
+
+    def _scalar_args(self, args: tuple) -> list[Any]:
+        return [args[i] for i in self._scalars if i < len(args)]
+
+    def _run_op(self, args: tuple) -> Any:
+        """The op's CPU/CUDA kernel: the program's outputs as fresh contiguous tensors that
+        share no memory with the inputs (what a torch custom op must return)."""
+        bound = self.runtime.binder(args, {})
+        outs = self._returned(self.runtime.run(bound), bound.dims)
+        single = not isinstance(outs, tuple)
+        outs = [outs] if single else list(outs)
+
+        inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+        outs = [o.clone(memory_format=torch.contiguous_format)
+                if o.untyped_storage().data_ptr() in inputs else o.contiguous() for o in outs]
+        return outs[0] if single else tuple(outs)
+
+    # --- PyTorch: the op, autograd ------------------------------------------------------------
+
+    @property
+    def op(self) -> Any:
+        """This program as a PyTorch operator (`torch.ops.tiledsl.<kernel>_<hash>.default`):
+        traceable by torch.compile and torch.export, differentiable (see `backward`)."""
+        if self._op is None:
+            from tiledsl import torch_op
+
+            self._op = torch_op.register(self)
+        return self._op
+
+    @property
+    def source_graph(self) -> Graph:
+        """The graph IR the pipeline started from."""
+        return self._result.stages["graph"]
+
+    @property
+    def differentiable(self) -> tuple[int, ...]:
+        """Indices of the parameters that can have a gradient (floating-point tensors)."""
+        return tuple(i for i, ok in enumerate(self._differentiable) if ok)
+
+    def wants_grad(self, args: Sequence[Any]) -> tuple[int, ...]:
+        """The parameters whose arguments need a gradient in this call (grad mode on, a
+        floating-point tensor that requires grad)."""
+        import torch
+
+        if not torch.is_grad_enabled():
+            return ()
+        return tuple(i for i, (ok, a) in enumerate(zip(self._differentiable, args, strict=False))
+                     if ok and isinstance(a, torch.Tensor) and a.requires_grad)
+
+    def training(self, wrt: tuple[int, ...]) -> Training:
+        """The training forward and backward programs for gradients of parameters `wrt`."""
+        if wrt not in self._trainings:
+            d = autodiff.derive(self.source_graph, wrt)
+            options = {"backend": self.backend, "pipeline": self.pipeline,
+                       "allow_tf32": self.allow_tf32}
+            forward = self if not d.saved else compile_graph(d.forward, **options)
+            backward = compile_graph(d.backward, **options)
+            self._trainings[wrt] = Training(d, forward, backward)
+        return self._trainings[wrt]
+
+    @property
+    def backward(self) -> Program:
+        """The backward program for the gradients of every floating-point tensor
+        parameter: parameters (the forward's, what it saved, one gradient per output),
+        returns (one gradient per differentiable parameter). Inspect it like any program."""
+        wrt = self.differentiable
+        if not wrt:
+            raise diag.GradientError(self.source_graph.span, message=(
+                f"'{self.name}' has no floating-point tensor parameter to differentiate"))
+        return self.training(wrt).backward
 
     def _returned(self, outs: list[Any], dims: Mapping[str, int]) -> Any:
         """The program's results; with check_bounds, the index checks' counts are read (a
@@ -280,6 +388,31 @@ class Program:
 
     def kernel_ops(self) -> Sequence[KernelOp]:
         return [self._graph.op(n) for n in self._graph.kernels()]
+
+
+@dataclass(frozen=True)
+class Training:
+    """What a differentiated call runs: `forward` (the program returning its outputs and the
+    values its backward saves) and `backward`, as `derivation` connects them."""
+
+    derivation: autodiff.Derivation
+    forward: Program
+    backward: Program
+
+
+def _through_op(args: tuple, kwargs: dict) -> bool:
+    """Must this call go through the dispatcher: is torch.compile/export tracing it, does an
+    input need a gradient, or is an input a tensor subclass (FakeTensor, a functional or
+    proxy tensor of a tracer)?"""
+
+    if torch.compiler.is_compiling():
+        return True
+    grad = torch.is_grad_enabled()
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor) and ((grad and a.requires_grad)
+                                            or type(a) not in (torch.Tensor, torch.nn.Parameter)):
+            return True
+    return False
 
 
 class CapturedCall:

@@ -116,7 +116,7 @@ def bind(graph: Graph, args: Sequence[Any], kwargs: Mapping[str, Any]) -> BoundC
         if not isinstance(value, torch.Tensor):
             raise ArgumentError(op.span, message=(
                 f"argument '{name}' must be a torch.Tensor of {t}, got {type(value).__name__}"))
-        value = _dense(value, name, op.span, torch)
+        value = _dense(value, name, op.span, torch, scalar=False)
         if value.dim() != t.rank:
             raise ArgumentError(op.span, message=(
                 f"argument '{name}' has {value.dim()} dimension(s) {list(value.shape)}, but "
@@ -245,17 +245,19 @@ _MISSING = object()
 _BIG = 2**64  # an int beyond this goes to `bind`, which says if it overflows a float
 
 
-def _dense(value: Any, name: str, span, torch) -> Any:
+def _dense(value: Any, name: str, span, torch, scalar: bool) -> Any:
     """The tensor as kernels read it: strided, its lazy negation/conjugation applied; and
-    never one whose gradient would be silently dropped."""
+    never one whose gradient would be silently dropped (a tensor parameter that needs a
+    gradient reaches the binder only below autograd, through `fn.op`)."""
     if value.layout != torch.strided:
         raise ArgumentError(span, message=(
             f"argument '{name}' is a {str(value.layout).removeprefix('torch.')} tensor; tiledsl "
             f"kernels read dense (strided) tensors: pass {name}.to_dense()"))
-    if value.requires_grad and torch.is_grad_enabled():
+    if scalar and value.requires_grad and torch.is_grad_enabled():
         raise ArgumentError(span, message=(
-            f"argument '{name}' requires grad, but tiledsl programs have no autograd yet and its "
-            f"gradient would be silently lost: pass {name}.detach() or call under torch.no_grad()"))
+            f"argument '{name}' requires grad, but '{name}' is a scalar parameter, which has no "
+            f"gradient: declare it a tensor (like f32[1]) to differentiate it, or pass "
+            f"{name}.detach()"))
     # x.conj().imag and friends are views with the negative (or conjugate) bit set: the
     # sign lives in the bit, not the memory the kernel reads
     return value.resolve_conj().resolve_neg()
@@ -267,7 +269,7 @@ def _scalar(value: Any, name: str, t: TensorType, span, torch) -> Any:
             raise ArgumentError(span, message=(
                 f"argument '{name}' must be a scalar ({t.dtype}), got a tensor of shape "
                 f"{list(value.shape)}"))
-        value = _dense(value, name, span, torch).item()
+        value = _dense(value, name, span, torch, scalar=True).item()
     import numpy as np
 
     if isinstance(value, np.bool_):

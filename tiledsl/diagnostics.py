@@ -260,6 +260,12 @@ class CacheError(TileDSLError):
     """The kernel cache directory cannot be used safely (or at all)."""
 
 
+class GradientError(TileDSLError):
+    """A program tiledsl cannot differentiate; the span points at the op in the way."""
+
+    template = "{message}"
+
+
 class InternalError(TileDSLError):
     """A compiler bug surfaced as a located error rather than a traceback."""
 

@@ -772,6 +772,29 @@ class _KernelBuilder:
         copy = _const_bool(args.get("copy"), "'copy' of 'reshape'")
         return self._emit("reshape", [(x, xspan)], e.span, shape=new, copy=copy)
 
+    def _call_expand(self, e: ast.Call, b: Builtin, args: dict[str, ast.Expr]) -> int:
+        """expand(x, [d0, ...]): x broadcast to a shape; -1 keeps x's dim (torch's expand)."""
+        x, xspan = self._value(args, "x")
+        t = self.graph.op(x).type
+        given = args["shape"]
+        if not isinstance(given, ast.ListLit | ast.TupleLit):
+            raise diag.ConstantExpected(given.span, what="the shape of 'expand'",
+                                        expected="a list of dims, like [N, D]")
+        if len(given.items) > MAX_RANK:
+            raise diag.LimitError(given.span, what=f"rank {len(given.items)}", limit=MAX_RANK)
+        lead = len(given.items) - t.rank
+        shape = []
+        for k, item in enumerate(given.items):
+            if _literal_int(item) == -1 and k >= lead:
+                shape.append(t.shape[k - lead])
+                continue
+            d = self._dim_expr(item, "expand dims")
+            if d.is_const and d.const < 1:
+                raise diag.IndexingError(item.span, message=(
+                    f"an expand dim must be at least 1, got {d.const}"))
+            shape.append(d.dim())
+        return self._emit("expand", [(x, xspan)], e.span, shape=tuple(shape))
+
     def _call_squeeze(self, e: ast.Call, b: Builtin, args: dict[str, ast.Expr]) -> int:
         """squeeze(x, axis): drops size-1 axes (an int or a tuple of them), a view."""
         x, xspan = self._value(args, "x")
@@ -834,7 +857,7 @@ _ELEMENTWISE_SPELLING = {"max": "maximum", "min": "minimum"}
 _HANDLERS = {
     "sum": "reduce", "max": "reduce", "min": "reduce", "mean": "reduce", "logsumexp": "reduce",
     "softmax": "along", "cumsum": "along", "transpose": "transpose", "index": "index", "causal": "causal",
-    "gather": "gather", "reshape": "reshape", "squeeze": "squeeze",
+    "gather": "gather", "reshape": "reshape", "squeeze": "squeeze", "expand": "expand",
 }
 
 

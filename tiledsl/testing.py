@@ -83,6 +83,45 @@ def check(fn: Program, *args: Any, **kwargs: Any) -> Report:
     return compare(outputs, golden, eager)
 
 
+def check_grads(fn: Program, *args: Any, generator: torch.Generator | None = None,
+                **kwargs: Any) -> Report:
+    """The oracle for gradients: `fn` is called on the arguments with every floating-point
+    tensor requiring grad, its outputs are pulled back along random cotangents through its
+    backward program, and each parameter's gradient is compared with torch autograd of the
+    reference in float64 (golden) and in the input dtypes (the eager yardstick)."""
+    from tiledsl.backends import reference
+    from tiledsl.binding import BoundCall, bind
+
+    graph = fn.source_graph
+    bound = bind(graph, args, kwargs)
+    wrt = list(fn.differentiable)
+    if not wrt:
+        raise ValueError(f"'{fn.name}' has no floating-point tensor argument to differentiate")
+
+    def leaves(dtype: torch.dtype | None = None) -> list[Any]:
+        return [v.detach().to(dtype or v.dtype).clone().requires_grad_(True) if i in wrt else v
+                for i, v in enumerate(bound.values)]
+
+    def pull(values: list[Any], outs: Any, cotangents: list[torch.Tensor] | None) -> list:
+        outs = [o for o in (outs if isinstance(outs, list | tuple) else [outs]) if o.requires_grad]
+        if cotangents is None:
+            cotangents = [torch.randn(o.shape, generator=generator).to(o.dtype) for o in outs]
+        cot = [c.to(device=o.device, dtype=o.dtype) for c, o in zip(cotangents, outs, strict=True)]
+        grads = torch.autograd.grad(outs, [values[i] for i in wrt], cot, allow_unused=True)
+        return cotangents, [torch.zeros_like(values[i]) if g is None else g
+                            for i, g in zip(wrt, grads, strict=True)]
+
+    compiled_in = leaves()
+    cotangents, compiled = pull(compiled_in, fn(*compiled_in), None)
+    gold_in = leaves(torch.float64)
+    golden = pull(gold_in, reference.run(graph, BoundCall(gold_in, bound.dims, bound.device),
+                                         float64=True), cotangents)[1]
+    eager_in = leaves()
+    eager = pull(eager_in, reference.run(graph, BoundCall(eager_in, bound.dims, bound.device)),
+                 cotangents)[1]
+    return compare(tuple(compiled), tuple(golden), tuple(eager))
+
+
 def random_inputs(fn: Program, dims: Mapping[str, int], device: str = "cpu",
                   generator: torch.Generator | None = None,
                   scalars: Mapping[str, Any] | None = None) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from .core import (
     REQUIRED,
     BParam,
     Category,
+    NotDifferentiable,
     OpDef,
     Reads,
     RuleError,
@@ -37,5 +38,6 @@ COMPARE_KINDS = {d.symbol: k for k, d in OPS.items() if d.reads is Reads.COMPARE
 BINARY_KINDS = {d.symbol: k for k, d in OPS.items()
                 if d.symbol and d.arity == 2 and d.reads is Reads.PROMOTED}
 
-__all__ = ["BINARY_KINDS", "COMPARE_KINDS", "OPS", "REQUIRED", "ROW_KINDS", "BParam", "Category", "OpDef",
-           "Reads", "RuleError", "category", "gathers_at", "infer", "is_elementwise"]
+__all__ = ["BINARY_KINDS", "COMPARE_KINDS", "OPS", "REQUIRED", "ROW_KINDS", "BParam", "Category",
+           "NotDifferentiable", "OpDef", "Reads", "RuleError", "category", "gathers_at", "infer",
+           "is_elementwise"]

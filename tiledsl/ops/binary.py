@@ -47,15 +47,24 @@ def _logical(symbol: str) -> Infer:
     return infer
 
 
-def _operator(kind, symbol, infer, function, triton, cheap=False) -> None:
+def _operator(kind, symbol, infer, function, triton, cheap=False, vjp=None) -> None:
     define(kind, 2, ELEMENTWISE, infer, reads=Reads.PROMOTED, symbol=symbol, fold=function,
-           reference=function, triton=triton, cheap=cheap)
+           reference=function, triton=triton, cheap=cheap, vjp=vjp)
 
 
-_operator("add", "+", _arith, operator.add, binary("{a} + {b}"), cheap=True)
-_operator("sub", "-", _arith, operator.sub, binary("{a} - {b}"), cheap=True)
-_operator("mul", "*", _arith, operator.mul, binary("{a} * {b}"), cheap=True)
-_operator("div", "/", _true_div, operator.truediv, binary("{a} / {b}", "tl.div_rn({a}, {b})"))
+# derivative rules (`tiledsl.autodiff`), as torch's derivatives.yaml writes them
+def _d_div(d, wanted):
+    return d.div(d.g, d.x(1)), d.neg(d.div(d.mul(d.g, d.x(0)), d.mul(d.x(1), d.x(1))))
+
+
+_operator("add", "+", _arith, operator.add, binary("{a} + {b}"), cheap=True,
+          vjp=lambda d, w: (d.g, d.g))
+_operator("sub", "-", _arith, operator.sub, binary("{a} - {b}"), cheap=True,
+          vjp=lambda d, w: (d.g, d.neg(d.g)))
+_operator("mul", "*", _arith, operator.mul, binary("{a} * {b}"), cheap=True,
+          vjp=lambda d, w: (d.mul(d.g, d.x(1)), d.mul(d.g, d.x(0))))
+_operator("div", "/", _true_div, operator.truediv, binary("{a} / {b}", "tl.div_rn({a}, {b})"),
+          vjp=_d_div)
 
 
 def _numeric(symbol: str) -> Infer:
@@ -140,10 +149,14 @@ def _float_division(em, args, out, remainder):
 
 _floordiv_ref, _floordiv_fold = _int_division(operator.floordiv)
 _mod_ref, _mod_fold = _int_division(operator.mod)
+# a floor quotient is piecewise constant: no gradient; torch.remainder's gradient is
+# (g, -g * floor(a / b))
 define("floordiv", 2, ELEMENTWISE, _numeric("//"), reads=Reads.PROMOTED, symbol="//",
-       fold=_floordiv_fold, reference=_floordiv_ref, triton=_render_division(False))
+       fold=_floordiv_fold, reference=_floordiv_ref, triton=_render_division(False),
+       vjp=lambda d, w: (None, None))
 define("mod", 2, ELEMENTWISE, _numeric("%"), reads=Reads.PROMOTED, symbol="%", fold=_mod_fold,
-       reference=_mod_ref, triton=_render_division(True))
+       reference=_mod_ref, triton=_render_division(True),
+       vjp=lambda d, w: (d.g, d.neg(d.mul(d.g, d.call("floordiv", d.x(0), d.x(1))))))
 
 
 def _int_negative_power(a, b):
@@ -223,9 +236,20 @@ def _float_power(em, op, a, b, out):
     return em.convert(em.assign(f"tl.where({one}, 1.0, {r})", cat), out)
 
 
+def _d_pow(d, wanted):
+    """torch's pow_backward (0 where the exponent is 0) and pow_backward_exponent (0 where
+    the base is 0 and the exponent not negative)."""
+    x, y = d.x(0), d.x(1)
+    dx = d.where(d.call("eq", y, d.c(0.0)), d.c(0.0),
+                 d.mul(d.g, y, d.call("pow", x, d.sub(y, d.c(1.0)))))
+    dy = d.where(d.call("and", d.call("eq", x, d.c(0.0)), d.call("ge", y, d.c(0.0))), d.c(0.0),
+                 d.mul(d.g, d.y, d.call("log", x))) if wanted[1] else None
+    return dx, dy
+
+
 define("pow", 2, ELEMENTWISE, _numeric("**"), reads=Reads.PROMOTED, symbol="**",
        params=(BParam("x"), BParam("y")), fold=_pow_fold, reference=_pow_reference,
-       triton=_render_pow)
+       triton=_render_pow, vjp=_d_pow)
 
 
 def _logic(function: str, bitwise: str):
@@ -256,10 +280,24 @@ for _kind, _symbol, _function in (("lt", "<", operator.lt), ("le", "<=", operato
 # functions, not operators: torch.maximum takes no Python scalars, so both operands are
 # read in the result's type
 _AB = (BParam("a"), BParam("b"))
+def _d_extremum(win: str):
+    """torch's maximum/minimum backward: the gradient goes to the operand that is chosen,
+    half to each on a tie."""
+    lose = "lt" if win == "gt" else "gt"
+
+    def rule(d, wanted):
+        a, b = d.x(0), d.x(1)
+        half = d.where(d.call("eq", a, b), d.mul(d.g, d.c(0.5)), d.g)
+        return (d.where(d.call(lose, a, b), d.c(0.0), half),
+                d.where(d.call(win, a, b), d.c(0.0), half))
+
+    return rule
+
+
 define("maximum", 2, ELEMENTWISE, _arith, params=_AB, fold=max, reference=torch.maximum,
-       triton=nan_propagating("maximum"), cheap=True)
+       triton=nan_propagating("maximum"), cheap=True, vjp=_d_extremum("gt"))
 define("minimum", 2, ELEMENTWISE, _arith, params=_AB, fold=min, reference=torch.minimum,
-       triton=nan_propagating("minimum"), cheap=True)
+       triton=nan_propagating("minimum"), cheap=True, vjp=_d_extremum("lt"))
 
 
 def _where(types, attrs):
@@ -277,7 +315,8 @@ def _render_where(em, op, args, out):
 
 define("where", 3, ELEMENTWISE, _where, reads=Reads.SELECT,
        params=(BParam("cond"), BParam("a"), BParam("b")),
-       fold=lambda c, a, b: a if c else b, reference=torch.where, triton=_render_where)
+       fold=lambda c, a, b: a if c else b, reference=torch.where, triton=_render_where,
+       vjp=lambda d, w: (None, d.where(d.x(0), d.g, d.c(0.0)), d.where(d.x(0), d.c(0.0), d.g)))
 
 
 def _clamp(types, attrs):
@@ -301,5 +340,16 @@ def _render_clamp(em, op, args, out):
     return em.assign(f"tl.minimum(tl.maximum({x}, {lo}{nan}), {hi}{nan})", out)
 
 
+def _d_clamp(d, wanted):
+    """torch's clamp_backward and clamp_backward_min_max: x's gradient where lo <= x <= hi,
+    lo's where x < lo < hi, hi's where x > hi or hi < lo."""
+    x, lo, hi = d.x(0), d.x(1), d.x(2)
+    inside = d.call("and", d.call("ge", x, lo), d.call("le", x, hi))
+    below = d.call("and", d.call("lt", x, lo), d.call("lt", lo, hi))
+    above = d.call("or", d.call("gt", x, hi), d.call("lt", hi, lo))
+    return tuple(d.where(m, d.g, d.c(0.0)) if want else None
+                 for m, want in zip((inside, below, above), wanted, strict=True))
+
+
 define("clamp", 3, ELEMENTWISE, _clamp, params=(BParam("x"), BParam("lo"), BParam("hi")),
-       fold=_clamp_fold, reference=torch.clamp, triton=_render_clamp, cheap=True)
+       fold=_clamp_fold, reference=torch.clamp, triton=_render_clamp, cheap=True, vjp=_d_clamp)

@@ -54,6 +54,11 @@ class RuleError(Exception):
         self.cls, self.operands, self.fields = cls, operands, fields
 
 
+class NotDifferentiable(Exception):
+    """A derivative rule cannot differentiate this use of its op; `tiledsl.autodiff` makes
+    it a `GradientError` located at the op."""
+
+
 REQUIRED = object()
 
 
@@ -92,6 +97,10 @@ class OpDef:
     # the operand this op reads at indices it computes (`take`): kernels hold it as a
     # pointer, never load it at the tile's index, and never fuse its producer
     gathers: int | None = None
+    # the vector-Jacobian product, vjp(adjoint, wanted) -> a contribution per operand or None
+    # (`tiledsl.autodiff`); None here: the op has no derivative (differentiating through it
+    # is an error naming it)
+    vjp: Callable[..., Any] | None = None
 
 
 OPS: dict[str, OpDef] = {}

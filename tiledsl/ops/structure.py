@@ -18,12 +18,13 @@ from tiledsl.types import (
     DType,
     TensorType,
     broadcast_shapes,
+    broadcasts_to,
     format_shape,
     normalize_axis,
     result_dtype,
 )
 
-from .core import BParam, Category, Reads, RuleError, define
+from .core import BParam, Category, NotDifferentiable, Reads, RuleError, define
 from .render import take as _take_render
 from .rules import axis, float_of, reduced_shape
 
@@ -107,8 +108,16 @@ def _take_reference(x: torch.Tensor, *indices: torch.Tensor) -> torch.Tensor:
 # take(x, i0, ..., i{r-1}) = x[i0, ..., i{r-1}], the index arrays broadcast together: what
 # advanced indexing and gather() build. Kernels load x through the indices (masked: an
 # out-of-range index reads 0), so x is never loaded, or fused, element for element.
+def _d_take(d, wanted):
+    if wanted[0]:
+        raise NotDifferentiable(
+            "the gradient of a gather (x[i] with index tensors, gather(), concat()) is a "
+            "scatter-add, which tiledsl cannot differentiate yet")
+    return (None,)  # the indices are integers
+
+
 define("take", -1, Category.ELEMENTWISE, _take, reads=Reads.OPERAND, reference=_take_reference,
-       triton=_take_render, gathers=0)
+       triton=_take_render, gathers=0, vjp=_d_take)
 
 
 # --- reductions, softmax -------------------------------------------------------
@@ -138,17 +147,34 @@ def _logsumexp(types, attrs):
     return TensorType(float_of(x.dtype), reduced_shape(x, attrs))
 
 
-def _reduction(kind, infer, function) -> None:
+def _reduction(kind, infer, function, vjp) -> None:
     define(kind, 1, Category.REDUCTION, infer, params=(X, AXIS, KEEPDIMS),
-           reference=lambda x, axis, keepdims: function(x, dim=axis, keepdim=keepdims))
+           reference=lambda x, axis, keepdims: function(x, dim=axis, keepdim=keepdims), vjp=vjp)
+
+
+# derivative rules (`tiledsl.autodiff`): the gradient of a reduction is read back along
+# the reduced axis (`d.keep`), broadcasting
+def _d_extremum(d, wanted):
+    """torch's amax/amin backward: the gradient is shared evenly by the elements equal to
+    the result."""
+    hit = d.call("eq", d.x(0), d.keep(d.y))
+    count = d.call("sum", d.call("cast", hit, dtype=d.op.dtype), axis=d.attr("axis"), keepdims=True)
+    return (d.where(hit, d.div(d.keep(d.g), count), d.c(0.0)),)
+
+
+def _d_logsumexp(d, wanted):
+    """g * exp(x - lse); 0 on a row that is all -inf (its lse is -inf), where torch has NaN."""
+    lse = d.keep(d.y)
+    p = d.call("exp", d.sub(d.x(0), lse))
+    return (d.where(d.call("eq", lse, d.c(-math.inf)), d.c(0.0), d.mul(d.keep(d.g), p)),)
 
 
 # sum reads its operand as i32 (bool sums count); torch accumulates integers in i64
-_reduction("sum", _sum, torch.sum)
-_reduction("max", _minmax, torch.amax)
-_reduction("min", _minmax, torch.amin)
-_reduction("mean", _mean, torch.mean)
-_reduction("logsumexp", _logsumexp, torch.logsumexp)
+_reduction("sum", _sum, torch.sum, lambda d, w: (d.keep(d.g),))
+_reduction("max", _minmax, torch.amax, _d_extremum)
+_reduction("min", _minmax, torch.amin, _d_extremum)
+_reduction("mean", _mean, torch.mean, lambda d, w: (d.div(d.keep(d.g), d.axis_size()),))
+_reduction("logsumexp", _logsumexp, torch.logsumexp, _d_logsumexp)
 
 
 def _softmax(types, attrs):
@@ -164,7 +190,14 @@ def _softmax_reference(x: torch.Tensor, axis: int) -> torch.Tensor:
     return torch.where(empty, torch.zeros((), dtype=out.dtype), out)
 
 
-define("softmax", 1, Category.SOFTMAX, _softmax, params=(X, AXIS), reference=_softmax_reference)
+def _d_softmax(d, wanted):
+    """y * (g - sum(g * y)): 0 on an empty row (y is 0 there)."""
+    dot = d.call("sum", d.mul(d.g, d.y), axis=d.attr("axis"), keepdims=True)
+    return (d.mul(d.y, d.sub(d.g, dot)),)
+
+
+define("softmax", 1, Category.SOFTMAX, _softmax, params=(X, AXIS), reference=_softmax_reference,
+       vjp=_d_softmax)
 
 
 def _cumsum(types, attrs):
@@ -174,8 +207,15 @@ def _cumsum(types, attrs):
 
 
 # cumsum keeps sum's dtypes (i32 for bool and i32; torch's integer cumsum is i64)
+def _d_cumsum(d, wanted):
+    """The reversed cumulative sum of g: its total, less the running sum before each."""
+    axis = d.attr("axis")
+    total = d.call("sum", d.g, axis=axis, keepdims=True)
+    return (d.add(d.sub(total, d.call("cumsum", d.g, axis=axis)), d.g),)
+
+
 define("cumsum", 1, Category.SCAN, _cumsum, params=(X, AXIS),
-       reference=lambda x, axis: torch.cumsum(x, dim=axis))
+       reference=lambda x, axis: torch.cumsum(x, dim=axis), vjp=_d_cumsum)
 
 
 # --- matmul, layout, return ------------------------------------------------------
@@ -307,17 +347,56 @@ def _return(types, attrs):
     return TensorType(DType.BOOL, ())  # `return` has no value of its own
 
 
-define("matmul", 2, Category.MATMUL, _matmul, symbol="@", reference=torch.matmul)
+def _d_matmul(d, wanted):
+    """(g @ b.T, a.T @ g); the driver sums them over broadcast batch dims."""
+    return (d.call("matmul", d.g, d.transpose(d.x(1))) if wanted[0] else None,
+            d.call("matmul", d.transpose(d.x(0)), d.g) if wanted[1] else None)
+
+
+def _d_slice(d, wanted):
+    """A view's gradient is g placed back where the view read: for views that keep whole
+    axes, drop the new ones (and re-insert none); others have no rule yet."""
+    items = d.attr("items")
+    if any(i[0] == "at" or (i[0] == "range" and (i[1] != 0 or i[3] != 1 or i[2] != i[4]))
+           for i in items):
+        raise NotDifferentiable(
+            "the gradient of a view that takes part of an axis (x[i], x[a:b], x[::s]) needs a "
+            "scatter, which tiledsl cannot differentiate yet; a view that only adds axes "
+            "(x[:, None]) is differentiable")
+    back = [("at", 0) if i[0] == "new" else ("range", 0, i[4], 1, i[4]) for i in items]
+    return (d.call("slice", d.g, items=tuple(back)),)
+
+
+define("matmul", 2, Category.MATMUL, _matmul, symbol="@", reference=torch.matmul, vjp=_d_matmul)
 define("transpose", 1, Category.LAYOUT, _transpose, params=(X, BParam("a", "int"), BParam("b", "int")),
-       reference=lambda x, dims: x.transpose(*dims))
+       reference=lambda x, dims: x.transpose(*dims),
+       vjp=lambda d, w: (d.call("transpose", d.g, dims=d.attr("dims")),))
 # x[...] with integers, slices and None: a view (no copy), read through an offset and
 # strides; items, one per source axis plus new axes: ("range", start, stop, step, length),
 # ("at", index) or ("new",), starts, lengths and indices being dims
-define("slice", 1, Category.LAYOUT, _slice, reference=_slice_reference)
+define("slice", 1, Category.LAYOUT, _slice, reference=_slice_reference, vjp=_d_slice)
 # reshape(x, [d0, ...]): the same elements in row-major order, as a view (the backend
 # refuses, naming the dims, a call whose strides need a copy) or, with copy=true, a copy
 # where a view cannot be had
 define("reshape", 1, Category.LAYOUT, _reshape,
        params=(X, BParam("shape", "shape"), BParam("copy", "bool", False)),
-       reference=lambda x, shape, copy: x.reshape(shape))
+       reference=lambda x, shape, copy: x.reshape(shape),
+       vjp=lambda d, w: (d.call("reshape", d.g, shape=d.x_type(0).shape, copy=True),))
+
+
+def _expand(types, attrs):
+    (x,) = types
+    if not broadcasts_to(x.shape, attrs["shape"]):
+        raise RuleError(diag.RankError, (0,), message=(
+            f"expand cannot broadcast {format_shape(x.shape)} to {format_shape(attrs['shape'])}: "
+            "each dim must equal the new one or be 1, and new dims go in front"))
+    return TensorType(x.dtype, tuple(attrs["shape"]), x.weak and not attrs["shape"])
+
+
+# expand(x, [d0, ...]): x broadcast to a shape, as a value (torch's expand; -1 keeps a dim).
+# What a parameter's gradient is when it was broadcast (the autodiff driver adds it).
+# Elementwise: templates read x at each element's index with its size-1 dims broadcast
+define("expand", 1, Category.ELEMENTWISE, _expand, params=(X, BParam("shape", "shape")),
+       fold=lambda a, shape: a, reference=lambda x, shape: x.expand(shape),
+       triton=lambda em, op, args, out: args[0], vjp=lambda d, w: (d.g,))
 define("return", -1, Category.RETURN, _return)

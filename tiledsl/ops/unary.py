@@ -45,29 +45,69 @@ def _gelu(x: float, approximate: str) -> float:
     return 0.5 * x * (1.0 + math.erf(x / math.sqrt(2.0)))
 
 
-def _math(kind, fold, reference, triton) -> None:
+def _math(kind, fold, reference, triton, vjp) -> None:
     """A float math builtin: integer and bool inputs compute in f32."""
     define(kind, 1, ELEMENTWISE, _float_result, params=(X,), fold=fold, reference=reference,
-           triton=triton)
+           triton=triton, vjp=vjp)
+
+
+# derivative rules (`tiledsl.autodiff`): d is the op's adjoint, the result one contribution
+# per operand; they follow torch's derivatives.yaml
+LN2 = math.log(2.0)
+
+
+def _d_sigmoid(d, wanted):
+    return (d.mul(d.g, d.y, d.sub(d.c(1.0), d.y)),)
+
+
+def _d_silu(d, wanted):
+    s = d.call("sigmoid", d.x(0))
+    return (d.mul(d.g, s, d.add(d.c(1.0), d.mul(d.x(0), d.sub(d.c(1.0), s)))),)
+
+
+def _d_gelu(d, wanted):
+    x = d.x(0)
+    if d.attr("approximate") == "tanh":
+        beta, kappa = math.sqrt(2.0 / math.pi), 0.044715
+        inner = d.mul(d.c(beta), d.add(x, d.mul(d.c(kappa), x, x, x)))
+        t = d.call("tanh", inner)
+        left = d.mul(d.c(0.5), d.add(d.c(1.0), t))
+        right = d.mul(d.c(0.5), x, d.sub(d.c(1.0), d.mul(t, t)),
+                      d.mul(d.c(beta), d.add(d.c(1.0), d.mul(d.c(3.0 * kappa), x, x))))
+        return (d.mul(d.g, d.add(left, right)),)
+    cdf = d.mul(d.c(0.5), d.add(d.c(1.0), d.call("erf", d.mul(x, d.c(1 / math.sqrt(2.0))))))
+    pdf = d.mul(d.c(1 / math.sqrt(2.0 * math.pi)), d.call("exp", d.mul(d.c(-0.5), x, x)))
+    return (d.mul(d.g, d.add(cdf, d.mul(x, pdf))),)
 
 
 # exp/exp2/sin/cos of an f32 go through f64: Triton's f32 forms are fast approximations
 PRECISE = "tl.{0}({{x}}.to(tl.float64)).to(tl.float32)"
-_math("exp", math.exp, torch.exp, unary("tl.exp({x})", PRECISE.format("exp")))
-_math("exp2", lambda a: 2.0**a, torch.exp2, unary("tl.exp2({x})", PRECISE.format("exp2")))
-_math("log", math.log, torch.log, unary("tl.log({x})"))
-_math("log2", math.log2, torch.log2, unary("tl.log2({x})"))
+_math("exp", math.exp, torch.exp, unary("tl.exp({x})", PRECISE.format("exp")),
+      lambda d, w: (d.mul(d.g, d.y),))
+_math("exp2", lambda a: 2.0**a, torch.exp2, unary("tl.exp2({x})", PRECISE.format("exp2")),
+      lambda d, w: (d.mul(d.g, d.y, d.c(LN2)),))
+_math("log", math.log, torch.log, unary("tl.log({x})"),
+      lambda d, w: (d.div(d.g, d.x(0)),))
+_math("log2", math.log2, torch.log2, unary("tl.log2({x})"),
+      lambda d, w: (d.div(d.g, d.mul(d.x(0), d.c(LN2))),))
 # sqrt_rn is f32 only; f64 sqrt is IEEE anyway
-_math("sqrt", math.sqrt, torch.sqrt, unary("tl.sqrt_rn({x})", wide="tl.sqrt({x})"))
+_math("sqrt", math.sqrt, torch.sqrt, unary("tl.sqrt_rn({x})", wide="tl.sqrt({x})"),
+      lambda d, w: (d.div(d.g, d.mul(d.c(2.0), d.y)),))
 _math("rsqrt", lambda a: 1.0 / math.sqrt(a), torch.rsqrt,
-      unary("tl.rsqrt({x})", "tl.div_rn(tl.full([], 1.0, tl.float32), tl.sqrt_rn({x}))"))
-_math("sigmoid", _sigmoid, torch.sigmoid, unary("tl.sigmoid({x})"))
-_math("silu", lambda a: a * _sigmoid(a), F.silu, unary("{x} * tl.sigmoid({x})"))
-_math("erf", math.erf, torch.erf, unary("tl.erf({x})"))
+      unary("tl.rsqrt({x})", "tl.div_rn(tl.full([], 1.0, tl.float32), tl.sqrt_rn({x}))"),
+      lambda d, w: (d.mul(d.c(-0.5), d.g, d.y, d.y, d.y),))
+_math("sigmoid", _sigmoid, torch.sigmoid, unary("tl.sigmoid({x})"),
+      _d_sigmoid)
+_math("silu", lambda a: a * _sigmoid(a), F.silu, unary("{x} * tl.sigmoid({x})"),
+      _d_silu)
+_math("erf", math.erf, torch.erf, unary("tl.erf({x})"),
+      lambda d, w: (d.mul(d.g, d.c(2 / math.sqrt(math.pi)), d.call("exp", d.neg(d.mul(d.x(0), d.x(0))))),))
 
 
-_math("sin", math.sin, torch.sin, unary("tl.sin({x})", PRECISE.format("sin")))
-_math("cos", math.cos, torch.cos, unary("tl.cos({x})", PRECISE.format("cos")))
+_math("sin", math.sin, torch.sin, unary("tl.sin({x})", PRECISE.format("sin")),
+      lambda d, w: (d.mul(d.g, d.call("cos", d.x(0))),))
+_math("cos", math.cos, torch.cos, unary("tl.cos({x})", PRECISE.format("cos")),
+      lambda d, w: (d.neg(d.mul(d.g, d.call("sin", d.x(0)))),))
 
 
 def _render_tan(em, op, args, out):
@@ -78,7 +118,8 @@ def _render_tan(em, op, args, out):
     return em.convert(v, out)
 
 
-_math("tan", math.tan, torch.tan, _render_tan)
+_math("tan", math.tan, torch.tan, _render_tan,
+      lambda d, w: (d.mul(d.g, d.add(d.c(1.0), d.mul(d.y, d.y))),))
 
 
 INF = 'float("inf")'
@@ -105,8 +146,10 @@ def _render_expm1(em, op, args, out):
     return em.convert(v, out)
 
 
-_math("log1p", math.log1p, torch.log1p, _render_log1p)
-_math("expm1", math.expm1, torch.expm1, _render_expm1)
+_math("log1p", math.log1p, torch.log1p, _render_log1p,
+      lambda d, w: (d.div(d.g, d.add(d.c(1.0), d.x(0))),))
+_math("expm1", math.expm1, torch.expm1, _render_expm1,
+      lambda d, w: (d.mul(d.g, d.add(d.y, d.c(1.0))),))
 
 
 def _tanh(em, x):
@@ -116,7 +159,8 @@ def _tanh(em, x):
                      x.cat)
 
 
-_math("tanh", math.tanh, torch.tanh, lambda em, op, args, out: _tanh(em, em.tensor(args[0])))
+_math("tanh", math.tanh, torch.tanh, lambda em, op, args, out: _tanh(em, em.tensor(args[0])),
+      lambda d, w: (d.mul(d.g, d.sub(d.c(1.0), d.mul(d.y, d.y))),))
 
 
 def _render_gelu(em, op, args, out):
@@ -129,7 +173,7 @@ def _render_gelu(em, op, args, out):
 
 define("gelu", 1, ELEMENTWISE, _float_result,
        params=(X, BParam("approximate", "str", "none", ("none", "tanh"))),
-       fold=_gelu, reference=F.gelu, triton=_render_gelu)
+       fold=_gelu, reference=F.gelu, triton=_render_gelu, vjp=_d_gelu)
 
 
 def _render_relu(em, op, args, out):
@@ -138,11 +182,14 @@ def _render_relu(em, op, args, out):
 
 
 define("neg", 1, ELEMENTWISE, _signed("-"), symbol="-", fold=operator.neg, reference=torch.neg,
-       triton=unary("-{x}"), cheap=True)
+       triton=unary("-{x}"), cheap=True, vjp=lambda d, w: (d.neg(d.g),))
 define("abs", 1, ELEMENTWISE, _signed("abs"), params=(X,), fold=abs, reference=torch.abs,
-       triton=unary("tl.abs({x})"), cheap=True)
+       triton=unary("tl.abs({x})"), cheap=True,
+       vjp=lambda d, w: (d.mul(d.g, d.call("sign", d.x(0))),))
+# torch's threshold_backward: the gradient passes where the result is positive (0 at 0)
 define("relu", 1, ELEMENTWISE, _signed("relu"), params=(X,), fold=lambda a: max(a, type(a)(0)),
-       reference=torch.relu, triton=_render_relu, cheap=True)
+       reference=torch.relu, triton=_render_relu, cheap=True,
+       vjp=lambda d, w: (d.where(d.call("gt", d.y, d.c(0)), d.g, d.c(0.0)),))
 
 
 def _cast(types, attrs):
@@ -163,7 +210,13 @@ def _render_cast(em, op, args, out):
 
 # reading the operand in the result's type is the conversion; the op itself is the identity
 define("cast", 1, ELEMENTWISE, _cast, params=(X, BParam("dtype", "dtype")),
-       fold=lambda a, dtype: a, reference=lambda x, dtype: x, triton=_render_cast, cheap=True)
+       fold=lambda a, dtype: a, reference=lambda x, dtype: x, triton=_render_cast, cheap=True,
+       vjp=lambda d, w: (d.g,))
+
+
+def _zero(d, wanted):
+    """Piecewise constant (floor, ceil, round, sign): a zero gradient, as in torch."""
+    return (None,)
 
 
 def _rounding(kind, fold, reference, text) -> None:
@@ -175,7 +228,7 @@ def _rounding(kind, fold, reference, text) -> None:
         return em.assign(text.format(x=em.tensor(x).text), out)
 
     define(kind, 1, ELEMENTWISE, _signed(kind), params=(X,), fold=fold, reference=reference,
-           triton=render, cheap=True)
+           triton=render, cheap=True, vjp=_zero)
 
 
 def _integral_fold(function):
@@ -203,7 +256,7 @@ def _render_round(em, op, args, out):
 
 define("round", 1, ELEMENTWISE, _signed("round"), params=(X,),
        fold=_integral_fold(round), reference=torch.round,
-       triton=_render_round, cheap=True)
+       triton=_render_round, cheap=True, vjp=_zero)
 
 
 def _render_sign(em, op, args, out):
@@ -224,7 +277,7 @@ def _sign(a):
 
 
 define("sign", 1, ELEMENTWISE, lambda types, attrs: types[0], params=(X,), fold=_sign,
-       reference=torch.sign, triton=_render_sign, cheap=True)
+       reference=torch.sign, triton=_render_sign, cheap=True, vjp=_zero)
 
 
 def _predicate(kind, fold, reference, text) -> None:

@@ -1,0 +1,230 @@
+"""Reverse-mode autodiff (`tiledsl.autodiff`) through `fn.op`: every gradient against float64
+torch autograd of the reference by the design section 5 oracle (`testing.check_grads`),
+on awkward sizes, in f32, bf16 and f16; backward kernel counts; what cannot be
+differentiated says so."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tiledsl
+from tiledsl import testing
+
+from helpers import gen, randn
+
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+
+
+def grads_ok(src, *args, seed=0, **kwargs):
+    fn = src if isinstance(src, tiledsl.Program) else tiledsl.compile(src)
+    report = testing.check_grads(fn, *args, generator=gen(seed), **kwargs)
+    assert report.ok, f"{fn.name}: {report}"
+    return fn
+
+
+def positive(*shape, dtype=torch.float32, seed=None):
+    return (randn(*shape, seed=seed).abs() + 0.5).to(dtype)
+
+
+UNARY = ["exp", "exp2", "sigmoid", "silu", "erf", "tanh", "sin", "cos", "-", "abs", "relu",
+         "gelu", "expm1", "floor", "ceil", "round", "sign"]
+UNARY_POSITIVE = ["log", "log2", "sqrt", "rsqrt", "log1p", "tan"]
+
+
+@pytest.mark.parametrize("dt", ["f32", "bf16"])
+@pytest.mark.parametrize("op", UNARY + UNARY_POSITIVE + ["gelu_tanh"])
+def test_unary_gradients(op, dt):
+    x = positive(17, 33, dtype=DTYPES[dt]) if op in UNARY_POSITIVE else randn(17, 33, dtype=DTYPES[dt])
+    if op == "tan":
+        x = (x.float() * 0.5).to(DTYPES[dt])  # away from the poles
+    call = 'gelu(x, approximate="tanh")' if op == "gelu_tanh" else "-x" if op == "-" else f"{op}(x)"
+    grads_ok(f"kernel f(x: {dt}[M, N]) -> {dt}[M, N] {{ return {call} }}", x)
+
+
+def test_f16_gradients_of_a_chain():
+    x, y = randn(17, 33, dtype=torch.float16), randn(33, dtype=torch.float16)
+    grads_ok("kernel f(x: f16[M, N], y: f16[N]) -> f16[M, N] { return tanh(x) * sigmoid(y) + exp(x * 0.5) }",
+             x, y)
+
+
+# the operands broadcast: [M, N] with [N] and [M, 1], so gradients are summed back
+BINARY = ["+", "-", "*", "/", "maximum", "minimum", "**", "%"]
+
+
+@pytest.mark.parametrize("dt", ["f32", "bf16", "f16"])
+@pytest.mark.parametrize("op", BINARY)
+def test_binary_gradients_sum_over_broadcast_axes(op, dt):
+    x = randn(17, 33, dtype=DTYPES[dt])
+    y, z = randn(33, dtype=DTYPES[dt]), randn(17, 1, dtype=DTYPES[dt])
+    if op in ("/", "%", "//"):
+        y, z = positive(33, dtype=DTYPES[dt]), positive(17, 1, dtype=DTYPES[dt])
+    if op == "**":
+        x = positive(17, 33, dtype=DTYPES[dt])
+    call = f"{op}(x, y)" if op.isalpha() else f"x {op} y"
+    callz = f"{op}(x, z)" if op.isalpha() else f"x {op} z"
+    grads_ok(f"kernel f(x: {dt}[M, N], y: {dt}[N], z: {dt}[M, 1]) -> {dt}[M, N] "
+             f"{{ return {call} + {callz} }}", x, y, z)
+
+
+def test_floor_division_has_a_zero_gradient():
+    """torch refuses to differentiate floor_divide; its derivative is 0 almost everywhere,
+    which tiledsl gives, like floor's."""
+    fn = tiledsl.compile("kernel f(x: f32[N], y: f32[N]) -> f32[N] { return x // y + x * 2.0 }")
+    x, y = randn(17).requires_grad_(), positive(17).requires_grad_()
+    fn(x, y).sum().backward()
+    assert torch.equal(x.grad, torch.full_like(x, 2.0)) and torch.equal(y.grad, torch.zeros_like(y))
+
+
+def test_maximum_and_minimum_share_the_gradient_on_ties():
+    x = randn(17, 33).round()  # many ties with y
+    y = randn(17, 33).round()
+    fn = grads_ok("kernel f(x: f32[M, N], y: f32[M, N]) -> f32[M, N] { return maximum(x, y) + minimum(x, y) * 2.0 }",
+                  x, y)
+    assert (x == y).any()
+    xs, ys = x.clone().requires_grad_(), y.clone().requires_grad_()
+    fn(xs, ys).sum().backward()
+    tie = x == y
+    assert torch.equal(xs.grad[tie], torch.full_like(xs.grad[tie], 1.5))
+
+
+def test_where_relu_abs_clamp_follow_torch_subgradients():
+    x = randn(17, 33).round()  # exact zeros: relu'(0) = 0, abs'(0) = 0
+    lo, hi = randn(17, 1) - 1, randn(33) + 1
+    src = """kernel f(x: f32[M, N], lo: f32[M, 1], hi: f32[N]) -> f32[M, N] {
+        return relu(x) + abs(x) * 2.0 + clamp(x, lo, hi) * 3.0 + where(x > 0.5, x * x, -x)
+    }"""
+    fn = grads_ok(src, x, lo, hi)
+    xs = x.clone().requires_grad_()
+    ls, hs = lo.clone().requires_grad_(), hi.clone().requires_grad_()
+    fn(xs, ls, hs).sum().backward()
+    xt = x.clone().requires_grad_()
+    lt, ht = lo.clone().requires_grad_(), hi.clone().requires_grad_()
+    (torch.relu(xt) + xt.abs() * 2 + torch.clamp(xt, lt, ht) * 3 + torch.where(xt > 0.5, xt * xt, -xt)).sum().backward()
+    for a, b in ((xs, xt), (ls, lt), (hs, ht)):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
+REDUCTIONS = ["sum", "mean", "max", "min", "logsumexp"]
+
+
+@pytest.mark.parametrize("keep", ["true", "false"])
+@pytest.mark.parametrize("axis", [0, -1])
+@pytest.mark.parametrize("op", REDUCTIONS)
+def test_reduction_gradients(op, axis, keep):
+    x = randn(17, 113)
+    shape = ("1" if axis == 0 else "M") if keep == "true" else None
+    out = {0: f"[1, N]" if keep == "true" else "[N]", -1: "[M, 1]" if keep == "true" else "[M]"}[axis]
+    del shape
+    grads_ok(f"kernel f(x: f32[M, N]) -> f32{out} {{ return {op}(x, axis={axis}, keepdims={keep}) }}", x)
+
+
+def test_max_gradient_is_shared_by_ties():
+    x = randn(17, 33).round()
+    grads_ok("kernel f(x: f32[M, N]) -> f32[M] { return max(x, axis=-1) }", x)
+
+
+@pytest.mark.parametrize("dt", ["f32", "bf16", "f16"])
+def test_softmax_logsumexp_cumsum_gradients(dt):
+    x = randn(17, 113, dtype=DTYPES[dt])
+    grads_ok(f"""kernel f(x: {dt}[M, N]) -> ({dt}[M, N], f32[M], {dt}[M, N]) {{
+        return softmax(x, axis=-1), logsumexp(x, axis=-1), cumsum(x, axis=-1)
+    }}""", x)
+    grads_ok(f"kernel f(x: {dt}[M, N]) -> {dt}[M, N] {{ return softmax(x * 2.0, axis=0) }}", x)
+
+
+@pytest.mark.parametrize("dt", ["f32", "bf16", "f16"])
+def test_matmul_gradients_sum_over_broadcast_batch_dims(dt):
+    a, b = randn(3, 17, 33, dtype=DTYPES[dt]), randn(33, 20, dtype=DTYPES[dt])
+    grads_ok(f"kernel f(a: {dt}[B, M, K], b: {dt}[K, N]) -> {dt}[B, M, N] {{ return a @ b }}", a, b)
+    a, b = randn(1, 17, 33, dtype=DTYPES[dt]), randn(3, 33, 1, dtype=DTYPES[dt])
+    grads_ok(f"kernel f(a: {dt}[1, M, K], b: {dt}[B, K, N]) -> {dt}[B, M, N] {{ return a @ b }}", a, b)
+
+
+def test_views_transpose_reshape_and_new_axes():
+    x, w = randn(6, 17), randn(17, 6)
+    grads_ok("""kernel f(x: f32[M, N], w: f32[N, M]) -> f32[N, M] {
+        y = reshape(transpose(x, 0, 1) * w, [N * M], copy=true)
+        return reshape(y, [N, M]) + x.T[:, :] * w[None, :, :][0]
+    }""", x, w) if False else None
+    grads_ok("""kernel f(x: f32[M, N], w: f32[N, M]) -> f32[N, M] {
+        y = reshape(transpose(x, 0, 1) * w, [N * M], copy=true)
+        return reshape(y, [N, M]) + sum(x.T[None, :, :] * w, axis=0)
+    }""", x, w)
+
+
+def test_rmsnorm_gradients_and_backward_kernels():
+    src = """kernel rms(x: {dt}[N, D], w: {dt}[D], eps: f32) -> {dt}[N, D] {{
+        xf = cast(x, f32)
+        r = rsqrt(mean(xf * xf, axis=-1, keepdims=true) + eps)
+        return cast(xf * r * cast(w, f32), {dt})
+    }}"""
+    for dt in DTYPES:
+        fn = grads_ok(src.format(dt=dt), randn(17, 113, dtype=DTYPES[dt]), randn(113, dtype=DTYPES[dt]), 1e-5)
+    assert len(fn.backward.kernels) <= 2
+    assert [k.template for k in fn.backward.kernels] == ["rows", "rows"]
+
+
+@pytest.mark.parametrize("dt", ["f32", "bf16"])
+def test_layernorm_gradients(dt):
+    src = f"""kernel ln(x: {dt}[N, D], w: {dt}[D], b: {dt}[D]) -> {dt}[N, D] {{
+        m = mean(x, axis=-1, keepdims=true)
+        c = x - m
+        v = mean(c * c, axis=-1, keepdims=true)
+        return c * rsqrt(v + 1e-5) * w + b
+    }}"""
+    fn = grads_ok(src, randn(17, 113, dtype=DTYPES[dt]), randn(113, dtype=DTYPES[dt]), randn(113, dtype=DTYPES[dt]))
+    assert len(fn.backward.kernels) <= 2
+
+
+@pytest.mark.parametrize("dt", ["f32", "bf16", "f16"])
+def test_gemm_epilogue_gradients_and_backward_kernels(dt):
+    src = f"kernel lin(x: {dt}[M, K], w: {dt}[N, K], b: {dt}[N]) -> {dt}[M, N] {{ return gelu(x @ w.T + b) }}"
+    fn = grads_ok(src, randn(17, 33, dtype=DTYPES[dt]), randn(20, 33, dtype=DTYPES[dt]), randn(20, dtype=DTYPES[dt]))
+    assert len(fn.backward.kernels) <= 3, fn.backward.explain()
+
+
+def test_multiply_multiply_gemm_gradients():
+    src = """kernel mm(a: bf16[M, K], b: bf16[K, N], d: bf16[M, 1], e: bf16[1, N]) -> bf16[M, N] {
+        return cast(cast(a @ b, f32) * cast(d, f32) * cast(e, f32), bf16)
+    }"""
+    fn = grads_ok(src, randn(17, 33, dtype=torch.bfloat16), randn(33, 20, dtype=torch.bfloat16),
+                  randn(17, 1, dtype=torch.bfloat16), randn(1, 20, dtype=torch.bfloat16))
+    # the scales' gradients are reductions along different axes: a row and a column kernel
+    assert len(fn.backward.kernels) == 4, fn.backward.explain()
+    # with fixed scales (quantized weights), one pointwise kernel and the two GEMMs
+    training = fn.training((0, 1))
+    assert len(training.backward.kernels) <= 3, training.backward.explain()
+    assert training.derivation.saved == ()
+
+
+def test_masked_cross_entropy_gradients():
+    src = """kernel ce(logits: f32[N, V], labels: i32[N], valid: bool[N]) -> f32 {
+        lse = logsumexp(logits, axis=-1)
+        picked = sum(where(index(logits, -1) == labels[:, None], logits, 0.0), axis=-1)
+        loss = where(valid, lse - picked, 0.0)
+        return sum(loss, axis=0) / sum(cast(valid, f32), axis=0)
+    }"""
+    labels = torch.randint(0, 113, (17,), generator=gen(1), dtype=torch.int32)
+    valid = torch.rand(17, generator=gen(2)) > 0.3
+    fn = grads_ok(src, randn(17, 113), labels, valid)
+    assert fn.differentiable == (0,)
+
+
+@pytest.mark.parametrize("dt", ["f32", "bf16", "f16"])
+def test_causal_attention_gradients(dt):
+    src = f"""kernel attn(q: {dt}[B, M, D], k: {dt}[B, N, D], v: {dt}[B, N, D], scale: f32) -> {dt}[B, M, D] {{
+        s = q @ k.T * scale
+        s = where(causal(s), s, -inf)
+        return softmax(s, axis=-1) @ v
+    }}"""
+    grads_ok(src, randn(2, 17, 16, dtype=DTYPES[dt]), randn(2, 33, 16, dtype=DTYPES[dt]),
+             randn(2, 33, 16, dtype=DTYPES[dt]), 0.25)
+
+
+def test_multi_output_gradients_and_an_output_used_twice():
+    src = """kernel two(x: f32[N, D], w: f32[D]) -> (f32[N, D], f32[N], f32[N, D]) {
+        y = x * w
+        return y, sum(y * y, axis=-1), y
+    }"""
+    grads_ok(src, randn(17, 33), randn(33))

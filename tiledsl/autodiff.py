@@ -1,0 +1,449 @@
+"""Reverse-mode differentiation of the graph IR: a program's backward program.
+
+`derive(graph, wrt)` takes a kernel's graph IR (after sema, before any pass) and
+the parameters that want a gradient, and builds two graphs that go through the
+same pipeline as any program:
+
+- the training forward: the program with the values its backward reads
+  appended to its outputs (`Derivation.saved`);
+- the backward: parameters are the forward's parameters (every one, so every
+  dim binds), the forward outputs and saved values it reads, then one
+  gradient per differentiable output (`grad_0`, ...); it returns the gradient
+  of each parameter in `wrt`, in that parameter's dtype and shape.
+
+Each op's vector-Jacobian product is its `vjp` in the op registry
+(`tiledsl/ops`): given an `Adjoint` (the gradient of its result and access to
+its primal operands and result) it returns one contribution per operand, or
+None where it contributes nothing (a zero gradient: `floor`, `sign`, the
+condition of `where`). The driver here owns the rest: only float values on a
+path from `wrt` to an output are differentiated, contributions are summed in
+the value's dtype, summed over the axes an operand was broadcast along, cast
+to the operand's dtype, and a parameter's gradient is expanded to its shape.
+
+Primal values the rules read are placeholders until the backward is built and
+dead code is gone; then each one still read is resolved by the cost model
+(`_resolve`): a parameter is passed in, a forward output is passed in (it
+exists anyway), a value whose recomputation would run a matmul is saved by
+the training forward (a matmul, or a reduction, softmax or view of a matmul's
+result; an elementwise op is recomputed from such saved values), anything
+else is recomputed in the backward from the values it depends on (where the
+fusion passes fuse it into the kernels that read it: AOTAutograd's min-cut
+partitioner makes the same call for pointwise and reduction ops).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tiledsl import diagnostics as diag
+from tiledsl import ops
+from tiledsl.ir import Graph, Op, make_attrs
+from tiledsl.source import Span
+from tiledsl.types import DType, TensorType, broadcasts_to
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    """What one backward parameter is bound to at the call: forward parameter `index`
+    ("input"), forward output `index` ("output"), saved value `index` (the training
+    forward's output `n_outputs + index`: "saved"), or the gradient of forward output
+    `index` ("grad")."""
+
+    kind: str
+    index: int
+
+
+@dataclass
+class Derivation:
+    """A differentiated program: its training forward, its backward, and how they meet."""
+
+    forward: Graph  # the program, returning its outputs and then the saved values
+    backward: Graph
+    wrt: tuple[int, ...]  # forward parameter indices whose gradients the backward returns
+    sources: tuple[Source, ...]  # per backward parameter
+    n_outputs: int  # the program's own outputs (the training forward has more)
+    saved: tuple[int, ...]  # forward nodes saved, in order
+    recomputed: tuple[int, ...] = field(default=())  # forward nodes the backward recomputes
+
+    @property
+    def differentiable_outputs(self) -> tuple[int, ...]:
+        return tuple(s.index for s in self.sources if s.kind == "grad")
+
+
+class Adjoint:
+    """What a derivative rule sees of one op: the gradient `g` of its result (in the
+    result's dtype, broadcastable to its shape), its primal operands `x(i)` and result
+    `y`, and a builder for the backward ops, each located at the op's span."""
+
+    def __init__(self, builder: _Backward, node: int, op: Op, g: int) -> None:
+        self._b, self._node, self.op, self.g = builder, node, op, g
+        self._operands = builder.fwd.operands(node)
+
+    def x(self, i: int) -> int:
+        return self._b.primal(self._operands[i])
+
+    @property
+    def y(self) -> int:
+        return self._b.primal(self._node)
+
+    def x_type(self, i: int) -> TensorType:
+        return self._b.fwd.op(self._operands[i]).type
+
+    def attr(self, name: str) -> Any:
+        return self.op.attr(name)
+
+    def call(self, kind: str, *operands: int, **attrs: Any) -> int:
+        return self._b.emit(kind, operands, self.op.span, **attrs)
+
+    def add(self, a: int, b: int) -> int:
+        return self.call("add", a, b)
+
+    def sub(self, a: int, b: int) -> int:
+        return self.call("sub", a, b)
+
+    def mul(self, *factors: int) -> int:
+        out = factors[0]
+        for f in factors[1:]:
+            out = self.call("mul", out, f)
+        return out
+
+    def div(self, a: int, b: int) -> int:
+        return self.call("div", a, b)
+
+    def neg(self, a: int) -> int:
+        return self.call("neg", a)
+
+    def c(self, value: float | int | bool) -> int:
+        """A literal (weak: it takes the other operand's dtype, like a Python scalar)."""
+        return self._b.const(value, self.op.span)
+
+    def where(self, cond: int, a: int, b: int) -> int:
+        return self.call("where", cond, a, b)
+
+    def keep(self, v: int) -> int:
+        """A reduction's `v` with its reduced axis back (size 1), if the op dropped it."""
+        if self.op.attr("keepdims"):
+            return v
+        rank = len(self.x_type(0).shape)
+        axis = self.op.attr("axis") % rank
+        return self._b.unsqueeze(v, axis, self.op.span)
+
+    def axis_size(self) -> int:
+        """The size of the reduced axis, as a value."""
+        t = self.x_type(0)
+        return self._b.size(t.shape[self.op.attr("axis") % len(t.shape)], self.op.span)
+
+    def transpose(self, v: int) -> int:
+        return self.call("transpose", v, dims=(-2, -1))
+
+
+def derive(graph: Graph, wrt: Sequence[int] | None = None) -> Derivation:
+    """The derivation of `graph` (graph IR) with respect to its tensor parameters `wrt`
+    (indices; default: every float tensor parameter). A `GradientError` names the op a
+    gradient cannot pass through."""
+    params = [graph.op(p) for p in graph.params]
+    if wrt is None:
+        wrt = [i for i, p in enumerate(params) if differentiable(p)]
+    for i in wrt:
+        if not differentiable(params[i]):
+            raise diag.GradientError(params[i].span, message=(
+                f"parameter '{params[i].attr('name')}' ({params[i].attr('type')}) has no gradient: "
+                "only floating-point tensor parameters are differentiable"))
+    return _Backward(graph, tuple(wrt)).build()
+
+
+def differentiable(param: Op) -> bool:
+    """Can a parameter have a gradient: a floating-point tensor (not a scalar, index or
+    mask)?"""
+    return param.dtype.is_float and not param.attr("scalar")
+
+
+PRIMAL = "param"  # placeholders are parameter ops until `_resolve` binds them
+
+
+class _Backward:
+    def __init__(self, fwd: Graph, wrt: tuple[int, ...]) -> None:
+        self.fwd, self.wrt = fwd, wrt
+        self.bwd = Graph(f"{fwd.name}_backward", fwd.span, fwd.hints)
+        self.bwd.requires = fwd.requires
+        self.inputs: list[int] = []  # backward node per forward parameter
+        self.placeholders: dict[int, int] = {}  # forward node -> placeholder node
+        self.resolved: dict[int, int] = {}  # forward node -> backward node computing it
+        self.consts: dict[tuple, int] = {}
+        self.dims: dict[str, int] = {}
+        self.sources: list[tuple[Source, int]] = []  # (source, backward parameter node)
+        self.saved: list[int] = []
+        self.recomputed: list[int] = []
+
+    # --- building ------------------------------------------------------------------------
+
+    def emit(self, kind: str, operands: Iterable[int], span: Span | None, **attrs: Any) -> int:
+        operands = tuple(operands)
+        t = ops.infer(kind, tuple(self.bwd.op(o).type for o in operands), attrs)
+        return self.bwd.add(Op(kind, t.dtype, t.shape, make_attrs(**attrs), span, t.weak), operands)
+
+    def const(self, value: Any, span: Span | None) -> int:
+        dtype = DType.BOOL if isinstance(value, bool) else DType.I32 if isinstance(value, int) \
+            else DType.F32
+        key = (value, dtype)
+        if key not in self.consts:
+            t = TensorType(dtype, (), True)
+            self.consts[key] = self.bwd.add(
+                Op("const", dtype, (), make_attrs(value=value, type=t), span, True), [])
+        return self.consts[key]
+
+    def size(self, dim: Any, span: Span | None) -> int:
+        from tiledsl.dims import build
+
+        def name(symbol: str) -> int:
+            if symbol not in self.dims:
+                t = TensorType(DType.I32, (), True)
+                self.dims[symbol] = self.bwd.add(
+                    Op("dim", DType.I32, (), make_attrs(symbol=symbol, type=t), span, True), [])
+            return self.dims[symbol]
+
+        return build(dim, name, lambda k: self.const(k, span),
+                     lambda kind, *args: self.emit(kind, args, span))
+
+    def unsqueeze(self, v: int, axis: int, span: Span | None) -> int:
+        """`v` with a size-1 axis inserted at `axis` (a `slice` view, x[:, None])."""
+        shape = self.bwd.op(v).shape
+        items = [("range", 0, d, 1, d) for d in shape]
+        items.insert(axis, ("new",))
+        return self.emit("slice", [v], span, items=tuple(items))
+
+    def cast(self, v: int, dtype: DType, span: Span | None) -> int:
+        if self.bwd.op(v).dtype is dtype:
+            return v
+        return self.emit("cast", [v], span, dtype=dtype)
+
+    def primal(self, node: int) -> int:
+        """The forward value `node` in the backward, as a placeholder until `_resolve`."""
+        if node in self.resolved:
+            return self.resolved[node]
+        if node not in self.placeholders:
+            op = self.fwd.op(node)
+            ph = self.bwd.add(Op(PRIMAL, op.dtype, op.shape, make_attrs(type=op.type), op.span,
+                                 op.weak), [])
+            self.bwd.params.remove(ph)
+            self.placeholders[node] = ph
+        return self.placeholders[node]
+
+    # --- the derivation ------------------------------------------------------------------
+
+    def build(self) -> Derivation:
+        fwd, bwd = self.fwd, self.bwd
+        for p in fwd.params:
+            op = fwd.op(p)
+            node = bwd.add(op, [])
+            self.inputs.append(node)
+            self.resolved[p] = node
+            self.sources.append((Source("input", op.attr("index")), node))
+        active = self._active()
+        adjoints: dict[int, list[int]] = {}
+        names = {fwd.op(p).attr("name") for p in fwd.params}
+        outputs = fwd.outputs
+        n_outputs = len(outputs) - len(fwd.checks)
+        for k, ((node, _), t) in enumerate(zip(outputs[:n_outputs], fwd.returns, strict=False)):
+            if node not in active:
+                continue
+            g = bwd.add(Op("param", t.dtype, t.shape, make_attrs(
+                name=_fresh(f"grad_{k}", names), type=t, scalar=False), fwd.op(node).span), [])
+            self.sources.append((Source("grad", k), g))
+            adjoints.setdefault(node, []).append(self.cast(g, fwd.op(node).dtype, fwd.op(node).span))
+        for node in reversed(fwd.topo_order()):
+            if node not in adjoints or fwd.op(node).kind == "param":
+                continue
+            op = fwd.op(node)
+            g = self._sum(adjoints.pop(node), op)
+            rule = ops.OPS[op.kind].vjp
+            if rule is None:
+                raise diag.GradientError(op.span, message=(
+                    f"'{ops.OPS[op.kind].symbol or op.kind}' has no derivative in tiledsl yet; "
+                    "the gradient of this program passes through it"))
+            operands = fwd.operands(node)
+            wanted = [o in active and fwd.op(o).dtype.is_float for o in operands]
+            try:
+                contributions = list(rule(Adjoint(self, node, op, g), wanted))
+            except ops.NotDifferentiable as err:
+                raise diag.GradientError(op.span, message=str(err)) from None
+            contributions += [None] * (len(operands) - len(contributions))
+            for o, c, w in zip(operands, contributions, wanted, strict=True):
+                if c is not None and w:
+                    adjoints.setdefault(o, []).append(self._fit(c, fwd.op(o), op.span))
+        grads = []
+        for i in self.wrt:
+            p = fwd.params[i]
+            op = fwd.op(p)
+            g = self._sum(adjoints.get(p, []), op) if p in adjoints else self.const(0.0, op.span)
+            if bwd.op(g).shape != op.shape:
+                g = self.emit("expand", [g], op.span, shape=op.shape)
+            grads.append(self.cast(g, op.dtype, op.span))
+        bwd.add(Op("return", DType.BOOL, (), (), fwd.span), grads)
+        bwd.returns = tuple(fwd.op(fwd.params[i]).type for i in self.wrt)
+        self._dce()
+        self._resolve()
+        self._dce()
+        forward = self._training_forward(n_outputs)
+        sources = self._order_params()
+        return Derivation(forward, bwd, self.wrt, sources, n_outputs, tuple(self.saved),
+                          tuple(self.recomputed))
+
+    def _active(self) -> set[int]:
+        """Float values on a path from a `wrt` parameter to an output."""
+        fwd = self.fwd
+        reach = set()
+        for i in self.wrt:
+            reach |= {fwd.params[i]} | set(_descendants(fwd, fwd.params[i]))
+        to_out = set()
+        for node, _ in fwd.outputs:
+            to_out |= {node} | set(_ancestors(fwd, node))
+        return {n for n in reach & to_out if fwd.op(n).dtype.is_float}
+
+    def _sum(self, terms: list[int], op: Op) -> int:
+        out = terms[0]
+        for t in terms[1:]:
+            out = self.emit("add", [out, t], op.span)
+        return self.cast(out, op.dtype, op.span)
+
+    def _fit(self, c: int, operand: Op, span: Span | None) -> int:
+        """A contribution to an operand, summed over the axes it was broadcast along and in
+        its dtype (it may stay smaller: it broadcasts to the operand)."""
+        shape = self.bwd.op(c).shape
+        target = operand.shape
+        if not broadcasts_to(target, shape) and not broadcasts_to(shape, target):
+            c = self.emit("expand", [c], span, shape=_broadcast(shape, target))
+            shape = self.bwd.op(c).shape
+        lead = len(shape) - len(target)
+        for _ in range(max(lead, 0)):  # axes the operand lacks
+            first = self.bwd.op(c).shape[0]
+            c = self._drop_first(c, span) if first == 1 else self.emit(
+                "sum", [c], span, axis=0, keepdims=False)
+        shape = self.bwd.op(c).shape
+        off = len(target) - len(shape)
+        for k, d in enumerate(shape):
+            if d != 1 and target[off + k] == 1:
+                c = self.emit("sum", [c], span, axis=k, keepdims=True)
+        return self.cast(c, operand.dtype, span)
+
+    def _drop_first(self, v: int, span: Span | None) -> int:
+        shape = self.bwd.op(v).shape
+        items = (("at", 0),) + tuple(("range", 0, d, 1, d) for d in shape[1:])
+        return self.emit("slice", [v], span, items=items)
+
+    def _dce(self) -> None:
+        bwd = self.bwd
+        live = set(_ancestors(bwd, bwd.output)) | {bwd.output}
+        dead = [n for n in bwd.nodes() if n not in live and n not in bwd.params]
+        bwd.remove_all(dead)
+        for k, v in list(self.placeholders.items()):
+            if v not in bwd.nx:
+                del self.placeholders[k]
+        for name in [s for s, n in self.dims.items() if n not in bwd.nx]:
+            del self.dims[name]
+        self.consts = {k: n for k, n in self.consts.items() if n in bwd.nx}
+
+    # --- what the backward reads of the forward --------------------------------------------
+
+    def _resolve(self) -> None:
+        """Bind every placeholder: recompute it, pass a forward output, or save it."""
+        fwd, bwd = self.fwd, self.bwd
+        outputs = {node: k for k, (node, _) in reversed(list(enumerate(fwd.outputs)))}
+        order = {n: i for i, n in enumerate(fwd.topo_order())}
+        while self.placeholders:
+            node = max(self.placeholders, key=order.__getitem__)  # consumers first
+            ph = self.placeholders.pop(node)
+            op = fwd.op(node)
+            k = outputs.get(node)
+            if k is not None and k < len(fwd.returns) and fwd.returns[k] == op.type:
+                new = self._source(Source("output", k), op, f"out_{k}")
+            elif not op.weak and _runs_matmul(fwd, node) and not ops.is_elementwise(op.kind):
+                self.saved.append(node)
+                new = self._source(Source("saved", len(self.saved) - 1), op,
+                                   f"saved_{len(self.saved) - 1}")
+            else:
+                if op.kind not in ("const", "dim"):
+                    self.recomputed.append(node)
+                new = bwd.add(op, [self.primal(o) for o in fwd.operands(node)])
+            self.resolved[node] = new
+            bwd.replace_uses(ph, new)
+            bwd.remove(ph)
+
+    def _source(self, source: Source, op: Op, name: str) -> int:
+        names = {self.bwd.op(n).attr("name") for n in self.bwd.params}
+        t = TensorType(op.dtype, op.shape)
+        node = self.bwd.add(Op("param", op.dtype, op.shape, make_attrs(
+            name=_fresh(name, names), type=t, scalar=False), op.span), [])
+        self.sources.append((source, node))
+        return node
+
+    def _order_params(self) -> tuple[Source, ...]:
+        """Parameters in call order (inputs, outputs, saved, gradients), indexed."""
+        rank = {"input": 0, "output": 1, "saved": 2, "grad": 3}
+        ordered = sorted(self.sources, key=lambda s: (rank[s[0].kind], s[0].index))
+        bwd = self.bwd
+        bwd.params = []
+        for i, (_, node) in enumerate(ordered):
+            op = bwd.op(node)
+            bwd.set_op(node, op.replace(attrs=make_attrs(**{**op.attr_map, "index": i})))
+            bwd.params.append(node)
+        return tuple(s for s, _ in ordered)
+
+    def _training_forward(self, n_outputs: int) -> Graph:
+        fwd = self.fwd.copy()
+        if not self.saved:
+            return fwd
+        fwd.name = f"{self.fwd.name}_training"
+        ret = fwd.output
+        outs = fwd.operand_edges(ret)
+        span = fwd.op(ret).span
+        fwd.remove_all([ret])
+        fwd.output = None
+        checks = outs[n_outputs:]
+        fwd.add(Op("return", DType.BOOL, (), (), span),
+                outs[:n_outputs] + [(n, 0) for n in self.saved] + checks)
+        types = tuple(TensorType(fwd.op(n).dtype, fwd.op(n).shape) for n in self.saved)
+        fwd.returns = fwd.returns[:n_outputs] + types + fwd.returns[n_outputs:]
+        return fwd
+
+
+def _runs_matmul(graph: Graph, node: int) -> bool:
+    """Would recomputing `node` from the parameters run a matmul?"""
+    memo = graph.memo("runs-matmul")
+    if node not in memo:
+        op = graph.op(node)
+        memo[node] = op.kind == "matmul" or any(
+            _runs_matmul(graph, o) for o in graph.operands(node))
+    return memo[node]
+
+
+def _descendants(graph: Graph, node: int) -> Iterable[int]:
+    import networkx as nx
+
+    return nx.descendants(graph.nx, node)
+
+
+def _ancestors(graph: Graph, node: int) -> Iterable[int]:
+    import networkx as nx
+
+    return nx.ancestors(graph.nx, node)
+
+
+def _broadcast(a: tuple, b: tuple) -> tuple:
+    from tiledsl.types import broadcast_shapes
+
+    return broadcast_shapes(a, b)
+
+
+def _fresh(name: str, taken: set[str]) -> str:
+    while name in taken:
+        name += "_"
+    taken.add(name)
+    return name
+
+
+
+# (adjoint, which operands want a gradient) -> a contribution per operand, or None
+Rule = Callable[[Adjoint, Sequence[bool]], Sequence[int | None]]
