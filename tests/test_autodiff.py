@@ -9,9 +9,8 @@ import pytest
 import torch
 
 import tiledsl
-from tiledsl import testing
-
 from helpers import gen, randn
+from tiledsl import testing
 
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 
@@ -114,7 +113,7 @@ REDUCTIONS = ["sum", "mean", "max", "min", "logsumexp"]
 def test_reduction_gradients(op, axis, keep):
     x = randn(17, 113)
     shape = ("1" if axis == 0 else "M") if keep == "true" else None
-    out = {0: f"[1, N]" if keep == "true" else "[N]", -1: "[M, 1]" if keep == "true" else "[M]"}[axis]
+    out = {0: "[1, N]" if keep == "true" else "[N]", -1: "[M, 1]" if keep == "true" else "[M]"}[axis]
     del shape
     grads_ok(f"kernel f(x: f32[M, N]) -> f32{out} {{ return {op}(x, axis={axis}, keepdims={keep}) }}", x)
 
