@@ -144,10 +144,6 @@ def test_views_transpose_reshape_and_new_axes():
     x, w = randn(6, 17), randn(17, 6)
     grads_ok("""kernel f(x: f32[M, N], w: f32[N, M]) -> f32[N, M] {
         y = reshape(transpose(x, 0, 1) * w, [N * M], copy=true)
-        return reshape(y, [N, M]) + x.T[:, :] * w[None, :, :][0]
-    }""", x, w) if False else None
-    grads_ok("""kernel f(x: f32[M, N], w: f32[N, M]) -> f32[N, M] {
-        y = reshape(transpose(x, 0, 1) * w, [N * M], copy=true)
         return reshape(y, [N, M]) + sum(x.T[None, :, :] * w, axis=0)
     }""", x, w)
 
@@ -227,3 +223,55 @@ def test_multi_output_gradients_and_an_output_used_twice():
         return y, sum(y * y, axis=-1), y
     }"""
     grads_ok(src, randn(17, 33), randn(33))
+
+
+def test_what_cannot_be_differentiated_says_where():
+    fn = tiledsl.compile("""kernel g(x: f32[N, D], i: i32[N]) -> f32[N, 1] {
+        return gather(x * 2.0, i[:, None], axis=1)
+    }""")
+    with pytest.raises(tiledsl.TileDSLError) as err:
+        fn.backward
+    assert err.value.message == (
+        "the gradient of a gather (x[i] with index tensors, gather(), concat()) is a scatter-add, "
+        "which tiledsl cannot differentiate yet")
+    assert err.value.line == 2
+    # the index gets no gradient, and a program whose gradient avoids the gather is fine
+    fn = tiledsl.compile("""kernel g(x: f32[N, D], t: f32[D], i: i32[N]) -> f32[N, D] {
+        return x * gather(t, i, axis=0)[:, None]
+    }""")
+    assert fn.differentiable == (0, 1)
+    with pytest.raises(tiledsl.TileDSLError, match="scatter-add"):
+        fn.backward
+    x, t = randn(17, 33).requires_grad_(), randn(33)
+    i = torch.randint(0, 33, (17,), generator=gen(5), dtype=torch.int32)
+    fn(x, t, i).sum().backward()
+    assert torch.equal(x.grad, t[i.long()][:, None].expand(17, 33))
+    fn = tiledsl.compile("kernel s(x: f32[N, D]) -> f32[N, 2] { return x[:, 0:2] }")
+    with pytest.raises(tiledsl.TileDSLError, match=r"needs a scatter.*x\[:, None\]"):
+        fn.backward
+
+
+def test_integer_and_mask_parameters_have_no_gradient():
+    fn = tiledsl.compile("kernel m(x: f32[N], keep: bool[N], k: i32[N]) -> f32[N] { return where(keep, x * cast(k, f32), 0.0) }")
+    assert fn.differentiable == (0,)
+    x = randn(17).requires_grad_()
+    keep = torch.rand(17, generator=gen(3)) > 0.5
+    k = torch.randint(0, 5, (17,), generator=gen(4), dtype=torch.int32)
+    fn(x, keep, k).sum().backward()
+    assert torch.equal(x.grad, torch.where(keep, k.float(), 0.0))
+    with pytest.raises(tiledsl.TileDSLError) as err:
+        tiledsl.autodiff.derive(fn.source_graph, [1])
+    assert err.value.message == ("parameter 'keep' (bool[N]) has no gradient: only floating-point "
+                                 "tensor parameters are differentiable")
+
+
+def test_no_grad_runs_the_plain_program_and_saves_nothing():
+    fn = tiledsl.compile("kernel lin(x: f32[M, K], w: f32[N, K]) -> f32[M, N] { return gelu(x @ w.T) }")
+    x, w = randn(17, 33).requires_grad_(), randn(20, 33).requires_grad_()
+    with torch.no_grad():
+        y = fn(x, w)
+    assert not y.requires_grad and fn._trainings == {}
+    y = fn(x, w.detach())
+    assert y.requires_grad and list(fn._trainings) == [(0,)]
+    training = fn._trainings[(0,)]
+    assert [fn.source_graph.op(n).kind for n in training.derivation.saved] == ["matmul"]

@@ -357,8 +357,10 @@ def _d_slice(d, wanted):
     """A view's gradient is g placed back where the view read: for views that keep whole
     axes, drop the new ones (and re-insert none); others have no rule yet."""
     items = d.attr("items")
-    if any(i[0] == "at" or (i[0] == "range" and (i[1] != 0 or i[3] != 1 or i[2] != i[4]))
-           for i in items):
+    sizes = iter(d.x_type(0).shape)
+    whole = [i[0] == "new" or (i[0] == "range" and i[1:] == (0, (n := next(sizes)), 1, n))
+             for i in items]
+    if not all(whole):
         raise NotDifferentiable(
             "the gradient of a view that takes part of an axis (x[i], x[a:b], x[::s]) needs a "
             "scatter, which tiledsl cannot differentiate yet; a view that only adds axes "
