@@ -102,8 +102,9 @@ def test_torch_compile_fullgraph_trains_like_eager(backend):
 
 def test_torch_export_keeps_the_op():
     fn = tiledsl.compile(RMS)
-    ep = torch.export.export(Block(fn), (randn(17, 33),))
+    model = Block(fn)
+    ep = torch.export.export(model, (randn(17, 33),))
     targets = [n.target for n in ep.graph.nodes if n.op == "call_function"]
     assert fn.op in targets
     x = randn(17, 33, seed=9)
-    torch.testing.assert_close(ep.module()(x), Block(fn)(x))
+    torch.testing.assert_close(ep.module()(x), model(x))
