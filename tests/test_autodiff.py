@@ -275,3 +275,26 @@ def test_no_grad_runs_the_plain_program_and_saves_nothing():
     assert y.requires_grad and list(fn._trainings) == [(0,)]
     training = fn._trainings[(0,)]
     assert [fn.source_graph.op(n).kind for n in training.derivation.saved] == ["matmul"]
+
+
+def test_the_backward_program_is_inspectable_like_any_program():
+    fn = tiledsl.compile("""kernel rms(x: f32[N, D], w: f32[D], eps: f32) -> f32[N, D] {
+        r = rsqrt(mean(x * x, axis=-1, keepdims=true) + eps)
+        return x * r * w
+    }""")
+    bwd = fn.backward
+    assert bwd.name == "rms_backward"
+    assert bwd.ir("graph").splitlines()[0] == (
+        "func @rms_backward(%x: f32[N, D], %w: f32[D], %eps: f32, %grad_0: f32[N, D]) -> "
+        "(f32[N, D], f32[D]) {")
+    assert [k.template for k in bwd.kernels] == ["rows", "rows"]
+    assert all("@triton.jit" in k.source for k in bwd.kernels)
+    assert "2 kernels for" in bwd.explain() and "cluster" in bwd.to_dot()
+    assert len(bwd.graph.nodes) > 0
+    # the backward is callable on its own: parameters, then the output's gradient
+    x, w, g = randn(17, 33), randn(33), randn(17, 33)
+    gx, gw = bwd(x, w, 1e-5, g)
+    xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+    (xs * torch.rsqrt((xs * xs).mean(-1, keepdim=True) + 1e-5) * ws).backward(g)
+    torch.testing.assert_close(gx, xs.grad)
+    torch.testing.assert_close(gw, ws.grad)

@@ -108,3 +108,16 @@ def test_console_script_is_installed():
     assert script is not None, f"no console script in {places}"
     result = subprocess.run([str(script), "passes"], capture_output=True, text=True)
     assert result.returncode == 0 and "lower-kernels" in result.stdout
+
+
+def test_backward_prints_the_derived_program(tmp_path):
+    path = tmp_path / "rms.tdsl"
+    path.write_text("kernel rms(x: f32[N, D], w: f32[D], eps: f32) -> f32[N, D] {\n"
+                    "    r = rsqrt(mean(x * x, axis=-1, keepdims=true) + eps)\n"
+                    "    return x * r * w\n}\n")
+    code, out, _ = cli("opt", str(path), "--backward", "--print-ir-after", "graph")
+    assert code == 0
+    assert out.startswith("// -----// IR Dump After graph //----- //\nfunc @rms_backward(%x: f32[N, D], %w: f32[D], "
+                          "%eps: f32, %grad_0: f32[N, D]) -> (f32[N, D], f32[D]) {")
+    code, out, _ = cli("explain", str(path), "--backward")
+    assert code == 0 and "fusion report for @rms_backward" in out and "2 kernels for" in out

@@ -37,6 +37,8 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("file", help="a .tdsl file ('-' reads standard input)")
         s.add_argument("-k", "--kernel", help="the kernel to compile, when the file has several")
         s.add_argument("--passes", help="the pass pipeline (default: the full fusing pipeline)")
+        s.add_argument("--backward", action="store_true",
+                       help="the kernel's backward program (gradients of its float tensor parameters)")
         return s
 
     opt = program_command("opt", "run a pass pipeline and print the IR")
@@ -100,7 +102,8 @@ def _compile(args, **kw):
     from tiledsl.api import compile_text
 
     text, name = _read(args.file)
-    return compile_text(text, name, args.kernel, pipeline=args.passes, **kw)
+    fn = compile_text(text, name, args.kernel, pipeline=args.passes, **kw)
+    return fn.backward if args.backward else fn
 
 
 def _cmd_opt(args) -> int:
@@ -135,7 +138,12 @@ def _cmd_opt(args) -> int:
 
     manager = PassManager(pipeline, verify=args.verify or None, snapshots=False, print_after=after)
     for kernel in kernels:
-        result = manager.run(analyze(kernel))
+        graph = analyze(kernel)
+        if args.backward:
+            from tiledsl.autodiff import derive
+
+            graph = derive(graph).backward
+        result = manager.run(graph)
         if not (args.print_ir_after_all or wanted):
             sys.stdout.write(print_graph(result.graph, locations=args.locations))
         if args.remarks:
@@ -143,7 +151,7 @@ def _cmd_opt(args) -> int:
                 print(f"// remark: {remark}")
         if args.timing:
             total = sum(t for _, t in result.timings)
-            print(f"// pass timing for @{kernel.name}:", file=sys.stderr)
+            print(f"// pass timing for @{graph.name}:", file=sys.stderr)
             for stage, seconds in result.timings:
                 print(f"//   {stage:<16} {seconds * 1e3:8.3f} ms", file=sys.stderr)
             print(f"//   {'total':<16} {total * 1e3:8.3f} ms", file=sys.stderr)
