@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import randn
 
 import tiledsl
+from helpers import randn
 
 RMS = """kernel rms(x: f32[N, D], w: f32[D], eps: f32) -> f32[N, D] {
     r = rsqrt(mean(x * x, axis=-1, keepdims=true) + eps)
