@@ -230,7 +230,7 @@ def test_what_cannot_be_differentiated_says_where():
         return gather(x * 2.0, i[:, None], axis=1)
     }""")
     with pytest.raises(tiledsl.TileDSLError) as err:
-        fn.backward
+        _ = fn.backward
     assert err.value.message == (
         "the gradient of a gather (x[i] with index tensors, gather(), concat()) is a scatter-add, "
         "which tiledsl cannot differentiate yet")
@@ -241,14 +241,14 @@ def test_what_cannot_be_differentiated_says_where():
     }""")
     assert fn.differentiable == (0, 1)
     with pytest.raises(tiledsl.TileDSLError, match="scatter-add"):
-        fn.backward
+        _ = fn.backward
     x, t = randn(17, 33).requires_grad_(), randn(33)
     i = torch.randint(0, 33, (17,), generator=gen(5), dtype=torch.int32)
     fn(x, t, i).sum().backward()
     assert torch.equal(x.grad, t[i.long()][:, None].expand(17, 33))
     fn = tiledsl.compile("kernel s(x: f32[N, D]) -> f32[N, 2] { return x[:, 0:2] }")
     with pytest.raises(tiledsl.TileDSLError, match=r"needs a scatter.*x\[:, None\]"):
-        fn.backward
+        _ = fn.backward
 
 
 def test_integer_and_mask_parameters_have_no_gradient():
