@@ -2,6 +2,7 @@
 """Run the random-program differential fuzzer (tests/fuzzgen.py) at scale.
 
     python scripts/fuzz_programs.py --count 20000 --jobs 2 [--seed 0] [--sm90-every 10] [--out F]
+    python scripts/fuzz_programs.py --grads --count 2000    # gradients (fuzzgen.run_grads)
 
 Program i is generated from seed (base seed, i), so any finding reproduces
 with `--seed S --first I --count 1`. Prints each failing program (source,
@@ -25,13 +26,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
 
-def one(job: tuple[int, int, int]) -> tuple[int, str, str, str]:
+def one(job: tuple[int, int, int, bool]) -> tuple[int, str, str, str]:
     import fuzzgen
 
-    base, i, sm90_every = job
+    base, i, sm90_every, grads = job
     program = fuzzgen.generate(random.Random(f"{base}:{i}"), seed=i)
     try:
-        outcome = fuzzgen.run(program, sm90=sm90_every > 0 and i % sm90_every == 0)
+        outcome = fuzzgen.run_grads(program) if grads else \
+            fuzzgen.run(program, sm90=sm90_every > 0 and i % sm90_every == 0)
     except Exception as err:  # noqa: BLE001 - the driver reports, never dies
         outcome = fuzzgen.Outcome("fail", f"driver: {type(err).__name__}: {err}")
     return i, f"# M={program.m} N={program.n} seed={i}\n{program.source}", outcome.status, outcome.detail
@@ -46,9 +48,11 @@ def main() -> int:
     p.add_argument("--out", type=Path, help="also write the findings here")
     p.add_argument("--sm90-every", type=int, default=10,
                    help="also compile every Nth program's kernels for H100 (0: never)")
+    p.add_argument("--grads", action="store_true",
+                   help="check each program's gradients instead of its outputs")
     args = p.parse_args()
     start = time.perf_counter()
-    jobs = [(args.seed, i, args.sm90_every) for i in range(args.first, args.first + args.count)]
+    jobs = [(args.seed, i, args.sm90_every, args.grads) for i in range(args.first, args.first + args.count)]
     failures = []
     statuses: collections.Counter = collections.Counter()
     with multiprocessing.get_context("spawn").Pool(args.jobs, maxtasksperchild=500) as pool:

@@ -24,6 +24,7 @@ a sqrt, where our 4x smaller max error still lost to eager's at one element.)
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 
@@ -322,6 +323,43 @@ def run(program: Program, sm90: bool = False) -> Outcome:
     except Exception as err:  # noqa: BLE001
         return Outcome("fail", f"sm90: {type(err).__name__}: {str(err)[:500]}")
     return outcome
+
+
+def run_grads(program: Program) -> Outcome:
+    """Differentiate `program` and judge its gradients along random cotangents against float64
+    torch autograd of the reference (`testing.check_grads`). "nograd": nothing to
+    differentiate, an op tiledsl cannot differentiate (a located GradientError), or one
+    torch cannot (floor division); "overflow": the eager gradient is not finite where the
+    golden is."""
+    import torch
+
+    import tiledsl
+    from tiledsl import testing
+
+    try:
+        fn = tiledsl.compile(program.source)
+    except tiledsl.TileDSLError as err:
+        return Outcome("rejected", err.message)
+    if not fn.differentiable:
+        return Outcome("nograd", "no floating-point tensor parameter")
+    try:
+        _ = fn.backward
+    except tiledsl.diagnostics.GradientError as err:
+        return Outcome("nograd", err.message) if err.line >= 1 else Outcome("fail", str(err))
+    except tiledsl.TileDSLError as err:
+        return Outcome("fail", f"backward: {err}")
+    try:
+        report = testing.check_grads(fn, generator=torch.Generator().manual_seed(program.seed),
+                                     **program.args())
+    except RuntimeError as err:
+        if "floor_divide" in str(err):
+            return Outcome("nograd", "torch has no derivative for floor division")
+        return Outcome("fail", f"grads: {type(err).__name__}: {err}")
+    except Exception as err:  # noqa: BLE001 - any failure here is a finding
+        return Outcome("fail", f"grads: {type(err).__name__}: {err}")
+    if any(not math.isfinite(o.eager_error) for o in report.outputs):
+        return Outcome("overflow", "the eager gradient is not finite where the golden is")
+    return Outcome("pass") if report.ok else Outcome("fail", f"gradients: {report}")
 
 
 def _judge(outputs, golden, eager, testing) -> Outcome:

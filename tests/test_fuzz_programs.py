@@ -35,6 +35,20 @@ def test_random_programs_match_the_oracle(chunk):
     assert statuses.count("pass") >= PER_CHUNK * 0.8, statuses  # judged, not rejected or overflowing
 
 
+@pytest.mark.parametrize("chunk", range(2))
+def test_random_programs_gradients_match_the_oracle(chunk):
+    """Gradients of generated programs (`fuzzgen.run_grads`) against float64 torch autograd."""
+    failures, statuses = [], []
+    for i in range(chunk * PER_CHUNK, (chunk + 1) * PER_CHUNK):
+        program = fuzzgen.generate(random.Random(f"{SEED}:{i}"), seed=i)
+        outcome = fuzzgen.run_grads(program)
+        statuses.append(outcome.status)
+        if outcome.failed:
+            failures.append(f"seed {SEED}, program {i}: {outcome.detail}\n{program.source}")
+    assert not failures, "\n".join(failures)
+    assert statuses.count("pass") >= PER_CHUNK * 0.7, statuses
+
+
 def test_generated_programs_are_mostly_valid_and_cover_every_template():
     import tiledsl
 

@@ -108,3 +108,15 @@ def test_torch_export_keeps_the_op():
     assert fn.op in targets
     x = randn(17, 33, seed=9)
     torch.testing.assert_close(ep.module()(x), model(x))
+
+
+def test_torch_compile_of_a_program_never_called_eagerly():
+    fn = tiledsl.compile(RMS.replace("rms(", "fresh("))
+    torch._dynamo.reset()
+    x, w = randn(17, 33).requires_grad_(), randn(33).requires_grad_()
+    y = torch.compile(lambda x, w: fn(x, w, 1e-5).sum(), backend="aot_eager", fullgraph=True)(x, w)
+    y.backward()
+    xs, ws = x.detach().requires_grad_(), w.detach().requires_grad_()
+    (xs * torch.rsqrt((xs * xs).mean(-1, keepdim=True) + 1e-5) * ws).sum().backward()
+    torch.testing.assert_close(x.grad, xs.grad)
+    torch.testing.assert_close(w.grad, ws.grad)

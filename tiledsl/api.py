@@ -149,12 +149,18 @@ class Program:
         self.allow_tf32 = allow_tf32
         self.runtime: Backend = make_backend(backend, self._graph, allow_tf32)
         self.kernels: list[Kernel] = self.runtime.kernels
-        self._op: Any = None
         self._trainings: dict[tuple[int, ...], Training] = {}
         params = [self.source_graph.op(p) for p in self.source_graph.params]
         self._differentiable = tuple(autodiff.differentiable(p) for p in params)
         self._names = tuple(p.attr("name") for p in params)
         self._scalars = tuple(i for i, p in enumerate(params) if p.attr("scalar"))
+        # registered now, not on first use: torch.compile traces calls of fn and cannot
+        # trace a registration (about 1 ms per program)
+        from tiledsl import torch_op
+
+        self.op = torch_op.register(self)
+        """This program as a PyTorch operator (`torch.ops.tiledsl.<kernel>_<hash>.default`):
+        traceable by torch.compile and torch.export, differentiable (see `backward`)."""
 
     # --- running --------------------------------------------------------------------------
 
@@ -198,16 +204,6 @@ class Program:
         return outs[0] if single else tuple(outs)
 
     # --- PyTorch: the op, autograd ------------------------------------------------------------
-
-    @property
-    def op(self) -> Any:
-        """This program as a PyTorch operator (`torch.ops.tiledsl.<kernel>_<hash>.default`):
-        traceable by torch.compile and torch.export, differentiable (see `backward`)."""
-        if self._op is None:
-            from tiledsl import torch_op
-
-            self._op = torch_op.register(self)
-        return self._op
 
     @property
     def source_graph(self) -> Graph:

@@ -156,8 +156,12 @@ def derive(graph: Graph, wrt: Sequence[int] | None = None) -> Derivation:
 
 def differentiable(param: Op) -> bool:
     """Can a parameter have a gradient: a floating-point tensor (not a scalar, index or
-    mask)?"""
-    return param.dtype.is_float and not param.attr("scalar")
+    mask, nor an f8 tensor, which is storage for a matmul operand)?"""
+    return _differentiable_dtype(param.dtype) and not param.attr("scalar")
+
+
+def _differentiable_dtype(dtype: DType) -> bool:
+    return dtype.is_float and not dtype.is_f8
 
 
 PRIMAL = "param"  # placeholders are parameter ops until `_resolve` binds them
@@ -264,7 +268,7 @@ class _Backward:
                     f"'{ops.OPS[op.kind].symbol or op.kind}' has no derivative in tiledsl yet; "
                     "the gradient of this program passes through it"))
             operands = fwd.operands(node)
-            wanted = [o in active and fwd.op(o).dtype.is_float for o in operands]
+            wanted = [o in active for o in operands]
             try:
                 contributions = list(rule(Adjoint(self, node, op, g), wanted))
             except ops.NotDifferentiable as err:
@@ -300,7 +304,7 @@ class _Backward:
         to_out = set()
         for node, _ in fwd.outputs:
             to_out |= {node} | set(_ancestors(fwd, node))
-        return {n for n in reach & to_out if fwd.op(n).dtype.is_float}
+        return {n for n in reach & to_out if _differentiable_dtype(fwd.op(n).dtype)}
 
     def _sum(self, terms: list[int], op: Op) -> int:
         out = terms[0]

@@ -103,11 +103,15 @@ def check_grads(fn: Program, *args: Any, generator: torch.Generator | None = Non
                 for i, v in enumerate(bound.values)]
 
     def pull(values: list[Any], outs: Any, cotangents: list[torch.Tensor] | None) -> list:
-        outs = [o for o in (outs if isinstance(outs, list | tuple) else [outs]) if o.requires_grad]
+        """Gradients along one random cotangent per floating-point output (the same in every
+        run; outputs that do not depend on a differentiated input are left out)."""
+        outs = [o for o in (outs if isinstance(outs, list | tuple) else [outs])]
         if cotangents is None:
-            cotangents = [torch.randn(o.shape, generator=generator).to(o.dtype) for o in outs]
-        cot = [c.to(device=o.device, dtype=o.dtype) for c, o in zip(cotangents, outs, strict=True)]
-        grads = torch.autograd.grad(outs, [values[i] for i in wrt], cot, allow_unused=True)
+            cotangents = [torch.randn(o.shape, generator=generator) for o in outs]
+        pairs = [(o, c.to(device=o.device, dtype=o.dtype)) for o, c in zip(outs, cotangents, strict=True)
+                 if o.requires_grad]
+        grads = torch.autograd.grad([o for o, _ in pairs], [values[i] for i in wrt],
+                                    [c for _, c in pairs], allow_unused=True) if pairs else [None] * len(wrt)
         return cotangents, [torch.zeros_like(values[i]) if g is None else g
                             for i, g in zip(wrt, grads, strict=True)]
 
