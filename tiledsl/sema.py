@@ -733,12 +733,7 @@ class _KernelBuilder:
         if t.rank == 0:
             raise diag.IndexingError(e.span, message=(
                 f"a 0-d value ({t}) cannot be reshaped; it broadcasts as it is"))
-        given = args["shape"]
-        if not isinstance(given, ast.ListLit | ast.TupleLit):
-            raise diag.ConstantExpected(given.span, what="the shape of 'reshape'",
-                                        expected="a list of dims, like [B, H // 2, 2]")
-        if len(given.items) > MAX_RANK:
-            raise diag.LimitError(given.span, what=f"rank {len(given.items)}", limit=MAX_RANK)
+        given = _shape_list(args["shape"], "reshape", "[B, H // 2, 2]")
         shape: list[Lin | None] = []
         rest: ast.Expr | None = None
         for item in given.items:
@@ -776,12 +771,7 @@ class _KernelBuilder:
         """expand(x, [d0, ...]): x broadcast to a shape; -1 keeps x's dim (torch's expand)."""
         x, xspan = self._value(args, "x")
         t = self.graph.op(x).type
-        given = args["shape"]
-        if not isinstance(given, ast.ListLit | ast.TupleLit):
-            raise diag.ConstantExpected(given.span, what="the shape of 'expand'",
-                                        expected="a list of dims, like [N, D]")
-        if len(given.items) > MAX_RANK:
-            raise diag.LimitError(given.span, what=f"rank {len(given.items)}", limit=MAX_RANK)
+        given = _shape_list(args["shape"], "expand", "[N, D]")
         lead = len(given.items) - t.rank
         shape = []
         for k, item in enumerate(given.items):
@@ -817,6 +807,16 @@ class _KernelBuilder:
             axes[norm] = item
         out = tuple(("at", 0) if k in axes else ("range", 0, d, 1, d) for k, d in enumerate(t.shape))
         return self._emit("slice", [(x, xspan)], e.span, items=out)
+
+
+def _shape_list(given: ast.Expr, func: str, example: str) -> ast.ListLit | ast.TupleLit:
+    """The shape argument of reshape/expand: a list (or tuple) of at most MAX_RANK dims."""
+    if not isinstance(given, ast.ListLit | ast.TupleLit):
+        raise diag.ConstantExpected(given.span, what=f"the shape of '{func}'",
+                                    expected=f"a list of dims, like {example}")
+    if len(given.items) > MAX_RANK:
+        raise diag.LimitError(given.span, what=f"rank {len(given.items)}", limit=MAX_RANK)
+    return given
 
 
 def _never_zero(x: Lin) -> bool:
