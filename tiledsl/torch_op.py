@@ -75,7 +75,7 @@ def _arg_name(name: str, index: int) -> str:
 
 
 def register(program: Program) -> Any:
-    """The op running `program` (an `OpOverload`), registered on first use."""
+    """The op running `program` (an `OpOverload`), registered once per name."""
     name = op_name(program)
     if name not in _LIBRARIES:
         graph = program.source_graph
