@@ -298,3 +298,15 @@ def test_the_backward_program_is_inspectable_like_any_program():
     (xs * torch.rsqrt((xs * xs).mean(-1, keepdim=True) + 1e-5) * ws).backward(g)
     torch.testing.assert_close(gx, xs.grad)
     torch.testing.assert_close(gw, ws.grad)
+
+
+def test_a_deep_program_derives_without_recursion_and_saves_only_its_matmul():
+    body = "\n".join(f"    h = tanh(h) * 0.5 + h  # {i}" for i in range(1500))
+    from tiledsl.parser import parse
+    from tiledsl.sema import analyze
+
+    graph = analyze(parse(f"kernel deep(x: f32[M, K], w: f32[K, N]) -> f32[M, N] {{\n    h = x @ w\n"
+                          f"{body}\n    return h\n}}", "deep.tdsl").kernels[0])
+    d = tiledsl.autodiff.derive(graph)
+    assert [graph.op(n).kind for n in d.saved] == ["matmul"]
+    assert [s.kind for s in d.sources] == ["input", "input", "saved", "grad"]

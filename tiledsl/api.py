@@ -181,14 +181,11 @@ class Program:
                        or any(n in kwargs for n in self._names[:len(args)])):
             self.runtime.binder(args, kwargs)  # raises the error naming the parameter
         args = args + tuple(kwargs[n] for n in self._names[len(args):])
-        if any(isinstance(a, torch.Tensor) for a in self._scalar_args(args)):
+        if any(isinstance(args[i], torch.Tensor) for i in self._scalars if i < len(args)):
             self.runtime.binder(args, {})  # a scalar given as a tensor that needs a gradient
             args = tuple(a.item() if isinstance(a, torch.Tensor) and i in self._scalars else a
                          for i, a in enumerate(args))
         return args
-
-    def _scalar_args(self, args: tuple) -> list[Any]:
-        return [args[i] for i in self._scalars if i < len(args)]
 
     def _run_op(self, args: tuple) -> Any:
         """The op's CPU/CUDA kernel: the program's outputs as fresh contiguous tensors that
@@ -218,8 +215,6 @@ class Program:
     def wants_grad(self, args: Sequence[Any]) -> tuple[int, ...]:
         """The parameters whose arguments need a gradient in this call (grad mode on, a
         floating-point tensor that requires grad)."""
-        import torch
-
         if not torch.is_grad_enabled():
             return ()
         return tuple(i for i, (ok, a) in enumerate(zip(self._differentiable, args, strict=False))

@@ -33,15 +33,17 @@ partitioner makes the same call for pointwise and reduction ops).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
+
+import networkx as nx
 
 from tiledsl import diagnostics as diag
 from tiledsl import ops
 from tiledsl.ir import Graph, Op, make_attrs
 from tiledsl.source import Span
-from tiledsl.types import DType, TensorType, broadcasts_to
+from tiledsl.types import DType, TensorType, broadcast_shapes, broadcasts_to
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +67,6 @@ class Derivation:
     sources: tuple[Source, ...]  # per backward parameter
     n_outputs: int  # the program's own outputs (the training forward has more)
     saved: tuple[int, ...]  # forward nodes saved, in order
-    recomputed: tuple[int, ...] = field(default=())  # forward nodes the backward recomputes
 
     @property
     def differentiable_outputs(self) -> tuple[int, ...]:
@@ -172,14 +173,12 @@ class _Backward:
         self.fwd, self.wrt = fwd, wrt
         self.bwd = Graph(f"{fwd.name}_backward", fwd.span, fwd.hints)
         self.bwd.requires = fwd.requires
-        self.inputs: list[int] = []  # backward node per forward parameter
         self.placeholders: dict[int, int] = {}  # forward node -> placeholder node
         self.resolved: dict[int, int] = {}  # forward node -> backward node computing it
         self.consts: dict[tuple, int] = {}
         self.dims: dict[str, int] = {}
         self.sources: list[tuple[Source, int]] = []  # (source, backward parameter node)
         self.saved: list[int] = []
-        self.recomputed: list[int] = []
 
     # --- building ------------------------------------------------------------------------
 
@@ -242,7 +241,6 @@ class _Backward:
         for p in fwd.params:
             op = fwd.op(p)
             node = bwd.add(op, [])
-            self.inputs.append(node)
             self.resolved[p] = node
             self.sources.append((Source("input", op.attr("index")), node))
         active = self._active()
@@ -292,18 +290,17 @@ class _Backward:
         self._dce()
         forward = self._training_forward(n_outputs)
         sources = self._order_params()
-        return Derivation(forward, bwd, self.wrt, sources, n_outputs, tuple(self.saved),
-                          tuple(self.recomputed))
+        return Derivation(forward, bwd, self.wrt, sources, n_outputs, tuple(self.saved))
 
     def _active(self) -> set[int]:
         """Float values on a path from a `wrt` parameter to an output."""
         fwd = self.fwd
         reach = set()
         for i in self.wrt:
-            reach |= {fwd.params[i]} | set(_descendants(fwd, fwd.params[i]))
+            reach |= {fwd.params[i]} | nx.descendants(fwd.nx, fwd.params[i])
         to_out = set()
         for node, _ in fwd.outputs:
-            to_out |= {node} | set(_ancestors(fwd, node))
+            to_out |= {node} | nx.ancestors(fwd.nx, node)
         return {n for n in reach & to_out if _differentiable_dtype(fwd.op(n).dtype)}
 
     def _sum(self, terms: list[int], op: Op) -> int:
@@ -318,7 +315,7 @@ class _Backward:
         shape = self.bwd.op(c).shape
         target = operand.shape
         if not broadcasts_to(target, shape) and not broadcasts_to(shape, target):
-            c = self.emit("expand", [c], span, shape=_broadcast(shape, target))
+            c = self.emit("expand", [c], span, shape=broadcast_shapes(shape, target))
             shape = self.bwd.op(c).shape
         lead = len(shape) - len(target)
         for _ in range(max(lead, 0)):  # axes the operand lacks
@@ -339,7 +336,7 @@ class _Backward:
 
     def _dce(self) -> None:
         bwd = self.bwd
-        live = set(_ancestors(bwd, bwd.output)) | {bwd.output}
+        live = nx.ancestors(bwd.nx, bwd.output) | {bwd.output}
         dead = [n for n in bwd.nodes() if n not in live and n not in bwd.params]
         bwd.remove_all(dead)
         for k, v in list(self.placeholders.items()):
@@ -368,8 +365,6 @@ class _Backward:
                 new = self._source(Source("saved", len(self.saved) - 1), op,
                                    f"saved_{len(self.saved) - 1}")
             else:
-                if op.kind not in ("const", "dim"):
-                    self.recomputed.append(node)
                 new = bwd.add(op, [self.primal(o) for o in fwd.operands(node)])
             self.resolved[node] = new
             bwd.replace_uses(ph, new)
@@ -414,31 +409,13 @@ class _Backward:
 
 
 def _runs_matmul(graph: Graph, node: int) -> bool:
-    """Would recomputing `node` from the parameters run a matmul?"""
+    """Would recomputing `node` from the parameters run a matmul? (One pass in topological
+    order per graph, memoised: programs may be thousands of ops deep.)"""
     memo = graph.memo("runs-matmul")
-    if node not in memo:
-        op = graph.op(node)
-        memo[node] = op.kind == "matmul" or any(
-            _runs_matmul(graph, o) for o in graph.operands(node))
+    if not memo:
+        for n in graph.topo_order():
+            memo[n] = graph.op(n).kind == "matmul" or any(memo[o] for o in graph.operands(n))
     return memo[node]
-
-
-def _descendants(graph: Graph, node: int) -> Iterable[int]:
-    import networkx as nx
-
-    return nx.descendants(graph.nx, node)
-
-
-def _ancestors(graph: Graph, node: int) -> Iterable[int]:
-    import networkx as nx
-
-    return nx.ancestors(graph.nx, node)
-
-
-def _broadcast(a: tuple, b: tuple) -> tuple:
-    from tiledsl.types import broadcast_shapes
-
-    return broadcast_shapes(a, b)
 
 
 def _fresh(name: str, taken: set[str]) -> str:
@@ -447,7 +424,3 @@ def _fresh(name: str, taken: set[str]) -> str:
     taken.add(name)
     return name
 
-
-
-# (adjoint, which operands want a gradient) -> a contribution per operand, or None
-Rule = Callable[[Adjoint, Sequence[bool]], Sequence[int | None]]

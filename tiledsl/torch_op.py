@@ -18,9 +18,9 @@ Each `Program` is registered once, through `torch.library`, as a custom op with
 
 The name is the kernel's name and a hash of its graph IR, source name and
 compile options: compiling the same program twice gives the same op (the
-first registration is kept; its program computes the same thing). Derived
-programs are registered the same way, lazily, the first time a gradient is
-asked for (which, under `torch.compile`, is while AOTAutograd traces).
+first registration is kept; its program computes the same thing). A program
+registers its op when it is built; the derived programs are built the first
+time a gradient is asked for (under `torch.compile`, while AOTAutograd traces).
 """
 
 from __future__ import annotations
