@@ -15,7 +15,8 @@ softmax whose result is the left operand of a matmul (`p @ v`):
   and are read at the score tile;
 - a cheap elementwise prologue on either matmul operand (`(q * scale) @ k.T`,
   `q @ (k * scale).T`) is applied to each loaded tile;
-- `logsumexp` of the same scores over the keys is stored by the kernel too;
+- `logsumexp` of the same scores over the keys (directly, or of their widening to
+  f32: what a training forward saves for the flash backward) is stored by the kernel too;
 - a cast of the probabilities to the dtype of `v` (`cast(softmax(s), f16) @ v`)
   is the narrowing of P the kernel does before its second dot;
 - the epilogue is every elementwise op that consumes the output element for
@@ -44,7 +45,7 @@ from tiledsl.passes.fusion.legality import Group, GroupPlan, describe_node
 from tiledsl.passes.fusion.remarks import FusionRemark, Refusal, Rule
 from tiledsl.passes.regions import is_clonable
 from tiledsl.passes.registry import Pass, PassContext, register
-from tiledsl.types import broadcasts_to
+from tiledsl.types import DType, broadcasts_to
 
 NAME = "fuse-attention"
 
@@ -130,8 +131,7 @@ class _Match:
         if found is None:
             return None
         qk, chain = found
-        lse = [u for u, _ in graph.users(x) if _is(graph, u, "logsumexp")
-               and graph.op(u).attr("axis") == len(op.shape) - 1]
+        lse = self._logsumexps(x, len(op.shape) - 1)
         inside = set(chain) | {sm, *lse}
         for n in [qk, *chain]:
             for u, _ in graph.users(n):
@@ -151,6 +151,23 @@ class _Match:
         detail = "flash attention" + (f" (score modification: {n_mod} op{plural})" if chain else "")
         self.remarks.append(FusionRemark(NAME, True, None, graph.op(qk), graph.op(pv), detail))
         return list(group)
+
+    def _logsumexps(self, x: int, axis: int) -> list[int]:
+        """`logsumexp` of the scores over the keys, read directly or through a widening cast
+        to f32 that only logsumexps read (the kernel computes it in f32 either way): the
+        kernel stores it too."""
+        graph = self.graph
+
+        def lse(n: int) -> bool:
+            return _is(graph, n, "logsumexp") and graph.op(n).attr("axis") == axis and not self.plan.grouped(n)
+
+        found = [u for u, _ in graph.users(x) if lse(u)]
+        for c, _ in graph.users(x):
+            readers = [u for u, _ in graph.users(c)]
+            if _is(graph, c, "cast") and graph.op(c).dtype is DType.F32 and not self.plan.grouped(c) \
+                    and readers and all(lse(u) for u in readers):
+                found += [c, *readers]
+        return found
 
     def _cast_of(self, sm: int) -> int:
         """The probabilities as p @ v reads them: the softmax, or its one cast (p, cast to the

@@ -31,7 +31,7 @@ from tiledsl.passes.regions import is_by_value, is_clonable, replace_with_kernel
 from tiledsl.passes.registry import Pass, PassContext, register
 
 # templates that store every output through its strides (the pointwise one stores at a flat index)
-STRIDED_STORES = ("rows", "matmul", "attention")
+STRIDED_STORES = ("rows", "matmul", "attention", "attention_backward")
 TEMPLATES = {Category.ELEMENTWISE: "pointwise", Category.REDUCTION: "rows",
              Category.SOFTMAX: "rows", Category.SCAN: "rows", Category.MATMUL: "matmul"}
 

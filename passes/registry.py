@@ -118,6 +118,7 @@ def _load_builtin_passes() -> None:
         dce,
         distribute_matmul,
         fuse_attention,
+        fuse_attention_backward,
         fuse_elementwise,
         fuse_epilogue,
         fuse_horizontal,

@@ -96,7 +96,7 @@ def test_check_and_passes():
     assert code == 0 and out.strip().endswith("kernel 'attention' ok")
     code, out, _ = cli("passes")
     assert [line.split()[0] for line in out.splitlines()] == [
-        "canonicalize", "cse", "dce", "distribute-matmul", "fuse-attention", "fuse-elementwise", "fuse-epilogue", "fuse-horizontal",
+        "canonicalize", "cse", "dce", "distribute-matmul", "fuse-attention", "fuse-attention-backward", "fuse-elementwise", "fuse-epilogue", "fuse-horizontal",
         "fuse-rows",
         "hoist-row-scale", "lower-kernels", "online-softmax", "recompute", "sink-reshape"]
 

@@ -29,7 +29,7 @@ from tiledsl.sema import analyze, select_kernel
 from tiledsl.source import Span
 
 DEFAULT_PIPELINE = ("canonicalize,sink-reshape,cse,dce,online-softmax,distribute-matmul,hoist-row-scale,"
-                    "recompute,fuse-attention,fuse-epilogue,fuse-rows,fuse-elementwise,fuse-horizontal,"
+                    "recompute,fuse-attention,fuse-attention-backward,fuse-epilogue,fuse-rows,fuse-elementwise,fuse-horizontal,"
                     "lower-kernels")
 
 

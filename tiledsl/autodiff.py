@@ -137,7 +137,7 @@ class Adjoint:
         return self._b.size(t.shape[self.op.attr("axis") % len(t.shape)], self.op.span)
 
     def transpose(self, v: int) -> int:
-        return self.call("transpose", v, dims=(-2, -1))
+        return self._b.transpose(v, self.op.span)
 
 
 def derive(graph: Graph, wrt: Sequence[int] | None = None) -> Derivation:
@@ -152,7 +152,7 @@ def derive(graph: Graph, wrt: Sequence[int] | None = None) -> Derivation:
             raise diag.GradientError(params[i].span, message=(
                 f"parameter '{params[i].attr('name')}' ({params[i].attr('type')}) has no gradient: "
                 "only floating-point tensor parameters are differentiable"))
-    return _Backward(graph, tuple(wrt)).build()
+    return _Backward(graph.copy(), tuple(wrt)).build()
 
 
 def differentiable(param: Op) -> bool:
@@ -179,6 +179,10 @@ class _Backward:
         self.dims: dict[str, int] = {}
         self.sources: list[tuple[Source, int]] = []  # (source, backward parameter node)
         self.saved: list[int] = []
+        # attention differentiated in its flash form (`_flash`): softmax -> its logsumexp,
+        # saved by the forward instead of the probabilities; the score matmuls recomputed
+        self.flash_lse: dict[int, int] = {}
+        self.flash_scores: set[int] = set()
 
     # --- building ------------------------------------------------------------------------
 
@@ -216,6 +220,12 @@ class _Backward:
         items = [("range", 0, d, 1, d) for d in shape]
         items.insert(axis, ("new",))
         return self.emit("slice", [v], span, items=tuple(items))
+
+    def transpose(self, v: int, span: Span | None) -> int:
+        """`v` with its last two dims swapped (dims as sema writes them, so that
+        canonicalize folds a transpose of a transpose)."""
+        rank = self.bwd.op(v).type.rank
+        return self.emit("transpose", [v], span, dims=(rank - 2, rank - 1))
 
     def cast(self, v: int, dtype: DType, span: Span | None) -> int:
         if self.bwd.op(v).dtype is dtype:
@@ -260,6 +270,13 @@ class _Backward:
                 continue
             op = fwd.op(node)
             g = self._sum(adjoints.pop(node), op)
+            flash = self._flash(node, active)
+            if flash is not None:
+                for o, c in zip((fwd.operands(flash)[0], fwd.operands(node)[1]),
+                                self._flash_vjp(node, flash, g, active), strict=True):
+                    if c is not None:
+                        adjoints.setdefault(o, []).append(self._fit(c, fwd.op(o), op.span))
+                continue
             rule = ops.OPS[op.kind].vjp
             if rule is None:
                 raise diag.GradientError(op.span, message=(
@@ -291,6 +308,63 @@ class _Backward:
         forward = self._training_forward(n_outputs)
         sources = self._order_params()
         return Derivation(forward, bwd, self.wrt, sources, n_outputs, tuple(self.saved))
+
+    def _flash(self, node: int, active: set[int]) -> int | None:
+        """The softmax of `softmax(scores) @ v` (through one cast of the probabilities), when
+        the product is their one use, the softmax runs along the keys (the last axis) and the
+        scores are computed from a matmul: attention, which is differentiated the way
+        FlashAttention does it (`_flash_vjp`)."""
+        fwd = self.fwd
+        if fwd.op(node).kind != "matmul":
+            return None
+        p = fwd.operands(node)[0]
+        sm = p
+        if fwd.op(p).kind == "cast":
+            (sm,) = fwd.operands(p)
+        op = fwd.op(sm)
+        outputs = {n for n, _ in fwd.outputs}
+        if op.kind != "softmax" or op.attr("axis") % len(op.shape) != len(op.shape) - 1 \
+                or any(n in outputs or len(fwd.users(n)) != 1 for n in {sm, p}):
+            return None
+        (x,) = fwd.operands(sm)
+        if not _runs_matmul(fwd, x):
+            return None
+        return sm
+
+    def _flash_vjp(self, pv: int, sm: int, g: int, active: set[int]) -> tuple[int | None, int | None]:
+        """Contributions of `o = softmax(x) @ v` to x and to v from the output's gradient g:
+        dv = p.T @ g, dx = p * (g @ v.T - delta) with delta = rowsum(g * o) in f32 (the
+        softmax's rowsum(dp * p), by associativity; FlashAttention-2's pre-pass). The
+        probabilities are recomputed in the backward from the scores and their saved
+        logsumexp, and the scores from q and k: nothing [M, N] is saved."""
+        fwd = self.fwd
+        span = fwd.op(pv).span
+        p_node, v_node = fwd.operands(pv)
+        (x,) = fwd.operands(sm)
+        self.flash_lse.setdefault(sm, -1)
+        self._mark_scores(x)
+        p = self.primal(p_node)
+        dv = self.emit("matmul", [self.transpose(p, span), g], span) if v_node in active else None
+        if x not in active:
+            return None, dv
+        dp = self.emit("matmul", [g, self.transpose(self.primal(v_node), span)], span)
+        wide = [self.cast(v, DType.F32, span) for v in (g, self.primal(pv))]
+        delta = self.emit("sum", [self.emit("mul", wide, span)], span, axis=fwd.op(pv).type.rank - 1,
+                          keepdims=True)
+        dx = self.emit("mul", [self.primal(sm), self.emit("sub", [dp, delta], span)], span)
+        return dx, dv
+
+    def _mark_scores(self, x: int) -> None:
+        """The matmuls the scores `x` are computed from through elementwise ops: recomputed in
+        the backward (a flash forward never stores them)."""
+        fwd, stack = self.fwd, [x]
+        while stack:
+            n = stack.pop()
+            op = fwd.op(n)
+            if op.kind == "matmul":
+                self.flash_scores.add(n)
+            elif ops.is_elementwise(op.kind) and _runs_matmul(fwd, n):
+                stack.extend(fwd.operands(n))
 
     def _active(self) -> set[int]:
         """Float values on a path from a `wrt` parameter to an output."""
@@ -360,7 +434,10 @@ class _Backward:
             k = outputs.get(node)
             if k is not None and k < len(fwd.returns) and fwd.returns[k] == op.type:
                 new = self._source(Source("output", k), op, f"out_{k}")
-            elif not op.weak and _runs_matmul(fwd, node) and not ops.is_elementwise(op.kind):
+            elif node in self.flash_lse:
+                new = self._probabilities(node)
+            elif not op.weak and _runs_matmul(fwd, node) and not ops.is_elementwise(op.kind) \
+                    and node not in self.flash_scores:
                 self.saved.append(node)
                 new = self._source(Source("saved", len(self.saved) - 1), op,
                                    f"saved_{len(self.saved) - 1}")
@@ -369,6 +446,28 @@ class _Backward:
             self.resolved[node] = new
             bwd.replace_uses(ph, new)
             bwd.remove(ph)
+
+    def _probabilities(self, sm: int) -> int:
+        """A flash softmax's result recomputed from its scores x and their logsumexp, which the
+        training forward saves in f32 (the attention kernel stores it per row): exp(x - lse),
+        with an empty row's -inf taken as 0 (its probabilities are 0, never NaN)."""
+        fwd, op = self.fwd, self.fwd.op(sm)
+        span = op.span
+        (x,) = fwd.operands(sm)
+        wide = x
+        if fwd.op(x).dtype is not DType.F32:
+            t = ops.infer("cast", (fwd.op(x).type,), {"dtype": DType.F32})
+            wide = fwd.add(Op("cast", t.dtype, t.shape, make_attrs(dtype=DType.F32), span, t.weak), [x])
+        axis = op.type.rank - 1
+        t = ops.infer("logsumexp", (fwd.op(wide).type,), {"axis": axis, "keepdims": True})
+        lse = fwd.add(Op("logsumexp", t.dtype, t.shape, make_attrs(axis=axis, keepdims=True), span, t.weak),
+                      [wide])
+        self.saved.append(lse)
+        saved = self._source(Source("saved", len(self.saved) - 1), fwd.op(lse), f"saved_{len(self.saved) - 1}")
+        empty = self.emit("eq", [saved, self.const(float("-inf"), span)], span)
+        m = self.emit("where", [empty, self.const(0.0, span), saved], span)
+        e = self.emit("exp", [self.emit("sub", [self.cast(self.primal(x), DType.F32, span), m], span)], span)
+        return self.cast(e, op.dtype, span)
 
     def _source(self, source: Source, op: Op, name: str) -> int:
         names = {self.bwd.op(n).attr("name") for n in self.bwd.params}

@@ -11,6 +11,7 @@ are the region's (inputs first, then ops).
     rows       -> RowPlan         the row space, every value's layout, reduction phases
     matmul     -> GemmPlan        operands, their prologues and sources, the epilogue
     attention  -> AttentionPlan   q/k/v roles, score modification, mask bound, lse, epilogue
+    attention_backward -> AttentionBackwardPlan  score dots, score ops, products, epilogue
 """
 
 from __future__ import annotations
@@ -149,6 +150,8 @@ class AttentionPlan:
     # the probabilities (or their cast) when they are an output too: a second walk over the
     # keys, with the statistics final, stores them normalised
     p_out: int | None = None
+    # the scores widened to f32 for a logsumexp (the kernel computes it in f32 anyway)
+    lse_casts: tuple[int, ...] = ()
 
     def role(self, value: int) -> str:
         if value in self.q_chain:
@@ -157,7 +160,7 @@ class AttentionPlan:
             return "k prologue"
         if value in self.score_ops:
             return "score modification"
-        if value in self.lse:
+        if value in self.lse or value in self.lse_casts:
             return "logsumexp"
         if value in self.epilogue:
             return "epilogue"
@@ -165,11 +168,57 @@ class AttentionPlan:
                 self.pv: "p @ v"}[value]
 
 
-Plan = PointwisePlan | RowPlan | GemmPlan | AttentionPlan
+@dataclass(frozen=True, slots=True)
+class ScoreDot:
+    """A matmul of the score tile, `a @ b`: a [.., M, K] and b [.., K, N] are region inputs
+    (views read through their strides), loaded whole along K."""
+
+    matmul: int
+    a: int
+    b: int
+
+
+@dataclass(frozen=True, slots=True)
+class ScoreProduct:
+    """A product of a score-space value `x` [.., M, N] with a region input `y`, summed over
+    the kernel's loop: `x.T @ y` (y [.., M, P]; `y_first`: `y.T @ x`, y [.., P, M], the
+    result [.., P, N]) over the queries, `x @ y` (y [.., N, P]) over the keys."""
+
+    matmul: int
+    x: int
+    y: int
+    y_first: bool
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionBackwardPlan:
+    """One of FlashAttention-2's backward kernels. `over`: "queries", one program per key
+    block walking the query blocks (dk, dv), or "keys", one program per query block walking
+    the key blocks (dq). Per step it recomputes the score tiles of `dots`, runs `score_ops`
+    (elementwise, in order) and adds each product's step to its accumulator; `epilogue` runs
+    on the finished accumulators."""
+
+    over: str
+    dots: tuple[ScoreDot, ...]
+    score_ops: tuple[int, ...]
+    products: tuple[ScoreProduct, ...]
+    epilogue: tuple[int, ...]
+
+    def role(self, value: int) -> str:
+        if value in self.score_ops:
+            return "score ops"
+        if value in self.epilogue:
+            return "epilogue"
+        if any(d.matmul == value for d in self.dots):
+            return "score dots"
+        return f"summed over the {self.over}"
+
+
+Plan = PointwisePlan | RowPlan | GemmPlan | AttentionPlan | AttentionBackwardPlan
 
 # which plan each template consumes
 PLAN_TYPES: dict[str, type] = {"pointwise": PointwisePlan, "rows": RowPlan, "matmul": GemmPlan,
-                               "attention": AttentionPlan}
+                               "attention": AttentionPlan, "attention_backward": AttentionBackwardPlan}
 
 
 # --- text ---------------------------------------------------------------------------------
@@ -203,6 +252,15 @@ def format_plan(plan: Plan, name) -> str:
                 + (f"row_stats = {names(plan.row_stats)} of {names(plan.stat_chain)}, "
                    if plan.row_stats else "")
                 + f"epilogue = {names(plan.epilogue)}}}")
+    if isinstance(plan, AttentionBackwardPlan):
+        products = ", ".join(
+            f"{name(p.matmul)} = " + (f"{name(p.y)}.T @ {name(p.x)}" if p.y_first else
+                                      f"{name(p.x)}.T @ {name(p.y)}" if plan.over == "queries" else
+                                      f"{name(p.x)} @ {name(p.y)}") for p in plan.products)
+        dots = ", ".join(f"{name(d.matmul)} = {name(d.a)} @ {name(d.b)}" for d in plan.dots)
+        return (f"plan attention_backward {{over = {plan.over}, dots = ({dots}), "
+                f"score_ops = {names(plan.score_ops)}, products = ({products}), "
+                f"epilogue = {names(plan.epilogue)}}}")
     bound = "none"
     if plan.bound is not None:
         c = plan.bound.constant

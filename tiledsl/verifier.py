@@ -16,7 +16,7 @@ import networkx as nx
 from tiledsl import ops
 from tiledsl.diagnostics import InternalError
 from tiledsl.ir import Graph, KernelOp, Op, Region
-from tiledsl.plans import PLAN_TYPES, AttentionPlan, GemmPlan, PointwisePlan, RowPlan
+from tiledsl.plans import PLAN_TYPES, AttentionBackwardPlan, AttentionPlan, GemmPlan, PointwisePlan, RowPlan
 from tiledsl.types import TensorType
 
 
@@ -164,4 +164,18 @@ def _verify_plan(k: KernelOp, fail) -> None:
         for v in (plan.q_source, plan.k_source, plan.v):
             expect(v, (None,), "q, k or v")
         for v in (*plan.score_ops, *plan.lse, *plan.epilogue):
+            kind(v)
+        for v in plan.lse_casts:
+            expect(v, ("cast",), "widening of the scores")
+    elif isinstance(plan, AttentionBackwardPlan):
+        for d in plan.dots:
+            expect(d.matmul, ("matmul",), "score dot")
+            expect(d.a, (None,), "score dot operand")
+            expect(d.b, (None,), "score dot operand")
+        for p in plan.products:
+            expect(p.matmul, ("matmul",), "product")
+            expect(p.y, (None,), "product operand")
+        if not plan.dots or not plan.products or plan.over not in ("queries", "keys"):
+            fail(f"kernel @{k.name}: its attention backward plan has no score dot or no product", k.span)
+        for v in (*plan.score_ops, *plan.epilogue):
             kind(v)

@@ -20,7 +20,7 @@ from tiledsl.binding import BoundCall, eval_shape, torch_dtype
 from tiledsl.diagnostics import InternalError
 from tiledsl.ir import Graph, KernelOp, Op
 
-from . import attention, matmul, pointwise, rows
+from . import attention, attention_backward, matmul, pointwise, rows
 from .base import EmittedKernel, Hints
 from .cache import load
 from .codegen import TmaReady
@@ -48,6 +48,7 @@ TEMPLATES = {
     "rows": rows.emit,
     "matmul": matmul.emit,
     "attention": attention.emit,
+    "attention_backward": attention_backward.emit,
 }
 
 
@@ -55,7 +56,7 @@ def emit_kernel(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> Emi
     emit = TEMPLATES.get(kernel.template)
     if emit is None:
         raise InternalError(kernel.span, message=f"no Triton template named '{kernel.template}'")
-    if kernel.template in ("matmul", "attention"):
+    if kernel.template in ("matmul", "attention", "attention_backward"):
         return emit(kernel, hints, allow_tf32)
     return emit(kernel, hints)
 

@@ -13,7 +13,7 @@ import dataclasses
 import math
 
 from tiledsl.ir import Op, Region
-from tiledsl.plans import AttentionPlan, KeyBound, LowerBound
+from tiledsl.plans import AttentionBackwardPlan, AttentionPlan, KeyBound, LowerBound, ScoreDot, ScoreProduct
 
 
 def attention_plan(region: Region) -> AttentionPlan:
@@ -32,13 +32,49 @@ def attention_plan(region: Region) -> AttentionPlan:
     score_ops = tuple(v for v in ops if v in before and v not in q_chain | k_chain and v != qk
                       and ops[v].op.kind != "const")
     lse = tuple(v for v, r in ops.items() if r.op.kind == "logsumexp")
-    after = set(ops) - before - q_chain - k_chain - {qk, sm, p, pv, *lse}
+    widened = tuple(dict.fromkeys(ops[v].operands[0] for v in lse if ops[v].operands[0] != scores))
+    after = set(ops) - before - q_chain - k_chain - {qk, sm, p, pv, *lse, *widened}
     epilogue = tuple(v for v in ops if v in after and ops[v].op.kind != "const")
     transposes = sum(ops[v].op.kind == "transpose" for v in k_chain if v >= n_in)
     return AttentionPlan(qk, pv, sm, scores, q_chain, k_chain, operand_source(region, q_chain),
                          operand_source(region, k_chain), ops[pv].operands[1], transposes % 2 == 1,
                          score_ops, lse, epilogue, _key_bound(region, scores), casts[0] if casts else None,
-                         p if p in region.outputs else None)
+                         p if p in region.outputs else None, widened)
+
+
+def attention_backward_plan(region: Region) -> AttentionBackwardPlan:
+    """The roles in a kernel fuse-attention-backward built: the score dots (matmuls of two
+    inputs), the products (the other matmuls: `x.T @ y` through a transpose of x, `y.T @ x`
+    or, summing over the keys, `x @ y`), the score ops they read and the epilogue."""
+    n_in = len(region.inputs)
+    ops = {n_in + i: r for i, r in enumerate(region.ops)}
+
+    def swapped(v: int) -> int | None:  # x of a transpose(x) computed in the region
+        r = ops.get(v)
+        return r.operands[0] if r is not None and r.op.kind == "transpose" and r.operands[0] >= n_in \
+            else None
+
+    dots, products = [], []
+    for v, r in ops.items():
+        if r.op.kind != "matmul":
+            continue
+        a, b = r.operands
+        if a < n_in and b < n_in:
+            dots.append(ScoreDot(v, a, b))
+        elif swapped(a) is not None:
+            products.append(ScoreProduct(v, swapped(a), b, False))
+        elif a < n_in:
+            products.append(ScoreProduct(v, b, a, True))
+        else:
+            products.append(ScoreProduct(v, a, b, False))
+    over = "queries" if any(p.y_first or ops[p.matmul].operands[0] != p.x for p in products) else "keys"
+    before = set().union(*(region.depends(p.x) for p in products))
+    matmuls = {d.matmul for d in dots} | {p.matmul for p in products}
+    views = {ops[p.matmul].operands[0] for p in products if not p.y_first and over == "queries"}
+    score_ops = tuple(v for v in ops if v in before and v not in matmuls and ops[v].op.kind != "const")
+    epilogue = tuple(v for v in ops if v not in before and v not in matmuls | views
+                     and ops[v].op.kind != "const")
+    return AttentionBackwardPlan(over, tuple(dots), score_ops, tuple(products), epilogue)
 
 
 def operand_source(region: Region, chain: frozenset[int]) -> int:

@@ -16,7 +16,7 @@ from tiledsl.ops import Category
 from tiledsl.plans import DualB, GemmPlan, Plan, PointwisePlan, RowPlan
 from tiledsl.types import broadcast_shapes
 
-from .attention import attention_plan, operand_source
+from .attention import attention_backward_plan, attention_plan, operand_source
 from .legality import PASS_OPS, ROW_OPS, RowSpace, row_layouts
 
 
@@ -102,6 +102,7 @@ PLANNERS: dict[str, Callable[[Region], Plan]] = {
     "rows": row_plan,
     "matmul": gemm_plan,
     "attention": attention_plan,
+    "attention_backward": attention_backward_plan,
 }
 
 

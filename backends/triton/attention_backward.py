@@ -1,0 +1,251 @@
+"""The attention backward templates: FlashAttention-2's dk/dv and dq kernels, from the plan
+fuse-attention-backward recorded (`AttentionBackwardPlan`).
+
+`over = "queries"`: one program per (key block, batch element). It loads the key-side
+tiles of its score dots once (k.T, v.T: [BLOCK_K, BLOCK_N]), then walks the query
+blocks: per block the query-side tiles (q, do), the score tiles `tl.dot(a, b)` in f32,
+the score ops (the recomputed score modification, the probabilities exp(z - lse), the
+score gradient; row values such as lse and delta are read as [BLOCK_M, 1] tiles), and
+per product `acc += x.T @ y` with y's [BLOCK_M, BLOCK_P] tile. `over = "keys"`: one
+program per (query block, batch element), walking the key blocks, `acc += x @ y`.
+
+Every score-space value a product reads is set to 0 outside the sequences before its
+dot (rows past M, keys past N), so tails add nothing whatever the score ops give there;
+the x tile meets y in y's dtype (f32 dots at IEEE precision unless tf32 is allowed).
+The epilogue (a cast, a scale) runs on the f32 accumulator; the result is stored
+through its strides, so a transposed product (`(q.T @ ds).T`) lands in place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from tiledsl.dims import evaluate
+from tiledsl.ir import KernelOp
+from tiledsl.plans import AttentionBackwardPlan, ScoreProduct
+from tiledsl.types import Compute, DType
+
+from .base import EmittedKernel, Hints, LaunchConfig, cdiv, decompose, finish, hint, numel, require_dot_hints
+from .codegen import Code, Signature, next_pow2
+from .expr import Emitter, Val, with_scalar_operands
+from .matmul import tile_ptrs
+
+DOT_HINTS = ("BLOCK_M", "BLOCK_N")
+
+
+class AttentionBackwardProgram:
+    def __init__(self, kernel: KernelOp, hints: Hints, allow_tf32: bool) -> None:
+        require_dot_hints(hints, DOT_HINTS)
+        self.kernel, self.hints, self.allow_tf32 = kernel, hints, allow_tf32
+        self.region = region = kernel.region
+        self.plan: AttentionBackwardPlan = kernel.plan
+        self.n_in = len(region.inputs)
+        self.score_shape = region.value_type(self.plan.dots[0].matmul).shape
+        self.batch = self.score_shape[:-2]
+        self.sig, self.body = Signature(), Code()
+        self.em = Emitter(self.body)
+        # the loop walks the queries (rm) or the keys (rn); the program owns the other
+        self.walk, self.own = ("rm", "rn") if self.plan.over == "queries" else ("rn", "rm")
+
+    def value_type(self, v: int):
+        return self.region.value_type(v)
+
+    def emit(self) -> None:
+        sig, body, region, plan = self.sig, self.body, self.region, self.plan
+        self.refs = {i: sig.tensor("in", i, inp.type.shape) for i, inp in enumerate(region.inputs)
+                     if not inp.scalar}
+        self.scalars = {i: sig.scalar(i) for i, inp in enumerate(region.inputs) if inp.scalar}
+        self.em.gather_from(region, self.refs, sig.size)
+        self.outs = [sig.tensor("out", j, self.value_type(v).shape) for j, v in enumerate(region.outputs)]
+        self.M, self.N = sig.size(self.score_shape[-2]), sig.size(self.score_shape[-1])
+        self.K = [sig.size(self.value_type(d.a).shape[-1]) for d in plan.dots]
+        self.P = [sig.size(self.width(p)) for p in plan.products]
+        for name in ("BLOCK_M", "BLOCK_N", *(f"BLOCK_K{j}" for j in range(len(plan.dots))),
+                     *(f"BLOCK_P{j}" for j in range(len(plan.products)))):
+            sig.constexpr(name)
+        own_size, own_block = (self.N, "BLOCK_N") if plan.over == "queries" else (self.M, "BLOCK_M")
+        walk_size, walk_block = (self.M, "BLOCK_M") if plan.over == "queries" else (self.N, "BLOCK_N")
+
+        body("pid = tl.program_id(0)")
+        body(f"own_blocks = tl.cdiv({own_size}, {own_block})")
+        body("pid_b = pid // own_blocks")
+        body("pid_o = pid % own_blocks")
+        self.bnames: list[str | None] = [None if d == 1 else f"b{i}" for i, d in enumerate(self.batch)]
+        if self.batch:
+            body("pb = pid_b.to(tl.int64)")
+            decompose(body, "pb", self.batch, self.bnames, sig.size, "pq")
+        body(f"{self.own} = pid_o * {own_block} + tl.arange(0, {own_block})")
+        body(f"{self.walk}_base = tl.arange(0, {walk_block})")
+        for j in range(len(plan.dots)):
+            body(f"rk{j} = tl.arange(0, BLOCK_K{j})")
+        for j in range(len(plan.products)):
+            body(f"rp{j} = tl.arange(0, BLOCK_P{j})")
+        # the tiles of the owned side, loaded once
+        for j in range(len(plan.dots)):
+            self.dot_operand(j, fixed=True)
+        for j in range(len(plan.products)):
+            body(f"acc{j} = tl.zeros([{own_block}, BLOCK_P{j}], dtype=tl.float32)")
+        body(f"for w0 in range(0, {walk_size}, {walk_block}):")
+        with body.indent():
+            self.step()
+        self.finish()
+
+    def width(self, p: ScoreProduct):
+        """The product's free dim: y's last (x.T @ y, x @ y) or second-to-last (y.T @ x)."""
+        shape = self.value_type(p.y).shape
+        return shape[-2] if p.y_first else shape[-1]
+
+    def dot_operand(self, j: int, fixed: bool) -> None:
+        """Load score dot j's operand of the owned side (`fixed`) or of the walked side."""
+        d, body = self.plan.dots[j], self.body
+        side_a = (self.own == "rm") == fixed  # a [.., M, K] belongs to the queries
+        value = d.a if side_a else d.b
+        t = self.value_type(value)
+        if side_a:
+            rows, cols, shape = "rm[:, None]", f"rk{j}[None, :]", f"[BLOCK_M, BLOCK_K{j}]"
+            mask = f"(rm[:, None] < {self.M}) & (rk{j}[None, :] < {self.K[j]})"
+        else:
+            rows, cols, shape = f"rk{j}[:, None]", "rn[None, :]", f"[BLOCK_K{j}, BLOCK_N]"
+            mask = f"(rk{j}[:, None] < {self.K[j]}) & (rn[None, :] < {self.N})"
+        name = f"dot{j}_{'a' if side_a else 'b'}"
+        ptrs = tile_ptrs(self.refs[value], t.rank, self.bnames, rows, cols, shape)
+        dot = self.value_type(d.matmul).dtype
+        body(f"{name} = tl.load({ptrs}, mask={mask}, other=0.0)")
+        self.to_dot(name, t.dtype, dot)
+
+    def to_dot(self, name: str, have: DType, dot: DType) -> None:
+        """Bring a loaded tile to the dot's dtype (mixed operands meet in f32; the interpreter
+        multiplies bf16 operands as raw bits, so it gets them widened)."""
+        body, em = self.body, self.em
+        if have is not dot:
+            body(f"{name} = {em.narrow(em.widen(name, have), dot)}")
+        if dot is DType.BF16:
+            body("if INTERPRETER:")
+            with body.indent():
+                body(f"{name} = {em.widen(name, DType.BF16)}")
+
+    def step(self) -> None:
+        body, em, region, plan = self.body, self.em, self.region, self.plan
+        body(f"{self.walk} = w0 + {self.walk}_base")
+        for j in range(len(plan.dots)):
+            self.dot_operand(j, fixed=False)
+        vals: dict[int, Val] = {}
+        for j, d in enumerate(plan.dots):
+            body(f"s{j} = tl.dot(dot{j}_a, dot{j}_b{self.precision(self.value_type(d.matmul).dtype)})")
+            vals[d.matmul] = Val(f"s{j}", Compute.F32)
+        wanted = with_scalar_operands(region, plan.score_ops, vals)
+        for i in self.inputs_of(wanted):
+            vals[i] = self.load(i)
+        em.run(region, vals, lambda op: self.index(op), skip=lambda v: v not in wanted)
+        inside = f"(rm < {self.M})[:, None] & (rn < {self.N})[None, :]"
+        for j, p in enumerate(plan.products):
+            dot = self.value_type(p.matmul).dtype
+            x = em.tensor(em.convert(vals[p.x], Compute.F32))
+            body(f"x{j} = tl.where({inside}, {x.text}, 0.0)")
+            body(f"x{j} = {em.narrow(f'x{j}', dot)}")
+            self.to_dot(f"x{j}", dot, dot)
+            y_t = self.value_type(p.y)
+            if plan.over == "queries":
+                rows, cols = (f"rp{j}[None, :]", "rm[:, None]") if p.y_first else ("rm[:, None]", f"rp{j}[None, :]")
+                mask = f"(rm[:, None] < {self.M}) & (rp{j}[None, :] < {self.P[j]})"
+                shape, lhs = f"[BLOCK_M, BLOCK_P{j}]", f"tl.trans(x{j})"
+            else:
+                rows, cols = "rn[:, None]", f"rp{j}[None, :]"
+                mask = f"(rn[:, None] < {self.N}) & (rp{j}[None, :] < {self.P[j]})"
+                shape, lhs = f"[BLOCK_N, BLOCK_P{j}]", f"x{j}"
+            ptrs = tile_ptrs(self.refs[p.y], y_t.rank, self.bnames, rows, cols, shape)
+            body(f"y{j} = tl.load({ptrs}, mask={mask}, other=0.0)")
+            self.to_dot(f"y{j}", y_t.dtype, dot)
+            body(f"acc{j} = tl.dot({lhs}, y{j}, acc{j}{self.precision(dot)})")
+
+    def finish(self) -> None:
+        body, em, region, plan = self.body, self.em, self.region, self.plan
+        vals: dict[int, Val] = {p.matmul: Val(f"acc{j}", Compute.F32) for j, p in enumerate(plan.products)}
+        wanted = with_scalar_operands(region, plan.epilogue, vals)
+        for i in self.inputs_of(wanted):
+            vals[i] = em.scalar(self.scalars[i], region.inputs[i].type.dtype)
+        em.run(region, vals, lambda op: em.index(None), skip=lambda v: v not in wanted)
+        own_size = self.N if plan.over == "queries" else self.M
+        for j, v in enumerate(region.outputs):
+            k = next(k for k, p in enumerate(plan.products) if p.matmul in region.depends(v))
+            p, t = plan.products[k], self.value_type(v)
+            if p.y_first:  # [.., P, N]
+                rows, cols = f"rp{k}[None, :]", f"{self.own}[:, None]"
+            else:
+                rows, cols = f"{self.own}[:, None]", f"rp{k}[None, :]"
+            block = "BLOCK_N" if plan.over == "queries" else "BLOCK_M"
+            ptrs = tile_ptrs(self.outs[j], t.rank, self.bnames, rows, cols, f"[{block}, BLOCK_P{k}]")
+            mask = f"({self.own}[:, None] < {own_size}) & (rp{k}[None, :] < {self.P[k]})"
+            body(f"tl.store({ptrs}, {em.store_value(vals[v], t)}, mask={mask})")
+
+    # --- helpers -------------------------------------------------------------------------------
+
+    def precision(self, dtype: DType) -> str:
+        if dtype is not DType.F32:
+            return ""
+        return ', input_precision="tf32"' if self.allow_tf32 else ', input_precision="ieee"'
+
+    def inputs_of(self, values) -> list[int]:
+        found: dict[int, None] = {}
+        for v in values:
+            for o in self.region.ops[v - self.n_in].operands:
+                if o < self.n_in:
+                    found[o] = None
+        return list(found)
+
+    def indices_of(self, shape) -> list[str | None]:
+        """Index expressions of a value of `shape` read at the score tile (right-aligned)."""
+        full = [*self.bnames[len(self.bnames) - len(self.batch):], "rm[:, None]", "rn[None, :]"]
+        return [None if d == 1 else full[len(full) - len(shape) + k] for k, d in enumerate(shape)]
+
+    def load(self, i: int) -> Val:
+        inp = self.region.inputs[i]
+        if inp.scalar:
+            return self.em.scalar(self.scalars[i], inp.type.dtype)
+        ref = self.refs[i]
+        idx = self.indices_of(inp.type.shape)
+        offset = ref.offset(idx)
+        if offset == "0":
+            return self.em.load(f"tl.load({ref.ptr})", inp.type)
+        masks = []
+        if "rm[:, None]" in idx:
+            masks.append(f"(rm < {self.M})[:, None]")
+        if "rn[None, :]" in idx:
+            masks.append(f"(rn < {self.N})[None, :]")
+        return self.em.load_at(f"{ref.ptr} + {offset}", " & ".join(masks) or None, inp.type)
+
+    def index(self, op) -> Val:
+        axis = op.attr("axis")
+        idx = self.indices_of(op.shape)
+        return self.em.index(idx[axis])
+
+    # --- launch ----------------------------------------------------------------------------------
+
+    def launch_rules(self):
+        plan = self.plan
+        user = {n: hint(self.hints, n, 0) for n in (*DOT_HINTS, "num_warps", "num_stages")}
+        dims_of = (self.score_shape[-2], self.score_shape[-1],
+                   *(self.value_type(d.a).shape[-1] for d in plan.dots),
+                   *(self.width(p) for p in plan.products))
+        batch, n_dots = self.batch, len(plan.dots)
+
+        def configure(dims: Mapping[str, int], device: str) -> LaunchConfig:
+            m, n, *rest = (evaluate(d, dims) for d in dims_of)
+            if device == "cuda":
+                bm, bn, warps, stages = 64, 64, 4, 2
+            else:  # the interpreter: few, large programs
+                bm, bn, warps, stages = max(16, min(next_pow2(m), 64)), max(16, min(next_pow2(n), 64)), 4, 1
+            consts = {"BLOCK_M": user["BLOCK_M"] or bm, "BLOCK_N": user["BLOCK_N"] or bn}
+            for j, size in enumerate(rest):
+                consts[f"BLOCK_K{j}" if j < n_dots else f"BLOCK_P{j - n_dots}"] = max(16, next_pow2(size))
+            own = n if plan.over == "queries" else m
+            grid = (cdiv(own, consts["BLOCK_N" if plan.over == "queries" else "BLOCK_M"]) * numel(batch, dims),)
+            return LaunchConfig(grid, consts, user["num_warps"] or warps, user["num_stages"] or stages)
+
+        return configure
+
+
+def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKernel:
+    prog = AttentionBackwardProgram(kernel, hints, allow_tf32)
+    prog.emit()
+    return finish(kernel, "attention_backward", prog.sig, prog.body, prog.launch_rules(), prog.em)

@@ -1,0 +1,290 @@
+"""fuse-attention-backward: the backward of attention as FlashAttention-2's two kernels.
+
+Before (what autodiff derives for `softmax(mod(q @ k.T)) @ v`, `tiledsl/autodiff.py`):
+the scores recomputed from q and k, the score modification, the probabilities
+`exp(z - lse)` from the saved logsumexp, `dp = do @ v.T`, the score gradient
+`ds = mod'(p * (dp - delta))`, then the products `dv = p.T @ do`, `dk = ds.T @ q`
+(or `(q.T @ ds).T`) and `dq = ds @ k`: every [.., M, N] value stored and read
+back, in five or more kernels.
+After: one kernel that walks the query blocks for each key block and
+accumulates the products summed over the queries (dk, dv), and one that walks
+the key blocks for each query block and accumulates those summed over the keys
+(dq). Each recomputes the score tiles it needs; nothing [.., M, N] is stored.
+The row pre-pass `delta = rowsum(do * o)` stays a rows kernel (fuse-rows).
+
+Recognised by the algebra of the graph, not by a pattern of the derivation: a
+*score space* is a set of elementwise ops of one shape [.., M, N] computed from
+one or more matmuls of that shape whose operands come from outside ("score
+dots", recomputed per tile from their operand tiles), and read outside only by
+*products* that contract one of its two axes with a tensor: `x.T @ y` or
+`y.T @ x` (summed over the queries M) and `x @ y` (summed over the keys N).
+Anything else reading a score-space value needs it whole, and the space is
+left to the other passes ("materialize"). Elementwise ops on a product that
+read nothing else but constants and scalars (a cast, a scale) join it as its
+epilogue. The ops both kernels need are cloned, so each kernel is a group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tiledsl import ops
+from tiledsl.ir import Graph, Op
+from tiledsl.passes.fusion.grow import rewrite_groups
+from tiledsl.passes.fusion.legality import GroupPlan, describe_node
+from tiledsl.passes.fusion.remarks import FusionRemark, Refusal, Rule
+from tiledsl.passes.regions import is_clonable
+from tiledsl.passes.registry import Pass, PassContext, register
+
+NAME = "fuse-attention-backward"
+
+
+@register
+@dataclass(frozen=True)
+class FuseAttentionBackward(Pass):
+    name = NAME
+
+    def run(self, graph: Graph, ctx: PassContext) -> None:
+        while True:
+            refusals: list[FusionRemark] = []
+            match = _find(graph, refusals)
+            if match is None:  # what is left now was refused once
+                ctx.remarks.extend(refusals)
+                return
+            ctx.remarks.append(match.remark(graph))
+            groups = match.split(graph)
+            plan = GroupPlan(graph)
+            for members in groups:
+                plan.add_group(members)
+            rewrite_groups(plan, "attention_backward")
+
+
+def _op(graph: Graph, node: int) -> Op | None:
+    op = graph.op(node)
+    return op if isinstance(op, Op) else None
+
+
+def _is(graph: Graph, node: int, kind: str) -> bool:
+    op = _op(graph, node)
+    return op is not None and op.kind == kind
+
+
+def _swaps_last(graph: Graph, node: int) -> bool:
+    op = _op(graph, node)
+    if op is None or op.kind != "transpose":
+        return False
+    rank = op.type.rank
+    return {d % rank for d in op.attr("dims")} == {rank - 2, rank - 1}
+
+
+@dataclass
+class _Product:
+    matmul: int
+    x: int  # the score-space value
+    over: str  # "queries" (x.T @ y, y.T @ x) or "keys" (x @ y)
+    view: int | None  # the transpose of x the matmul reads (x.T @ y)
+
+
+@dataclass
+class _Match:
+    dots: list[int]
+    space: set[int]  # elementwise ops of the score shape
+    products: list[_Product]
+
+    def members(self, graph: Graph, over: str) -> list[int]:
+        """The ops of the kernel summing over `over`: what its products read of the space."""
+        chosen = [p for p in self.products if p.over == over]
+        need = _ancestors(graph, [p.x for p in chosen], self.space | set(self.dots))
+        out = need | {p.matmul for p in chosen} | {p.view for p in chosen if p.view is not None}
+        for p in chosen:
+            out |= _epilogue(graph, p.matmul)
+        return sorted(out)
+
+    def remark(self, graph: Graph) -> FusionRemark:
+        sums = [f"over the {over}: " + ", ".join(describe_node(graph, p.matmul) for p in self.products
+                                                 if p.over == over)
+                for over in ("queries", "keys") if any(p.over == over for p in self.products)]
+        plural = "s" if len(self.dots) != 1 else ""
+        detail = f"flash attention backward ({len(self.dots)} score dot{plural}; {'; '.join(sums)})"
+        return FusionRemark(NAME, True, None, graph.op(self.dots[0]), graph.op(self.products[-1].matmul),
+                            detail)
+
+    def split(self, graph: Graph) -> list[list[int]]:
+        """One group per kernel; the keys kernel gets its own copy of the score ops."""
+        kinds = sorted({p.over for p in self.products}, reverse=True)  # "queries" first
+        if len(kinds) == 1:
+            return [self.members(graph, kinds[0])]
+        shared = set(self.members(graph, "queries"))
+        mine = self.members(graph, "keys")
+        clones: dict[int, int] = {}
+        order = {n: i for i, n in enumerate(graph.topo_order())}
+        for n in sorted((n for n in mine if n in shared), key=order.__getitem__):
+            clones[n] = graph.add(graph.op(n), [(clones.get(s, s), r) for s, r in graph.operand_edges(n)])
+        for p in self.products:
+            if p.over == "keys":
+                edges = graph.operand_edges(p.matmul)
+                graph.set_operands(p.matmul, [(clones.get(s, s), r) for s, r in edges])
+        return [sorted(shared), [clones.get(n, n) for n in mine]]
+
+
+def _find(graph: Graph, refusals: list[FusionRemark]) -> _Match | None:
+    """The first score space, in topological order, whose every outside reader is a product;
+    the refusals of those before it. A space is the union of the products' closures that
+    share an op or a dot."""
+    order = {n: i for i, n in enumerate(graph.topo_order())}
+    spaces: list[tuple[set[int], set[int]]] = []  # (dots, ops)
+    for node in order:
+        product = _product(graph, node)
+        found = _space(graph, product.x, order) if product is not None else None
+        if found is None:
+            continue
+        dots, space = set(found[0]), found[1]
+        for other in [sp for sp in spaces if (sp[0] | sp[1]) & (dots | space)]:
+            spaces.remove(other)
+            dots |= other[0]
+            space |= other[1]
+        spaces.append((dots, space))
+    for dot_set, space in sorted(spaces, key=lambda sp: min(order[n] for n in sp[0])):
+        if not any(graph.op(n).kind == "exp" for n in space):
+            continue
+        dots = sorted(dot_set, key=order.__getitem__)
+        products, refusal = [], None
+        for n in sorted(space | dot_set, key=order.__getitem__):
+            for user, _ in graph.users(n):
+                if user in space or user in dot_set:
+                    continue
+                p = _product(graph, user)
+                if p is None and _swaps_last(graph, user):
+                    readers = graph.users(user)
+                    p = _product(graph, readers[0][0]) if len(readers) == 1 else None
+                if p is None or p.x != n:
+                    refusal = (n, user)
+                    break
+                if p.matmul not in {q.matmul for q in products}:
+                    products.append(p)
+            if refusal is not None:
+                break
+        if refusal is None:
+            return _Match(dots, space, products)
+        producer, consumer = refusal
+        refusals.append(FusionRemark.refused(NAME, Refusal(Rule.MATERIALIZE, (
+            f"{describe_node(graph, consumer)} reads {describe_node(graph, producer)} of the attention "
+            "backward's scores other than as a product summed over the queries or the keys; its "
+            "kernels never store them")), graph.op(producer), graph.op(consumer)))
+    return None
+
+
+def _product(graph: Graph, node: int) -> _Product | None:
+    """A matmul that contracts a computed value x of rank >= 2 with a tensor read as it is:
+    `x.T @ y` and `y.T @ x` sum over x's rows, `x @ y` over its columns."""
+    if not _is(graph, node, "matmul"):
+        return None
+    a, b = graph.operands(node)
+    if _swaps_last(graph, a) and _computed(graph, graph.operands(a)[0]) and not _computed(graph, b):
+        return _Product(node, graph.operands(a)[0], "queries", a)
+    if _computed(graph, b) and not _computed(graph, a) and _swaps_last(graph, a):
+        return _Product(node, b, "queries", None)
+    if _computed(graph, a) and not _computed(graph, b):
+        return _Product(node, a, "keys", None)
+    return None
+
+
+def _computed(graph: Graph, node: int) -> bool:
+    """An elementwise op or matmul result (a value a kernel computes, not a tensor it loads)."""
+    op = _op(graph, node)
+    return op is not None and op.type.rank >= 2 and (ops.is_elementwise(op.kind) or op.kind == "matmul") \
+        and not is_clonable(graph, node)
+
+
+def _loaded(graph: Graph, node: int) -> bool:
+    """A tensor a dot can load its tiles from: a parameter, a stored kernel result, or a view
+    of one (read through its strides)."""
+    while _is(graph, node, "transpose"):
+        (node,) = graph.operands(node)
+    op = graph.op(node)
+    return not isinstance(op, Op) or op.kind == "param"
+
+
+def _space(graph: Graph, x: int, order: dict[int, int]) -> tuple[list[int], set[int]] | None:
+    """The score dots and score-space ops `x` is computed from: elementwise ops of x's shape
+    walked back to matmuls of that shape whose operands are loaded tensors. (`_find` keeps
+    the spaces with probabilities, an `exp`, among their ops: attention's; two GEMMs meeting
+    in an activation, `relu(x @ w1) @ w2`, are left to the GEMM fusions.)"""
+    shape = graph.op(x).shape
+    stack, walked, dots = [x], set(), []
+    while stack:
+        n = stack.pop()
+        op = _op(graph, n)
+        if n in walked or op is None or op.shape != shape or is_clonable(graph, n):
+            continue
+        walked.add(n)
+        if op.kind == "matmul":
+            if not all(_loaded(graph, o) for o in graph.operands(n)):
+                return None
+            dots.append(n)
+        elif ops.is_elementwise(op.kind):
+            stack.extend(graph.operands(n))
+    if not dots:
+        return None
+    # the ops on a path from a dot to x (others are read at the tile like any input)
+    reach = set(dots)
+    for n in sorted(walked, key=order.__getitem__):
+        if n not in reach and any(o in reach for o in graph.operands(n)):
+            reach.add(n)
+    # index expressions (a causal mask's comparison) are computed at every tile too
+    reach |= {n for n in walked if _index_only(graph, n)}
+    if x not in reach:
+        return None
+    return sorted(dots, key=order.__getitem__), reach - set(dots)
+
+
+def _index_only(graph: Graph, node: int) -> bool:
+    """Computed from tile indices, constants, dims and scalars alone."""
+    memo = graph.memo("index-only")
+    stack = [node]
+    while stack:
+        n = stack[-1]
+        op = _op(graph, n)
+        if n in memo:
+            stack.pop()
+        elif op is None or op.kind == "param":
+            memo[n] = op is not None and op.attr("scalar")
+        elif op.kind in ("index", "const", "dim"):
+            memo[n] = True
+        elif not ops.is_elementwise(op.kind):
+            memo[n] = False
+        elif pending := [o for o in graph.operands(n) if o not in memo]:
+            stack.extend(pending)
+            continue
+        else:
+            memo[n] = all(memo[o] for o in graph.operands(n))
+        if stack and stack[-1] == n:
+            stack.pop()
+    return memo[node]
+
+
+def _ancestors(graph: Graph, roots: list[int], within: set[int]) -> set[int]:
+    out, stack = set(), list(roots)
+    while stack:
+        n = stack.pop()
+        if n in out or n not in within:
+            continue
+        out.add(n)
+        stack.extend(graph.operands(n))
+    return out
+
+
+def _epilogue(graph: Graph, product: int) -> set[int]:
+    """Elementwise ops on the product alone (a cast, a scale by a scalar), one reader each."""
+    out, node = set(), product
+    while True:
+        users = graph.users(node)
+        if len(users) != 1:
+            return out
+        user = users[0][0]
+        op = _op(graph, user)
+        if op is None or not ops.is_elementwise(op.kind) or op.shape != graph.op(node).shape or any(
+                o != node and not is_clonable(graph, o) for o in graph.operands(user)):
+            return out
+        out.add(user)
+        node = user
