@@ -159,7 +159,8 @@ class _Match:
         graph = self.graph
 
         def lse(n: int) -> bool:
-            return _is(graph, n, "logsumexp") and graph.op(n).attr("axis") == axis and not self.plan.grouped(n)
+            return _is(graph, n, "logsumexp") and graph.op(n).attr("axis") == axis \
+                and not self.plan.grouped(n)
 
         found = [u for u, _ in graph.users(x) if lse(u)]
         for c, _ in graph.users(x):

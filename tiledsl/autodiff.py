@@ -463,7 +463,8 @@ class _Backward:
         lse = fwd.add(Op("logsumexp", t.dtype, t.shape, make_attrs(axis=axis, keepdims=True), span, t.weak),
                       [wide])
         self.saved.append(lse)
-        saved = self._source(Source("saved", len(self.saved) - 1), fwd.op(lse), f"saved_{len(self.saved) - 1}")
+        k = len(self.saved) - 1
+        saved = self._source(Source("saved", k), fwd.op(lse), f"saved_{k}")
         empty = self.emit("eq", [saved, self.const(float("-inf"), span)], span)
         m = self.emit("where", [empty, self.const(0.0, span), saved], span)
         e = self.emit("exp", [self.emit("sub", [self.cast(self.primal(x), DType.F32, span), m], span)], span)

@@ -146,7 +146,9 @@ class AttentionBackwardProgram:
             self.to_dot(f"x{j}", dot, dot)
             y_t = self.value_type(p.y)
             if plan.over == "queries":
-                rows, cols = (f"rp{j}[None, :]", "rm[:, None]") if p.y_first else ("rm[:, None]", f"rp{j}[None, :]")
+                rows, cols = ("rm[:, None]", f"rp{j}[None, :]")
+                if p.y_first:
+                    rows, cols = cols, rows
                 mask = f"(rm[:, None] < {self.M}) & (rp{j}[None, :] < {self.P[j]})"
                 shape, lhs = f"[BLOCK_M, BLOCK_P{j}]", f"tl.trans(x{j})"
             else:
@@ -239,7 +241,8 @@ class AttentionBackwardProgram:
             for j, size in enumerate(rest):
                 consts[f"BLOCK_K{j}" if j < n_dots else f"BLOCK_P{j - n_dots}"] = max(16, next_pow2(size))
             own = n if plan.over == "queries" else m
-            grid = (cdiv(own, consts["BLOCK_N" if plan.over == "queries" else "BLOCK_M"]) * numel(batch, dims),)
+            block = consts["BLOCK_N" if plan.over == "queries" else "BLOCK_M"]
+            grid = (cdiv(own, block) * numel(batch, dims),)
             return LaunchConfig(grid, consts, user["num_warps"] or warps, user["num_stages"] or stages)
 
         return configure
