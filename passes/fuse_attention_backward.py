@@ -18,8 +18,9 @@ one or more matmuls of that shape whose operands come from outside ("score
 dots", recomputed per tile from their operand tiles), and read outside only by
 *products* that contract one of its two axes with a tensor: `x.T @ y` or
 `y.T @ x` (summed over the queries M) and `x @ y` (summed over the keys N).
-Anything else reading a score-space value needs it whole, and the space is
-left to the other passes ("materialize"). Elementwise ops on a product that
+A score-space value read any other way (a bias gradient, returned
+probabilities) is stored per tile by one of the kernels; a score dot read
+otherwise refuses it ("materialize"). Elementwise ops on a product that
 read nothing else but constants and scalars (a cast, a scale) join it as its
 epilogue. The ops both kernels need are cloned, so each kernel is a group.
 """
@@ -90,21 +91,31 @@ class _Match:
     dots: list[int]
     space: set[int]  # elementwise ops of the score shape
     products: list[_Product]
+    stored: list[int]  # score-space values read whole outside (a bias gradient): stored per tile
 
     def members(self, graph: Graph, over: str) -> list[int]:
         """The ops of the kernel summing over `over`: what its products read of the space."""
         chosen = [p for p in self.products if p.over == over]
-        need = _ancestors(graph, [p.x for p in chosen], self.space | set(self.dots))
+        stores = self.stored if over == self.storer else []
+        need = _ancestors(graph, [p.x for p in chosen] + stores, self.space | set(self.dots))
         out = need | {p.matmul for p in chosen} | {p.view for p in chosen if p.view is not None}
         for p in chosen:
             out |= _epilogue(graph, p.matmul)
         return sorted(out)
+
+    @property
+    def storer(self) -> str:
+        """The kernel that stores the score-space values read outside: the queries kernel's
+        programs cover every tile once, as the keys kernel's do."""
+        return "queries" if any(p.over == "queries" for p in self.products) else "keys"
 
     def remark(self, graph: Graph) -> FusionRemark:
         sums = [f"over the {over}: " + ", ".join(describe_node(graph, p.matmul) for p in self.products
                                                  if p.over == over)
                 for over in ("queries", "keys") if any(p.over == over for p in self.products)]
         plural = "s" if len(self.dots) != 1 else ""
+        if self.stored:
+            sums.append("stored per tile: " + ", ".join(describe_node(graph, n) for n in self.stored))
         detail = f"flash attention backward ({len(self.dots)} score dot{plural}; {'; '.join(sums)})"
         return FusionRemark(NAME, True, None, graph.op(self.dots[0]), graph.op(self.products[-1].matmul),
                             detail)
@@ -128,9 +139,9 @@ class _Match:
 
 
 def _find(graph: Graph, refusals: list[FusionRemark]) -> _Match | None:
-    """The first score space, in topological order, whose every outside reader is a product;
-    the refusals of those before it. A space is the union of the products' closures that
-    share an op or a dot."""
+    """The first score space, in topological order, whose score dots nothing else reads; the
+    refusals of those before it. A space is the union of the products' closures that share
+    an op or a dot."""
     order = {n: i for i, n in enumerate(graph.topo_order())}
     spaces: list[tuple[set[int], set[int]]] = []  # (dots, ops)
     for node in order:
@@ -147,8 +158,9 @@ def _find(graph: Graph, refusals: list[FusionRemark]) -> _Match | None:
     for dot_set, space in sorted(spaces, key=lambda sp: min(order[n] for n in sp[0])):
         if not any(graph.op(n).kind == "exp" for n in space):
             continue
+        _grow(graph, space, dot_set, order)
         dots = sorted(dot_set, key=order.__getitem__)
-        products, refusal = [], None
+        products, stored, refusal = [], [], None
         for n in sorted(space | dot_set, key=order.__getitem__):
             for user, _ in graph.users(n):
                 if user in space or user in dot_set:
@@ -157,21 +169,45 @@ def _find(graph: Graph, refusals: list[FusionRemark]) -> _Match | None:
                 if p is None and _swaps_last(graph, user):
                     readers = graph.users(user)
                     p = _product(graph, readers[0][0]) if len(readers) == 1 else None
-                if p is None or p.x != n:
-                    refusal = (n, user)
-                    break
-                if p.matmul not in {q.matmul for q in products}:
-                    products.append(p)
-            if refusal is not None:
-                break
-        if refusal is None:
-            return _Match(dots, space, products)
-        producer, consumer = refusal
-        refusals.append(FusionRemark.refused(NAME, Refusal(Rule.MATERIALIZE, (
-            f"{describe_node(graph, consumer)} reads {describe_node(graph, producer)} of the attention "
-            "backward's scores other than as a product summed over the queries or the keys; its "
-            "kernels never store them")), graph.op(producer), graph.op(consumer)))
+                if p is not None and p.x == n:
+                    if p.matmul not in {q.matmul for q in products}:
+                        products.append(p)
+                elif not _needs_whole(graph, user):
+                    refusal = refusal or (n, user)
+                elif n not in stored:
+                    stored.append(n)
+        if refusal is not None:
+            n, user = refusal
+            refusals.append(FusionRemark.refused(NAME, Refusal(Rule.MATERIALIZE, (
+                f"{describe_node(graph, user)} reads {describe_node(graph, n)} of the attention backward's "
+                "scores, and is neither a product summed over the queries or the keys nor a return or "
+                "reduction, which a tile stored by the kernels would serve")), graph.op(n), graph.op(user)))
+            continue
+        if dot_set & set(stored):
+            n = min(dot_set & set(stored), key=order.__getitem__)
+            user = next(u for u, _ in graph.users(n) if u not in space)
+            refusals.append(FusionRemark.refused(NAME, Refusal(Rule.MATERIALIZE, (
+                f"{describe_node(graph, user)} reads the raw scores {describe_node(graph, n)}, which the "
+                "attention backward kernels recompute per tile and never store")),
+                graph.op(n), graph.op(user)))
+            continue
+        match = _Match(dots, space, products, stored)
+        members = match.members(graph, "queries") + match.members(graph, "keys")
+        if GroupPlan(graph).creates_cycle(set(members[1:]), members[0]):
+            refusals.append(FusionRemark.refused(NAME, Refusal(Rule.CYCLE, (
+                "a value the attention backward kernels read depends on what they compute")),
+                graph.op(dots[0]), graph.op(products[-1].matmul)))
+            continue
+        return match
     return None
+
+
+def _needs_whole(graph: Graph, user: int) -> bool:
+    """Does `user` read a score-space value as a tensor the kernels can store per tile: the
+    return, or a reduction (a broadcast bias's gradient)? Another op could instead join the
+    space, or is one the space could not serve without storing its scores."""
+    op = graph.op(user)
+    return isinstance(op, Op) and (op.kind == "return" or ops.category(op.kind) is ops.Category.REDUCTION)
 
 
 def _product(graph: Graph, node: int) -> _Product | None:
@@ -197,8 +233,8 @@ def _computed(graph: Graph, node: int) -> bool:
 
 
 def _loaded(graph: Graph, node: int) -> bool:
-    """A tensor a dot can load its tiles from: a parameter, a stored kernel result, or a view
-    of one (read through its strides)."""
+    """A tensor a dot can load its tiles from: a parameter, a stored kernel result, or a
+    transpose of one (read through its strides)."""
     while _is(graph, node, "transpose"):
         (node,) = graph.operands(node)
     op = graph.op(node)
@@ -231,36 +267,30 @@ def _space(graph: Graph, x: int, order: dict[int, int]) -> tuple[list[int], set[
     for n in sorted(walked, key=order.__getitem__):
         if n not in reach and any(o in reach for o in graph.operands(n)):
             reach.add(n)
-    # index expressions (a causal mask's comparison) are computed at every tile too
-    reach |= {n for n in walked if _index_only(graph, n)}
+    # side values (index expressions like a causal mask's comparison, a learnable ALiBi
+    # term `slopes * (j - i)`) are computed at every tile too, reading their inputs there
+    reach |= {n for n in walked if ops.is_elementwise(graph.op(n).kind)}
     if x not in reach:
         return None
     return sorted(dots, key=order.__getitem__), reach - set(dots)
 
 
-def _index_only(graph: Graph, node: int) -> bool:
-    """Computed from tile indices, constants, dims and scalars alone."""
-    memo = graph.memo("index-only")
-    stack = [node]
-    while stack:
-        n = stack[-1]
-        op = _op(graph, n)
-        if n in memo:
-            stack.pop()
-        elif op is None or op.kind == "param":
-            memo[n] = op is not None and op.attr("scalar")
-        elif op.kind in ("index", "const", "dim"):
-            memo[n] = True
-        elif not ops.is_elementwise(op.kind):
-            memo[n] = False
-        elif pending := [o for o in graph.operands(n) if o not in memo]:
-            stack.extend(pending)
-            continue
-        else:
-            memo[n] = all(memo[o] for o in graph.operands(n))
-        if stack and stack[-1] == n:
-            stack.pop()
-    return memo[node]
+def _grow(graph: Graph, space: set[int], dots: set[int], order: dict[int, int]) -> None:
+    """Add the elementwise ops of the score shape computed from the space and from values
+    read at the tile (a bias gradient `ds * (j - i)` before its reduction): stored per tile
+    instead of the values they read."""
+    shape = graph.op(next(iter(dots))).shape
+    grown = True
+    while grown:
+        grown = False
+        for n in sorted({u for m in space for u, _ in graph.users(m)} - space, key=order.__getitem__):
+            op = _op(graph, n)
+            if op is None or op.shape != shape or not ops.is_elementwise(op.kind):
+                continue
+            if all(o in space or o in dots or graph.op(o).shape != shape or is_clonable(graph, o)
+                   for o in graph.operands(n)):
+                space.add(n)
+                grown = True
 
 
 def _ancestors(graph: Graph, roots: list[int], within: set[int]) -> set[int]:

@@ -86,7 +86,7 @@ def explain(program: Program, dims: Mapping[str, int] | None = None) -> str:
                             if graph.operand_edges(u)[slot] == (k, r)})
             outs.append(f"{t} -> {', '.join(users)}")
         lines.append(f"  {'':<{width}}    out: {'; '.join(outs)}")
-        if op.template == "attention":
+        if op.template in ("attention", "attention_backward"):
             lines.append(f"  {'':<{width}}    structure: {_attention_structure(op)}")
         fused, alone = cost.kernel_traffic(op), cost.op_by_op_traffic(op.region)
         lines.append(f"  {'':<{width}}    traffic: {_traffic(fused, dims)}"
@@ -116,6 +116,9 @@ def _attention_structure(kernel: KernelOp) -> str:
         if rop.op.kind not in ("const", "transpose"):
             roles.setdefault(parts.role(n_in + i), []).append(describe(rop.op))
     text = "; ".join(f"{role}: {', '.join(ops)}" for role, ops in roles.items())
+    if kernel.template == "attention_backward":
+        own, walk = ("key", "query") if parts.over == "queries" else ("query", "key")
+        return f"{text}; one program per {own} block walks the {walk} blocks, scores recomputed per tile"
     if parts.bound is not None:
         text += "; key blocks past the mask's bound are skipped"
         if parts.bound.lower is not None:

@@ -203,8 +203,11 @@ class AttentionBackwardPlan:
     score_ops: tuple[int, ...]
     products: tuple[ScoreProduct, ...]
     epilogue: tuple[int, ...]
+    stores: tuple[int, ...] = ()  # score-space values stored per tile (a bias gradient)
 
     def role(self, value: int) -> str:
+        if value in self.stores:
+            return "stored per tile"
         if value in self.score_ops:
             return "score ops"
         if value in self.epilogue:
@@ -260,7 +263,8 @@ def format_plan(plan: Plan, name) -> str:
         dots = ", ".join(f"{name(d.matmul)} = {name(d.a)} @ {name(d.b)}" for d in plan.dots)
         return (f"plan attention_backward {{over = {plan.over}, dots = ({dots}), "
                 f"score_ops = {names(plan.score_ops)}, products = ({products}), "
-                f"epilogue = {names(plan.epilogue)}}}")
+                f"epilogue = {names(plan.epilogue)}"
+                + (f", stores = {names(plan.stores)}" if plan.stores else "") + "}")
     bound = "none"
     if plan.bound is not None:
         c = plan.bound.constant

@@ -138,6 +138,12 @@ class AttentionBackwardProgram:
             vals[i] = self.load(i)
         em.run(region, vals, lambda op: self.index(op), skip=lambda v: v not in wanted)
         inside = f"(rm < {self.M})[:, None] & (rn < {self.N})[None, :]"
+        for j, v in enumerate(region.outputs):
+            if v in plan.stores:  # a score-space value read whole outside: this tile of it
+                t = self.value_type(v)
+                ptrs = tile_ptrs(self.outs[j], t.rank, self.bnames, "rm[:, None]", "rn[None, :]",
+                                 "[BLOCK_M, BLOCK_N]")
+                body(f"tl.store({ptrs}, {em.store_value(vals[v], t)}, mask={inside})")
         for j, p in enumerate(plan.products):
             dot = self.value_type(p.matmul).dtype
             x = em.tensor(em.convert(vals[p.x], Compute.F32))
@@ -169,6 +175,8 @@ class AttentionBackwardProgram:
         em.run(region, vals, lambda op: em.index(None), skip=lambda v: v not in wanted)
         own_size = self.N if plan.over == "queries" else self.M
         for j, v in enumerate(region.outputs):
+            if v in plan.stores:
+                continue
             k = next(k for k, p in enumerate(plan.products) if p.matmul in region.depends(v))
             p, t = plan.products[k], self.value_type(v)
             if p.y_first:  # [.., P, N]
@@ -234,7 +242,10 @@ class AttentionBackwardProgram:
         def configure(dims: Mapping[str, int], device: str) -> LaunchConfig:
             m, n, *rest = (evaluate(d, dims) for d in dims_of)
             if device == "cuda":
-                bm, bn, warps, stages = 64, 64, 4, 2
+                # sm_90, Triton 3.9 (`tiledsl ptx`): 64 x 64 tiles; at head dim 128 the dk/dv
+                # kernel's two [64, 128] accumulators and k, v tiles spill with 4 warps, not 8
+                wide = max((next_pow2(size) for size in rest), default=16) >= 128
+                bm, bn, warps, stages = 64, 64, 8 if wide else 4, 2
             else:  # the interpreter: few, large programs
                 bm, bn, warps, stages = max(16, min(next_pow2(m), 64)), max(16, min(next_pow2(n), 64)), 4, 1
             consts = {"BLOCK_M": user["BLOCK_M"] or bm, "BLOCK_N": user["BLOCK_N"] or bn}

@@ -68,13 +68,15 @@ def attention_backward_plan(region: Region) -> AttentionBackwardPlan:
         else:
             products.append(ScoreProduct(v, a, b, False))
     over = "queries" if any(p.y_first or ops[p.matmul].operands[0] != p.x for p in products) else "keys"
-    before = set().union(*(region.depends(p.x) for p in products))
+    prods = {p.matmul for p in products}
+    stores = tuple(v for v in dict.fromkeys(region.outputs) if not region.depends(v) & prods)
+    before = set().union(*(region.depends(v) for v in [p.x for p in products] + list(stores)))
     matmuls = {d.matmul for d in dots} | {p.matmul for p in products}
     views = {ops[p.matmul].operands[0] for p in products if not p.y_first and over == "queries"}
     score_ops = tuple(v for v in ops if v in before and v not in matmuls and ops[v].op.kind != "const")
     epilogue = tuple(v for v in ops if v not in before and v not in matmuls | views
                      and ops[v].op.kind != "const")
-    return AttentionBackwardPlan(over, tuple(dots), score_ops, tuple(products), epilogue)
+    return AttentionBackwardPlan(over, tuple(dots), score_ops, tuple(products), epilogue, stores)
 
 
 def operand_source(region: Region, chain: frozenset[int]) -> int:

@@ -1,0 +1,141 @@
+"""The fused attention backward (autodiff's flash form + fuse-attention-backward): gradients
+against float64 torch autograd of the reference by the oracle (`testing.check_grads`) on the
+FlashAttention grid's awkward shapes, score modifications with learnable inputs, fully
+masked rows and GQA; kernel counts and what explain() shows; sm_90 compilation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import tiledsl
+from helpers import gen, randn
+from tiledsl import testing
+from tiledsl.backends.triton import aot
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
+
+
+def grads_ok(fn, *args, seed=0):
+    report = testing.check_grads(fn, *args, generator=gen(seed))
+    assert report.ok, f"{fn.name}: {report}"
+
+
+def templates(program) -> list[str]:
+    return [k.template for k in program.kernels]
+
+
+def attention(dt: str, causal: bool, extra: str = "", mod: str = "") -> tiledsl.Program:
+    mask = "s = where(causal(s), s, -inf)" if causal else ""
+    return tiledsl.compile(f"""
+    kernel attn(q: {dt}[B, H, M, D], k: {dt}[B, H, N, D], v: {dt}[B, H, N, D]{extra}) -> {dt}[B, H, M, D] {{
+        s = q @ k.T * rsqrt(D)
+        {mod}
+        {mask}
+        return softmax(s, axis=-1) @ v
+    }}""")
+
+
+def qkv(b, h, m, n, d, dt, seed=0):
+    t = DTYPES[dt]
+    return (randn(b, h, m, d, dtype=t, seed=seed), randn(b, h, n, d, dtype=t, seed=seed + 1),
+            randn(b, h, n, d, dtype=t, seed=seed + 2))
+
+
+# the FlashAttention test grid's awkward shapes, at sizes the interpreter runs fast
+GRID = [((1, 239), 32), ((113, 203), 59), ((128, 217), 64), ((108, 256), 80), ((33, 47), 128)]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", GRID, ids=[f"{m}x{n}-d{d}" for (m, n), d in GRID])
+def test_backward_matches_float64_autograd_on_the_grid(shape, causal):
+    (m, n), d = shape
+    dt = "f16" if (m + d) % 2 else "bf16"
+    grads_ok(attention(dt, causal), *qkv(1, 1, m, n, d, dt))
+
+
+@pytest.mark.parametrize("dt", ["f32", "bf16", "f16"])
+def test_batched_heads_in_every_dtype(dt):
+    grads_ok(attention(dt, True), *qkv(2, 3, 17, 33, 16, dt))
+
+
+def test_the_backward_is_three_kernels_and_the_forward_one():
+    fn = attention("f16", True)
+    training = fn.training(fn.differentiable)
+    assert [k.template for k in training.forward.kernels] == ["attention"]
+    assert [k.template for k in fn.backward.kernels] == ["rows", "attention_backward", "attention_backward"]
+    # the saved logsumexp is f32, one per query row; nothing [M, N] is saved
+    assert [s.kind for s in training.derivation.sources].count("saved") == 1
+    assert str(training.derivation.forward.returns[-1]) == "f32[B, H, M, 1]"
+
+
+def test_explain_shows_the_structure_of_the_backward_kernels():
+    backward = attention("f16", True).backward
+    report = backward.explain()
+    assert "3 kernels" in report
+    # line 3 is `s = q @ k.T * rsqrt(D)`, line 6 `softmax(s) @ v`
+    assert "summed over the queries: matmul (line 6), matmul (line 3); one program per key block walks " \
+           "the query blocks, scores recomputed per tile" in report
+    assert "summed over the keys: matmul (line 3); one program per query block walks the key blocks" in report
+    assert ("[fuse-attention-backward] fused: matmul (line 6) -> matmul (line 3): flash attention "
+            "backward (2 score dots; over the queries: matmul (line 6), matmul (line 3); over the keys: "
+            "matmul (line 3))") in report
+
+
+def test_softcap_bias_and_causal_with_the_bias_gradient():
+    fn = attention("f16", True, extra=", bias: f16[B, H, M, N]",
+                   mod="s = tanh((s + bias) * 0.05) * 20.0")
+    q, k, v = qkv(2, 2, 17, 33, 32, "f16")
+    grads_ok(fn, q, k, v, randn(2, 2, 17, 33, dtype=torch.float16, seed=7))
+    # the bias gradient is the score gradient, stored per tile by the dk/dv kernel
+    assert templates(fn.backward) == ["rows", "attention_backward", "attention_backward"]
+
+
+def test_learnable_alibi_slopes():
+    fn = attention("f32", True, extra=", slopes: f32[H, 1, 1]",
+                   mod="s = s + slopes * cast(index(s, -1) - index(s, -2), f32)")
+    q, k, v = qkv(2, 3, 17, 33, 16, "f32")
+    grads_ok(fn, q, k, v, randn(3, 1, 1, seed=9) * 0.1)
+    # the slopes' gradient, sum(ds * (j - i)) over B, M and N: ds * (j - i) is stored per tile
+    # by the dk/dv kernel and reduced by row kernels, one per axis
+    kinds = templates(fn.backward)
+    assert kinds == ["rows", "attention_backward", "attention_backward", "rows", "rows", "rows"], kinds
+
+
+def test_fully_masked_rows_have_zero_gradients_never_nan():
+    fn = tiledsl.compile("""
+    kernel attn(q: f32[M, D], k: f32[N, D], v: f32[N, D], keep: bool[M]) -> f32[M, D] {
+        s = where(keep[:, None], q @ k.T * 0.25, -inf)
+        return softmax(s) @ v
+    }""")
+    q, k, v = randn(17, 16, seed=1), randn(33, 16, seed=2), randn(33, 16, seed=3)
+    keep = torch.rand(17, generator=gen(4)) > 0.4
+    grads_ok(fn, q, k, v, keep)
+    q, k, v = (t.clone().requires_grad_(True) for t in (q, k, v))
+    out = fn(q, k, v, keep)
+    out.backward(randn(17, 16, seed=5))
+    assert not q.grad.isnan().any() and (q.grad[~keep] == 0).all()
+    assert "attention_backward" in templates(fn.backward)
+
+
+def test_gqa_gradients():
+    # dk and dv are summed over the query heads sharing a kv head; the score dots read q and
+    # the gradient through reshapes, which the fused backward does not load yet (the generic
+    # derivation runs)
+    fn = tiledsl.compile((EXAMPLES / "gqa_attention.tdsl").read_text())
+    t = torch.float16
+    q, k, v = randn(1, 4, 17, 16, dtype=t, seed=1), randn(1, 2, 17, 16, dtype=t, seed=2), \
+        randn(1, 2, 17, 16, dtype=t, seed=3)
+    grads_ok(fn, q, k, v)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_backward_kernels_compile_for_sm90_without_spills(d):
+    fn = attention("f16", True)
+    reports = aot.inspect_program(fn.backward, {"B": 4, "H": 16, "M": 4096, "N": 4096, "D": d})
+    assert len(reports) == 3
+    assert all(r.spill_bytes == 0 for r in reports), reports
+    assert all(r.wgmma for r in reports[1:]), reports  # the two attention_backward kernels
