@@ -34,6 +34,15 @@ def test_compile_time_smoke_run(capsys):
     assert "examples/attention.tdsl: median" in out and "100 statements" in out
 
 
+def test_attention_backward_smoke_run(capsys):
+    assert load("attention_backward").main(["--device", "cpu", "--quick"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    # every variant's gradients agreed with eager autograd and were timed
+    assert [line.split("|")[0].split()[4:] for line in lines[2:8]] == [
+        ["plain", "f16"], ["causal", "f16"], ["softcap", "causal", "f16"],
+        ["plain", "bf16"], ["causal", "bf16"], ["softcap", "causal", "bf16"]]
+
+
 def test_attention_smoke_run(capsys):
     assert load("attention").main(["--device", "cpu", "--quick"]) == 0
     lines = capsys.readouterr().out.splitlines()
