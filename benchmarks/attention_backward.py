@@ -93,38 +93,40 @@ def measure(device: str, quick: bool = False) -> list[dict]:
     for name, dtype in DTYPES.items():
         for variant, (causal, mod) in VARIANTS.items():
             fn = tiledsl.compile(SOURCE.format(dt=name, mask=CAUSAL if causal else "", mod=mod))
-            backward = fn.backward
-            assert [k.template for k in backward.kernels] == ["rows", "attention_backward",
-                                                              "attention_backward"], backward.explain()
-            for b, h, n, d in shapes(quick):
-                row = {"dtype": name, "variant": variant, "B": b, "H": h, "N": n, "D": d}
+            kinds = [k.template for k in fn.backward.kernels]
+            assert kinds == ["rows", "attention_backward", "attention_backward"], fn.backward.explain()
+            for shape in shapes(quick):
+                row = {"dtype": name, "variant": variant, **dict(zip("BHND", shape, strict=True))}
+                row.update(measure_one(fn, shape, dtype, causal, bool(mod), gen, device))
                 rows.append(row)
-                q, k, v, do = (torch.randn((b, h, n, d), generator=gen).to(dtype).to(device) for _ in range(4))
-                q, k, v = (t.requires_grad_(True) for t in (q, k, v))
-                scale = 1 / math.sqrt(d)
-                ours = fwd_bwd(lambda: fn(q, k, v, scale=scale), (q, k, v), do)  # compiles, autotunes
-                wide = [t.detach().float().requires_grad_(True) for t in (q, k, v)]
-                ref = fwd_bwd(lambda: eager(*wide, scale, causal, bool(mod)), wide, do.float())
-                rel = max(((g.float() - r).norm() / r.norm()).item() for g, r in zip(ours, ref, strict=True))
-                if rel > 3e-2:
-                    row["error"] = f"relative gradient error {rel:.2e}: results disagree, not timed"
-                    continue
-                training = fn.training(fn.differentiable)
-                saved = training.forward(q.detach(), k.detach(), v.detach(), scale)
-                out, lse = saved
-                args = (q.detach(), k.detach(), v.detach(), scale, out, lse, do)
-                t_bwd = bench(lambda: backward(*args), device)
-                t_both = bench(lambda: fwd_bwd(lambda: fn(q, k, v, scale=scale), (q, k, v), do), device)
-                flops = 4 * b * h * n * n * d / (2 if causal else 1)
-                row.update(bwd_ms=t_bwd, fwd_bwd_ms=t_both, bwd_tflops=2.5 * flops / (t_bwd * 1e-3) / 1e12,
-                           fwd_bwd_tflops=3.5 * flops / (t_both * 1e-3) / 1e12)
-                base = baseline(q, k, v, scale, causal, bool(mod), device)
-                if base is not None:
-                    fwd_bwd(base, (q, k, v), do)
-                    t_base_both = bench(lambda: fwd_bwd(base, (q, k, v), do), device)
-                    t_base_fwd = bench(base, device)
-                    row.update(base_fwd_bwd_ms=t_base_both, base_bwd_ms=t_base_both - t_base_fwd)
     return rows
+
+
+def measure_one(fn, shape, dtype, causal: bool, softcap: bool, gen, device: str) -> dict:
+    """Times in ms for one shape, or the error that kept it untimed."""
+    b, h, n, d = shape
+    q, k, v, do = (torch.randn(shape, generator=gen).to(dtype).to(device) for _ in range(4))
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    scale = 1 / math.sqrt(d)
+    ours = fwd_bwd(lambda: fn(q, k, v, scale=scale), (q, k, v), do)  # compiles and autotunes
+    wide = [t.detach().float().requires_grad_(True) for t in (q, k, v)]
+    ref = fwd_bwd(lambda: eager(*wide, scale, causal, softcap), wide, do.float())
+    rel = max(((g.float() - r).norm() / r.norm()).item() for g, r in zip(ours, ref, strict=True))
+    if rel > 3e-2:
+        return {"error": f"relative gradient error {rel:.2e}: results disagree, not timed"}
+    out, lse = fn.training(fn.differentiable).forward(q.detach(), k.detach(), v.detach(), scale)
+    args = (q.detach(), k.detach(), v.detach(), scale, out, lse, do)
+    t_bwd = bench(lambda: fn.backward(*args), device)
+    t_both = bench(lambda: fwd_bwd(lambda: fn(q, k, v, scale=scale), (q, k, v), do), device)
+    flops = 4 * b * h * n * n * d / (2 if causal else 1)
+    row = {"bwd_ms": t_bwd, "fwd_bwd_ms": t_both, "bwd_tflops": 2.5 * flops / (t_bwd * 1e-3) / 1e12,
+           "fwd_bwd_tflops": 3.5 * flops / (t_both * 1e-3) / 1e12}
+    base = baseline(q, k, v, scale, causal, softcap, device)
+    if base is not None:
+        fwd_bwd(base, (q, k, v), do)
+        t_base_both = bench(lambda: fwd_bwd(base, (q, k, v), do), device)
+        row.update(base_fwd_bwd_ms=t_base_both, base_bwd_ms=t_base_both - bench(base, device))
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         base_bwd, base_both = r.get("base_bwd_ms", float("nan")), r.get("base_fwd_bwd_ms", float("nan"))
         print(f"{r['B']:>3} {r['H']:>3} {r['N']:>6} {r['D']:>4} {r['variant']:>14} {r['dtype']:>5} | "
-              f"{r['bwd_ms']:7.3f} {r['bwd_tflops']:7.1f} {r['fwd_bwd_ms']:7.3f} {r['fwd_bwd_tflops']:7.1f} | "
+              f"{r['bwd_ms']:7.3f} {r['bwd_tflops']:7.1f} "
+              f"{r['fwd_bwd_ms']:7.3f} {r['fwd_bwd_tflops']:7.1f} | "
               f"{base_bwd:8.3f} {base_both:8.3f} | {base_bwd / r['bwd_ms']:13.2f} "
               f"{base_both / r['fwd_bwd_ms']:13.2f}")
     print("base: SDPA flash (plain, causal), FlexAttention (softcap causal)")
