@@ -122,9 +122,9 @@ class _Match:
 
     def split(self, graph: Graph) -> list[list[int]]:
         """One group per kernel; the keys kernel gets its own copy of the score ops."""
-        kinds = sorted({p.over for p in self.products}, reverse=True)  # "queries" first
+        kinds = {p.over for p in self.products}
         if len(kinds) == 1:
-            return [self.members(graph, kinds[0])]
+            return [self.members(graph, kinds.pop())]
         shared = set(self.members(graph, "queries"))
         mine = self.members(graph, "keys")
         clones: dict[int, int] = {}
@@ -262,17 +262,9 @@ def _space(graph: Graph, x: int, order: dict[int, int]) -> tuple[list[int], set[
             stack.extend(graph.operands(n))
     if not dots:
         return None
-    # the ops on a path from a dot to x (others are read at the tile like any input)
-    reach = set(dots)
-    for n in sorted(walked, key=order.__getitem__):
-        if n not in reach and any(o in reach for o in graph.operands(n)):
-            reach.add(n)
-    # side values (index expressions like a causal mask's comparison, a learnable ALiBi
-    # term `slopes * (j - i)`) are computed at every tile too, reading their inputs there
-    reach |= {n for n in walked if ops.is_elementwise(graph.op(n).kind)}
-    if x not in reach:
-        return None
-    return sorted(dots, key=order.__getitem__), reach - set(dots)
+    # every elementwise op walked is computed at the tile: the path from the dots to x and
+    # the side values it reads (a causal mask's comparison, ALiBi's `slopes * (j - i)`)
+    return sorted(dots, key=order.__getitem__), {n for n in walked if ops.is_elementwise(graph.op(n).kind)}
 
 
 def _grow(graph: Graph, space: set[int], dots: set[int], order: dict[int, int]) -> None:

@@ -179,9 +179,10 @@ class _Backward:
         self.dims: dict[str, int] = {}
         self.sources: list[tuple[Source, int]] = []  # (source, backward parameter node)
         self.saved: list[int] = []
-        # attention differentiated in its flash form (`_flash`): softmax -> its logsumexp,
-        # saved by the forward instead of the probabilities; the score matmuls recomputed
-        self.flash_lse: dict[int, int] = {}
+        # attention differentiated in its flash form (`_flash`): softmaxes recomputed from
+        # their logsumexp, which the forward saves instead of the probabilities, and the
+        # score matmuls, recomputed rather than saved
+        self.flash_softmax: set[int] = set()
         self.flash_scores: set[int] = set()
 
     # --- building ------------------------------------------------------------------------
@@ -270,7 +271,7 @@ class _Backward:
                 continue
             op = fwd.op(node)
             g = self._sum(adjoints.pop(node), op)
-            flash = self._flash(node, active)
+            flash = self._flash(node)
             if flash is not None:
                 for o, c in zip((fwd.operands(flash)[0], fwd.operands(node)[1]),
                                 self._flash_vjp(node, flash, g, active), strict=True):
@@ -309,7 +310,7 @@ class _Backward:
         sources = self._order_params()
         return Derivation(forward, bwd, self.wrt, sources, n_outputs, tuple(self.saved))
 
-    def _flash(self, node: int, active: set[int]) -> int | None:
+    def _flash(self, node: int) -> int | None:
         """The softmax of `softmax(scores) @ v` (through one cast of the probabilities), when
         the product is their one use, the softmax runs along the keys (the last axis) and the
         scores are computed from a matmul: attention, which is differentiated the way
@@ -341,7 +342,7 @@ class _Backward:
         span = fwd.op(pv).span
         p_node, v_node = fwd.operands(pv)
         (x,) = fwd.operands(sm)
-        self.flash_lse.setdefault(sm, -1)
+        self.flash_softmax.add(sm)
         self._mark_scores(x)
         p = self.primal(p_node)
         dv = self.emit("matmul", [self.transpose(p, span), g], span) if v_node in active else None
@@ -434,7 +435,7 @@ class _Backward:
             k = outputs.get(node)
             if k is not None and k < len(fwd.returns) and fwd.returns[k] == op.type:
                 new = self._source(Source("output", k), op, f"out_{k}")
-            elif node in self.flash_lse:
+            elif node in self.flash_softmax:
                 new = self._probabilities(node)
             elif not op.weak and _runs_matmul(fwd, node) and not ops.is_elementwise(op.kind) \
                     and node not in self.flash_scores:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from tiledsl import ops
 from tiledsl.dims import evaluate
 from tiledsl.ir import KernelOp, Op
 from tiledsl.plans import AttentionPlan
@@ -35,7 +34,7 @@ from tiledsl.types import Compute, DType
 from . import tma
 from .base import EmittedKernel, Hints, LaunchConfig, cdiv, decompose, finish, hint, numel, require_dot_hints
 from .codegen import Code, Signature, next_pow2
-from .expr import Emitter, Val, literal, with_scalar_operands
+from .expr import Emitter, Val, dot_precision, inputs_read, literal, with_scalar_operands
 from .matmul import operand_tile, tile_ptrs
 
 NEG_INF = '-float("inf")'
@@ -128,7 +127,7 @@ class AttentionProgram:
         # values known for the whole program: scalars, rank-0 tensors, inputs that do not
         # vary along the keys
         outer: dict[int, Val] = {}
-        score_inputs = self.inputs_of(parts.score_ops)
+        score_inputs = inputs_read(self.region, parts.score_ops)
         for i in score_inputs:
             if not self.varies_along_keys(i):
                 outer[i] = self.load(i, "score")
@@ -198,7 +197,7 @@ class AttentionProgram:
         with self.tma_or_pointers("k", "kt", self.k_at, self.qk_op.dtype):
             operand_tile(em, region, "kt", "k_ptrs", k_mask, self.b_val, self.k_src, set(parts.k_chain),
                          self.scalars, self.qk_op.dtype)
-        body(f"s = tl.dot(q, kt{self.precision(self.qk_op.dtype)})")
+        body(f"s = tl.dot(q, kt{dot_precision(self.qk_op.dtype, self.allow_tf32)})")
         vals = dict(self.outer)
         vals[parts.qk] = Val("s", Compute.F32)
         for i in score_inputs:
@@ -251,10 +250,10 @@ class AttentionProgram:
             with body.indent():
                 body(f"p = {em.widen('p', DType.BF16)}")
         if phase == "probabilities":
-            body(f"acc = tl.dot(p, vt, acc{self.precision(pv_dtype)})")
+            body(f"acc = tl.dot(p, vt, acc{dot_precision(pv_dtype, self.allow_tf32)})")
             return
         body("acc = acc * alpha[:, None]")
-        body(f"acc = tl.dot(p, vt, acc{self.precision(pv_dtype)})")
+        body(f"acc = tl.dot(p, vt, acc{dot_precision(pv_dtype, self.allow_tf32)})")
         body("m_i = m_new")
 
     def descriptors(self, name: str, src: int, chain, dot: DType, tile: tuple[str, str],
@@ -346,7 +345,7 @@ class AttentionProgram:
             for v in parts.lse:  # a kept key dim: one value per row, broadcast along the output's
                 keepdims = self.value_type(v).rank == len(self.score_shape)
                 vals[v] = Val("lse[:, None]" if keepdims else "lse", Compute.F32)
-        for i in self.inputs_of(parts.epilogue):
+        for i in inputs_read(self.region, parts.epilogue):
             vals[i] = self.load(i, "out")
         self.run(vals, parts.epilogue, "out")
         M, DV = self.M, self.DV
@@ -393,31 +392,16 @@ class AttentionProgram:
 
     # --- helpers -------------------------------------------------------------------------------
 
-    def precision(self, dtype: DType) -> str:
-        if dtype is not DType.F32:
-            return ""
-        return ', input_precision="tf32"' if self.allow_tf32 else ', input_precision="ieee"'
-
     def tile(self, i: int, rows: str, cols: str, shape: str) -> str:
         return tile_ptrs(self.refs[i], self.value_type(i).rank, self.bnames, rows, cols, shape)
 
     def run(self, vals: dict[int, Val], values: tuple[int, ...], space: str) -> None:
         """Emit the elementwise ops `values` (and the constants they read) at a tile."""
         wanted = with_scalar_operands(self.region, values, vals)
-        for i in self.inputs_of(wanted):
+        for i in inputs_read(self.region, wanted):
             if i not in vals:
                 vals[i] = self.load(i, space)
         self.em.run(self.region, vals, lambda op: self.index(op, space), skip=lambda v: v not in wanted)
-
-    def inputs_of(self, values) -> list[int]:
-        """Region inputs the given ops read (other than the matmul results they start from)."""
-        found: dict[int, None] = {}
-        for v in values:
-            rop = self.region.ops[v - self.n_in]
-            for slot, o in enumerate(rop.operands):
-                if o < self.n_in and not ops.gathers_at(rop.op.kind, slot):  # gathered: by pointer
-                    found[o] = None
-        return list(found)
 
     def space_indices(self, space: str) -> list[str | None]:
         """Index expressions of each dim of the score tile or the output tile."""

@@ -11,7 +11,8 @@ program per (query block, batch element), walking the key blocks, `acc += x @ y`
 
 Every score-space value a product reads is set to 0 outside the sequences before its
 dot (rows past M, keys past N), so tails add nothing whatever the score ops give there;
-the x tile meets y in y's dtype (f32 dots at IEEE precision unless tf32 is allowed).
+the x tile meets y in the product's dtype (f32 dots at IEEE precision unless tf32 is
+allowed).
 The epilogue (a cast, a scale) runs on the f32 accumulator; the result is stored
 through its strides, so a transposed product (`(q.T @ ds).T`) lands in place.
 """
@@ -27,7 +28,7 @@ from tiledsl.types import Compute, DType
 
 from .base import EmittedKernel, Hints, LaunchConfig, cdiv, decompose, finish, hint, numel, require_dot_hints
 from .codegen import Code, Signature, next_pow2
-from .expr import Emitter, Val, with_scalar_operands
+from .expr import Emitter, Val, dot_precision, inputs_read, with_scalar_operands
 from .matmul import tile_ptrs
 
 DOT_HINTS = ("BLOCK_M", "BLOCK_N")
@@ -131,10 +132,11 @@ class AttentionBackwardProgram:
             self.dot_operand(j, fixed=False)
         vals: dict[int, Val] = {}
         for j, d in enumerate(plan.dots):
-            body(f"s{j} = tl.dot(dot{j}_a, dot{j}_b{self.precision(self.value_type(d.matmul).dtype)})")
+            precision = dot_precision(self.value_type(d.matmul).dtype, self.allow_tf32)
+            body(f"s{j} = tl.dot(dot{j}_a, dot{j}_b{precision})")
             vals[d.matmul] = Val(f"s{j}", Compute.F32)
         wanted = with_scalar_operands(region, plan.score_ops, vals)
-        for i in self.inputs_of(wanted):
+        for i in inputs_read(region, wanted):
             vals[i] = self.load(i)
         em.run(region, vals, lambda op: self.index(op), skip=lambda v: v not in wanted)
         inside = f"(rm < {self.M})[:, None] & (rn < {self.N})[None, :]"
@@ -164,13 +166,13 @@ class AttentionBackwardProgram:
             ptrs = tile_ptrs(self.refs[p.y], y_t.rank, self.bnames, rows, cols, shape)
             body(f"y{j} = tl.load({ptrs}, mask={mask}, other=0.0)")
             self.to_dot(f"y{j}", y_t.dtype, dot)
-            body(f"acc{j} = tl.dot({lhs}, y{j}, acc{j}{self.precision(dot)})")
+            body(f"acc{j} = tl.dot({lhs}, y{j}, acc{j}{dot_precision(dot, self.allow_tf32)})")
 
     def finish(self) -> None:
         body, em, region, plan = self.body, self.em, self.region, self.plan
         vals: dict[int, Val] = {p.matmul: Val(f"acc{j}", Compute.F32) for j, p in enumerate(plan.products)}
         wanted = with_scalar_operands(region, plan.epilogue, vals)
-        for i in self.inputs_of(wanted):
+        for i in inputs_read(region, wanted):
             vals[i] = em.scalar(self.scalars[i], region.inputs[i].type.dtype)
         em.run(region, vals, lambda op: em.index(None), skip=lambda v: v not in wanted)
         own_size = self.N if plan.over == "queries" else self.M
@@ -189,19 +191,6 @@ class AttentionBackwardProgram:
             body(f"tl.store({ptrs}, {em.store_value(vals[v], t)}, mask={mask})")
 
     # --- helpers -------------------------------------------------------------------------------
-
-    def precision(self, dtype: DType) -> str:
-        if dtype is not DType.F32:
-            return ""
-        return ', input_precision="tf32"' if self.allow_tf32 else ', input_precision="ieee"'
-
-    def inputs_of(self, values) -> list[int]:
-        found: dict[int, None] = {}
-        for v in values:
-            for o in self.region.ops[v - self.n_in].operands:
-                if o < self.n_in:
-                    found[o] = None
-        return list(found)
 
     def indices_of(self, shape) -> list[str | None]:
         """Index expressions of a value of `shape` read at the score tile (right-aligned)."""

@@ -129,6 +129,25 @@ def with_scalar_operands(region: Region, values: Iterable[int], have: Container[
     return wanted
 
 
+def inputs_read(region: Region, values: Iterable[int]) -> list[int]:
+    """The region inputs the ops `values` read at their tile, in order of first read (a
+    gathered operand is read through its pointer, not at the tile)."""
+    n_in, found = len(region.inputs), {}
+    for v in values:
+        rop = region.ops[v - n_in]
+        for slot, o in enumerate(rop.operands):
+            if o < n_in and not ops.gathers_at(rop.op.kind, slot):
+                found[o] = None
+    return list(found)
+
+
+def dot_precision(dtype: DType, allow_tf32: bool) -> str:
+    """`tl.dot`'s input_precision argument: f32 dots are IEEE unless tf32 is allowed."""
+    if dtype is not DType.F32:
+        return ""
+    return ', input_precision="tf32"' if allow_tf32 else ', input_precision="ieee"'
+
+
 @dataclass(frozen=True, slots=True)
 class Gather:
     """A region input that an op reads at indices it computes (`take`): its pointer and

@@ -45,7 +45,7 @@ from .base import (
     sm_count,
 )
 from .codegen import Code, Signature, TensorRef, next_pow2
-from .expr import Emitter, Val, literal
+from .expr import Emitter, Val, dot_precision, literal
 
 DOT_HINTS = ("BLOCK_M", "BLOCK_N", "BLOCK_K")
 OPERAND_BLOCKS = (("BLOCK_M", "BLOCK_K"), ("BLOCK_K", "BLOCK_N"))  # the a and b tiles
@@ -250,9 +250,7 @@ class GemmProgram:
         return ["acc", *(f"acc{i}" for i in range(1, len(self.matmuls)))]
 
     def precision(self) -> str:
-        if self.dots[0] is not DType.F32:
-            return ""
-        return ', input_precision="tf32"' if self.allow_tf32 else ', input_precision="ieee"'
+        return dot_precision(self.dots[0], self.allow_tf32)
 
     def tile(self, ref: TensorRef, rank: int, rows: str, cols: str, shape: str) -> str:
         return tile_ptrs(ref, rank, self.bnames, rows, cols, shape)
