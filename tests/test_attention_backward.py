@@ -105,6 +105,22 @@ def test_learnable_alibi_slopes():
     assert kinds == ["rows", "attention_backward", "attention_backward", "rows", "rows", "rows"], kinds
 
 
+@pytest.mark.parametrize("width", [1, 20, 300])
+def test_blocks_outside_a_window_are_skipped(width):
+    # a window j in (i - width, i + 3]: both kernels walk only the blocks it reaches (the
+    # plan's key bound), which at 113 x 97 with 64-wide blocks skips some
+    fn = tiledsl.compile("""
+    kernel attn(q: f32[B, H, M, D], k: f32[B, H, N, D], v: f32[B, H, N, D], w: i32) -> f32[B, H, M, D] {
+        s = q @ k.T * rsqrt(D)
+        i = index(s, -2)
+        j = index(s, -1)
+        return softmax(where((i + 3 >= j) & (j > i - w), s, -inf), axis=-1) @ v
+    }""")
+    grads_ok(fn, *qkv(1, 2, 113, 97, 16, "f32"), width)
+    assert "query blocks outside the mask's bound, where every value summed is 0, are skipped" \
+        in fn.backward.explain()
+
+
 def test_fully_masked_rows_have_zero_gradients_never_nan():
     fn = tiledsl.compile("""
     kernel attn(q: f32[M, D], k: f32[N, D], v: f32[N, D], keep: bool[M]) -> f32[M, D] {

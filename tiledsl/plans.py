@@ -191,6 +191,23 @@ class ScoreProduct:
 
 
 @dataclass(frozen=True, slots=True)
+class ScoreReduction:
+    """A score-space value `x` summed over some of the score axes by the chain of `sum` ops
+    `sums` (a broadcast bias's gradient; the last is the kernel's output, f32). `dims`: for
+    each dim of the result, the score axis it indexes, or None (a kept size-1 dim). Each
+    program sums its tiles and adds them to the result atomically: the output starts at 0."""
+
+    x: int
+    sums: tuple[int, ...]
+    axes: frozenset[int]  # the score axes summed over
+    dims: tuple[int | None, ...]
+
+    @property
+    def result(self) -> int:
+        return self.sums[-1]
+
+
+@dataclass(frozen=True, slots=True)
 class AttentionBackwardPlan:
     """One of FlashAttention-2's backward kernels. `over`: "queries", one program per key
     block walking the query blocks (dk, dv), or "keys", one program per query block walking
@@ -204,10 +221,16 @@ class AttentionBackwardPlan:
     products: tuple[ScoreProduct, ...]
     epilogue: tuple[int, ...]
     stores: tuple[int, ...] = ()  # score-space values stored per tile (a bias gradient)
+    # a mask bound outside which every value the kernel sums, stores or reduces is zero:
+    # the walk skips the blocks past it (as the forward does)
+    bound: KeyBound | None = None
+    reductions: tuple[ScoreReduction, ...] = ()
 
     def role(self, value: int) -> str:
         if value in self.stores:
             return "stored per tile"
+        if any(value in r.sums for r in self.reductions):
+            return "reduced by atomic adds"
         if value in self.score_ops:
             return "score ops"
         if value in self.epilogue:
@@ -264,26 +287,31 @@ def format_plan(plan: Plan, name) -> str:
         return (f"plan attention_backward {{over = {plan.over}, dots = ({dots}), "
                 f"score_ops = {names(plan.score_ops)}, products = ({products}), "
                 f"epilogue = {names(plan.epilogue)}"
-                + (f", stores = {names(plan.stores)}" if plan.stores else "") + "}")
-    bound = "none"
-    if plan.bound is not None:
-        c = plan.bound.constant
-        terms = "".join(f" {'+' if s > 0 else '-'} {name(v)}" for s, v in plan.bound.offsets)
-        terms += f" {'+' if c > 0 else '-'} {abs(c)}" if c else ""
-        bound = f"j {'<' if plan.bound.strict else '<='} i{terms}"
-        if (lower := plan.bound.lower) is not None:
-            terms = "".join(f" {'+' if s > 0 else '-'} {name(v)}" for s, v in lower.offsets)
-            terms += f" {'+' if lower.constant > 0 else '-'} {abs(lower.constant)}" if lower.constant else ""
-            bound += f" and j >= i{terms}"
-        if plan.bound.exact:
-            bound += " exactly"
+                + (f", stores = {names(plan.stores)}" if plan.stores else "")
+                + "".join(f", reduce {name(r.x)} over {tuple(sorted(r.axes))} = {name(r.result)}"
+                          for r in plan.reductions)
+                + (f", key_bound = {_bound(plan.bound, name)}" if plan.bound else "") + "}")
     return (f"plan attention {{qk = {name(plan.qk)}, softmax = {name(plan.softmax)}, "
             f"{'' if plan.p_cast is None else f'p_cast = {name(plan.p_cast)}, '}"
             f"pv = {name(plan.pv)}, q = {name(plan.q_source)}, "
             f"k = {name(plan.k_source)}{' (transposed)' if plan.k_transposed else ''}, "
             f"v = {name(plan.v)}, score_mod = {names(plan.score_ops)}, lse = {names(plan.lse)}, "
-            f"epilogue = {names(plan.epilogue)}, key_bound = {bound}"
+            f"epilogue = {names(plan.epilogue)}, key_bound = {_bound(plan.bound, name)}"
             + ("" if plan.p_out is None else f", stores_p = {name(plan.p_out)}") + "}")
+
+
+def _bound(bound: KeyBound | None, name) -> str:
+    if bound is None:
+        return "none"
+
+    def terms(offsets, constant: int) -> str:
+        text = "".join(f" {'+' if s > 0 else '-'} {name(v)}" for s, v in offsets)
+        return text + (f" {'+' if constant > 0 else '-'} {abs(constant)}" if constant else "")
+
+    text = f"j {'<' if bound.strict else '<='} i{terms(bound.offsets, bound.constant)}"
+    if bound.lower is not None:
+        text += f" and j >= i{terms(bound.lower.offsets, bound.lower.constant)}"
+    return text + (" exactly" if bound.exact else "")
 
 
 def _layout(layout: Layout) -> str:

@@ -299,13 +299,7 @@ class AttentionProgram:
         return self.offset_text(bound.offsets, bound.constant - int(bound.strict))
 
     def offset_text(self, offsets, constant: int) -> str:
-        """` + s1 - s2 + 3`: scalar terms known for the whole program, then a constant."""
-        text = ""
-        for sign, v in offsets:
-            text += f" {'-' if sign < 0 else '+'} {self.em.tensor(self.outer[v]).text}"
-        if constant:
-            text += f" {'-' if constant < 0 else '+'} {abs(constant)}"
-        return text
+        return offset_text(self.em, self.outer, offsets, constant)
 
     def key_limit(self) -> str:
         """How far this program walks the keys: all of them, or up to a mask's bound (the
@@ -493,3 +487,14 @@ def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKer
     configure, candidates = prog.launch_rules()
     emitted = finish(kernel, "attention", prog.sig, prog.body, configure, prog.em)
     return emitted.with_candidates(candidates)
+
+
+def offset_text(em: Emitter, outer: Mapping[int, Val], offsets, constant: int, sign: int = 1) -> str:
+    """` + s1 - s2 + 3` (each term times `sign`): a mask bound's scalar terms, known for the
+    whole program (`outer`), then its constant."""
+    text = ""
+    for s, v in offsets:
+        text += f" {'-' if s * sign < 0 else '+'} {em.tensor(outer[v]).text}"
+    if constant:
+        text += f" {'-' if constant * sign < 0 else '+'} {abs(constant)}"
+    return text

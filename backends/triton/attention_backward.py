@@ -26,6 +26,7 @@ from tiledsl.ir import KernelOp
 from tiledsl.plans import AttentionBackwardPlan, ScoreProduct
 from tiledsl.types import Compute, DType
 
+from .attention import offset_text
 from .base import EmittedKernel, Hints, LaunchConfig, cdiv, decompose, finish, hint, numel, require_dot_hints
 from .codegen import Code, Signature, next_pow2
 from .expr import Emitter, Val, dot_precision, inputs_read, with_scalar_operands
@@ -70,7 +71,10 @@ class AttentionBackwardProgram:
         body("pid = tl.program_id(0)")
         body(f"own_blocks = tl.cdiv({own_size}, {own_block})")
         body("pid_b = pid // own_blocks")
-        body("pid_o = pid % own_blocks")
+        if plan.bound is not None and plan.over == "keys":  # the longest rows first, as forward
+            body("pid_o = own_blocks - 1 - pid % own_blocks")
+        else:
+            body("pid_o = pid % own_blocks")
         self.bnames: list[str | None] = [None if d == 1 else f"b{i}" for i, d in enumerate(self.batch)]
         if self.batch:
             body("pb = pid_b.to(tl.int64)")
@@ -86,7 +90,9 @@ class AttentionBackwardProgram:
             self.dot_operand(j, fixed=True)
         for j in range(len(plan.products)):
             body(f"acc{j} = tl.zeros([{own_block}, BLOCK_P{j}], dtype=tl.float32)")
-        body(f"for w0 in range(0, {walk_size}, {walk_block}):")
+        self.outer = self.program_scalars()
+        start, end = self.walk_range(walk_size)
+        body(f"for w0 in range({start}, {end}, {walk_block}):")
         with body.indent():
             self.step()
         self.finish()
@@ -130,12 +136,12 @@ class AttentionBackwardProgram:
         body(f"{self.walk} = w0 + {self.walk}_base")
         for j in range(len(plan.dots)):
             self.dot_operand(j, fixed=False)
-        vals: dict[int, Val] = {}
+        vals: dict[int, Val] = dict(self.outer)
         for j, d in enumerate(plan.dots):
             precision = dot_precision(self.value_type(d.matmul).dtype, self.allow_tf32)
             body(f"s{j} = tl.dot(dot{j}_a, dot{j}_b{precision})")
             vals[d.matmul] = Val(f"s{j}", Compute.F32)
-        wanted = with_scalar_operands(region, plan.score_ops, vals)
+        wanted = with_scalar_operands(region, plan.score_ops, vals) - vals.keys()
         for i in inputs_read(region, wanted):
             vals[i] = self.load(i)
         em.run(region, vals, lambda op: self.index(op), skip=lambda v: v not in wanted)
@@ -191,6 +197,41 @@ class AttentionBackwardProgram:
             body(f"tl.store({ptrs}, {em.store_value(vals[v], t)}, mask={mask})")
 
     # --- helpers -------------------------------------------------------------------------------
+
+    def program_scalars(self) -> dict[int, Val]:
+        """The score ops' scalars (a scale, a mask bound's offset), computed once before the
+        walk."""
+        region, outer = self.region, {}
+        wanted = with_scalar_operands(region, [v for v in self.plan.score_ops
+                                               if self.value_type(v).rank == 0], outer)
+        scalars = [i for i, inp in enumerate(region.inputs) if inp.type.rank == 0]
+        for i in dict.fromkeys([*inputs_read(region, wanted), *scalars]):
+            outer[i] = self.load(i)
+        self.em.run(region, outer, lambda op: self.em.index(None), skip=lambda v: v not in wanted)
+        return outer
+
+    def walk_range(self, size: str) -> tuple[str, str]:
+        """Where the walk starts and ends: every block, or those a mask bound keeps (the
+        plan's `bound`: row i keeps keys j <= i + a, and with a lower bound j >= i + b)."""
+        bound = self.plan.bound
+        if bound is None:
+            return "0", size
+        upper = bound.offsets, bound.constant - int(bound.strict)
+        lower = (bound.lower.offsets, bound.lower.constant) if bound.lower is not None else None
+        if self.plan.over == "queries":  # key block [n0, n1): rows i >= n0 - a, i < n1 - b
+            start = f"tl.maximum(0, pid_o * BLOCK_N{self.offset_text(*upper, sign=-1)})"
+            if lower is None:
+                return start, size
+            end = f"(pid_o + 1) * BLOCK_N{self.offset_text(*lower, sign=-1)}"
+            return start, f"tl.minimum({size}, tl.maximum(0, {end}))"
+        # query block [m0, m1): keys j < m1 + a, j >= m0 + b
+        end = f"tl.minimum({size}, tl.maximum(0, (pid_o + 1) * BLOCK_M{self.offset_text(*upper)}))"
+        if lower is None:
+            return "0", end
+        return f"tl.maximum(0, pid_o * BLOCK_M{self.offset_text(*lower)})", end
+
+    def offset_text(self, offsets, constant: int, sign: int = 1) -> str:
+        return offset_text(self.em, self.outer, offsets, constant, sign)
 
     def indices_of(self, shape) -> list[str | None]:
         """Index expressions of a value of `shape` read at the score tile (right-aligned)."""

@@ -76,7 +76,70 @@ def attention_backward_plan(region: Region) -> AttentionBackwardPlan:
     score_ops = tuple(v for v in ops if v in before and v not in matmuls and ops[v].op.kind != "const")
     epilogue = tuple(v for v in ops if v not in before and v not in matmuls | views
                      and ops[v].op.kind != "const")
-    return AttentionBackwardPlan(over, tuple(dots), score_ops, tuple(products), epilogue, stores)
+    bound = None if stores else _vanishing_bound(region, [p.x for p in products])
+    return AttentionBackwardPlan(over, tuple(dots), score_ops, tuple(products), epilogue, stores, bound)
+
+
+def _vanishing_bound(region: Region, values: list[int]) -> KeyBound | None:
+    """A mask's key bound outside which every one of `values` is 0, found from the masks
+    the score ops apply (`where(cond, s, -inf)`, `where(cond, ds, 0)`): the probabilities
+    `exp(z - lse)` of masked scores are 0, and so is anything they multiply. Blocks past the
+    bound add nothing, and the kernel skips them. (A stored value is written whole, so a
+    kernel that stores one skips nothing.)"""
+    rank = len(region.value_type(values[0]).shape)
+    conds = dict.fromkeys(r.operands[0] for r in region.ops if r.op.kind == "where")
+    for cond in conds:
+        bound = _cond_bound(region, cond, rank)
+        memo: dict[tuple[int, bool], bool] = {}
+        if bound is not None and all(_vanishes(region, cond, v, False, memo) for v in values):
+            return bound
+    return None
+
+
+def _vanishes(region: Region, cond: int, v: int, neg_inf: bool, memo: dict) -> bool:
+    """Is v 0 (or -inf, `neg_inf`) wherever `cond` is false?"""
+    n_in = len(region.inputs)
+    if v < n_in:
+        return False
+    if (v, neg_inf) not in memo:
+        r = region.ops[v - n_in]
+        kind, args = r.op.kind, r.operands
+
+        def zero(a: int, inf: bool = False) -> bool:
+            return _vanishes(region, cond, a, inf, memo)
+
+        if kind == "where":  # where cond is false, the third operand (or both, another cond)
+            found = (args[0] == cond and _const(region, args[2]) == (-math.inf if neg_inf else 0.0)) \
+                or (zero(args[2], neg_inf) and (args[0] == cond or zero(args[1], neg_inf)))
+        elif kind == "cast":
+            found = zero(args[0], neg_inf)
+        elif neg_inf:
+            found = _keeps_neg_inf(region, kind, args, lambda a: zero(a, True))
+        elif kind in ("neg", "div"):
+            found = zero(args[0])
+        elif kind == "mul":
+            found = zero(args[0]) or zero(args[1])
+        else:
+            found = kind == "exp" and zero(args[0], True)
+        memo[v, neg_inf] = found
+    return memo[v, neg_inf]
+
+
+def _keeps_neg_inf(region: Region, kind: str, args, neg_inf) -> bool:
+    """Does an op keep -inf where `neg_inf(arg)` says its operand is: -inf minus or plus a
+    row value (the logsumexp, one per query row: finite, or the row is NaN anyway), -inf
+    times a positive constant?"""
+    def row_value(v: int) -> bool:
+        return region.value_type(v).shape[-1:] in ((), (1,))
+
+    if kind == "sub":
+        return neg_inf(args[0]) and row_value(args[1])
+    if kind == "add":
+        return any(neg_inf(a) and row_value(b) for a, b in (args, args[::-1]))
+    if kind == "mul":
+        c = _const(region, args[1])
+        return c is not None and c > 0 and neg_inf(args[0])
+    return False
 
 
 def operand_source(region: Region, chain: frozenset[int]) -> int:
