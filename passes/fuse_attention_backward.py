@@ -30,12 +30,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tiledsl import ops
-from tiledsl.ir import Graph, Op
+from tiledsl.ir import Graph, Op, make_attrs
+from tiledsl.passes.fusion.attention import reduction_axes
 from tiledsl.passes.fusion.grow import rewrite_groups
 from tiledsl.passes.fusion.legality import GroupPlan, describe_node
 from tiledsl.passes.fusion.remarks import FusionRemark, Refusal, Rule
 from tiledsl.passes.regions import is_clonable
 from tiledsl.passes.registry import Pass, PassContext, register
+from tiledsl.types import DType
 
 NAME = "fuse-attention-backward"
 
@@ -53,6 +55,7 @@ class FuseAttentionBackward(Pass):
                 ctx.remarks.extend(refusals)
                 return
             ctx.remarks.append(match.remark(graph))
+            match.widen(graph)
             groups = match.split(graph)
             plan = GroupPlan(graph)
             for members in groups:
@@ -92,13 +95,19 @@ class _Match:
     space: set[int]  # elementwise ops of the score shape
     products: list[_Product]
     stored: list[int]  # score-space values read whole outside (a bias gradient): stored per tile
+    # score-space values summed over some axes by a chain of sums (a broadcast bias's
+    # gradient): the kernel adds its tiles' sums to the result
+    reduced: list[tuple[int, list[int]]]
 
     def members(self, graph: Graph, over: str) -> list[int]:
         """The ops of the kernel summing over `over`: what its products read of the space."""
         chosen = [p for p in self.products if p.over == over]
-        stores = self.stored if over == self.storer else []
-        need = _ancestors(graph, [p.x for p in chosen] + stores, self.space | set(self.dots))
+        mine = over == self.storer
+        roots = [p.x for p in chosen] + (self.stored + [x for x, _ in self.reduced] if mine else [])
+        need = _ancestors(graph, roots, self.space | set(self.dots))
         out = need | {p.matmul for p in chosen} | {p.view for p in chosen if p.view is not None}
+        if mine:
+            out |= {s for _, chain in self.reduced for s in chain}
         for p in chosen:
             out |= _epilogue(graph, p.matmul)
         return sorted(out)
@@ -116,9 +125,35 @@ class _Match:
         plural = "s" if len(self.dots) != 1 else ""
         if self.stored:
             sums.append("stored per tile: " + ", ".join(describe_node(graph, n) for n in self.stored))
+        if self.reduced:
+            sums.append("summed per tile: " + ", ".join(describe_node(graph, chain[-1])
+                                                        for _, chain in self.reduced))
         detail = f"flash attention backward ({len(self.dots)} score dot{plural}; {'; '.join(sums)})"
         return FusionRemark(NAME, True, None, graph.op(self.dots[0]), graph.op(self.products[-1].matmul),
                             detail)
+
+    def widen(self, graph: Graph) -> None:
+        """Sum the reductions in f32: the kernels add their tiles' sums atomically, which in
+        a narrow float would round at every add. A cast back to the reduction's dtype
+        follows it."""
+        for k, (x, chain) in enumerate(self.reduced):
+            last = graph.op(chain[-1])
+            if last.dtype not in (DType.F16, DType.BF16):
+                continue
+            op = graph.op(x)
+            wide = graph.add(Op("cast", DType.F32, op.shape, make_attrs(dtype=DType.F32), op.span), [x])
+            self.space.add(wide)
+            graph.set_operands(chain[0], [wide])
+            for n in chain:
+                graph.set_op(n, graph.op(n).replace(dtype=DType.F32))
+            narrow = graph.add(Op("cast", last.dtype, last.shape, make_attrs(dtype=last.dtype), last.span),
+                               [chain[-1]])
+            for user, slot in graph.users(chain[-1]):
+                if user != narrow:
+                    edges = graph.operand_edges(user)
+                    edges[slot] = (narrow, 0)
+                    graph.set_operands(user, edges)
+            self.reduced[k] = (wide, chain)
 
     def split(self, graph: Graph) -> list[list[int]]:
         """One group per kernel; the keys kernel gets its own copy of the score ops."""
@@ -160,7 +195,7 @@ def _find(graph: Graph, refusals: list[FusionRemark]) -> _Match | None:
             continue
         _grow(graph, space, dot_set, order)
         dots = sorted(dot_set, key=order.__getitem__)
-        products, stored, refusal = [], [], None
+        products, stored, reduced, refusal = [], [], [], None
         for n in sorted(space | dot_set, key=order.__getitem__):
             for user, _ in graph.users(n):
                 if user in space or user in dot_set:
@@ -169,9 +204,12 @@ def _find(graph: Graph, refusals: list[FusionRemark]) -> _Match | None:
                 if p is None and _swaps_last(graph, user):
                     readers = graph.users(user)
                     p = _product(graph, readers[0][0]) if len(readers) == 1 else None
+                chain = _sum_chain(graph, user)
                 if p is not None and p.x == n:
                     if p.matmul not in {q.matmul for q in products}:
                         products.append(p)
+                elif chain is not None:
+                    reduced.append((n, chain))
                 elif not _needs_whole(graph, user):
                     refusal = refusal or (n, user)
                 elif n not in stored:
@@ -191,7 +229,7 @@ def _find(graph: Graph, refusals: list[FusionRemark]) -> _Match | None:
                 "attention backward kernels recompute per tile and never store")),
                 graph.op(n), graph.op(user)))
             continue
-        match = _Match(dots, space, products, stored)
+        match = _Match(dots, space, products, stored, reduced)
         members = match.members(graph, "queries") + match.members(graph, "keys")
         if GroupPlan(graph).creates_cycle(set(members[1:]), members[0]):
             refusals.append(FusionRemark.refused(NAME, Refusal(Rule.CYCLE, (
@@ -200,6 +238,25 @@ def _find(graph: Graph, refusals: list[FusionRemark]) -> _Match | None:
             continue
         return match
     return None
+
+
+def _sum_chain(graph: Graph, node: int) -> list[int] | None:
+    """`sum`s of a float value (and `reshape`s merging two of their axes, canonicalize's
+    merged reductions), each the only reader of the one before: the kernel sums its tiles
+    over their axes and adds them into the last sum's result."""
+    chain, x = [], graph.operands(node)[0]
+    while _is(graph, node, "sum") and graph.op(node).dtype in (DType.F32, DType.F16, DType.BF16) \
+            or _is(graph, node, "reshape"):
+        chain.append(node)
+        users = graph.users(node)
+        if len(users) != 1:
+            break
+        node = users[0][0]
+    while chain and not _is(graph, chain[-1], "sum"):
+        chain.pop()
+    if not chain or reduction_axes(graph.op(x).shape, [graph.op(n) for n in chain]) is None:
+        return None
+    return chain
 
 
 def _needs_whole(graph: Graph, user: int) -> bool:

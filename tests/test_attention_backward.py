@@ -99,10 +99,26 @@ def test_learnable_alibi_slopes():
                    mod="s = s + slopes * cast(index(s, -1) - index(s, -2), f32)")
     q, k, v = qkv(2, 3, 17, 33, 16, "f32")
     grads_ok(fn, q, k, v, randn(3, 1, 1, seed=9) * 0.1)
-    # the slopes' gradient, sum(ds * (j - i)) over B, M and N: ds * (j - i) is stored per tile
-    # by the dk/dv kernel and reduced by row kernels, one per axis
+    # the slopes' gradient, sum(ds * (j - i)) over B, M and N: each program of the dk/dv
+    # kernel sums its tiles and adds them into the [H, 1, 1] result atomically
+    assert templates(fn.backward) == ["rows", "attention_backward", "attention_backward"]
+    assert "reduced by atomic adds: sum (line 4), sum (line 4), sum (line 4); one program per key block" \
+        in fn.backward.explain()
+
+
+# learnable broadcast biases: per key, per query row, shared by the batch; in f16 and bf16
+# the sums run in f32 and a cast back follows (a 4th kernel)
+BIASES = [("f16", "N", (33,)), ("bf16", "M, 1", (17, 1)), ("f32", "H, M, N", (3, 17, 33)),
+          ("f32", "B, 1, 1, N", (2, 1, 1, 33))]
+
+
+@pytest.mark.parametrize("bias", BIASES, ids=[f"{dt}[{decl}]" for dt, decl, _ in BIASES])
+def test_broadcast_bias_gradients_are_summed_in_the_kernel(bias):
+    dt, decl, shape = bias
+    fn = attention(dt, True, extra=f", bias: {dt}[{decl}]", mod="s = s + bias")
+    grads_ok(fn, *qkv(2, 3, 17, 33, 16, dt), randn(*shape, dtype=DTYPES[dt], seed=9))
     kinds = templates(fn.backward)
-    assert kinds == ["rows", "attention_backward", "attention_backward", "rows", "rows", "rows"], kinds
+    assert kinds == ["rows", "attention_backward", "attention_backward"] + (["pointwise"] if dt != "f32" else [])
 
 
 @pytest.mark.parametrize("width", [1, 20, 300])

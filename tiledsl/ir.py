@@ -24,7 +24,7 @@ from typing import Any
 
 import networkx as nx
 
-from tiledsl.plans import Plan
+from tiledsl.plans import Plan, accumulated
 from tiledsl.source import Span
 from tiledsl.types import DType, Shape, TensorType
 
@@ -146,6 +146,11 @@ class KernelOp:
 
     def out_order(self, r: int) -> tuple[int, ...] | None:
         return self.out_orders[r] if r < len(self.out_orders) else None
+
+    def accumulates(self, r: int) -> bool:
+        """Do the kernel's programs add into result r (its plan's `accumulated`), which
+        must therefore start at 0?"""
+        return self.region.outputs[r] in accumulated(self.plan)
 
     @property
     def result_types(self) -> tuple[TensorType, ...]:

@@ -193,9 +193,10 @@ class ScoreProduct:
 @dataclass(frozen=True, slots=True)
 class ScoreReduction:
     """A score-space value `x` summed over some of the score axes by the chain of `sum` ops
-    `sums` (a broadcast bias's gradient; the last is the kernel's output, f32). `dims`: for
-    each dim of the result, the score axis it indexes, or None (a kept size-1 dim). Each
-    program sums its tiles and adds them to the result atomically: the output starts at 0."""
+    (and reshapes merging their axes) `sums` (a broadcast bias's gradient; the last is the
+    kernel's output, f32). `dims`: for each dim of the result, the score axis it indexes,
+    or None (a kept size-1 dim). Each program sums its tiles and adds them to the result
+    atomically: the output starts at 0."""
 
     x: int
     sums: tuple[int, ...]
@@ -241,6 +242,13 @@ class AttentionBackwardPlan:
 
 
 Plan = PointwisePlan | RowPlan | GemmPlan | AttentionPlan | AttentionBackwardPlan
+
+
+def accumulated(plan: Plan | None) -> frozenset[int]:
+    """The values a kernel's programs add into (atomically): their outputs start at 0."""
+    if isinstance(plan, AttentionBackwardPlan):
+        return frozenset(r.result for r in plan.reductions)
+    return frozenset()
 
 # which plan each template consumes
 PLAN_TYPES: dict[str, type] = {"pointwise": PointwisePlan, "rows": RowPlan, "matmul": GemmPlan,

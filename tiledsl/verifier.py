@@ -17,7 +17,7 @@ from tiledsl import ops
 from tiledsl.diagnostics import InternalError
 from tiledsl.ir import Graph, KernelOp, Op, Region
 from tiledsl.plans import PLAN_TYPES, AttentionBackwardPlan, AttentionPlan, GemmPlan, PointwisePlan, RowPlan
-from tiledsl.types import TensorType
+from tiledsl.types import DType, TensorType
 
 
 class VerificationError(InternalError):
@@ -179,3 +179,10 @@ def _verify_plan(k: KernelOp, fail) -> None:
             fail(f"kernel @{k.name}: its attention backward plan has no score dot or no product", k.span)
         for v in (*plan.score_ops, *plan.epilogue):
             kind(v)
+        for r in plan.reductions:
+            for v in r.sums:
+                expect(v, ("sum", "reshape"), "reduction chain")
+            expect(r.result, ("sum",), "reduction")
+            if r.result not in region.outputs or region.value_type(r.result).dtype is not DType.F32:
+                fail(f"kernel @{k.name}: its reduction {r.result} is not an f32 output the "
+                     "programs add into", k.span)

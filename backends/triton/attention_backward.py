@@ -90,6 +90,11 @@ class AttentionBackwardProgram:
             self.dot_operand(j, fixed=True)
         for j in range(len(plan.products)):
             body(f"acc{j} = tl.zeros([{own_block}, BLOCK_P{j}], dtype=tl.float32)")
+        self.rank = len(self.score_shape)
+        self.walk_axis = self.rank - (2 if plan.over == "queries" else 1)  # the score axis walked
+        for j, r in enumerate(plan.reductions):
+            if self.walk_axis in r.axes:  # summed in registers along the walk
+                body(f"red{j} = tl.zeros([{own_block}], dtype=tl.float32)")
         self.outer = self.program_scalars()
         start, end = self.walk_range(walk_size)
         body(f"for w0 in range({start}, {end}, {walk_block}):")
@@ -152,6 +157,13 @@ class AttentionBackwardProgram:
                 ptrs = tile_ptrs(self.outs[j], t.rank, self.bnames, "rm[:, None]", "rn[None, :]",
                                  "[BLOCK_M, BLOCK_N]")
                 body(f"tl.store({ptrs}, {em.store_value(vals[v], t)}, mask={inside})")
+        for j, r in enumerate(plan.reductions):
+            x = em.tensor(em.convert(vals[r.x], Compute.F32))
+            body(f"t{j} = tl.where({inside}, {x.text}, 0.0)")
+            if self.walk_axis in r.axes:
+                body(f"red{j} += tl.sum(t{j}, axis={0 if plan.over == 'queries' else 1})")
+            else:
+                self.add_into(j, f"t{j}", ("rm", "rn"))
         for j, p in enumerate(plan.products):
             dot = self.value_type(p.matmul).dtype
             x = em.tensor(em.convert(vals[p.x], Compute.F32))
@@ -181,9 +193,13 @@ class AttentionBackwardProgram:
         for i in inputs_read(region, wanted):
             vals[i] = em.scalar(self.scalars[i], region.inputs[i].type.dtype)
         em.run(region, vals, lambda op: em.index(None), skip=lambda v: v not in wanted)
+        for j, r in enumerate(plan.reductions):
+            if self.walk_axis in r.axes:
+                self.add_into(j, f"red{j}", (self.own,))
         own_size = self.N if plan.over == "queries" else self.M
+        reduced = {r.result for r in plan.reductions}
         for j, v in enumerate(region.outputs):
-            if v in plan.stores:
+            if v in plan.stores or v in reduced:
                 continue
             k = next(k for k, p in enumerate(plan.products) if p.matmul in region.depends(v))
             p, t = plan.products[k], self.value_type(v)
@@ -195,6 +211,27 @@ class AttentionBackwardProgram:
             ptrs = tile_ptrs(self.outs[j], t.rank, self.bnames, rows, cols, f"[{block}, BLOCK_P{k}]")
             mask = f"({self.own}[:, None] < {own_size}) & (rp{k}[None, :] < {self.P[k]})"
             body(f"tl.store({ptrs}, {em.store_value(vals[v], t)}, mask={mask})")
+
+    def add_into(self, j: int, part: str, axes: tuple[str, ...]) -> None:
+        """Add reduction j's part of the score tile (a tile or vector over the score axes
+        `axes`, of "rm" and "rn") to its result: summed first over the axes the result
+        reduces, then added atomically at the indices it keeps."""
+        body, r = self.body, self.plan.reductions[j]
+        names = {"rm": self.rank - 2, "rn": self.rank - 1}
+        kept = [a for a in axes if names[a] not in r.axes]
+        for k in reversed(range(len(axes))):
+            if axes[k] not in kept:
+                body(f"{part} = tl.sum({part}, axis={k})")
+        at = {names[a]: a if len(kept) == 1 else f"{a}[:, None]" if k == 0 else f"{a}[None, :]"
+              for k, a in enumerate(kept)}
+        at.update({a: name for a, name in enumerate(self.bnames) if name is not None})
+        out = self.region.outputs.index(r.result)
+        t = self.value_type(r.result)
+        idx = [None if a is None or d == 1 else at[a] for a, d in zip(r.dims, t.shape, strict=True)]
+        limits = {"rm": self.M, "rn": self.N}
+        mask = " & ".join(f"({at[names[a]]} < {limits[a]})" for a in kept)
+        ptr = f"{self.outs[out].ptr} + {self.outs[out].offset(idx)}"
+        body(f"tl.atomic_add({ptr}, {part}{f', mask={mask}' if mask else ''}, sem=\"relaxed\")")
 
     # --- helpers -------------------------------------------------------------------------------
 

@@ -157,7 +157,8 @@ class KernelLaunch:
     launch: Callable[..., Any]
     args: Callable[[list, list], tuple]
     options: Mapping[str, Any]  # grid, constexprs, warps and stages
-    outputs: tuple[tuple, ...]  # (memory shape, torch dtype, view permutation or None) to allocate
+    # (memory shape, torch dtype, view permutation or None, torch.empty or torch.zeros)
+    outputs: tuple[tuple, ...]
     slot: int
 
 
@@ -171,7 +172,7 @@ def argument_function(emitted: EmittedKernel, reads: Sequence[Read], outputs: Se
                       dims: Mapping[str, int]) -> Callable[[list, list], tuple]:
     """`args(values, outputs)`: the kernel's arguments, in its parameter order. `outputs`:
     each output's allocation (memory shape, dtype, the permutation the kernel sees it
-    through or None; `program.output_allocation`)."""
+    through or None, the allocator; `program.output_allocation`)."""
     region = emitted.kernel.region
     strides: dict[int, None] = {}
     exprs = []
@@ -183,7 +184,7 @@ def argument_function(emitted: EmittedKernel, reads: Sequence[Read], outputs: Se
             strides[slot] = None
             exprs.append(f"s{slot}[{spec.dim if perm is None else perm[spec.dim]}]")
         elif isinstance(spec, Stride):  # outputs are fresh: contiguous, or stored transposed
-            shape, _, view = outputs[spec.index]
+            shape, _, view, _ = outputs[spec.index]
             exprs.append(str(contiguous_strides(shape)[spec.dim if view is None else view[spec.dim]]))
         elif isinstance(spec, DimSize):
             exprs.append(str(evaluate(spec.symbol, dims)))
@@ -194,7 +195,7 @@ def argument_function(emitted: EmittedKernel, reads: Sequence[Read], outputs: Se
             exprs.append(str(total))
         elif isinstance(spec, TmaReady) and spec.role == "out":  # fresh and contiguous
             t = emitted.kernel.result_types[spec.index]
-            shape, _, view = outputs[spec.index]
+            shape, _, view, _ = outputs[spec.index]
             pitches = contiguous_strides(shape)[:-1]
             fits = view is None and all(p * t.dtype.itemsize % 16 == 0 for p in pitches)
             exprs.append(f"(o[{spec.index}].data_ptr() % 16 == 0)" if fits else "False")

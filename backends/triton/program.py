@@ -41,6 +41,7 @@ from .launch import (
 MAX_PLANS = 4096  # launch plans kept per program (one per size class)
 _CPU_DEVICE = _torch.device("cpu")
 _empty = _torch.empty
+_zeros = _torch.zeros
 _current_device = _torch.cuda.current_device
 
 TEMPLATES = {
@@ -185,9 +186,9 @@ class TritonBackend(Backend):
         for slot, size in plan.dims:
             values[slot] = size
         for k in plan.kernels:  # `allocate`, inlined: this is the call path
-            outs = [_empty(shape, dtype=dtype, device=device) if order is None
-                    else _empty(shape, dtype=dtype, device=device).permute(order)
-                    for shape, dtype, order in k.outputs]
+            outs = [alloc(shape, dtype=dtype, device=device) if order is None
+                    else alloc(shape, dtype=dtype, device=device).permute(order)
+                    for shape, dtype, order, alloc in k.outputs]
             k.launch(*k.args(values, outs), **k.options)
             values[k.slot:k.slot + len(outs)] = outs
 
@@ -202,15 +203,15 @@ class TritonBackend(Backend):
             if isinstance(step, ViewStep):
                 view = step.launch(dims)
                 view.launch(values)
-                yield step, (), view, None
+                yield step, (), view, None, ()
                 continue
             kernel = step.emitted.kernel
             outputs = tuple(output_allocation(eval_shape(t.shape, dims), storage_dtype(t),
-                                              kernel.out_order(r))
+                                              kernel.out_order(r), kernel.accumulates(r))
                             for r, t in enumerate(kernel.result_types))
             outs = [allocate(o, device) for o in outputs]
             arg_fn = argument_function(step.emitted, step.reads, outputs, dims)
-            yield step, outputs, arg_fn, arg_fn(values, outs)
+            yield step, outputs, arg_fn, arg_fn(values, outs), outs
             values[step.slot:step.slot + len(outs)] = outs
 
     def launches_at(self, bound: BoundCall) -> list[Launch]:
@@ -220,14 +221,14 @@ class TritonBackend(Backend):
         values = list(bound.values) + [None] * (self.n_slots - len(bound.values))
         dims = tuple(sorted(bound.dims.items()))
         return [Launch(step.emitted, _arguments(step.emitted, args), dims)
-                for step, _, _, args in self._walk(bound, values, bound.device or _CPU_DEVICE)
+                for step, _, _, args, _ in self._walk(bound, values, bound.device or _CPU_DEVICE)
                 if not isinstance(step, ViewStep)]
 
     def _plan(self, bound: BoundCall, values: list, device, target: str) -> LaunchPlan:
         """Build the plan for this call's sizes by running the call step by step."""
         dims = bound.dims
         kernels = []
-        for step, outputs, arg_fn, args in self._walk(bound, values, device):
+        for step, outputs, arg_fn, args, outs in self._walk(bound, values, device):
             if isinstance(step, ViewStep):
                 kernels.append(arg_fn)  # the view's plan step
                 continue
@@ -241,6 +242,9 @@ class TritonBackend(Backend):
                     launch(*args, **launch_options(c, target))
 
                 cfg = choose(emitted, dims, candidates, trial)
+                for out, (*_, alloc) in zip(outs, outputs, strict=True):
+                    if alloc is _zeros:  # the trials added into it
+                        out.zero_()
             else:
                 cfg = emitted.launch_config(dims, target)
             options = launch_options(cfg, target)
@@ -282,18 +286,21 @@ def ensure_allocator() -> None:
 _ALLOCATOR: list[Any] = []  # (Triton's allocator context variable, its null allocator class)
 
 
-def output_allocation(shape: tuple[int, ...], dtype, order: tuple[int, ...] | None) -> tuple:
-    """(memory shape, dtype, the permutation viewing it in the result's order, or None) of a
-    kernel output: contiguous, or stored in the axis `order` its kernel records."""
+def output_allocation(shape: tuple[int, ...], dtype, order: tuple[int, ...] | None,
+                      zeroed: bool = False) -> tuple:
+    """(memory shape, dtype, the permutation viewing it in the result's order or None, the
+    allocating function) of a kernel output: contiguous, or stored in the axis `order` its
+    kernel records; filled with zeros where the kernel adds into it."""
+    alloc = _zeros if zeroed else _empty
     if order is None:
-        return shape, dtype, None
+        return shape, dtype, None, alloc
     inverse = tuple(order.index(a) for a in range(len(order)))
-    return tuple(shape[a] for a in order), dtype, inverse
+    return tuple(shape[a] for a in order), dtype, inverse, alloc
 
 
 def allocate(output: tuple, device):
-    shape, dtype, view = output
-    out = _empty(shape, dtype=dtype, device=device)
+    shape, dtype, view, alloc = output
+    out = alloc(shape, dtype=dtype, device=device)
     return out if view is None else out.permute(view)
 
 

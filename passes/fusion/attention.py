@@ -12,8 +12,17 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from tiledsl.dims import Lin
 from tiledsl.ir import Op, Region
-from tiledsl.plans import AttentionBackwardPlan, AttentionPlan, KeyBound, LowerBound, ScoreDot, ScoreProduct
+from tiledsl.plans import (
+    AttentionBackwardPlan,
+    AttentionPlan,
+    KeyBound,
+    LowerBound,
+    ScoreDot,
+    ScoreProduct,
+    ScoreReduction,
+)
 
 
 def attention_plan(region: Region) -> AttentionPlan:
@@ -69,15 +78,69 @@ def attention_backward_plan(region: Region) -> AttentionBackwardPlan:
             products.append(ScoreProduct(v, a, b, False))
     over = "queries" if any(p.y_first or ops[p.matmul].operands[0] != p.x for p in products) else "keys"
     prods = {p.matmul for p in products}
-    stores = tuple(v for v in dict.fromkeys(region.outputs) if not region.depends(v) & prods)
-    before = set().union(*(region.depends(v) for v in [p.x for p in products] + list(stores)))
+    reductions = _reductions(region)
+    sums = {s for r in reductions for s in r.sums}
+    stores = tuple(v for v in dict.fromkeys(region.outputs)
+                   if not region.depends(v) & prods and v not in sums)
+    xs = [p.x for p in products] + [r.x for r in reductions]
+    before = set().union(*(region.depends(v) for v in xs + list(stores)))
     matmuls = {d.matmul for d in dots} | {p.matmul for p in products}
     views = {ops[p.matmul].operands[0] for p in products if not p.y_first and over == "queries"}
     score_ops = tuple(v for v in ops if v in before and v not in matmuls and ops[v].op.kind != "const")
-    epilogue = tuple(v for v in ops if v not in before and v not in matmuls | views
+    epilogue = tuple(v for v in ops if v not in before and v not in matmuls | views | sums
                      and ops[v].op.kind != "const")
-    bound = None if stores else _vanishing_bound(region, [p.x for p in products])
-    return AttentionBackwardPlan(over, tuple(dots), score_ops, tuple(products), epilogue, stores, bound)
+    bound = None if stores else _vanishing_bound(region, xs)
+    return AttentionBackwardPlan(over, tuple(dots), score_ops, tuple(products), epilogue, stores, bound,
+                                 reductions)
+
+
+def _reductions(region: Region) -> tuple[ScoreReduction, ...]:
+    """The chains of sums (and reshapes merging their axes) that end in an output, each
+    from a score-space value, with the score axes they sum over and those the result keeps
+    (`reduction_axes`)."""
+    n_in = len(region.inputs)
+    found = []
+    for out in dict.fromkeys(region.outputs):
+        if out < n_in or region.ops[out - n_in].op.kind != "sum":
+            continue
+        chain, x = [], out
+        while x >= n_in and region.ops[x - n_in].op.kind in ("sum", "reshape"):
+            chain.append(x)
+            x = region.ops[x - n_in].operands[0]
+        chain.reverse()
+        axes = reduction_axes(region.value_type(x).shape, [region.ops[v - n_in].op for v in chain])
+        assert axes is not None, "fuse-attention-backward checked the chain"
+        found.append(ScoreReduction(x, tuple(chain), *axes))
+    return tuple(found)
+
+
+def reduction_axes(shape, chain: list[Op]) -> tuple[frozenset[int], tuple[int | None, ...]] | None:
+    """The axes of a value of `shape` that a chain of `sum`s and `reshape`s merging two
+    adjacent axes sums over, and for each dim of the result the axis it keeps (None: a
+    kept size-1 dim); None when a result dim would merge two axes (an index the kernels do
+    not compute)."""
+    dims: list[tuple[int, ...]] = [(a,) for a in range(len(shape))]
+    sizes = list(shape)
+    axes: set[int] = set()
+    for op in chain:
+        if op.kind == "reshape":
+            lo = next((k for k in range(len(sizes) - 1)
+                       if tuple(op.shape) == (*sizes[:k], (Lin.of(sizes[k]) * Lin.of(sizes[k + 1])).dim(),
+                                              *sizes[k + 2:])), None)
+            if lo is None:
+                return None
+            dims[lo:lo + 2] = [dims[lo] + dims[lo + 1]]
+        else:
+            axis = op.attr("axis") % len(dims)
+            axes.update(dims[axis])
+            if op.attr("keepdims"):
+                dims[axis] = ()
+            else:
+                del dims[axis]
+        sizes = list(op.shape)
+    if any(len(d) > 1 for d in dims):
+        return None
+    return frozenset(axes), tuple(d[0] if d else None for d in dims)
 
 
 def _vanishing_bound(region: Region, values: list[int]) -> KeyBound | None:
