@@ -56,6 +56,7 @@ class FuseAttentionBackward(Pass):
                 return
             ctx.remarks.append(match.remark(graph))
             match.widen(graph)
+            match.own_casts(graph)
             groups = match.split(graph)
             plan = GroupPlan(graph)
             for members in groups:
@@ -106,6 +107,7 @@ class _Match:
         roots = [p.x for p in chosen] + (self.stored + [x for x, _ in self.reduced] if mine else [])
         need = _ancestors(graph, roots, self.space | set(self.dots))
         out = need | {p.matmul for p in chosen} | {p.view for p in chosen if p.view is not None}
+        out |= {o for m in out if _is(graph, m, "matmul") for o in graph.operands(m) if _widened(graph, o)}
         if mine:
             out |= {s for _, chain in self.reduced for s in chain}
         for p in chosen:
@@ -154,6 +156,15 @@ class _Match:
                     edges[slot] = (narrow, 0)
                     graph.set_operands(user, edges)
             self.reduced[k] = (wide, chain)
+
+    def own_casts(self, graph: Graph) -> None:
+        """Each dot and product gets its own copy of a widened operand (which other kernels
+        may read too): the kernel widens the tiles it loads."""
+        for m in self.dots + [p.matmul for p in self.products]:
+            edges = graph.operand_edges(m)
+            if any(_widened(graph, o) for o, _ in edges):
+                graph.set_operands(m, [(graph.add(graph.op(o), graph.operand_edges(o)), 0)
+                                       if _widened(graph, o) else (o, r) for o, r in edges])
 
     def split(self, graph: Graph) -> list[list[int]]:
         """One group per kernel; the keys kernel gets its own copy of the score ops."""
@@ -230,7 +241,9 @@ def _find(graph: Graph, refusals: list[FusionRemark]) -> _Match | None:
                 graph.op(n), graph.op(user)))
             continue
         match = _Match(dots, space, products, stored, reduced)
-        members = match.members(graph, "queries") + match.members(graph, "keys")
+        # (widened operands are copied into the kernels, `own_casts`: they read loaded tensors)
+        members = [n for n in match.members(graph, "queries") + match.members(graph, "keys")
+                   if not _widened(graph, n)]
         if GroupPlan(graph).creates_cycle(set(members[1:]), members[0]):
             refusals.append(FusionRemark.refused(NAME, Refusal(Rule.CYCLE, (
                 "a value the attention backward kernels read depends on what they compute")),
@@ -286,16 +299,28 @@ def _computed(graph: Graph, node: int) -> bool:
     """An elementwise op or matmul result (a value a kernel computes, not a tensor it loads)."""
     op = _op(graph, node)
     return op is not None and op.type.rank >= 2 and (ops.is_elementwise(op.kind) or op.kind == "matmul") \
-        and not is_clonable(graph, node)
+        and not is_clonable(graph, node) and not _widened(graph, node)
 
 
 def _loaded(graph: Graph, node: int) -> bool:
     """A tensor a dot can load its tiles from: a parameter, a stored kernel result, or a
-    transpose of one (read through its strides)."""
+    transpose of one (read through its strides), or one widened to f32 (`_widened`)."""
+    if _widened(graph, node):
+        (node,) = graph.operands(node)
     while _is(graph, node, "transpose"):
         (node,) = graph.operands(node)
     op = graph.op(node)
     return not isinstance(op, Op) or op.kind == "param"
+
+
+def _widened(graph: Graph, node: int) -> bool:
+    """A cast of a loaded f16 or bf16 tensor to f32 (an f32 dot's operand in mixed
+    precision): the kernel loads the tensor's tiles and widens them."""
+    op = _op(graph, node)
+    if op is None or op.kind != "cast" or op.dtype is not DType.F32:
+        return False
+    (src,) = graph.operands(node)
+    return graph.op(src).dtype in (DType.F16, DType.BF16) and _loaded(graph, src)
 
 
 def _space(graph: Graph, x: int, order: dict[int, int]) -> tuple[list[int], set[int]] | None:

@@ -94,16 +94,22 @@ def test_softcap_bias_and_causal_with_the_bias_gradient():
     assert templates(fn.backward) == ["rows", "attention_backward", "attention_backward"]
 
 
-def test_learnable_alibi_slopes():
-    fn = attention("f32", True, extra=", slopes: f32[H, 1, 1]",
-                   mod="s = s + slopes * cast(index(s, -1) - index(s, -2), f32)")
-    q, k, v = qkv(2, 3, 17, 33, 16, "f32")
+def alibi(dt: str) -> tiledsl.Program:
+    # f32 slopes times an f32 distance: in f16 and bf16 the scores are f32 (mixed precision)
+    return attention(dt, True, extra=", slopes: f32[H, 1, 1]",
+                     mod="s = s + slopes * cast(index(s, -1) - index(s, -2), f32)")
+
+
+@pytest.mark.parametrize("dt", ["f32", "f16", "bf16"])
+def test_learnable_alibi_slopes(dt):
+    fn = alibi(dt)
+    q, k, v = qkv(2, 3, 17, 33, 16, dt)
     grads_ok(fn, q, k, v, randn(3, 1, 1, seed=9) * 0.1)
     # the slopes' gradient, sum(ds * (j - i)) over B, M and N: each program of the dk/dv
-    # kernel sums its tiles and adds them into the [H, 1, 1] result atomically
+    # kernel sums its tiles and adds them into the [H, 1, 1] result atomically; in mixed
+    # precision the f32 dots load the f16 tensors and widen them (no kernel casts them)
     assert templates(fn.backward) == ["rows", "attention_backward", "attention_backward"]
-    assert "reduced by atomic adds: sum (line 4), sum (line 4), sum (line 4); one program per key block" \
-        in fn.backward.explain()
+    assert "reduced by atomic adds: sum (line 4), sum (line 4), sum (line 4);" in fn.backward.explain()
 
 
 # learnable broadcast biases: per key, per query row, shared by the batch; in f16 and bf16
@@ -171,3 +177,12 @@ def test_backward_kernels_compile_for_sm90_without_spills(d):
     assert len(reports) == 3
     assert all(r.spill_bytes == 0 for r in reports), reports
     assert all(r.wgmma for r in reports[1:]), reports  # the two attention_backward kernels
+
+
+def test_mixed_precision_backward_compiles_for_sm90_without_spills():
+    # f16 q, k, v with f32 ALiBi scores: the score dots run on the tensor cores from the
+    # f16 tiles; the f32 products (p.T @ do, ds.T @ q in f32) on the FMA units, in 32-wide tiles
+    reports = aot.inspect_program(alibi("f16").backward, {"B": 4, "H": 16, "M": 4096, "N": 4096, "D": 128})
+    assert len(reports) == 3
+    assert all(r.spill_bytes == 0 for r in reports), reports
+    assert reports[2].wgmma, reports

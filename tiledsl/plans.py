@@ -226,10 +226,14 @@ class AttentionBackwardPlan:
     # the walk skips the blocks past it (as the forward does)
     bound: KeyBound | None = None
     reductions: tuple[ScoreReduction, ...] = ()
+    # casts of f16/bf16 inputs to f32 that dots and products read: their tiles, loaded, widen
+    widened: tuple[int, ...] = ()
 
     def role(self, value: int) -> str:
         if value in self.stores:
             return "stored per tile"
+        if value in self.widened:
+            return "tiles widened to f32"
         if any(value in r.sums for r in self.reductions):
             return "reduced by atomic adds"
         if value in self.score_ops:

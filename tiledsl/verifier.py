@@ -179,6 +179,8 @@ def _verify_plan(k: KernelOp, fail) -> None:
             fail(f"kernel @{k.name}: its attention backward plan has no score dot or no product", k.span)
         for v in (*plan.score_ops, *plan.epilogue):
             kind(v)
+        for v in plan.widened:
+            expect(v, ("cast",), "widened tile")
         for r in plan.reductions:
             for v in r.sums:
                 expect(v, ("sum", "reshape"), "reduction chain")

@@ -121,9 +121,21 @@ class AttentionBackwardProgram:
             mask = f"(rk{j}[:, None] < {self.K[j]}) & (rn[None, :] < {self.N})"
         name = f"dot{j}_{'a' if side_a else 'b'}"
         ptrs = tile_ptrs(self.refs[value], t.rank, self.bnames, rows, cols, shape)
-        dot = self.value_type(d.matmul).dtype
+        dot = self.dot_dtype(j)
         body(f"{name} = tl.load({ptrs}, mask={mask}, other=0.0)")
         self.to_dot(name, t.dtype, dot)
+
+    def dot_dtype(self, j: int) -> DType:
+        """The dtype score dot j multiplies in: its own, or, for an f32 dot of two f16 (or
+        two bf16) tensors (mixed precision widens them), theirs: products of 11-bit (8-bit)
+        significands are exact in f32, and tl.dot sums them in f32, so the result is the
+        f32 dot's, from the tensor cores."""
+        d = self.plan.dots[j]
+        want = self.value_type(d.matmul).dtype
+        have = {self.value_type(d.a).dtype, self.value_type(d.b).dtype}
+        if want is DType.F32 and len(have) == 1 and have <= {DType.F16, DType.BF16}:
+            return have.pop()
+        return want
 
     def to_dot(self, name: str, have: DType, dot: DType) -> None:
         """Bring a loaded tile to the dot's dtype (mixed operands meet in f32; the interpreter
@@ -143,7 +155,7 @@ class AttentionBackwardProgram:
             self.dot_operand(j, fixed=False)
         vals: dict[int, Val] = dict(self.outer)
         for j, d in enumerate(plan.dots):
-            precision = dot_precision(self.value_type(d.matmul).dtype, self.allow_tf32)
+            precision = dot_precision(self.dot_dtype(j), self.allow_tf32)
             body(f"s{j} = tl.dot(dot{j}_a, dot{j}_b{precision})")
             vals[d.matmul] = Val(f"s{j}", Compute.F32)
         wanted = with_scalar_operands(region, plan.score_ops, vals) - vals.keys()
@@ -305,6 +317,9 @@ class AttentionBackwardProgram:
                    *(self.value_type(d.a).shape[-1] for d in plan.dots),
                    *(self.width(p) for p in plan.products))
         batch, n_dots = self.batch, len(plan.dots)
+        dtypes = [self.dot_dtype(j) for j in range(n_dots)] + [self.value_type(p.matmul).dtype
+                                                               for p in plan.products]
+        f32_dots = not self.allow_tf32 and DType.F32 in dtypes
 
         def configure(dims: Mapping[str, int], device: str) -> LaunchConfig:
             m, n, *rest = (evaluate(d, dims) for d in dims_of)
@@ -313,6 +328,8 @@ class AttentionBackwardProgram:
                 # kernel's two [64, 128] accumulators and k, v tiles spill with 4 warps, not 8
                 wide = max((next_pow2(size) for size in rest), default=16) >= 128
                 bm, bn, warps, stages = 64, 64, 8 if wide else 4, 2
+                if f32_dots:  # IEEE f32 dots run on the FMA units, not wgmma: smaller tiles
+                    bm, bn = 32, 32
             else:  # the interpreter: few, large programs
                 bm, bn, warps, stages = max(16, min(next_pow2(m), 64)), max(16, min(next_pow2(n), 64)), 4, 1
             consts = {"BLOCK_M": user["BLOCK_M"] or bm, "BLOCK_N": user["BLOCK_N"] or bn}

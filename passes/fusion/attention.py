@@ -63,11 +63,16 @@ def attention_backward_plan(region: Region) -> AttentionBackwardPlan:
         return r.operands[0] if r is not None and r.op.kind == "transpose" and r.operands[0] >= n_in \
             else None
 
-    dots, products = [], []
+    def source(v: int) -> int:  # the input a widening cast reads (loaded, then widened)
+        r = ops.get(v)
+        return r.operands[0] if r is not None and r.op.kind == "cast" and r.operands[0] < n_in else v
+
+    dots, products, widened = [], [], set()
     for v, r in ops.items():
         if r.op.kind != "matmul":
             continue
-        a, b = r.operands
+        widened |= {o for o in r.operands if source(o) != o}
+        a, b = (source(o) for o in r.operands)
         if a < n_in and b < n_in:
             dots.append(ScoreDot(v, a, b))
         elif swapped(a) is not None:
@@ -86,12 +91,13 @@ def attention_backward_plan(region: Region) -> AttentionBackwardPlan:
     before = set().union(*(region.depends(v) for v in xs + list(stores)))
     matmuls = {d.matmul for d in dots} | {p.matmul for p in products}
     views = {ops[p.matmul].operands[0] for p in products if not p.y_first and over == "queries"}
-    score_ops = tuple(v for v in ops if v in before and v not in matmuls and ops[v].op.kind != "const")
-    epilogue = tuple(v for v in ops if v not in before and v not in matmuls | views | sums
+    score_ops = tuple(v for v in ops if v in before and v not in matmuls | widened
+                      and ops[v].op.kind != "const")
+    epilogue = tuple(v for v in ops if v not in before and v not in matmuls | views | sums | widened
                      and ops[v].op.kind != "const")
     bound = None if stores else _vanishing_bound(region, xs)
     return AttentionBackwardPlan(over, tuple(dots), score_ops, tuple(products), epilogue, stores, bound,
-                                 reductions)
+                                 reductions, tuple(sorted(widened)))
 
 
 def _reductions(region: Region) -> tuple[ScoreReduction, ...]:
