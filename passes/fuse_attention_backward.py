@@ -40,6 +40,7 @@ from tiledsl.passes.registry import Pass, PassContext, register
 from tiledsl.types import DType
 
 NAME = "fuse-attention-backward"
+VIEWS = ("transpose", "slice", "reshape")  # the runtime's views (`ViewStep`), no kernel
 
 
 @register
@@ -99,6 +100,10 @@ class _Match:
     # score-space values summed over some axes by a chain of sums (a broadcast bias's
     # gradient): the kernel adds its tiles' sums to the result
     reduced: list[tuple[int, list[int]]]
+    # products summed over batch axes too (dk, dv of grouped-query attention, summed over
+    # the query heads of a group): the chain of sums after each, which the kernel's walk
+    # over those axes performs
+    batch_sums: dict[int, list[int]]
 
     def members(self, graph: Graph, over: str) -> list[int]:
         """The ops of the kernel summing over `over`: what its products read of the space."""
@@ -111,7 +116,8 @@ class _Match:
         if mine:
             out |= {s for _, chain in self.reduced for s in chain}
         for p in chosen:
-            out |= _epilogue(graph, p.matmul)
+            chain = self.batch_sums.get(p.matmul, [])
+            out |= set(chain) | _epilogue(graph, chain[-1] if chain else p.matmul)
         return sorted(out)
 
     @property
@@ -240,7 +246,7 @@ def _find(graph: Graph, refusals: list[FusionRemark]) -> _Match | None:
                 "attention backward kernels recompute per tile and never store")),
                 graph.op(n), graph.op(user)))
             continue
-        match = _Match(dots, space, products, stored, reduced)
+        match = _Match(dots, space, products, stored, reduced, _batch_sums(graph, products, dots))
         # (widened operands are copied into the kernels, `own_casts`: they read loaded tensors)
         members = [n for n in match.members(graph, "queries") + match.members(graph, "keys")
                    if not _widened(graph, n)]
@@ -270,6 +276,41 @@ def _sum_chain(graph: Graph, node: int) -> list[int] | None:
     if not chain or reduction_axes(graph.op(x).shape, [graph.op(n) for n in chain]) is None:
         return None
     return chain
+
+
+def _batch_sums(graph: Graph, products: list[_Product], dots: list[int]) -> dict[int, list[int]]:
+    """The sums over batch axes (and canonicalize's reshapes merging them) that read the
+    products summed over the queries, when every such product has them over the same axes
+    and the key-side operands of the score dots, loaded once per program, are broadcast
+    along those axes: the dk/dv kernel then walks them with the query blocks (MQA/GQA's
+    sum over the query heads sharing a key/value head). Otherwise none: the sums run
+    after the kernel."""
+    rank = graph.op(dots[0]).type.rank
+    chains, found = {}, None
+    for p in products:
+        if p.over != "queries":
+            continue
+        chain, node = [], p.matmul
+        while len(users := graph.users(node)) == 1 and (_is(graph, users[0][0], "sum")
+                                                        or _is(graph, users[0][0], "reshape")):
+            node = users[0][0]
+            chain.append(node)
+        while chain and not _is(graph, chain[-1], "sum"):
+            chain.pop()
+        summed = reduction_axes(graph.op(p.matmul).shape, [graph.op(n) for n in chain])
+        if summed is None or graph.op(p.matmul).type.rank != rank or summed[1][-2:] != (rank - 2, rank - 1) \
+                or any(a >= rank - 2 for a in summed[0]) or found is not None and summed[0] != found:
+            return {}
+        found = summed[0]
+        chains[p.matmul] = chain
+    if not found:
+        return {}
+    for d in dots:
+        src, res = graph.operand_edges(d)[1]
+        shape = graph.result_type(src, res).shape
+        if any(shape[a - rank + len(shape)] != 1 for a in found if a - rank + len(shape) >= 0):
+            return {}
+    return chains
 
 
 def _needs_whole(graph: Graph, user: int) -> bool:
@@ -304,10 +345,11 @@ def _computed(graph: Graph, node: int) -> bool:
 
 def _loaded(graph: Graph, node: int) -> bool:
     """A tensor a dot can load its tiles from: a parameter, a stored kernel result, or a
-    transpose of one (read through its strides), or one widened to f32 (`_widened`)."""
+    view of one (a transpose, slice or reshape, read through its strides), or one widened
+    to f32 (`_widened`)."""
     if _widened(graph, node):
         (node,) = graph.operands(node)
-    while _is(graph, node, "transpose"):
+    while any(_is(graph, node, kind) for kind in VIEWS):
         (node,) = graph.operands(node)
     op = graph.op(node)
     return not isinstance(op, Op) or op.kind == "param"

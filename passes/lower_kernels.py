@@ -63,7 +63,8 @@ class LowerKernels(Pass):
         for src, res in outputs:
             op = graph.op(src)
             if isinstance(op, KernelOp) or self._is_fresh_reshape(graph, src, outputs) \
-                    or self._store_transposed(graph, src, outputs):
+                    or self._store_transposed(graph, src, outputs) \
+                    or self._is_fresh_squeeze(graph, src, outputs):
                 new_outputs.append((src, res))
                 continue
             if op.kind == "const":
@@ -91,6 +92,13 @@ class LowerKernels(Pass):
         if not (isinstance(op, Op) and op.kind == "transpose") or outputs.count((node, 0)) != 1 \
                 or len(graph.users(node)) != 1:
             return False
+        return LowerKernels._transposed_store(graph, node)
+
+    @staticmethod
+    def _transposed_store(graph: Graph, node: int) -> bool:
+        """Have the kernel store the result transpose `node` reads in the transposed order,
+        if its template can and nothing else reads that result."""
+        op = graph.op(node)
         (src, res), = graph.operand_edges(node)
         kernel = graph.op(src)
         if not isinstance(kernel, KernelOp) or kernel.template not in STRIDED_STORES \
@@ -105,6 +113,28 @@ class LowerKernels(Pass):
         orders[res] = tuple(order)
         graph.set_op(src, kernel.replace(out_orders=tuple(orders)))
         return True
+
+    @staticmethod
+    def _is_fresh_squeeze(graph: Graph, node: int, outputs) -> bool:
+        """A slice that only drops size-1 dims (the gradient of a `k[:, :, None]`), returned
+        once, of a kernel result nothing else reads, or of a transpose of one that the
+        kernel then stores transposed: a view of a fresh contiguous tensor."""
+        op = graph.op(node)
+        if not (isinstance(op, Op) and op.kind == "slice") or outputs.count((node, 0)) != 1 \
+                or len(graph.users(node)) != 1:
+            return False
+        (src, res), = graph.operand_edges(node)
+        shape = graph.result_type(src, res).shape
+        items = op.attr("items")
+        if len(items) != len(shape) or not all(item == ("at", 0) and d == 1 or item == ("range", 0, d, 1, d)
+                                               for item, d in zip(items, shape, strict=True)):
+            return False
+        source = graph.op(src)
+        if isinstance(source, KernelOp):
+            return source.out_order(res) is None and \
+                [u for u, slot in graph.users(src) if graph.operand_edges(u)[slot] == (src, res)] == [node]
+        return isinstance(source, Op) and source.kind == "transpose" and len(graph.users(src)) == 1 \
+            and LowerKernels._transposed_store(graph, src)
 
     @staticmethod
     def _is_fresh_reshape(graph: Graph, node: int, outputs) -> bool:

@@ -160,14 +160,32 @@ def test_fully_masked_rows_have_zero_gradients_never_nan():
 
 
 def test_gqa_gradients():
-    # dk and dv are summed over the query heads sharing a kv head; the score dots read q and
-    # the gradient through reshapes, which the fused backward does not load yet (the generic
-    # derivation runs)
+    # dk and dv are summed over the query heads sharing a kv head: the dk/dv kernel walks
+    # the group's heads with the query blocks, summing them in its accumulators
     fn = tiledsl.compile((EXAMPLES / "gqa_attention.tdsl").read_text())
     t = torch.float16
-    q, k, v = randn(1, 4, 17, 16, dtype=t, seed=1), randn(1, 2, 17, 16, dtype=t, seed=2), \
-        randn(1, 2, 17, 16, dtype=t, seed=3)
-    grads_ok(fn, q, k, v)
+    for h, kh, s in [(4, 2, 17), (6, 1, 33), (6, 3, 70)]:
+        q, k, v = randn(2, h, s, 16, dtype=t, seed=1), randn(2, kh, s, 16, dtype=t, seed=2), \
+            randn(2, kh, s, 16, dtype=t, seed=3)
+        grads_ok(fn, q, k, v)
+    assert templates(fn.backward) == ["rows", "attention_backward", "attention_backward"]
+    assert "walks the query blocks and batch axes 2 of the scores (the query heads sharing a key/value " \
+           "head)" in fn.backward.explain()
+
+
+@pytest.mark.parametrize("kv", ["B, 1, N, D", "N, D"])
+def test_mqa_gradients(kv):
+    # one key/value head for every query head, broadcast from a size-1 head dim or from no
+    # batch dims at all (summed over B and H, which canonicalize merges into one sum)
+    fn = tiledsl.compile(f"""
+    kernel mqa(q: f16[B, H, M, D], k: f16[{kv}], v: f16[{kv}]) -> f16[B, H, M, D] {{
+        s = where(causal(q @ k.T), q @ k.T * rsqrt(D), -inf)
+        return softmax(s) @ v
+    }}""")
+    shape = (2, 1, 33, 16) if kv.startswith("B") else (33, 16)
+    t = torch.float16
+    grads_ok(fn, randn(2, 3, 17, 16, dtype=t, seed=1), randn(*shape, dtype=t, seed=2), randn(*shape, dtype=t, seed=3))
+    assert templates(fn.backward) == ["rows", "attention_backward", "attention_backward"]
 
 
 @pytest.mark.parametrize("d", [64, 128])
@@ -186,3 +204,11 @@ def test_mixed_precision_backward_compiles_for_sm90_without_spills():
     assert len(reports) == 3
     assert all(r.spill_bytes == 0 for r in reports), reports
     assert reports[2].wgmma, reports
+
+
+def test_gqa_backward_compiles_for_sm90_without_spills():
+    fn = tiledsl.compile((EXAMPLES / "gqa_attention.tdsl").read_text())
+    reports = aot.inspect_program(fn.backward, {"B": 2, "H": 32, "KH": 8, "H // KH": 4, "S": 4096, "D": 128})
+    assert len(reports) == 3
+    assert all(r.spill_bytes == 0 for r in reports), reports
+    assert all(r.wgmma for r in reports[1:]), reports

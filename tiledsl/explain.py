@@ -118,7 +118,11 @@ def _attention_structure(kernel: KernelOp) -> str:
     text = "; ".join(f"{role}: {', '.join(ops)}" for role, ops in roles.items())
     if kernel.template == "attention_backward":
         own, walk = ("key", "query") if parts.over == "queries" else ("query", "key")
-        text += f"; one program per {own} block walks the {walk} blocks, scores recomputed per tile"
+        text += f"; one program per {own} block walks the {walk} blocks"
+        if parts.walked:
+            axes = ", ".join(str(a) for a in parts.walked)
+            text += f" and batch axes {axes} of the scores (the query heads sharing a key/value head)"
+        text += ", scores recomputed per tile"
         if parts.bound is not None:
             text += f"; {walk} blocks outside the mask's bound, where every value summed is 0, are skipped"
         return text

@@ -188,6 +188,9 @@ class ScoreProduct:
     x: int
     y: int
     y_first: bool
+    # the batch dims of what the kernel stores, each the score batch axis it indexes (None:
+    # a kept size-1 dim), when the walk sums the product over batch axes (`walked`)
+    batch: tuple[int | None, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,12 +231,18 @@ class AttentionBackwardPlan:
     reductions: tuple[ScoreReduction, ...] = ()
     # casts of f16/bf16 inputs to f32 that dots and products read: their tiles, loaded, widen
     widened: tuple[int, ...] = ()
+    # batch axes of the scores the kernel walks too, its products summed over them by
+    # `batch_sums` (GQA's dk, dv: over the query heads sharing a key/value head)
+    walked: tuple[int, ...] = ()
+    batch_sums: tuple[int, ...] = ()
 
     def role(self, value: int) -> str:
         if value in self.stores:
             return "stored per tile"
         if value in self.widened:
             return "tiles widened to f32"
+        if value in self.batch_sums:
+            return "summed over the walked heads"
         if any(value in r.sums for r in self.reductions):
             return "reduced by atomic adds"
         if value in self.score_ops:
@@ -302,6 +311,7 @@ def format_plan(plan: Plan, name) -> str:
                 + (f", stores = {names(plan.stores)}" if plan.stores else "")
                 + "".join(f", reduce {name(r.x)} over {tuple(sorted(r.axes))} = {name(r.result)}"
                           for r in plan.reductions)
+                + (f", walks batch axes {plan.walked}" if plan.walked else "")
                 + (f", key_bound = {_bound(plan.bound, name)}" if plan.bound else "") + "}")
     return (f"plan attention {{qk = {name(plan.qk)}, softmax = {name(plan.softmax)}, "
             f"{'' if plan.p_cast is None else f'p_cast = {name(plan.p_cast)}, '}"

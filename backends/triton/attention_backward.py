@@ -20,6 +20,7 @@ through its strides, so a transposed product (`(q.T @ ds).T`) lands in place.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from contextlib import ExitStack
 
 from tiledsl.dims import evaluate
 from tiledsl.ir import KernelOp
@@ -76,9 +77,11 @@ class AttentionBackwardProgram:
         else:
             body("pid_o = pid % own_blocks")
         self.bnames: list[str | None] = [None if d == 1 else f"b{i}" for i, d in enumerate(self.batch)]
-        if self.batch:
+        # the batch axes the kernel walks (plan.walked) are not the program's: loops set them
+        mine = [None if i in plan.walked else n for i, n in enumerate(self.bnames)]
+        if any(mine):
             body("pb = pid_b.to(tl.int64)")
-            decompose(body, "pb", self.batch, self.bnames, sig.size, "pq")
+            decompose(body, "pb", self.batch, mine, sig.size, "pq")
         body(f"{self.own} = pid_o * {own_block} + tl.arange(0, {own_block})")
         body(f"{self.walk}_base = tl.arange(0, {walk_block})")
         for j in range(len(plan.dots)):
@@ -92,14 +95,21 @@ class AttentionBackwardProgram:
             body(f"acc{j} = tl.zeros([{own_block}, BLOCK_P{j}], dtype=tl.float32)")
         self.rank = len(self.score_shape)
         self.walk_axis = self.rank - (2 if plan.over == "queries" else 1)  # the score axis walked
-        for j, r in enumerate(plan.reductions):
-            if self.walk_axis in r.axes:  # summed in registers along the walk
-                body(f"red{j} = tl.zeros([{own_block}], dtype=tl.float32)")
         self.outer = self.program_scalars()
         start, end = self.walk_range(walk_size)
-        body(f"for w0 in range({start}, {end}, {walk_block}):")
-        with body.indent():
-            self.step()
+        summed = [j for j, r in enumerate(plan.reductions) if self.walk_axis in r.axes]
+        with ExitStack() as loops:
+            for a in plan.walked:  # a batch axis walked (GQA's query heads of a group)
+                body(f"for w{a + 1} in range(0, {sig.size(self.batch[a])}):")
+                loops.enter_context(body.indent())
+                body(f"{self.bnames[a]} = tl.cast(w{a + 1}, tl.int64)")
+            for j in summed:  # summed in registers along the walk
+                body(f"red{j} = tl.zeros([{own_block}], dtype=tl.float32)")
+            body(f"for w0 in range({start}, {end}, {walk_block}):")
+            with body.indent():
+                self.step()
+            for j in summed:
+                self.add_into(j, f"red{j}", (self.own,))
         self.finish()
 
     def width(self, p: ScoreProduct):
@@ -201,13 +211,12 @@ class AttentionBackwardProgram:
     def finish(self) -> None:
         body, em, region, plan = self.body, self.em, self.region, self.plan
         vals: dict[int, Val] = {p.matmul: Val(f"acc{j}", Compute.F32) for j, p in enumerate(plan.products)}
+        for v in plan.batch_sums:  # the walk summed them already (a reshape merges summed axes)
+            vals[v] = vals[region.ops[v - self.n_in].operands[0]]
         wanted = with_scalar_operands(region, plan.epilogue, vals)
         for i in inputs_read(region, wanted):
             vals[i] = em.scalar(self.scalars[i], region.inputs[i].type.dtype)
         em.run(region, vals, lambda op: em.index(None), skip=lambda v: v not in wanted)
-        for j, r in enumerate(plan.reductions):
-            if self.walk_axis in r.axes:
-                self.add_into(j, f"red{j}", (self.own,))
         own_size = self.N if plan.over == "queries" else self.M
         reduced = {r.result for r in plan.reductions}
         for j, v in enumerate(region.outputs):
@@ -220,7 +229,9 @@ class AttentionBackwardProgram:
             else:
                 rows, cols = f"{self.own}[:, None]", f"rp{k}[None, :]"
             block = "BLOCK_N" if plan.over == "queries" else "BLOCK_M"
-            ptrs = tile_ptrs(self.outs[j], t.rank, self.bnames, rows, cols, f"[{block}, BLOCK_P{k}]")
+            bnames = self.bnames if p.batch is None else [None if a is None else self.bnames[a]
+                                                          for a in p.batch]
+            ptrs = tile_ptrs(self.outs[j], t.rank, bnames, rows, cols, f"[{block}, BLOCK_P{k}]")
             mask = f"({self.own}[:, None] < {own_size}) & (rp{k}[None, :] < {self.P[k]})"
             body(f"tl.store({ptrs}, {em.store_value(vals[v], t)}, mask={mask})")
 
@@ -233,7 +244,8 @@ class AttentionBackwardProgram:
         kept = [a for a in axes if names[a] not in r.axes]
         for k in reversed(range(len(axes))):
             if axes[k] not in kept:
-                body(f"{part} = tl.sum({part}, axis={k})")
+                body(f"part{j} = tl.sum({part}, axis={k})")
+                part = f"part{j}"
         at = {names[a]: a if len(kept) == 1 else f"{a}[:, None]" if k == 0 else f"{a}[None, :]"
               for k, a in enumerate(kept)}
         at.update({a: name for a, name in enumerate(self.bnames) if name is not None})
@@ -316,7 +328,8 @@ class AttentionBackwardProgram:
         dims_of = (self.score_shape[-2], self.score_shape[-1],
                    *(self.value_type(d.a).shape[-1] for d in plan.dots),
                    *(self.width(p) for p in plan.products))
-        batch, n_dots = self.batch, len(plan.dots)
+        n_dots = len(plan.dots)
+        programs = [d for a, d in enumerate(self.batch) if a not in plan.walked]  # batch dims of the grid
         dtypes = [self.dot_dtype(j) for j in range(n_dots)] + [self.value_type(p.matmul).dtype
                                                                for p in plan.products]
         f32_dots = not self.allow_tf32 and DType.F32 in dtypes
@@ -328,6 +341,8 @@ class AttentionBackwardProgram:
                 # kernel's two [64, 128] accumulators and k, v tiles spill with 4 warps, not 8
                 wide = max((next_pow2(size) for size in rest), default=16) >= 128
                 bm, bn, warps, stages = 64, 64, 8 if wide else 4, 2
+                if wide and plan.walked:  # walking the group's heads too: 200 B spill at 64
+                    bm = 32
                 if f32_dots:  # IEEE f32 dots run on the FMA units, not wgmma: smaller tiles
                     bm, bn = 32, 32
             else:  # the interpreter: few, large programs
@@ -337,7 +352,7 @@ class AttentionBackwardProgram:
                 consts[f"BLOCK_K{j}" if j < n_dots else f"BLOCK_P{j - n_dots}"] = max(16, next_pow2(size))
             own = n if plan.over == "queries" else m
             block = consts["BLOCK_N" if plan.over == "queries" else "BLOCK_M"]
-            grid = (cdiv(own, block) * numel(batch, dims),)
+            grid = (cdiv(own, block) * numel(programs, dims),)
             return LaunchConfig(grid, consts, user["num_warps"] or warps, user["num_stages"] or stages)
 
         return configure

@@ -83,8 +83,20 @@ def attention_backward_plan(region: Region) -> AttentionBackwardPlan:
             products.append(ScoreProduct(v, a, b, False))
     over = "queries" if any(p.y_first or ops[p.matmul].operands[0] != p.x for p in products) else "keys"
     prods = {p.matmul for p in products}
-    reductions = _reductions(region)
-    sums = {s for r in reductions for s in r.sums}
+    # sums over batch axes of the products (GQA's dk, dv over a group's query heads)
+    batch_sums: list[int] = []
+    for v, r in ops.items():
+        if r.op.kind in ("sum", "reshape") and r.operands[0] in prods | set(batch_sums):
+            batch_sums.append(v)
+    walked: tuple[int, ...] = ()
+    for k, p in enumerate(products):
+        chain = [ops[v].op for v in batch_sums if p.matmul in region.depends(v)]
+        if chain:
+            axes, dims = reduction_axes(ops[p.matmul].op.shape, chain)
+            walked = tuple(sorted(axes))
+            products[k] = dataclasses.replace(p, batch=dims[:-2])
+    reductions = _reductions(region, prods)
+    sums = {s for r in reductions for s in r.sums} | set(batch_sums)
     stores = tuple(v for v in dict.fromkeys(region.outputs)
                    if not region.depends(v) & prods and v not in sums)
     xs = [p.x for p in products] + [r.x for r in reductions]
@@ -97,13 +109,13 @@ def attention_backward_plan(region: Region) -> AttentionBackwardPlan:
                      and ops[v].op.kind != "const")
     bound = None if stores else _vanishing_bound(region, xs)
     return AttentionBackwardPlan(over, tuple(dots), score_ops, tuple(products), epilogue, stores, bound,
-                                 reductions, tuple(sorted(widened)))
+                                 reductions, tuple(sorted(widened)), walked, tuple(batch_sums))
 
 
-def _reductions(region: Region) -> tuple[ScoreReduction, ...]:
+def _reductions(region: Region, products: set[int]) -> tuple[ScoreReduction, ...]:
     """The chains of sums (and reshapes merging their axes) that end in an output, each
-    from a score-space value, with the score axes they sum over and those the result keeps
-    (`reduction_axes`)."""
+    from a score-space value (not a product), with the score axes they sum over and those
+    the result keeps (`reduction_axes`)."""
     n_in = len(region.inputs)
     found = []
     for out in dict.fromkeys(region.outputs):
@@ -113,6 +125,8 @@ def _reductions(region: Region) -> tuple[ScoreReduction, ...]:
         while x >= n_in and region.ops[x - n_in].op.kind in ("sum", "reshape"):
             chain.append(x)
             x = region.ops[x - n_in].operands[0]
+        if x in products:
+            continue
         chain.reverse()
         axes = reduction_axes(region.value_type(x).shape, [region.ops[v - n_in].op for v in chain])
         assert axes is not None, "fuse-attention-backward checked the chain"
