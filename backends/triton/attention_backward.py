@@ -23,17 +23,30 @@ from collections.abc import Mapping
 from contextlib import ExitStack
 
 from tiledsl.dims import evaluate
-from tiledsl.ir import KernelOp
+from tiledsl.ir import KernelOp, Op
 from tiledsl.plans import AttentionBackwardPlan, ScoreProduct
-from tiledsl.types import Compute, DType
+from tiledsl.types import Compute, DType, TensorType
 
-from .attention import offset_text
+from .attention import LOG2E, offset_text
 from .base import EmittedKernel, Hints, LaunchConfig, cdiv, decompose, finish, hint, numel, require_dot_hints
 from .codegen import Code, Signature, next_pow2
 from .expr import Emitter, Val, dot_precision, inputs_read, with_scalar_operands
 from .matmul import tile_ptrs
 
 DOT_HINTS = ("BLOCK_M", "BLOCK_N")
+
+
+class ProbabilityEmitter(Emitter):
+    """The score ops' `exp` of an f32 (the probabilities `exp(z - lse)`) as the forward's
+    attention kernel computes them: `exp2` of the argument times log2(e), Triton's fast
+    form, not the f64 round trip of an f32 `exp` elsewhere. Forward and backward agree,
+    and the exp costs what it does in FlashAttention."""
+
+    def op(self, op: Op, args: list[Val], types: tuple[TensorType, ...]) -> Val:
+        if op.kind != "exp" or op.dtype is not DType.F32:
+            return super().op(op, args, types)
+        x = self.tensor(self.convert(args[0], Compute.F32))
+        return self.assign(f"tl.exp2({x.text} * {LOG2E!r})", Compute.F32)
 
 
 class AttentionBackwardProgram:
@@ -46,7 +59,7 @@ class AttentionBackwardProgram:
         self.score_shape = region.value_type(self.plan.dots[0].matmul).shape
         self.batch = self.score_shape[:-2]
         self.sig, self.body = Signature(), Code()
-        self.em = Emitter(self.body)
+        self.em = ProbabilityEmitter(self.body)
         # the loop walks the queries (rm) or the keys (rn); the program owns the other
         self.walk, self.own = ("rm", "rn") if self.plan.over == "queries" else ("rn", "rm")
 
