@@ -46,7 +46,8 @@ def qkv(b, h, m, n, d, dt, seed=0):
 
 
 # the FlashAttention test grid's awkward shapes, at sizes the interpreter runs fast
-GRID = [((1, 239), 32), ((113, 203), 59), ((128, 217), 64), ((108, 256), 80), ((33, 47), 128)]
+GRID = [((1, 239), 32), ((113, 203), 59), ((128, 217), 64), ((108, 256), 80), ((33, 47), 128),
+        ((256, 512), 64)]
 
 
 @pytest.mark.parametrize("causal", [False, True])
