@@ -2,6 +2,8 @@
 
     python benchmarks/attention.py                   # on a CUDA GPU: the table
     python benchmarks/attention.py --device cpu --quick   # a smoke run through the interpreter
+    python benchmarks/attention.py --backward        # backward and forward+backward TFLOP/s
+                                                     # (attention_backward.py's table)
 
 For head dim D in {64, 128}, sequence length N in {1k, 4k, 16k} with B * N =
 16k, H = 16, causal and not, f16 and bf16, it times in one run, on the same
@@ -108,7 +110,14 @@ def measure(device: str, quick: bool = False) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = arguments(__doc__).parse_args(argv)
+    parser = arguments(__doc__)
+    parser.add_argument("--backward", action="store_true",
+                        help="time the derived backward against SDPA flash and FlexAttention instead")
+    args = parser.parse_args(argv)
+    if args.backward:
+        import attention_backward
+
+        return attention_backward.main(["--device", args.device] + (["--quick"] if args.quick else []))
     device = args.device
     if not open_device("attention.py", device):
         return 2

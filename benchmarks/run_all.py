@@ -4,6 +4,8 @@
     python benchmarks/run_all.py --device cpu --quick       # a smoke run through the interpreter
 
 Runs attention (against SDPA's flash backend, SDPA's default and eager math),
+its derived backward and forward+backward (against SDPA flash's, and
+FlexAttention's for a soft-capped score mod),
 GEMM + multi-D epilogue (against torch.matmul alone, eager and torch.compile),
 the dual GEMM and the norm -> GEMM rewrite (against tiledsl without them, eager and
 torch.compile),
@@ -27,16 +29,20 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import attention  # noqa: E402
+import attention_backward  # noqa: E402
 import fusion_rewrites  # noqa: E402
 import gemm_epilogue  # noqa: E402
 import host_overhead  # noqa: E402
 import softmax  # noqa: E402
 from common import open_device  # noqa: E402
 
-# (benchmark, row key of a baseline's time, its name in the table)
+# (benchmark, row key of a baseline's time, its name in the table[, the row key of our time
+# it compares with: "ours_ms" unless named])
 BASELINES = {
     "attention": (("sdpa_flash_ms", "SDPA flash"), ("sdpa_default_ms", "SDPA default"),
                   ("eager_math_ms", "eager math")),
+    "attention_backward": (("base_bwd_ms", "backward: SDPA flash / FlexAttention", "bwd_ms"),
+                           ("base_fwd_bwd_ms", "forward+backward: the same", "fwd_bwd_ms")),
     "gemm_epilogue": (("matmul_ms", "torch.matmul alone"), ("eager_ms", "eager"),
                       ("compile_ms", "torch.compile")),
     "softmax": (("torch_softmax_ms", "torch.softmax"), ("copy_ms", "device copy")),
@@ -46,6 +52,8 @@ BASELINES = {
 
 
 def case(bench: str, row: dict) -> str:
+    if bench == "attention_backward":
+        return f"{row['dtype']} B={row['B']} H={row['H']} N={row['N']} D={row['D']} {row['variant']}"
     if bench == "attention":
         mask = " causal" if row["causal"] else ""
         return f"{row['dtype']} B={row['B']} H={row['H']} N={row['N']} D={row['D']}{mask}"
@@ -60,6 +68,8 @@ def case(bench: str, row: dict) -> str:
 def rate(bench: str, row: dict) -> str:
     if bench == "softmax":
         return f"{row['gbs']:.0f} GB/s"
+    if bench == "attention_backward":
+        return f"{row['bwd_tflops']:.0f} TFLOP/s backward, {row['fwd_bwd_tflops']:.0f} forward+backward"
     return f"{row['tflops']:.0f} TFLOP/s"
 
 
@@ -76,6 +86,10 @@ def goal_misses(bench: str, row: dict, rows: list[dict]) -> list[str]:
                 and (r["dtype"], r["N"], r["D"]) == (row["dtype"], row["N"], row["D"])]
         if full and row["ours_ms"] > 0.55 * full[0]["ours_ms"]:
             misses.append("causal > 0.55x non-causal")
+    if bench == "attention_backward" and row["base_bwd_ms"] < row["bwd_ms"] and (
+            row["variant"] == "softcap causal" or row["D"] == 128 and row["N"] >= 4096):
+        misses.append("backward slower than " + ("FlexAttention's" if row["variant"] == "softcap causal"
+                                                 else "SDPA flash's"))
     if bench == "gemm_epilogue" and row["ours_ms"] > 1.05 * row["matmul_ms"]:
         misses.append("> 1.05x torch.matmul")
     if bench == "fusion_rewrites" and row["ours_ms"] > row["unfused_ms"]:
@@ -101,12 +115,13 @@ def table(results: dict, on_gpu: bool) -> list[str]:
                 lines.append(f"| {bench} | {case(bench, row)} | not timed: {row['error']} | | | | |")
                 continue
             misses = (", ".join(goal_misses(bench, row, rows)) or "met") if on_gpu else "n/a (no GPU)"
-            for i, (key, name) in enumerate(BASELINES[bench]):
-                ratio = row[key] / row["ours_ms"]
-                first = (ms(row["ours_ms"]), rate(bench, row), misses) if i == 0 else ("", "", "")
-                lines.append(f"| {bench} | {case(bench, row) if i == 0 else ''} | {first[0]} | {first[1]} | "
-                             f"{name} {ms(row[key])} | {'n/a' if ratio != ratio else f'{ratio:.2f}'} | "
-                             f"{first[2]} |")
+            for i, (key, name, *mine) in enumerate(BASELINES[bench]):
+                ours = row[mine[0] if mine else "ours_ms"]
+                ratio = row.get(key, float("nan")) / ours  # NaN: no baseline on this device
+                first = (rate(bench, row), misses) if i == 0 else ("", "")
+                lines.append(f"| {bench} | {case(bench, row) if i == 0 else ''} | {ms(ours)} | {first[0]} | "
+                             f"{name} {ms(row.get(key, float('nan')))} | "
+                             f"{'n/a' if ratio != ratio else f'{ratio:.2f}'} | {first[1]} |")
     for name, row in results["host_overhead"].items():
         ratio = row["triton_dispatch_us"] / row["tiledsl_us"]
         goal = "met" if row["goal_met"] else "over 2x Triton's dispatch + 10 us"
@@ -131,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU (Triton's interpreter)"
     results: dict = {"device": device_name, "torch": torch.__version__, "kernels": {}}
     results["kernels"]["attention"] = attention.measure(args.device, args.quick)
+    results["kernels"]["attention_backward"] = attention_backward.measure(args.device, args.quick)
     results["kernels"]["gemm_epilogue"] = gemm_epilogue.measure(args.device, args.quick)
     results["kernels"]["softmax"] = softmax.measure(args.device, args.quick)
     results["kernels"]["fusion_rewrites"] = fusion_rewrites.measure(args.device, args.quick)

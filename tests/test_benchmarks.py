@@ -35,7 +35,7 @@ def test_compile_time_smoke_run(capsys):
 
 
 def test_attention_backward_smoke_run(capsys):
-    assert load("attention_backward").main(["--device", "cpu", "--quick"]) == 0
+    assert load("attention").main(["--device", "cpu", "--quick", "--backward"]) == 0
     lines = capsys.readouterr().out.splitlines()
     # every variant's gradients agreed with eager autograd and were timed
     assert [line.split("|")[0].split()[4:] for line in lines[2:8]] == [
@@ -80,10 +80,14 @@ def test_run_all_smoke_run(capsys, tmp_path):
     rows = [line.split("|")[1].strip() for line in lines[3:]]
     assert rows.count("attention") == 12 and rows.count("gemm_epilogue") == 6
     assert rows.count("softmax") == 4 and rows.count("host overhead") == 5
-    assert rows.count("fusion_rewrites") == 9
+    assert rows.count("fusion_rewrites") == 9 and rows.count("attention_backward") == 12
     assert "| f16 B=1 H=2 N=77 D=64 causal |" in lines[6] and "SDPA flash n/a | n/a | n/a (no GPU) |" in lines[6]
+    backward = [line for line in lines if line.startswith("| attention_backward | f16 B=1 H=2 N=77 D=64 plain |")]
+    assert len(backward) == 1 and "backward: SDPA flash / FlexAttention n/a | n/a | n/a (no GPU) |" in backward[0]
     result = json.loads(out_json.read_text())
-    assert sorted(result["kernels"]) == ["attention", "fusion_rewrites", "gemm_epilogue", "softmax"]
-    assert all("ours_ms" in row for rows in result["kernels"].values() for row in rows)
+    assert sorted(result["kernels"]) == ["attention", "attention_backward", "fusion_rewrites", "gemm_epilogue",
+                                         "softmax"]
+    assert all("bwd_ms" in row and "fwd_bwd_ms" in row if bench == "attention_backward" else "ours_ms" in row
+               for bench, rows in result["kernels"].items() for row in rows)
     assert sorted(result["host_overhead"]) == ["attention", "gemm_multiply_multiply", "gqa_attention", "rmsnorm",
                                               "softmax"]
