@@ -35,7 +35,7 @@ from tiledsl.passes.fusion.attention import reduction_axes
 from tiledsl.passes.fusion.grow import rewrite_groups
 from tiledsl.passes.fusion.legality import GroupPlan, describe_node
 from tiledsl.passes.fusion.remarks import FusionRemark, Refusal, Rule
-from tiledsl.passes.regions import is_clonable
+from tiledsl.passes.regions import is_by_value, is_clonable
 from tiledsl.passes.registry import Pass, PassContext, register
 from tiledsl.types import DType
 
@@ -57,7 +57,8 @@ class FuseAttentionBackward(Pass):
                 return
             ctx.remarks.append(match.remark(graph))
             match.widen(graph)
-            match.own_casts(graph)
+            match.own_prologues(graph)
+            match.sink_transposes(graph)
             groups = match.split(graph)
             plan = GroupPlan(graph)
             for members in groups:
@@ -112,7 +113,8 @@ class _Match:
         roots = [p.x for p in chosen] + (self.stored + [x for x, _ in self.reduced] if mine else [])
         need = _ancestors(graph, roots, self.space | set(self.dots))
         out = need | {p.matmul for p in chosen} | {p.view for p in chosen if p.view is not None}
-        out |= {o for m in out if _is(graph, m, "matmul") for o in graph.operands(m) if _widened(graph, o)}
+        out |= {n for m in out if _is(graph, m, "matmul") for o in graph.operands(m)
+                for n in _prologue_ops(graph, o)}
         if mine:
             out |= {s for _, chain in self.reduced for s in chain}
         for p in chosen:
@@ -163,14 +165,43 @@ class _Match:
                     graph.set_operands(user, edges)
             self.reduced[k] = (wide, chain)
 
-    def own_casts(self, graph: Graph) -> None:
-        """Each dot and product gets its own copy of a widened operand (which other kernels
-        may read too): the kernel widens the tiles it loads."""
+    def own_prologues(self, graph: Graph) -> None:
+        """Each dot and product gets its own copy of an operand's prologue (which other
+        kernels may read too), a transpose of it moved onto the tensor it loads (a view and
+        an elementwise op with scalars commute): the kernel computes it on the tiles it
+        loads."""
         for m in self.dots + [p.matmul for p in self.products]:
             edges = graph.operand_edges(m)
-            if any(_widened(graph, o) for o, _ in edges):
-                graph.set_operands(m, [(graph.add(graph.op(o), graph.operand_edges(o)), 0)
-                                       if _widened(graph, o) else (o, r) for o, r in edges])
+            if any(_prologue_ops(graph, o) for o, _ in edges):
+                graph.set_operands(m, [(_copy_prologue(graph, o), 0) if _prologue_ops(graph, o) else (o, r)
+                                       for o, r in edges])
+                _remove_dead(graph, [o for o, _ in edges])
+
+    def sink_transposes(self, graph: Graph) -> None:
+        """A transposed product scaled or cast after its transpose (`(q.T @ ds).T * c`) is
+        scaled before it, `(q.T @ ds * c).T`: the scale joins the kernel's epilogue and the
+        transpose stays a view, stored through the result's strides."""
+        for p in self.products:
+            chain = self.batch_sums.get(p.matmul, [])
+            node = chain[-1] if chain else p.matmul
+            while True:
+                node = max(_epilogue(graph, node) | {node})  # the epilogue's last op (a chain)
+                users = graph.users(node)
+                if len(users) != 1 or not _is(graph, users[0][0], "transpose"):
+                    break
+                t = users[0][0]
+                after = graph.users(t)
+                op = _op(graph, after[0][0]) if len(after) == 1 else None
+                if op is None or not ops.is_elementwise(op.kind) or any(
+                        o != t and not _scalar(graph, o) for o in graph.operands(after[0][0])):
+                    break
+                e = after[0][0]
+                moved = graph.add(op.replace(shape=graph.op(node).shape),
+                                  [(node, 0) if o == t else (o, r) for o, r in graph.operand_edges(e)])
+                view = graph.add(graph.op(t).replace(dtype=op.dtype), [moved])
+                graph.replace_uses(e, view)
+                graph.remove(e)
+                graph.remove(t)
 
     def split(self, graph: Graph) -> list[list[int]]:
         """One group per kernel; the keys kernel gets its own copy of the score ops."""
@@ -247,9 +278,9 @@ def _find(graph: Graph, refusals: list[FusionRemark]) -> _Match | None:
                 graph.op(n), graph.op(user)))
             continue
         match = _Match(dots, space, products, stored, reduced, _batch_sums(graph, products, dots))
-        # (widened operands are copied into the kernels, `own_casts`: they read loaded tensors)
+        # (prologues are copied into the kernels, `own_prologues`: they read loaded tensors)
         members = [n for n in match.members(graph, "queries") + match.members(graph, "keys")
-                   if not _widened(graph, n)]
+                   if not _prologue(graph, n)]
         if GroupPlan(graph).creates_cycle(set(members[1:]), members[0]):
             refusals.append(FusionRemark.refused(NAME, Refusal(Rule.CYCLE, (
                 "a value the attention backward kernels read depends on what they compute")),
@@ -340,29 +371,82 @@ def _computed(graph: Graph, node: int) -> bool:
     """An elementwise op or matmul result (a value a kernel computes, not a tensor it loads)."""
     op = _op(graph, node)
     return op is not None and op.type.rank >= 2 and (ops.is_elementwise(op.kind) or op.kind == "matmul") \
-        and not is_clonable(graph, node) and not _widened(graph, node)
+        and not is_clonable(graph, node) and not _prologue(graph, node)
 
 
 def _loaded(graph: Graph, node: int) -> bool:
     """A tensor a dot can load its tiles from: a parameter, a stored kernel result, or a
-    view of one (a transpose, slice or reshape, read through its strides), or one widened
-    to f32 (`_widened`)."""
-    if _widened(graph, node):
-        (node,) = graph.operands(node)
+    view of one (a transpose, slice or reshape, read through its strides), or a prologue
+    on one (`_prologue`), or a transpose of that."""
+    if _is(graph, node, "transpose") and _prologue(graph, graph.operands(node)[0]):
+        return True
+    if _prologue(graph, node):
+        return True
     while any(_is(graph, node, kind) for kind in VIEWS):
         (node,) = graph.operands(node)
     op = graph.op(node)
     return not isinstance(op, Op) or op.kind == "param"
 
 
-def _widened(graph: Graph, node: int) -> bool:
-    """A cast of a loaded f16 or bf16 tensor to f32 (an f32 dot's operand in mixed
-    precision): the kernel loads the tensor's tiles and widens them."""
+def _scalar(graph: Graph, node: int) -> bool:
+    """A scalar a kernel computes or is passed by value."""
+    op = graph.op(node)
+    return isinstance(op, Op) and op.type.rank == 0 and (is_by_value(op) or is_clonable(graph, node))
+
+
+def _prologue(graph: Graph, node: int) -> bool:
+    """An elementwise op of one loaded tensor (or of another prologue) and scalars: `q *
+    scale`, an f16 tensor cast to f32 (mixed precision). The kernel computes it on the
+    tiles it loads (in f32, rounded to the op's dtype before the dot)."""
     op = _op(graph, node)
-    if op is None or op.kind != "cast" or op.dtype is not DType.F32:
+    if op is None or op.type.rank < 2 or not ops.is_elementwise(op.kind) or is_clonable(graph, node):
         return False
-    (src,) = graph.operands(node)
-    return graph.op(src).dtype in (DType.F16, DType.BF16) and _loaded(graph, src)
+    tensors = [(o, r) for o, r in graph.operand_edges(node) if not _scalar(graph, o)]
+    if len(tensors) != 1 or graph.result_type(*tensors[0]).shape != op.shape:
+        return False
+    (src, _), = tensors
+    return _loaded(graph, src)
+
+
+def _prologue_ops(graph: Graph, node: int) -> list[int]:
+    """The prologue ops a dot operand is computed by (through a transpose of them)."""
+    if _is(graph, node, "transpose"):
+        (node,) = graph.operands(node)
+    out = []
+    while _prologue(graph, node):
+        out.append(node)
+        node = next(o for o in graph.operands(node) if not _scalar(graph, o))
+    return out
+
+
+def _remove_dead(graph: Graph, nodes: list[int]) -> None:
+    """Remove the ops among `nodes` that nothing reads now, and what only they read."""
+    stack = list(nodes)
+    while stack:
+        n = stack.pop()
+        if n in graph.nx and isinstance(graph.op(n), Op) and graph.op(n).kind != "param" \
+                and not graph.users(n):
+            stack.extend(graph.operands(n))
+            graph.remove(n)
+
+
+def _copy_prologue(graph: Graph, node: int, transpose: Op | None = None) -> int:
+    """A copy of the prologue `node` (of a transpose of one: the prologue of the transposed
+    tensor, in its shape) for one dot's use."""
+    if transpose is None and _is(graph, node, "transpose"):
+        transpose, (node,) = graph.op(node), graph.operands(node)
+    op = graph.op(node)
+    if transpose is not None:
+        op = op.replace(shape=transpose.shape)
+    edges = []
+    for src, res in graph.operand_edges(node):
+        if _prologue(graph, src):
+            edges.append((_copy_prologue(graph, src, transpose), 0))
+        elif transpose is not None and not _scalar(graph, src):  # the loaded tensor, transposed
+            edges.append((graph.add(transpose, [(src, res)]), 0))
+        else:
+            edges.append((src, res))
+    return graph.add(op, edges)
 
 
 def _space(graph: Graph, x: int, order: dict[int, int]) -> tuple[list[int], set[int]] | None:
@@ -430,7 +514,7 @@ def _epilogue(graph: Graph, product: int) -> set[int]:
         user = users[0][0]
         op = _op(graph, user)
         if op is None or not ops.is_elementwise(op.kind) or op.shape != graph.op(node).shape or any(
-                o != node and not is_clonable(graph, o) for o in graph.operands(user)):
+                o != node and not (is_clonable(graph, o) or _scalar(graph, o)) for o in graph.operands(user)):
             return out
         out.add(user)
         node = user

@@ -128,6 +128,23 @@ def test_broadcast_bias_gradients_are_summed_in_the_kernel(bias):
     assert kinds == ["rows", "attention_backward", "attention_backward"] + (["pointwise"] if dt != "f32" else [])
 
 
+@pytest.mark.parametrize("dt", ["f16", "bf16", "f32"])
+def test_operand_prologues_are_computed_on_the_loaded_tiles(dt):
+    # q, k and v scaled before their dots (by a literal, a dim's rsqrt and a scalar
+    # argument): the backward kernels scale the tiles they load, the scalar's factor on dk
+    # (stored transposed) joins the dk/dv kernel's epilogue
+    fn = tiledsl.compile(f"""
+    kernel attn(q: {dt}[B, H, M, D], k: {dt}[B, H, N, D], v: {dt}[B, H, N, D], c: f32) -> {dt}[B, H, M, D] {{
+        s = (q * rsqrt(D)) @ (k * c).T
+        s = where(causal(s), s, -inf)
+        return softmax(s, axis=-1) @ (v * 2.0)
+    }}""")
+    grads_ok(fn, *qkv(2, 3, 17, 33, 16, dt), 0.7)
+    assert templates(fn.backward) == ["rows", "attention_backward", "attention_backward"]
+    assert "operand prologues: mul (line 5), mul (line 3), mul (line 3), mul (line 3); score dots" \
+        in fn.backward.explain()
+
+
 @pytest.mark.parametrize("width", [1, 20, 300])
 def test_blocks_outside_a_window_are_skipped(width):
     # a window j in (i - width, i + 3]: both kernels walk only the blocks it reaches (the

@@ -79,6 +79,10 @@ class GemmPlan:
     matmul: int
     a: int
     b: int
+    # the inputs a and b are computed from by a prologue (`q * scale`, a widening cast) on
+    # the tiles loaded; a and b themselves when they are inputs
+    a_source: int
+    b_source: int
     a_source: int
     b_source: int
     a_prologue: frozenset[int]
@@ -171,11 +175,16 @@ class AttentionPlan:
 @dataclass(frozen=True, slots=True)
 class ScoreDot:
     """A matmul of the score tile, `a @ b`: a [.., M, K] and b [.., K, N] are region inputs
-    (views read through their strides), loaded whole along K."""
+    (views read through their strides) or computed from one by a prologue, loaded whole
+    along K."""
 
     matmul: int
     a: int
     b: int
+    # the inputs a and b are computed from by a prologue (`q * scale`, a widening cast) on
+    # the tiles loaded; a and b themselves when they are inputs
+    a_source: int
+    b_source: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,6 +200,7 @@ class ScoreProduct:
     # the batch dims of what the kernel stores, each the score batch axis it indexes (None:
     # a kept size-1 dim), when the walk sums the product over batch axes (`walked`)
     batch: tuple[int | None, ...] | None = None
+    y_source: int | None = None  # the input y's prologue reads; None: y is an input
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,8 +239,8 @@ class AttentionBackwardPlan:
     # the walk skips the blocks past it (as the forward does)
     bound: KeyBound | None = None
     reductions: tuple[ScoreReduction, ...] = ()
-    # casts of f16/bf16 inputs to f32 that dots and products read: their tiles, loaded, widen
-    widened: tuple[int, ...] = ()
+    # the ops that compute dot and product operands from the inputs, on the tiles loaded
+    prologues: tuple[int, ...] = ()
     # batch axes of the scores the kernel walks too, its products summed over them by
     # `batch_sums` (GQA's dk, dv: over the query heads sharing a key/value head)
     walked: tuple[int, ...] = ()
@@ -239,8 +249,8 @@ class AttentionBackwardPlan:
     def role(self, value: int) -> str:
         if value in self.stores:
             return "stored per tile"
-        if value in self.widened:
-            return "tiles widened to f32"
+        if value in self.prologues:
+            return "operand prologues"
         if value in self.batch_sums:
             return "summed over the walked heads"
         if any(value in r.sums for r in self.reductions):

@@ -170,17 +170,17 @@ def _verify_plan(k: KernelOp, fail) -> None:
     elif isinstance(plan, AttentionBackwardPlan):
         for d in plan.dots:
             expect(d.matmul, ("matmul",), "score dot")
-            expect(d.a, (None,), "score dot operand")
-            expect(d.b, (None,), "score dot operand")
+            expect(d.a_source, (None,), "score dot operand")
+            expect(d.b_source, (None,), "score dot operand")
         for p in plan.products:
             expect(p.matmul, ("matmul",), "product")
-            expect(p.y, (None,), "product operand")
+            expect(p.y if p.y_source is None else p.y_source, (None,), "product operand")
         if not plan.dots or not plan.products or plan.over not in ("queries", "keys"):
             fail(f"kernel @{k.name}: its attention backward plan has no score dot or no product", k.span)
         for v in (*plan.score_ops, *plan.epilogue):
             kind(v)
-        for v in plan.widened:
-            expect(v, ("cast",), "widened tile")
+        for v in plan.prologues:
+            kind(v)
         for r in plan.reductions:
             for v in r.sums:
                 expect(v, ("sum", "reshape"), "reduction chain")

@@ -31,7 +31,7 @@ from .attention import LOG2E, offset_text
 from .base import EmittedKernel, Hints, LaunchConfig, cdiv, decompose, finish, hint, numel, require_dot_hints
 from .codegen import Code, Signature, next_pow2
 from .expr import Emitter, Val, dot_precision, inputs_read, with_scalar_operands
-from .matmul import tile_ptrs
+from .matmul import operand_tile, tile_ptrs
 
 DOT_HINTS = ("BLOCK_M", "BLOCK_N")
 
@@ -132,7 +132,7 @@ class AttentionBackwardProgram:
 
     def dot_operand(self, j: int, fixed: bool) -> None:
         """Load score dot j's operand of the owned side (`fixed`) or of the walked side."""
-        d, body = self.plan.dots[j], self.body
+        d = self.plan.dots[j]
         side_a = (self.own == "rm") == fixed  # a [.., M, K] belongs to the queries
         value = d.a if side_a else d.b
         t = self.value_type(value)
@@ -143,19 +143,39 @@ class AttentionBackwardProgram:
             rows, cols, shape = f"rk{j}[:, None]", "rn[None, :]", f"[BLOCK_K{j}, BLOCK_N]"
             mask = f"(rk{j}[:, None] < {self.K[j]}) & (rn[None, :] < {self.N})"
         name = f"dot{j}_{'a' if side_a else 'b'}"
-        ptrs = tile_ptrs(self.refs[value], t.rank, self.bnames, rows, cols, shape)
+        source = d.a_source if side_a else d.b_source
         dot = self.dot_dtype(j)
-        body(f"{name} = tl.load({ptrs}, mask={mask}, other=0.0)")
-        self.to_dot(name, t.dtype, dot)
+        if dot is not self.value_type(d.matmul).dtype:  # the widened tensors' own tiles
+            value = source
+        ptrs = tile_ptrs(self.refs[source], t.rank, self.bnames, rows, cols, shape)
+        self.operand(name, ptrs, mask, value, source, dot)
+
+    def operand(self, name: str, ptrs: str, mask: str, value: int, source: int, dot: DType) -> None:
+        """Load a tile of `source` into `name` and bring it to the dot's dtype, computing the
+        prologue that gives `value` on it (in f32; 0 outside the tile)."""
+        rop = self.region.ops[value - self.n_in] if value >= self.n_in else None
+        if value == source or rop.op.kind == "cast" and rop.operands == (source,) and rop.op.dtype is dot:
+            self.body(f"{name} = tl.load({ptrs}, mask={mask}, other=0.0)")
+            self.to_dot(name, self.value_type(source).dtype, dot)
+            return
+        chain = self.region.depends(value) - {source}
+        operand_tile(self.em, self.region, name, ptrs, mask, value, source, chain, self.scalars, dot)
 
     def dot_dtype(self, j: int) -> DType:
         """The dtype score dot j multiplies in: its own, or, for an f32 dot of two f16 (or
-        two bf16) tensors (mixed precision widens them), theirs: products of 11-bit (8-bit)
-        significands are exact in f32, and tl.dot sums them in f32, so the result is the
-        f32 dot's, from the tensor cores."""
-        d = self.plan.dots[j]
+        two bf16) tensors widened to f32 (mixed precision), theirs: products of 11-bit
+        (8-bit) significands are exact in f32, and tl.dot sums them in f32, so the result
+        is the f32 dot's, from the tensor cores."""
+        d, n_in = self.plan.dots[j], self.n_in
         want = self.value_type(d.matmul).dtype
-        have = {self.value_type(d.a).dtype, self.value_type(d.b).dtype}
+
+        def narrow(value: int, source: int) -> DType:
+            if value >= n_in and (self.region.ops[value - n_in].op.kind != "cast"
+                                  or self.region.ops[value - n_in].operands != (source,)):
+                return want  # a prologue computing more than a widening
+            return self.value_type(source).dtype
+
+        have = {narrow(d.a, d.a_source), narrow(d.b, d.b_source)}
         if want is DType.F32 and len(have) == 1 and have <= {DType.F16, DType.BF16}:
             return have.pop()
         return want
@@ -216,9 +236,9 @@ class AttentionBackwardProgram:
                 rows, cols = "rn[:, None]", f"rp{j}[None, :]"
                 mask = f"(rn[:, None] < {self.N}) & (rp{j}[None, :] < {self.P[j]})"
                 shape, lhs = f"[BLOCK_N, BLOCK_P{j}]", f"x{j}"
-            ptrs = tile_ptrs(self.refs[p.y], y_t.rank, self.bnames, rows, cols, shape)
-            body(f"y{j} = tl.load({ptrs}, mask={mask}, other=0.0)")
-            self.to_dot(f"y{j}", y_t.dtype, dot)
+            source = p.y if p.y_source is None else p.y_source
+            ptrs = tile_ptrs(self.refs[source], y_t.rank, self.bnames, rows, cols, shape)
+            self.operand(f"y{j}", ptrs, mask, p.y, source, dot)
             body(f"acc{j} = tl.dot({lhs}, y{j}, acc{j}{dot_precision(dot, self.allow_tf32)})")
 
     def finish(self) -> None:

@@ -63,24 +63,31 @@ def attention_backward_plan(region: Region) -> AttentionBackwardPlan:
         return r.operands[0] if r is not None and r.op.kind == "transpose" and r.operands[0] >= n_in \
             else None
 
-    def source(v: int) -> int:  # the input a widening cast reads (loaded, then widened)
-        r = ops.get(v)
-        return r.operands[0] if r is not None and r.op.kind == "cast" and r.operands[0] < n_in else v
+    matmul_ids = {v for v, r in ops.items() if r.op.kind == "matmul"}
 
-    dots, products, widened = [], [], set()
+    def loaded(v: int) -> bool:  # an input, or a prologue on one (computed from no matmul)
+        return not region.depends(v) & matmul_ids
+
+    def source(v: int) -> int:  # the input a prologue reads (its one operand not a scalar)
+        while v >= n_in:
+            v = next(o for o in ops[v].operands if region.value_type(o).rank > 0)
+        return v
+
+    dots, products, prologues = [], [], set()
     for v, r in ops.items():
         if r.op.kind != "matmul":
             continue
-        widened |= {o for o in r.operands if source(o) != o}
-        a, b = (source(o) for o in r.operands)
-        if a < n_in and b < n_in:
-            dots.append(ScoreDot(v, a, b))
-        elif swapped(a) is not None:
-            products.append(ScoreProduct(v, swapped(a), b, False))
-        elif a < n_in:
-            products.append(ScoreProduct(v, b, a, True))
+        a, b = r.operands
+        prologues |= {p for o in (a, b) if loaded(o) for p in region.depends(o)
+                      if p >= n_in and region.value_type(p).rank > 0}
+        if loaded(a) and loaded(b):
+            dots.append(ScoreDot(v, a, b, source(a), source(b)))
+        elif swapped(a) is not None and not loaded(swapped(a)):
+            products.append(ScoreProduct(v, swapped(a), b, False, y_source=source(b)))
+        elif loaded(a):
+            products.append(ScoreProduct(v, b, a, True, y_source=source(a)))
         else:
-            products.append(ScoreProduct(v, a, b, False))
+            products.append(ScoreProduct(v, a, b, False, y_source=source(b)))
     over = "queries" if any(p.y_first or ops[p.matmul].operands[0] != p.x for p in products) else "keys"
     prods = {p.matmul for p in products}
     # sums over batch axes of the products (GQA's dk, dv over a group's query heads)
@@ -103,13 +110,13 @@ def attention_backward_plan(region: Region) -> AttentionBackwardPlan:
     before = set().union(*(region.depends(v) for v in xs + list(stores)))
     matmuls = {d.matmul for d in dots} | {p.matmul for p in products}
     views = {ops[p.matmul].operands[0] for p in products if not p.y_first and over == "queries"}
-    score_ops = tuple(v for v in ops if v in before and v not in matmuls | widened
+    score_ops = tuple(v for v in ops if v in before and v not in matmuls | prologues
                       and ops[v].op.kind != "const")
-    epilogue = tuple(v for v in ops if v not in before and v not in matmuls | views | sums | widened
+    epilogue = tuple(v for v in ops if v not in before and v not in matmuls | views | sums | prologues
                      and ops[v].op.kind != "const")
     bound = None if stores else _vanishing_bound(region, xs)
     return AttentionBackwardPlan(over, tuple(dots), score_ops, tuple(products), epilogue, stores, bound,
-                                 reductions, tuple(sorted(widened)), walked, tuple(batch_sums))
+                                 reductions, tuple(sorted(prologues)), walked, tuple(batch_sums))
 
 
 def _reductions(region: Region, products: set[int]) -> tuple[ScoreReduction, ...]:
