@@ -215,6 +215,17 @@ def test_backward_kernels_compile_for_sm90_without_spills(d):
     assert all(r.wgmma for r in reports[1:]), reports  # the two attention_backward kernels
 
 
+def test_every_autotune_candidate_compiles_for_sm90_without_spills():
+    fn = attention("bf16", False)
+    reports = aot.inspect_program(fn.backward, {"B": 4, "H": 16, "M": 4096, "N": 4096, "D": 128},
+                                  every_candidate=True)
+    tiles = [(r.name, r.config["BLOCK_M"], r.config["BLOCK_N"], r.config["num_stages"])
+             for r in reports if "BLOCK_K0" in r.config]
+    assert len(tiles) == 8 and len(set(tiles)) == 8, tiles  # 4 candidates for each kernel
+    assert all(r.spill_bytes == 0 for r in reports), [(r.name, r.config, r.spill_bytes) for r in reports]
+    assert all(r.wgmma for r in reports if "BLOCK_K0" in r.config), reports
+
+
 def test_mixed_precision_backward_compiles_for_sm90_without_spills():
     # f16 q, k, v with f32 ALiBi scores: the score dots run on the tensor cores from the
     # f16 tiles; the f32 products (p.T @ do, ds.T @ q in f32) on the FMA units, in 32-wide tiles

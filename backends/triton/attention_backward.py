@@ -367,19 +367,8 @@ class AttentionBackwardProgram:
                                                                for p in plan.products]
         f32_dots = not self.allow_tf32 and DType.F32 in dtypes
 
-        def configure(dims: Mapping[str, int], device: str) -> LaunchConfig:
+        def config(dims: Mapping[str, int], bm: int, bn: int, warps: int, stages: int) -> LaunchConfig:
             m, n, *rest = (evaluate(d, dims) for d in dims_of)
-            if device == "cuda":
-                # sm_90, Triton 3.9 (`tiledsl ptx`): 64 x 64 tiles; at head dim 128 the dk/dv
-                # kernel's two [64, 128] accumulators and k, v tiles spill with 4 warps, not 8
-                wide = max((next_pow2(size) for size in rest), default=16) >= 128
-                bm, bn, warps, stages = 64, 64, 8 if wide else 4, 2
-                if wide and plan.walked:  # walking the group's heads too: 200 B spill at 64
-                    bm = 32
-                if f32_dots:  # IEEE f32 dots run on the FMA units, not wgmma: smaller tiles
-                    bm, bn = 32, 32
-            else:  # the interpreter: few, large programs
-                bm, bn, warps, stages = max(16, min(next_pow2(m), 64)), max(16, min(next_pow2(n), 64)), 4, 1
             consts = {"BLOCK_M": user["BLOCK_M"] or bm, "BLOCK_N": user["BLOCK_N"] or bn}
             for j, size in enumerate(rest):
                 consts[f"BLOCK_K{j}" if j < n_dots else f"BLOCK_P{j - n_dots}"] = max(16, next_pow2(size))
@@ -388,10 +377,44 @@ class AttentionBackwardProgram:
             grid = (cdiv(own, block) * numel(programs, dims),)
             return LaunchConfig(grid, consts, user["num_warps"] or warps, user["num_stages"] or stages)
 
-        return configure
+        def wide(dims: Mapping[str, int]) -> bool:
+            return max((next_pow2(evaluate(d, dims)) for d in dims_of[2:]), default=16) >= 128
+
+        def configure(dims: Mapping[str, int], device: str) -> LaunchConfig:
+            if device != "cuda":  # the interpreter: few, large programs
+                m, n = (evaluate(d, dims) for d in dims_of[:2])
+                return config(dims, max(16, min(next_pow2(m), 64)), max(16, min(next_pow2(n), 64)), 4, 1)
+            # sm_90, Triton 3.9 (`tiledsl ptx`): 64 x 64 tiles; at head dim 128 the dk/dv
+            # kernel's two [64, 128] accumulators and k, v tiles spill with 4 warps, not 8
+            bm, bn, warps, stages = 64, 64, 8 if wide(dims) else 4, 2
+            if wide(dims) and plan.walked:  # walking the group's heads too: 200 B spill at 64
+                bm = 32
+            if f32_dots:  # IEEE f32 dots run on the FMA units, not wgmma: smaller tiles
+                bm, bn = 32, 32
+            return config(dims, bm, bn, warps, stages)
+
+        def candidates(dims: Mapping[str, int], device: str) -> list[LaunchConfig]:
+            """On a GPU, for f16/bf16 dots at sizes worth timing: the default, the tiles of
+            FlashAttention-2's Triton kernels (own 128 rows, walk 32), wide walks (128 by
+            64) and a deeper pipeline. Each compiles for sm_90 without spills at head dims
+            64 and 128 (`tests/test_attention_backward.py`; owning 128 and walking 64 spills
+            in the dk/dv kernel)."""
+            m, n = (evaluate(d, dims) for d in dims_of[:2])
+            if device != "cuda" or any(user.values()) or f32_dots or plan.walked or min(m, n) < 128:
+                return []
+            walk_own = ((32, 128, 8, 2), (128, 64, 8, 2), (64, 64, 8, 3))  # (walked, owned, warps, stages)
+            if plan.over == "queries":
+                tiles = [(w, o, warps, stages) for w, o, warps, stages in walk_own]
+            else:
+                tiles = [(o, w, warps, stages) for w, o, warps, stages in walk_own]
+            return [configure(dims, device)] + [config(dims, *t) for t in tiles]
+
+        return configure, candidates
 
 
 def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKernel:
     prog = AttentionBackwardProgram(kernel, hints, allow_tf32)
     prog.emit()
-    return finish(kernel, "attention_backward", prog.sig, prog.body, prog.launch_rules(), prog.em)
+    configure, candidates = prog.launch_rules()
+    emitted = finish(kernel, "attention_backward", prog.sig, prog.body, configure, prog.em)
+    return emitted.with_candidates(candidates)
