@@ -145,6 +145,21 @@ def test_operand_prologues_are_computed_on_the_loaded_tiles(dt):
         in fn.backward.explain()
 
 
+def test_probabilities_of_saved_scores_are_not_operand_prologues():
+    # found by scripts/fuzz_programs.py (seed 97): a softmax with an extra logit z, whose
+    # probabilities the backward computes from saved scores; p.T @ g reads them through a
+    # transpose and must stay a product of the score space, not become a dot of loaded
+    # tensors (an internal error before)
+    fn = tiledsl.compile("""
+    kernel f(x: f16[M, N], z: f16[M, 1], w: f16[N, N]) -> f32[M, N] {
+        t1 = ((exp((x @ w.T * rsqrt(N)) - maximum(max((x @ w.T * rsqrt(N)), axis=-1, keepdims=true), z)) / (sum(exp((x @ w.T * rsqrt(N)) - maximum(max((x @ w.T * rsqrt(N)), axis=-1, keepdims=true), z)), axis=-1, keepdims=true) + exp(z - maximum(max((x @ w.T * rsqrt(N)), axis=-1, keepdims=true), z)))) @ w)
+        return t1
+    }""")  # noqa: E501
+    t = torch.float16
+    grads_ok(fn, randn(33, 113, dtype=t, seed=1), randn(33, 1, dtype=t, seed=2), randn(113, 113, dtype=t, seed=3))
+    assert "attention_backward" in templates(fn.backward)
+
+
 @pytest.mark.parametrize("width", [1, 20, 300])
 def test_blocks_outside_a_window_are_skipped(width):
     # a window j in (i - width, i + 3]: both kernels walk only the blocks it reaches (the

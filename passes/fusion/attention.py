@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from tiledsl import ops as ops_module
 from tiledsl.dims import Lin
 from tiledsl.ir import Op, Region
 from tiledsl.plans import (
@@ -63,10 +64,15 @@ def attention_backward_plan(region: Region) -> AttentionBackwardPlan:
         return r.operands[0] if r is not None and r.op.kind == "transpose" and r.operands[0] >= n_in \
             else None
 
-    matmul_ids = {v for v, r in ops.items() if r.op.kind == "matmul"}
-
-    def loaded(v: int) -> bool:  # an input, or a prologue on one (computed from no matmul)
-        return not region.depends(v) & matmul_ids
+    def loaded(v: int) -> bool:  # an input, or a prologue on one: elementwise, with scalars
+        while v >= n_in:
+            r = ops[v]
+            tensors = [o for o in r.operands if region.value_type(o).rank > 0]
+            if not ops_module.is_elementwise(r.op.kind) or len(tensors) != 1 \
+                    or region.value_type(tensors[0]).shape != r.op.shape:
+                return False
+            v = tensors[0]
+        return True
 
     def source(v: int) -> int:  # the input a prologue reads (its one operand not a scalar)
         while v >= n_in:
