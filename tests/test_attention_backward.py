@@ -91,8 +91,11 @@ def test_softcap_bias_and_causal_with_the_bias_gradient():
                    mod="s = tanh((s + bias) * 0.05) * 20.0")
     q, k, v = qkv(2, 2, 17, 33, 32, "f16")
     grads_ok(fn, q, k, v, randn(2, 2, 17, 33, dtype=torch.float16, seed=7))
-    # the bias gradient is the score gradient, stored per tile by the dk/dv kernel
+    # the bias gradient is the score gradient, stored per tile by the dk/dv kernel, which
+    # skips the tiles past the causal bound (0 there: the output starts zero-filled)
     assert templates(fn.backward) == ["rows", "attention_backward", "attention_backward"]
+    assert "stored per tile: " in fn.backward.explain() and \
+        "query blocks outside the mask's bound, where every value it sums or stores is 0" in fn.backward.explain()
 
 
 def alibi(dt: str) -> tiledsl.Program:
@@ -172,7 +175,7 @@ def test_blocks_outside_a_window_are_skipped(width):
         return softmax(where((i + 3 >= j) & (j > i - w), s, -inf), axis=-1) @ v
     }""")
     grads_ok(fn, *qkv(1, 2, 113, 97, 16, "f32"), width)
-    assert "query blocks outside the mask's bound, where every value summed is 0, are skipped" \
+    assert "query blocks outside the mask's bound, where every value it sums or stores is 0, are skipped" \
         in fn.backward.explain()
 
 

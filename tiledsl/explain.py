@@ -124,7 +124,8 @@ def _attention_structure(kernel: KernelOp) -> str:
             text += f" and batch axes {axes} of the scores (the query heads sharing a key/value head)"
         text += ", scores recomputed per tile"
         if parts.bound is not None:
-            text += f"; {walk} blocks outside the mask's bound, where every value summed is 0, are skipped"
+            text += f"; {walk} blocks outside the mask's bound, where every value it sums or stores is 0, " \
+                "are skipped"
         return text
     if parts.bound is not None:
         text += "; key blocks past the mask's bound are skipped"

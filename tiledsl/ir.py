@@ -24,7 +24,7 @@ from typing import Any
 
 import networkx as nx
 
-from tiledsl.plans import Plan, accumulated
+from tiledsl.plans import Plan, zero_filled
 from tiledsl.source import Span
 from tiledsl.types import DType, Shape, TensorType
 
@@ -147,10 +147,10 @@ class KernelOp:
     def out_order(self, r: int) -> tuple[int, ...] | None:
         return self.out_orders[r] if r < len(self.out_orders) else None
 
-    def accumulates(self, r: int) -> bool:
-        """Do the kernel's programs add into result r (its plan's `accumulated`), which
-        must therefore start at 0?"""
-        return self.region.outputs[r] in accumulated(self.plan)
+    def zero_filled(self, r: int) -> bool:
+        """Must result r start at 0 (its plan's `zero_filled`: the programs add into it, or
+        write only part of it)?"""
+        return self.region.outputs[r] in zero_filled(self.plan)
 
     @property
     def result_types(self) -> tuple[TensorType, ...]:

@@ -267,10 +267,12 @@ class AttentionBackwardPlan:
 Plan = PointwisePlan | RowPlan | GemmPlan | AttentionPlan | AttentionBackwardPlan
 
 
-def accumulated(plan: Plan | None) -> frozenset[int]:
-    """The values a kernel's programs add into (atomically): their outputs start at 0."""
+def zero_filled(plan: Plan | None) -> frozenset[int]:
+    """The outputs that start at 0: values a kernel's programs add into (atomically), and
+    values stored per tile by a walk that skips the tiles where they are 0."""
     if isinstance(plan, AttentionBackwardPlan):
-        return frozenset(r.result for r in plan.reductions)
+        skipped = plan.stores if plan.bound is not None else ()
+        return frozenset(r.result for r in plan.reductions) | frozenset(skipped)
     return frozenset()
 
 # which plan each template consumes

@@ -207,7 +207,7 @@ class TritonBackend(Backend):
                 continue
             kernel = step.emitted.kernel
             outputs = tuple(output_allocation(eval_shape(t.shape, dims), storage_dtype(t),
-                                              kernel.out_order(r), kernel.accumulates(r))
+                                              kernel.out_order(r), kernel.zero_filled(r))
                             for r, t in enumerate(kernel.result_types))
             outs = [allocate(o, device) for o in outputs]
             arg_fn = argument_function(step.emitted, step.reads, outputs, dims)

@@ -120,7 +120,7 @@ def attention_backward_plan(region: Region) -> AttentionBackwardPlan:
                       and ops[v].op.kind != "const")
     epilogue = tuple(v for v in ops if v not in before and v not in matmuls | views | sums | prologues
                      and ops[v].op.kind != "const")
-    bound = None if stores else _vanishing_bound(region, xs)
+    bound = _vanishing_bound(region, xs + list(stores))
     return AttentionBackwardPlan(over, tuple(dots), score_ops, tuple(products), epilogue, stores, bound,
                                  reductions, tuple(sorted(prologues)), walked, tuple(batch_sums))
 
@@ -180,8 +180,8 @@ def _vanishing_bound(region: Region, values: list[int]) -> KeyBound | None:
     """A mask's key bound outside which every one of `values` is 0, found from the masks
     the score ops apply (`where(cond, s, -inf)`, `where(cond, ds, 0)`): the probabilities
     `exp(z - lse)` of masked scores are 0, and so is anything they multiply. Blocks past the
-    bound add nothing, and the kernel skips them. (A stored value is written whole, so a
-    kernel that stores one skips nothing.)"""
+    bound add nothing, and the kernel skips them (a stored value's skipped tiles are left
+    at 0: its output is zero-filled, `plans.zero_filled`)."""
     rank = len(region.value_type(values[0]).shape)
     conds = dict.fromkeys(r.operands[0] for r in region.ops if r.op.kind == "where")
     for cond in conds:
