@@ -19,10 +19,16 @@ dots", recomputed per tile from their operand tiles), and read outside only by
 *products* that contract one of its two axes with a tensor: `x.T @ y` or
 `y.T @ x` (summed over the queries M) and `x @ y` (summed over the keys N).
 A score-space value read any other way (a bias gradient, returned
-probabilities) is stored per tile by one of the kernels; a score dot read
-otherwise refuses it ("materialize"). Elementwise ops on a product that
-read nothing else but constants and scalars (a cast, a scale) join it as its
-epilogue. The ops both kernels need are cloned, so each kernel is a group.
+probabilities) is stored per tile by one of the kernels, or, read by a chain of
+sums (a broadcast bias's gradient), summed per tile and added into the result;
+a score dot read otherwise refuses it ("materialize"). Elementwise ops on a
+product that read nothing else but constants and scalars (a cast, a scale)
+join it as its epilogue; sums of the products over batch axes (GQA's dk, dv
+over a group's query heads) make the kernel walk those axes too; elementwise
+ops with scalars on a dot's loaded operand (`(q * scale) @ k.T`, a widening
+cast) are its prologue, computed on the tiles. The ops both kernels need are
+cloned, so each kernel is a group. The plan (`attention_backward_plan`) adds
+the mask bound whose blocks the walk skips.
 """
 
 from __future__ import annotations
@@ -294,7 +300,7 @@ def _sum_chain(graph: Graph, node: int) -> list[int] | None:
     """`sum`s of a float value (and `reshape`s merging two of their axes, canonicalize's
     merged reductions), each the only reader of the one before: the kernel sums its tiles
     over their axes and adds them into the last sum's result."""
-    chain, x = [], graph.operands(node)[0]
+    chain, x = [], graph.operands(node)[0] if _op(graph, node) is not None else None
     while _is(graph, node, "sum") and graph.op(node).dtype in (DType.F32, DType.F16, DType.BF16) \
             or _is(graph, node, "reshape"):
         chain.append(node)
@@ -321,13 +327,8 @@ def _batch_sums(graph: Graph, products: list[_Product], dots: list[int]) -> dict
     for p in products:
         if p.over != "queries":
             continue
-        chain, node = [], p.matmul
-        while len(users := graph.users(node)) == 1 and (_is(graph, users[0][0], "sum")
-                                                        or _is(graph, users[0][0], "reshape")):
-            node = users[0][0]
-            chain.append(node)
-        while chain and not _is(graph, chain[-1], "sum"):
-            chain.pop()
+        users = graph.users(p.matmul)
+        chain = (_sum_chain(graph, users[0][0]) if len(users) == 1 else None) or []
         summed = reduction_axes(graph.op(p.matmul).shape, [graph.op(n) for n in chain])
         if summed is None or graph.op(p.matmul).type.rank != rank or summed[1][-2:] != (rank - 2, rank - 1) \
                 or any(a >= rank - 2 for a in summed[0]) or found is not None and summed[0] != found:
