@@ -220,10 +220,10 @@ class _Match:
         order = {n: i for i, n in enumerate(graph.topo_order())}
         for n in sorted((n for n in mine if n in shared), key=order.__getitem__):
             clones[n] = graph.add(graph.op(n), [(clones.get(s, s), r) for s, r in graph.operand_edges(n)])
-        for p in self.products:
-            if p.over == "keys":
-                edges = graph.operand_edges(p.matmul)
-                graph.set_operands(p.matmul, [(clones.get(s, s), r) for s, r in edges])
+        for n in mine:  # the keys kernel's own ops read the copies
+            edges = graph.operand_edges(n)
+            if n not in shared and any(s in clones for s, _ in edges):
+                graph.set_operands(n, [(clones.get(s, s), r) for s, r in edges])
         return [sorted(shared), [clones.get(n, n) for n in mine]]
 
 

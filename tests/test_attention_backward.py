@@ -149,18 +149,32 @@ def test_operand_prologues_are_computed_on_the_loaded_tiles(dt):
 
 
 def test_probabilities_of_saved_scores_are_not_operand_prologues():
-    # found by scripts/fuzz_programs.py (seed 97): a softmax with an extra logit z, whose
-    # probabilities the backward computes from saved scores; p.T @ g reads them through a
-    # transpose and must stay a product of the score space, not become a dot of loaded
-    # tensors (an internal error before)
+    # p from saved scores (no score dot recomputes them) is read by p.T @ do through a
+    # transpose: a product of the score space, not a dot of loaded tensors (an internal
+    # error before; found by scripts/fuzz_programs.py, seed 97)
     fn = tiledsl.compile("""
-    kernel f(x: f16[M, N], z: f16[M, 1], w: f16[N, N]) -> f32[M, N] {
-        t1 = ((exp((x @ w.T * rsqrt(N)) - maximum(max((x @ w.T * rsqrt(N)), axis=-1, keepdims=true), z)) / (sum(exp((x @ w.T * rsqrt(N)) - maximum(max((x @ w.T * rsqrt(N)), axis=-1, keepdims=true), z)), axis=-1, keepdims=true) + exp(z - maximum(max((x @ w.T * rsqrt(N)), axis=-1, keepdims=true), z)))) @ w)
-        return t1
-    }""")  # noqa: E501
+    kernel f(s0: f32[M, N], v: f32[N, D], do: f32[M, D], lse: f32[M, 1],
+             k: f32[N, D]) -> (f32[N, D], f32[M, D]) {
+        p = exp(s0 * 0.5 - lse)
+        ds = p * (do @ v.T)
+        return p.T @ do, ds @ k
+    }""")
+    args = (randn(17, 33, seed=1), randn(33, 16, seed=2), randn(17, 16, seed=3), randn(17, 1, seed=4).abs() + 2,
+            randn(33, 16, seed=5))
+    report = testing.check(fn, *args)
+    assert report.ok, report
+    assert templates(fn) == ["attention_backward", "attention_backward"]
+
+
+def test_diff_attention_backward_is_derived_from_the_distributed_form():
+    # (p1 - lam * p2) @ v: autodiff differentiates the program after distribute-matmul, so
+    # each softmax is attention in the flash form: the row pre-pass, two kernels per
+    # softmax and the sum of the two dv contributions; nothing [M, N] is stored
+    fn = tiledsl.compile((EXAMPLES / "diff_attention.tdsl").read_text())
     t = torch.float16
-    grads_ok(fn, randn(33, 113, dtype=t, seed=1), randn(33, 1, dtype=t, seed=2), randn(113, 113, dtype=t, seed=3))
-    assert "attention_backward" in templates(fn.backward)
+    q1, k1, q2, k2, v = (randn(2, 2, 17 if i in (0, 2) else 33, 16, dtype=t, seed=i) for i in range(5))
+    grads_ok(fn, q1, k1, q2, k2, v, 0.4)
+    assert templates(fn.backward) == ["rows"] + ["attention_backward"] * 4 + ["pointwise"]
 
 
 @pytest.mark.parametrize("width", [1, 20, 300])

@@ -140,6 +140,28 @@ def test_matmul_gradients_sum_over_broadcast_batch_dims(dt):
     grads_ok(f"kernel f(a: {dt}[1, M, K], b: {dt}[B, K, N]) -> {dt}[B, M, N] {{ return a @ b }}", a, b)
 
 
+def test_a_matmul_whose_gradient_is_a_broadcast_row():
+    # the gradient of sum(x @ w, -1) reaches the matmul as [M, 1]: expanded before the
+    # matmul's rule contracts it (an internal error before)
+    fn = tiledsl.compile("""
+    kernel f(x: f32[M, K], w: f32[K, N]) -> f32[M, 1] {
+        return sum(x @ w, axis=-1, keepdims=true)
+    }""")
+    grads_ok(fn, randn(17, 33, seed=1), randn(33, 5, seed=2))
+
+
+def test_flash_backward_with_a_nonlinear_reader_of_the_output():
+    # abs(softmax(s) @ v): delta = rowsum(g * o) with g = sign(o) * g_sum, both stored by
+    # a pointwise kernel; the dp GEMM sums it in its K loop from the tile of g * o at A's
+    # rows (it read g * o as a vector along K before: wrong dq, dk)
+    fn = tiledsl.compile("""
+    kernel f(x: f32[M, D], w: f32[N, D], v: f32[N, D]) -> f32[M, 1] {
+        s = x @ w.T * rsqrt(D)
+        return sum(abs(softmax(s) @ v), axis=-1, keepdims=true)
+    }""")
+    grads_ok(fn, randn(33, 64, seed=1), randn(113, 64, seed=3) * 0.3, randn(113, 64, seed=4))
+
+
 def test_views_transpose_reshape_and_new_axes():
     x, w = randn(6, 17), randn(17, 6)
     grads_ok("""kernel f(x: f32[M, N], w: f32[N, M]) -> f32[N, M] {

@@ -136,6 +136,12 @@ def compile_graph(graph: Graph, backend: str = "triton", *, pipeline: str | None
             "this is a tiledsl bug, please report it)")) from err
 
 
+# the passes that rewrite a program into the algebra the fusions recognise, changing no
+# result (but the NaN of a written-out softmax's all -inf row, which becomes 0)
+NORMALIZING = ("canonicalize", "sink-reshape", "cse", "dce", "online-softmax", "distribute-matmul",
+               "hoist-row-scale")
+
+
 class Program:
     """A compiled kernel: call it with torch tensors, or inspect every stage."""
 
@@ -208,6 +214,22 @@ class Program:
         return self._result.stages["graph"]
 
     @property
+    def normalized_graph(self) -> Graph:
+        """The program after the pipeline's leading rewrites into canonical algebra
+        (`NORMALIZING`: a written-out softmax is `softmax`, a matmul of a difference two
+        matmuls, a row factor moved past its matmul), before any fusion: the program
+        autodiff derives the backward of, so attention written any of those ways takes
+        the flash form. The source graph when the pipeline starts otherwise."""
+        graph = self.source_graph
+        for name, stage in self._result.stages.items():
+            if name == "graph":
+                continue
+            if name.split(".")[0] not in NORMALIZING:
+                break
+            graph = stage
+        return graph
+
+    @property
     def differentiable(self) -> tuple[int, ...]:
         """Indices of the parameters that can have a gradient (floating-point tensors)."""
         return tuple(i for i, ok in enumerate(self._differentiable) if ok)
@@ -223,7 +245,7 @@ class Program:
     def training(self, wrt: tuple[int, ...]) -> Training:
         """The training forward and backward programs for gradients of parameters `wrt`."""
         if wrt not in self._trainings:
-            d = autodiff.derive(self.source_graph, wrt)
+            d = autodiff.derive(self.normalized_graph, wrt)
             options = {"backend": self.backend, "pipeline": self.pipeline,
                        "allow_tf32": self.allow_tf32}
             forward = self if not d.saved else compile_graph(d.forward, **options)

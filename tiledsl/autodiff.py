@@ -271,6 +271,10 @@ class _Backward:
                 continue
             op = fwd.op(node)
             g = self._sum(adjoints.pop(node), op)
+            if self.bwd.op(g).shape != op.shape and not ops.is_elementwise(op.kind):
+                # a broadcast gradient (a sum's, [M, 1]) in full for the rules that contract
+                # or rearrange it (matmul, reshape, transpose); elementwise ones broadcast it
+                g = self.emit("expand", [g], op.span, shape=op.shape)
             flash = self._flash(node)
             if flash is not None:
                 for o, c in zip((fwd.operands(flash)[0], fwd.operands(node)[1]),

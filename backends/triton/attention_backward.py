@@ -56,7 +56,9 @@ class AttentionBackwardProgram:
         self.region = region = kernel.region
         self.plan: AttentionBackwardPlan = kernel.plan
         self.n_in = len(region.inputs)
-        self.score_shape = region.value_type(self.plan.dots[0].matmul).shape
+        # (a kernel whose products read no score dot, p of saved scores, has none)
+        first = self.plan.dots[0].matmul if self.plan.dots else self.plan.products[0].x
+        self.score_shape = region.value_type(first).shape
         self.batch = self.score_shape[:-2]
         self.sig, self.body = Signature(), Code()
         self.em = ProbabilityEmitter(self.body)

@@ -280,6 +280,13 @@ class GemmProgram:
             inp = region.inputs[i] if i < n_in else None
             if inp is not None and i != self.sources[0] and not inp.scalar and inp.type.rank > 0:
                 ref = self.refs[i]
+                if inp.type.rank >= 2 and inp.type.shape[-2] != 1:
+                    # a tensor of A's rows (a statistic of `g * o`, both stored by other
+                    # kernels): its tile at A's
+                    ptrs = self.tile(ref, inp.type.rank, "rm[:, None]", "(k0 + rk)[None, :]",
+                                     "[BLOCK_M, BLOCK_K]")
+                    vectors[i] = f"tl.load({ptrs}, mask={mask}, other=0.0)"
+                    continue
                 offset = ref.offset([None] * (inp.type.rank - 1) + ["(k0 + rk)[None, :]"])
                 vectors[i] = f"tl.load({ref.ptr} + {offset}, mask=kmask[None, :], other=0.0)"
         keep = dict.fromkeys(self.plan.stat_chain) if self.stats else None
