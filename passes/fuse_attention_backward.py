@@ -359,13 +359,40 @@ def _product(graph: Graph, node: int) -> _Product | None:
     if not _is(graph, node, "matmul"):
         return None
     a, b = graph.operands(node)
-    if _swaps_last(graph, a) and _computed(graph, graph.operands(a)[0]) and not _computed(graph, b):
-        return _Product(node, graph.operands(a)[0], "queries", a)
-    if _computed(graph, b) and not _computed(graph, a) and _swaps_last(graph, a):
+    if _swaps_last(graph, a) and _computed(graph, x := graph.operands(a)[0]) and _outside(graph, b, x):
+        return _Product(node, x, "queries", a)
+    if _computed(graph, b) and _swaps_last(graph, a) and _outside(graph, a, b):
         return _Product(node, b, "queries", None)
-    if _computed(graph, a) and not _computed(graph, b):
+    if _computed(graph, a) and _outside(graph, b, a):
         return _Product(node, a, "keys", None)
     return None
+
+
+def _outside(graph: Graph, y: int, x: int) -> bool:
+    """Is `y` a tensor the kernel can load beside score-space value `x`: one it loads anyway
+    (not `_computed`), or one computed from no value of x's shape (`g * f` of a row factor
+    f, which another kernel stores)?"""
+    return not _computed(graph, y) or _external(graph, y, graph.op(x).shape)
+
+
+def _external(graph: Graph, node: int, shape) -> bool:
+    """Is `node` computed from no value of the score `shape` (so from none the attention
+    backward kernels compute)? Another kernel stores it; theirs load it."""
+    memo = graph.memo("attention-backward-external")
+    key = (node, shape)
+    if key not in memo:
+        stack, seen, found = [node], set(), True
+        while stack and found:
+            n = stack.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            op = graph.op(n)
+            if isinstance(op, Op) and op.kind != "param":
+                found = op.type.rank == 0 or op.shape != shape
+                stack.extend(graph.operands(n))
+        memo[key] = found
+    return memo[key]
 
 
 def _computed(graph: Graph, node: int) -> bool:
@@ -464,7 +491,7 @@ def _space(graph: Graph, x: int, order: dict[int, int]) -> tuple[list[int], set[
             continue
         walked.add(n)
         if op.kind == "matmul":
-            if not all(_loaded(graph, o) for o in graph.operands(n)):
+            if not all(_loaded(graph, o) or _external(graph, o, shape) for o in graph.operands(n)):
                 return None
             dots.append(n)
         elif ops.is_elementwise(op.kind):

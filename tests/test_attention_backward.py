@@ -166,6 +166,18 @@ def test_probabilities_of_saved_scores_are_not_operand_prologues():
     assert templates(fn) == ["attention_backward", "attention_backward"]
 
 
+@pytest.mark.parametrize("dt", ["bf16", "f32"])
+def test_attention_sinks_gradients(dt):
+    # gpt-oss's sink logit: normalized to softmax(s) * sigmoid(lse - sink), the row factor
+    # past the matmul; dp's operand is the gradient times that factor, which the row
+    # pre-pass stores and the backward kernels load; the sink's gradient is a row sum
+    src = (EXAMPLES / "attention_sinks.tdsl").read_text().replace("bf16", dt)
+    fn = tiledsl.compile(src)
+    q, k, v = qkv(2, 3, 17, 33, 16, dt)
+    grads_ok(fn, q, k, v, randn(3, 1, 1, dtype=DTYPES[dt], seed=8))
+    assert templates(fn.backward) == ["rows", "attention_backward", "attention_backward", "rows", "rows"]
+
+
 def test_diff_attention_backward_is_derived_from_the_distributed_form():
     # (p1 - lam * p2) @ v: autodiff differentiates the program after distribute-matmul, so
     # each softmax is attention in the flash form: the row pre-pass, two kernels per
