@@ -142,6 +142,15 @@ NORMALIZING = ("canonicalize", "sink-reshape", "cse", "dce", "online-softmax", "
                "hoist-row-scale")
 
 
+def normalized(graph: Graph) -> Graph:
+    """`graph` after the `NORMALIZING` passes (a copy): what autodiff derives a backward
+    from (`Program.normalized_graph`, `tiledsl opt --backward`)."""
+    from tiledsl.passes.manager import PassManager
+    from tiledsl.passes.registry import parse_pipeline
+
+    return PassManager(parse_pipeline(",".join(NORMALIZING)), snapshots=False).run(graph.copy()).graph
+
+
 class Program:
     """A compiled kernel: call it with torch tensors, or inspect every stage."""
 

@@ -140,9 +140,10 @@ def _cmd_opt(args) -> int:
     for kernel in kernels:
         graph = analyze(kernel)
         if args.backward:
+            from tiledsl.api import normalized
             from tiledsl.autodiff import derive
 
-            graph = derive(graph).backward
+            graph = derive(normalized(graph)).backward
         result = manager.run(graph)
         if not (args.print_ir_after_all or wanted):
             sys.stdout.write(print_graph(result.graph, locations=args.locations))
