@@ -136,3 +136,48 @@ def test_every_gemm_candidate_on_gpu(name):
         steps[i] = KernelStep(only, steps[i].reads, steps[i].slot)
         fn.runtime.steps = tuple(steps)
         check_cuda(fn, **inputs)
+
+
+BACKWARD = {  # score modification, extra parameter declaration, its shape
+    "causal": ("s = where(causal(s), s, -inf)", "", None),
+    "softcap bias causal": ("s = where(causal(s), tanh((s + bias) * 0.05) * 20.0, -inf)",
+                            ", bias: {dt}[B, H, M, N]", "full"),
+    "alibi causal": ("s = where(causal(s), s + slopes * cast(index(s, -1) - index(s, -2), f32), -inf)",
+                     ", slopes: f32[H, 1, 1]", "slopes"),
+    "window": ("s = where((index(s, -2) + 64 >= index(s, -1)) & (index(s, -1) + 64 > index(s, -2)), s, -inf)",
+               "", None),
+}
+
+
+@pytest.mark.parametrize("dt", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("variant", list(BACKWARD))
+def test_attention_backward_on_gpu(variant, d, dt):
+    # the fused backward (fuse-attention-backward's two kernels, block skipping, atomics for
+    # the slopes' gradient) against float64 autograd, at sizes with several blocks
+    mod, extra, kind = BACKWARD[variant]
+    name = {torch.float16: "f16", torch.bfloat16: "bf16"}[dt]
+    fn = tiledsl.compile(f"""
+    kernel attn(q: {name}[B, H, M, D], k: {name}[B, H, N, D], v: {name}[B, H, N, D]{extra.format(dt=name)})
+            -> {name}[B, H, M, D] {{
+        s = q @ k.T * rsqrt(D)
+        {mod}
+        return softmax(s, axis=-1) @ v
+    }}""".replace("\n            ->", " ->"))
+    b, h, m, n = 2, 3, 1000, 1023
+    args = [cuda_randn(b, h, s, d, dtype=dt, seed=i) for i, s in enumerate((m, n, n))]
+    if kind == "full":
+        args.append(cuda_randn(b, h, m, n, dtype=dt, seed=7))
+    elif kind == "slopes":
+        args.append(cuda_randn(h, 1, 1, seed=8) * 0.1)
+    report = testing.check_grads(fn, *args, generator=torch.Generator().manual_seed(0))
+    assert report.ok, str(report)
+    assert [k.template for k in fn.backward.kernels] == ["rows", "attention_backward", "attention_backward"]
+
+
+def test_gqa_backward_on_gpu():
+    fn = tiledsl.compile(EXAMPLES / "gqa_attention.tdsl")
+    q = cuda_randn(2, 8, 777, 128, dtype=torch.bfloat16)
+    k, v = (cuda_randn(2, 2, 777, 128, dtype=torch.bfloat16, seed=i) for i in (1, 2))
+    report = testing.check_grads(fn, q, k, v, generator=torch.Generator().manual_seed(0))
+    assert report.ok, str(report)
