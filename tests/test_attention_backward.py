@@ -285,3 +285,17 @@ def test_gqa_backward_compiles_for_sm90_without_spills():
     assert len(reports) == 3
     assert all(r.spill_bytes == 0 for r in reports), reports
     assert all(r.wgmma for r in reports[1:]), reports
+
+
+@pytest.mark.parametrize("name", ["attention_sinks", "diff_attention", "dilated_window_attention",
+                                  "document_mask_attention", "neighborhood_attention",
+                                  "trig_score_mod_attention", "causal_softcap_attention"])
+def test_example_backwards_compile_for_sm90_without_spills(name):
+    # at head dim 128; score modifications with many ops (neighborhood's mask, the trig
+    # score mod) walk 32-row blocks, which keeps them out of local memory
+    fn = tiledsl.compile((EXAMPLES / f"{name}.tdsl").read_text())
+    dims = {d: 1024 for d in testing.needed_dims(fn.backward)} | {"B": 2, "H": 8, "D": 128}
+    scalars = {"lam": 0.5, "scale": 0.1}
+    reports = [r for r in aot.inspect_program(fn.backward, dims, scalars=scalars) if "BLOCK_K0" in r.config]
+    assert reports and all(r.spill_bytes == 0 and r.wgmma for r in reports), reports
+

@@ -34,6 +34,7 @@ from .expr import Emitter, Val, dot_precision, inputs_read, with_scalar_operands
 from .matmul import operand_tile, tile_ptrs
 
 DOT_HINTS = ("BLOCK_M", "BLOCK_N")
+TRANSCENDENTAL = ("exp", "exp2", "log", "log2", "sin", "cos", "tan", "tanh", "sigmoid", "erf")
 
 
 class ProbabilityEmitter(Emitter):
@@ -368,6 +369,11 @@ class AttentionBackwardProgram:
         dtypes = [self.dot_dtype(j) for j in range(n_dots)] + [self.value_type(p.matmul).dtype
                                                                for p in plan.products]
         f32_dots = not self.allow_tf32 and DType.F32 in dtypes
+        # a score modification whose ops spill 64 x 64 tiles at head dim 128 on sm_90 (the
+        # neighborhood mask's 26 tensor ops, the trig score mod's 5 transcendentals)
+        kinds = [self.region.ops[v - self.n_in].op.kind for v in plan.score_ops
+                 if self.value_type(v).rank > 0]
+        heavy = len(kinds) > 24 or sum(k in TRANSCENDENTAL for k in kinds) > 2
 
         def config(dims: Mapping[str, int], bm: int, bn: int, warps: int, stages: int) -> LaunchConfig:
             m, n, *rest = (evaluate(d, dims) for d in dims_of)
@@ -391,6 +397,8 @@ class AttentionBackwardProgram:
             bm, bn, warps, stages = 64, 64, 8 if wide(dims) else 4, 2
             if wide(dims) and plan.walked:  # walking the group's heads too: 200 B spill at 64
                 bm = 32
+            if wide(dims) and heavy:  # many score ops (a trig score mod): walk 32 rows, no spills
+                bm, bn = (32, 64) if plan.over == "queries" else (64, 32)
             if f32_dots:  # IEEE f32 dots run on the FMA units, not wgmma: smaller tiles
                 bm, bn = 32, 32
             return config(dims, bm, bn, warps, stages)
@@ -402,7 +410,8 @@ class AttentionBackwardProgram:
             64 and 128 (`tests/test_attention_backward.py`; owning 128 and walking 64 spills
             in the dk/dv kernel)."""
             m, n = (evaluate(d, dims) for d in dims_of[:2])
-            if device != "cuda" or any(user.values()) or f32_dots or plan.walked or min(m, n) < 128:
+            if device != "cuda" or any(user.values()) or f32_dots or plan.walked or heavy \
+                    or min(m, n) < 128:
                 return []
             walk_own = ((32, 128, 8, 2), (128, 64, 8, 2), (64, 64, 8, 3))  # (walked, owned, warps, stages)
             if plan.over == "queries":
