@@ -231,7 +231,7 @@ def test_gqa_gradients():
             randn(2, kh, s, 16, dtype=t, seed=3)
         grads_ok(fn, q, k, v)
     assert templates(fn.backward) == ["rows", "attention_backward", "attention_backward"]
-    assert "walks the query blocks and batch axes 2 of the scores (the query heads sharing a key/value " \
+    assert "walks the query blocks and batch axis 2 of the scores (the query heads sharing a key/value " \
            "head)" in fn.backward.explain()
 
 

@@ -121,7 +121,8 @@ def _attention_structure(kernel: KernelOp) -> str:
         text += f"; one program per {own} block walks the {walk} blocks"
         if parts.walked:
             axes = ", ".join(str(a) for a in parts.walked)
-            text += f" and batch axes {axes} of the scores (the query heads sharing a key/value head)"
+            noun = "axis" if len(parts.walked) == 1 else "axes"
+            text += f" and batch {noun} {axes} of the scores (the query heads sharing a key/value head)"
         text += ", scores recomputed per tile"
         if parts.bound is not None:
             text += f"; {walk} blocks outside the mask's bound, where every value it sums or stores is 0, " \
