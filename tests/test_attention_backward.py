@@ -81,6 +81,8 @@ def test_explain_shows_the_structure_of_the_backward_kernels():
     assert "summed over the queries: matmul (line 6), matmul (line 3); one program per key block walks " \
            "the query blocks, scores recomputed per tile" in report
     assert "summed over the keys: matmul (line 3); one program per query block walks the key blocks" in report
+    assert "key blocks outside the mask's bound, where every value it sums or stores is 0, are skipped, blocks " \
+           "inside it for every row run without the mask" in report
     assert ("[fuse-attention-backward] fused: matmul (line 6) -> matmul (line 3): flash attention "
             "backward (2 score dots; over the queries: matmul (line 6), matmul (line 3); over the keys: "
             "matmul (line 3))") in [str(r) for r in backward.remarks]

@@ -127,6 +127,8 @@ def _attention_structure(kernel: KernelOp) -> str:
         if parts.bound is not None:
             text += f"; {walk} blocks outside the mask's bound, where every value it sums or stores is 0, " \
                 "are skipped"
+            if parts.bound.exact and parts.bound.lower is None and parts.bound_cond is not None:
+                text += ", blocks inside it for every row run without the mask"
         return text
     if parts.bound is not None:
         text += "; key blocks past the mask's bound are skipped"

@@ -245,6 +245,9 @@ class AttentionBackwardPlan:
     # `batch_sums` (GQA's dk, dv: over the query heads sharing a key/value head)
     walked: tuple[int, ...] = ()
     batch_sums: tuple[int, ...] = ()
+    # the mask condition `bound` comes from: true on the blocks inside an exact bound for
+    # every row, whose steps skip its `where`s
+    bound_cond: int | None = None
 
     def role(self, value: int) -> str:
         if value in self.stores:

@@ -25,12 +25,12 @@ from contextlib import ExitStack
 from tiledsl.dims import evaluate
 from tiledsl.ir import KernelOp, Op
 from tiledsl.plans import AttentionBackwardPlan, ScoreProduct
-from tiledsl.types import Compute, DType, TensorType
+from tiledsl.types import Compute, DType, TensorType, value_compute
 
 from .attention import LOG2E, offset_text
 from .base import EmittedKernel, Hints, LaunchConfig, cdiv, decompose, finish, hint, numel, require_dot_hints
 from .codegen import Code, Signature, next_pow2
-from .expr import Emitter, Val, dot_precision, inputs_read, with_scalar_operands
+from .expr import Emitter, Val, dot_precision, inputs_read, literal, with_scalar_operands
 from .matmul import operand_tile, tile_ptrs
 
 DOT_HINTS = ("BLOCK_M", "BLOCK_N")
@@ -44,6 +44,8 @@ class ProbabilityEmitter(Emitter):
     and the exp costs what it does in FlashAttention."""
 
     def op(self, op: Op, args: list[Val], types: tuple[TensorType, ...]) -> Val:
+        if op.kind == "where" and args[0].literal and args[0].text == "True":  # a mask inside it
+            return self.convert(args[1], value_compute(op.type))
         if op.kind != "exp" or op.dtype is not DType.F32:
             return super().op(op, args, types)
         x = self.tensor(self.convert(args[0], Compute.F32))
@@ -121,9 +123,10 @@ class AttentionBackwardProgram:
                 body(f"{self.bnames[a]} = tl.cast(w{a + 1}, tl.int64)")
             for j in summed:  # summed in registers along the walk
                 body(f"red{j} = tl.zeros([{own_block}], dtype=tl.float32)")
-            body(f"for w0 in range({start}, {end}, {walk_block}):")
-            with body.indent():
-                self.step()
+            for first, last, unmasked in self.walk_loops(start, end):
+                body(f"for w0 in range({first}, {last}, {walk_block}):")
+                with body.indent():
+                    self.step(unmasked)
             for j in summed:
                 self.add_into(j, f"red{j}", (self.own,))
         self.finish()
@@ -194,12 +197,36 @@ class AttentionBackwardProgram:
             with body.indent():
                 body(f"{name} = {em.widen(name, DType.BF16)}")
 
-    def step(self) -> None:
+    def walk_loops(self, start: str, end: str) -> list[tuple[str, str, bool]]:
+        """The walk as loops (first, last, whether its blocks skip the mask): under an exact
+        upper key bound (causal), the blocks every row of the program keeps whole run
+        without the mask's `where`s, as the forward's do; the others evaluate it. A block
+        starts at `start` plus a multiple of its size."""
+        bound, plan = self.plan.bound, self.plan
+        if bound is None or not bound.exact or bound.lower is not None or plan.bound_cond is None:
+            return [(start, end, False)]
+        upper = bound.offsets, bound.constant - int(bound.strict)
+        body = self.body
+        if plan.over == "queries":
+            # key block [n0, n0 + BLOCK_N): rows i >= n0 + BLOCK_N - 1 - a keep all of it
+            body(f"w_first = {start}")
+            first_row = f"(pid_o + 1) * BLOCK_N - 1{self.offset_text(*upper, sign=-1)}"
+            body(f"w_inside = tl.maximum(0, {first_row} - w_first)")
+            body(f"w_inside = tl.minimum({end}, w_first + (w_inside + BLOCK_M - 1) // BLOCK_M * BLOCK_M)")
+            return [("w_first", "w_inside", False), ("w_inside", end, True)]
+        # query block [m0, m0 + BLOCK_M): keys j <= m0 + a are kept by all of its rows
+        body(f"w_inside = tl.minimum({end}, tl.maximum(0, pid_o * BLOCK_M + 1{self.offset_text(*upper)})"
+             " // BLOCK_N * BLOCK_N)")
+        return [("0", "w_inside", True), ("w_inside", end, False)]
+
+    def step(self, unmasked: bool = False) -> None:
         body, em, region, plan = self.body, self.em, self.region, self.plan
         body(f"{self.walk} = w0 + {self.walk}_base")
         for j in range(len(plan.dots)):
             self.dot_operand(j, fixed=False)
         vals: dict[int, Val] = dict(self.outer)
+        if unmasked:  # the mask's condition holds on the whole tile
+            vals[plan.bound_cond] = literal(True, Compute.BOOL)
         for j, d in enumerate(plan.dots):
             precision = dot_precision(self.dot_dtype(j), self.allow_tf32)
             body(f"s{j} = tl.dot(dot{j}_a, dot{j}_b{precision})")

@@ -120,9 +120,9 @@ def attention_backward_plan(region: Region) -> AttentionBackwardPlan:
                       and ops[v].op.kind != "const")
     epilogue = tuple(v for v in ops if v not in before and v not in matmuls | views | sums | prologues
                      and ops[v].op.kind != "const")
-    bound = _vanishing_bound(region, xs + list(stores))
+    bound, cond = _vanishing_bound(region, xs + list(stores))
     return AttentionBackwardPlan(over, tuple(dots), score_ops, tuple(products), epilogue, stores, bound,
-                                 reductions, tuple(sorted(prologues)), walked, tuple(batch_sums))
+                                 reductions, tuple(sorted(prologues)), walked, tuple(batch_sums), cond)
 
 
 def _reductions(region: Region, products: set[int]) -> tuple[ScoreReduction, ...]:
@@ -176,20 +176,21 @@ def reduction_axes(shape, chain: list[Op]) -> tuple[frozenset[int], tuple[int | 
     return frozenset(axes), tuple(d[0] if d else None for d in dims)
 
 
-def _vanishing_bound(region: Region, values: list[int]) -> KeyBound | None:
+def _vanishing_bound(region: Region, values: list[int]) -> tuple[KeyBound | None, int | None]:
     """A mask's key bound outside which every one of `values` is 0, found from the masks
     the score ops apply (`where(cond, s, -inf)`, `where(cond, ds, 0)`): the probabilities
     `exp(z - lse)` of masked scores are 0, and so is anything they multiply. Blocks past the
     bound add nothing, and the kernel skips them (a stored value's skipped tiles are left
-    at 0: its output is zero-filled, `plans.zero_filled`)."""
+    at 0: its output is zero-filled, `plans.zero_filled`). With the condition whose
+    `where`s apply it."""
     rank = len(region.value_type(values[0]).shape)
     conds = dict.fromkeys(r.operands[0] for r in region.ops if r.op.kind == "where")
     for cond in conds:
         bound = _cond_bound(region, cond, rank)
         memo: dict[tuple[int, bool], bool] = {}
         if bound is not None and all(_vanishes(region, cond, v, False, memo) for v in values):
-            return bound
-    return None
+            return bound, cond
+    return None, None
 
 
 def _vanishes(region: Region, cond: int, v: int, neg_inf: bool, memo: dict) -> bool:
