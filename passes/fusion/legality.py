@@ -36,6 +36,7 @@ class GroupPlan:
         self.order = {n: i for i, n in enumerate(graph.topo_order())}
         self.group_of: dict[int, int] = {}
         self.groups: list[list[int]] = []
+        self.first: list[int] = []  # each planned group's earliest position
 
     def grouped(self, node: int) -> bool:
         return node in self.group_of
@@ -44,6 +45,7 @@ class GroupPlan:
         ordered = sorted(set(members), key=self.order.__getitem__)
         gid = len(self.groups)
         self.groups.append(ordered)
+        self.first.append(self.order[ordered[0]])
         for n in ordered:
             self.group_of[n] = gid
 
@@ -87,11 +89,14 @@ class GroupPlan:
         seen: set[int] = set()
         while stack:
             n = stack.pop()
-            if n in seen or self.order.get(n, limit + 1) > limit:
+            gid = self.group_of.get(n)
+            # a planned group is contracted to its earliest member: entered at a late one, it
+            # can still lead back through an early one
+            at = self.first[gid] if gid is not None else self.order.get(n, limit + 1)
+            if n in seen or at > limit:
                 continue
             seen.add(n)
             nexts = list(succ(n))
-            gid = self.group_of.get(n)
             if gid is not None:  # a planned group: leaving it from any member
                 for m in self.groups[gid]:
                     seen.add(m)
