@@ -171,7 +171,7 @@ def test_row_groups_that_read_each_other_are_not_both_formed():
     kernel f(x: f32[M, N], y: f32[N], z: f32[M, 1]) -> (f32[M, N], f32[M, 1]) {
         return softmax(x, axis=-1), (3.0 / (abs(z) + 1.0)) * max(y, axis=-1, keepdims=true)
     }""", randn(33, 33, seed=1), randn(33, seed=2), randn(33, 1, seed=3))
-    assert len(fn.backward.kernels) <= 5
+    assert [k.template for k in fn.backward.kernels] == ["rows", "rows", "rows", "pointwise"]
 
 
 def test_views_transpose_reshape_and_new_axes():
