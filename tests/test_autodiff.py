@@ -162,6 +162,19 @@ def test_flash_backward_with_a_nonlinear_reader_of_the_output():
     grads_ok(fn, randn(33, 64, seed=1), randn(113, 64, seed=3) * 0.3, randn(113, 64, seed=4))
 
 
+def test_a_broadcast_gradient_of_a_broadcast_operand_counts_every_position():
+    # sum(x - z, -1): the sum's gradient reaches the sub as [M, 1], broadcast along N like
+    # z itself; z's gradient is -N * g, not -g (found by the gradient fuzzer, seed 73)
+    grads_ok("""
+    kernel f(x: f32[M, N], z: f32[M, 1]) -> f32[M] {
+        return sum(silu(x) - z, axis=-1, keepdims=false)
+    }""", randn(17, 33, seed=1), randn(17, 1, seed=2))
+    grads_ok("""
+    kernel f(x: f32[M, N], b: f32[N], c: f32) -> f32[1, 1] {
+        return sum(sum(x * b + 2.0, axis=-1, keepdims=true), axis=0, keepdims=true)
+    }""", randn(17, 33, seed=3), randn(33, seed=4), 0.5)
+
+
 def test_row_groups_that_read_each_other_are_not_both_formed():
     # the max of y and its ties' share of the gradient, and z's gradient (which reads the
     # max) summed over M, which the ties' share reads: two row programs that would read

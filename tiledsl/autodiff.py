@@ -280,7 +280,8 @@ class _Backward:
                 for o, c in zip((fwd.operands(flash)[0], fwd.operands(node)[1]),
                                 self._flash_vjp(node, flash, g, active), strict=True):
                     if c is not None:
-                        adjoints.setdefault(o, []).append(self._fit(c, fwd.op(o), op.span))
+                        full = op.shape if ops.is_elementwise(op.kind) else ()  # (others' are whole)
+                    adjoints.setdefault(o, []).append(self._fit(c, fwd.op(o), op.span, full))
                 continue
             rule = ops.OPS[op.kind].vjp
             if rule is None:
@@ -296,7 +297,8 @@ class _Backward:
             contributions += [None] * (len(operands) - len(contributions))
             for o, c, w in zip(operands, contributions, wanted, strict=True):
                 if c is not None and w:
-                    adjoints.setdefault(o, []).append(self._fit(c, fwd.op(o), op.span))
+                    full = op.shape if ops.is_elementwise(op.kind) else ()  # (others' are whole)
+                    adjoints.setdefault(o, []).append(self._fit(c, fwd.op(o), op.span, full))
         grads = []
         for i in self.wrt:
             p = fwd.params[i]
@@ -388,11 +390,20 @@ class _Backward:
             out = self.emit("add", [out, t], op.span)
         return self.cast(out, op.dtype, op.span)
 
-    def _fit(self, c: int, operand: Op, span: Span | None) -> int:
+    def _fit(self, c: int, operand: Op, span: Span | None, full: tuple = ()) -> int:
         """A contribution to an operand, summed over the axes it was broadcast along and in
-        its dtype (it may stay smaller: it broadcasts to the operand)."""
+        its dtype (it may stay smaller: it broadcasts to the operand). `c` stands for a value
+        of the op's shape `full`: where it is broadcast itself (size 1) along an axis of
+        `full` the operand was broadcast along too, the sum over that axis is c times the
+        axis's size (`sum(x - z, -1)`: z [M, 1] gets -N * g)."""
         shape = self.bwd.op(c).shape
         target = operand.shape
+        for k in range(1, len(full) + 1):
+            d = full[-k]
+            if d != 1 and (target[-k] if k <= len(target) else 1) == 1 \
+                    and (shape[-k] if k <= len(shape) else 1) == 1:
+                c = self.emit("mul", [c, self.size(d, span)], span)
+        shape = self.bwd.op(c).shape
         if not broadcasts_to(target, shape) and not broadcasts_to(shape, target):
             c = self.emit("expand", [c], span, shape=broadcast_shapes(shape, target))
             shape = self.bwd.op(c).shape
