@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from tiledsl import ops
 from tiledsl.ir import Graph, Region
 from tiledsl.passes.fusion.grow import candidate_kind, fuse_groups, outputs_of
-from tiledsl.passes.fusion.legality import PASS_OPS, ROW_OPS, GroupPlan, RowSpace, row_layouts
+from tiledsl.passes.fusion.legality import PASS_OPS, ROW_OPS, GroupPlan, RowSpace, gathers_within, row_layouts
 from tiledsl.passes.fusion.profitability import MAX_ROW_OPS, MAX_ROW_PHASES
 from tiledsl.passes.fusion.remarks import Refusal, Rule
 from tiledsl.passes.regions import outline
@@ -55,6 +55,8 @@ def _admit(graph: Graph, plan: GroupPlan, group: set[int], cand: int,
            space: RowSpace) -> Refusal | None:
     if len(group) >= MAX_ROW_OPS:
         return Refusal(Rule.PROFIT, f"a row program holds at most {MAX_ROW_OPS} ops")
+    if (gather := gathers_within(graph, cand, group)) is not None:
+        return Refusal(Rule.OTHER_INDEX, gather)
     members = sorted(group | {cand}, key=plan.order.__getitem__)
     region, _ = outline(graph, members, members)
     if _phases(region) > MAX_ROW_PHASES:

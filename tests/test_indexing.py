@@ -421,3 +421,18 @@ def test_check_bounds_covers_indices_computed_inside_attention():
     assert str(err.value).splitlines()[0] == (
         "<string>:7:28: error: index out of range: 68 index values for axis 0 of 'doc' (size L = 15 "
         "at this call) are outside [-15, 15)")
+
+
+def test_a_row_program_does_not_gather_from_what_it_computes():
+    # the gather reads its source through a pointer: a softmax the row program computes is
+    # stored first (an internal error before; found by scripts/fuzz_programs.py, seed 29)
+    fn = tiledsl.compile("""
+    kernel f(x: bf16[M, N], s: f32, k: i32[M, N]) -> bf16[M, N] {
+        t1 = minimum(softmax(x, axis=0), s)
+        return 1e-3 * gather(t1, abs(k) % N, axis=-1)
+    }""")
+    assert [k.template for k in fn.kernels] == ["rows", "pointwise"]
+    assert "[fuse-rows] refused: minimum (line 3) -> take (line 4): it gathers from minimum (line 3) at " \
+           "computed indices [rule: other-index]" in [str(r) for r in fn.remarks]
+    k = torch.randint(-50, 50, (33, 17), generator=torch.Generator().manual_seed(1), dtype=torch.int32)
+    run_checked(fn, randn(33, 17, dtype=torch.bfloat16, seed=2), 0.3, k)

@@ -139,23 +139,33 @@ def is_elementwise(graph: Graph, node: int) -> bool:
     return isinstance(op, Op) and ops.is_elementwise(op.kind)
 
 
+def gathers_within(graph: Graph, consumer: int, group: set[int]) -> str | None:
+    """Why `consumer` and `group` cannot be one kernel because one gathers from the other
+    (a gathered operand is read through its pointer: it must be stored), or None."""
+    for slot, src in enumerate(graph.operands(consumer)):
+        if src in group and ops.gathers_at(graph.op(consumer).kind, slot):
+            return f"it gathers from {describe_node(graph, src)} at computed indices"
+    for user, slot in graph.users(consumer):
+        if user in group and ops.gathers_at(graph.op(user).kind, slot):
+            return f"{describe_node(graph, user)} gathers from it at computed indices"
+    return None
+
+
 def reads_other_index(graph: Graph, consumer: int, group: set[int]) -> str | None:
     """Why `consumer` cannot read group values element for element (None if it can)."""
     out = graph.op(consumer).shape
-    for slot, src in enumerate(graph.operands(consumer)):
+    if (gather := gathers_within(graph, consumer, group)) is not None:
+        return gather
+    for src in graph.operands(consumer):
         source = view_source(graph, src)
         if source is not None and (source in group or view_source(graph, source) in group):
             return f"it reads {describe_node(graph, source)} {_through(graph, src)}"
-        if src in group and ops.gathers_at(graph.op(consumer).kind, slot):
-            return f"it gathers from {describe_node(graph, src)} at computed indices"
         if src in group:
             shape = graph.result_type(src).shape
             if shape and shape != out:
                 return (f"it broadcasts {describe_node(graph, src)} from {format_shape(shape)} "
                         f"to {format_shape(out)}")
-    for user, slot in graph.users(consumer):
-        if user in group and ops.gathers_at(graph.op(user).kind, slot):
-            return f"{describe_node(graph, user)} gathers from it at computed indices"
+    for user, _ in graph.users(consumer):
         if view_source(graph, user) == consumer:  # the group reads it through a view
             for reader, _ in graph.users(user):
                 if reader in group:
