@@ -38,9 +38,10 @@ SOURCE = """
 kernel attention(q: {dt}[B, H, N, D], k: {dt}[B, H, N, D], v: {dt}[B, H, N, D],
                  scale: f32) -> {dt}[B, H, N, D] {{
     s = q @ k.T * scale
+    {mod}
     {mask}
     return softmax(s) @ v
-}}"""
+}}"""  # mod: a score modification (attention_backward.py's softcap), mask: causal or none
 CAUSAL = "s = where(causal(s), s, -inf)"
 DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16}
 HEADS = 16
@@ -89,7 +90,7 @@ def measure(device: str, quick: bool = False) -> list[dict]:
     gen = torch.Generator().manual_seed(0)
     for name, dtype in DTYPES.items():
         for causal in (False, True):
-            fn = tiledsl.compile(SOURCE.format(dt=name, mask=CAUSAL if causal else ""))
+            fn = tiledsl.compile(SOURCE.format(dt=name, mod="", mask=CAUSAL if causal else ""))
             assert [k.template for k in fn.kernels] == ["attention"], fn.explain()
             for b, h, n, d in shapes(quick):
                 row = {"dtype": name, "causal": causal, "B": b, "H": h, "N": n, "D": d}

@@ -27,28 +27,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from attention import CAUSAL, DTYPES, SOURCE, shapes  # noqa: E402  (the forward table's programs)
 from common import arguments, bench, open_device, print_header  # noqa: E402
 
 import tiledsl  # noqa: E402
 
-SOURCE = """
-kernel attention(q: {dt}[B, H, N, D], k: {dt}[B, H, N, D], v: {dt}[B, H, N, D],
-                 scale: f32) -> {dt}[B, H, N, D] {{
-    s = q @ k.T * scale
-    {mod}
-    {mask}
-    return softmax(s) @ v
-}}"""
 SOFTCAP = "s = tanh(s * 0.05) * 20.0"
-CAUSAL = "s = where(causal(s), s, -inf)"
-DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16}
 VARIANTS = {"plain": (False, ""), "causal": (True, ""), "softcap causal": (True, SOFTCAP)}
-
-
-def shapes(quick: bool) -> list[tuple[int, int, int, int]]:
-    if quick:
-        return [(1, 2, 77, 64)]
-    return [(16384 // n, 16, n, d) for d in (64, 128) for n in (1024, 4096, 16384)]
 
 
 def eager(q, k, v, scale, causal, softcap):

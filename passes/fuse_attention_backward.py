@@ -125,7 +125,7 @@ class _Match:
             out |= {s for _, chain in self.reduced for s in chain}
         for p in chosen:
             chain = self.batch_sums.get(p.matmul, [])
-            out |= set(chain) | _epilogue(graph, chain[-1] if chain else p.matmul)
+            out |= set(chain) | set(_epilogue(graph, chain[-1] if chain else p.matmul))
         return sorted(out)
 
     @property
@@ -191,7 +191,7 @@ class _Match:
             chain = self.batch_sums.get(p.matmul, [])
             node = chain[-1] if chain else p.matmul
             while True:
-                node = max(_epilogue(graph, node) | {node})  # the epilogue's last op (a chain)
+                node = ([node] + _epilogue(graph, node))[-1]  # the epilogue's last op
                 users = graph.users(node)
                 if len(users) != 1 or not _is(graph, users[0][0], "transpose"):
                     break
@@ -532,9 +532,10 @@ def _ancestors(graph: Graph, roots: list[int], within: set[int]) -> set[int]:
     return out
 
 
-def _epilogue(graph: Graph, product: int) -> set[int]:
-    """Elementwise ops on the product alone (a cast, a scale by a scalar), one reader each."""
-    out, node = set(), product
+def _epilogue(graph: Graph, product: int) -> list[int]:
+    """Elementwise ops on the product alone (a cast, a scale by a scalar), one reader each,
+    in order."""
+    out, node = [], product
     while True:
         users = graph.users(node)
         if len(users) != 1:
@@ -544,5 +545,5 @@ def _epilogue(graph: Graph, product: int) -> set[int]:
         if op is None or not ops.is_elementwise(op.kind) or op.shape != graph.op(node).shape or any(
                 o != node and not (is_clonable(graph, o) or _scalar(graph, o)) for o in graph.operands(user)):
             return out
-        out.add(user)
+        out.append(user)
         node = user

@@ -41,7 +41,9 @@ class ProbabilityEmitter(Emitter):
     """The score ops' `exp` of an f32 (the probabilities `exp(z - lse)`) as the forward's
     attention kernel computes them: `exp2` of the argument times log2(e), Triton's fast
     form, not the f64 round trip of an f32 `exp` elsewhere. Forward and backward agree,
-    and the exp costs what it does in FlashAttention."""
+    and the exp costs what it does in FlashAttention. A `where` whose condition is the
+    literal True (a mask on a block inside its bound, `step(unmasked=True)`) is its
+    first branch."""
 
     def op(self, op: Op, args: list[Val], types: tuple[TensorType, ...]) -> Val:
         if op.kind == "where" and args[0].literal and args[0].text == "True":  # a mask inside it
@@ -159,8 +161,7 @@ class AttentionBackwardProgram:
     def operand(self, name: str, ptrs: str, mask: str, value: int, source: int, dot: DType) -> None:
         """Load a tile of `source` into `name` and bring it to the dot's dtype, computing the
         prologue that gives `value` on it (in f32; 0 outside the tile)."""
-        rop = self.region.ops[value - self.n_in] if value >= self.n_in else None
-        if value == source or rop.op.kind == "cast" and rop.operands == (source,) and rop.op.dtype is dot:
+        if value == source or self.casts(value, source) and self.value_type(value).dtype is dot:
             self.body(f"{name} = tl.load({ptrs}, mask={mask}, other=0.0)")
             self.to_dot(name, self.value_type(source).dtype, dot)
             return
@@ -172,19 +173,21 @@ class AttentionBackwardProgram:
         two bf16) tensors widened to f32 (mixed precision), theirs: products of 11-bit
         (8-bit) significands are exact in f32, and tl.dot sums them in f32, so the result
         is the f32 dot's, from the tensor cores."""
-        d, n_in = self.plan.dots[j], self.n_in
+        d = self.plan.dots[j]
         want = self.value_type(d.matmul).dtype
-
-        def narrow(value: int, source: int) -> DType:
-            if value >= n_in and (self.region.ops[value - n_in].op.kind != "cast"
-                                  or self.region.ops[value - n_in].operands != (source,)):
-                return want  # a prologue computing more than a widening
-            return self.value_type(source).dtype
-
-        have = {narrow(d.a, d.a_source), narrow(d.b, d.b_source)}
+        # a prologue computing more than a cast keeps the dot's own dtype
+        have = {self.value_type(source).dtype if value == source or self.casts(value, source) else want
+                for value, source in ((d.a, d.a_source), (d.b, d.b_source))}
         if want is DType.F32 and len(have) == 1 and have <= {DType.F16, DType.BF16}:
             return have.pop()
         return want
+
+    def casts(self, value: int, source: int) -> bool:
+        """Is `value` a cast of the input `source` (a prologue that only changes the dtype)?"""
+        if value < self.n_in:
+            return False
+        rop = self.region.ops[value - self.n_in]
+        return rop.op.kind == "cast" and rop.operands == (source,)
 
     def to_dot(self, name: str, have: DType, dot: DType) -> None:
         """Bring a loaded tile to the dot's dtype (mixed operands meet in f32; the interpreter
@@ -421,10 +424,11 @@ class AttentionBackwardProgram:
                 return config(dims, max(16, min(next_pow2(m), 64)), max(16, min(next_pow2(n), 64)), 4, 1)
             # sm_90, Triton 3.9 (`tiledsl ptx`): 64 x 64 tiles; at head dim 128 the dk/dv
             # kernel's two [64, 128] accumulators and k, v tiles spill with 4 warps, not 8
-            bm, bn, warps, stages = 64, 64, 8 if wide(dims) else 4, 2
-            if wide(dims) and plan.walked:  # walking the group's heads too: 200 B spill at 64
+            at_128 = wide(dims)
+            bm, bn, warps, stages = 64, 64, 8 if at_128 else 4, 2
+            if at_128 and plan.walked:  # walking the group's heads too: 200 B spill at 64
                 bm = 32
-            if wide(dims) and heavy:  # many score ops (a trig score mod): walk 32 rows, no spills
+            if at_128 and heavy:  # many score ops (a trig score mod): walk 32 rows, no spills
                 bm, bn = (32, 64) if plan.over == "queries" else (64, 32)
             if f32_dots:  # IEEE f32 dots run on the FMA units, not wgmma: smaller tiles
                 bm, bn = 32, 32
@@ -441,10 +445,7 @@ class AttentionBackwardProgram:
                     or min(m, n) < 128:
                 return []
             walk_own = ((32, 128, 8, 2), (128, 64, 8, 2), (64, 64, 8, 3))  # (walked, owned, warps, stages)
-            if plan.over == "queries":
-                tiles = [(w, o, warps, stages) for w, o, warps, stages in walk_own]
-            else:
-                tiles = [(o, w, warps, stages) for w, o, warps, stages in walk_own]
+            tiles = walk_own if plan.over == "queries" else [(o, w, *rest) for w, o, *rest in walk_own]
             return [configure(dims, device)] + [config(dims, *t) for t in tiles]
 
         return configure, candidates

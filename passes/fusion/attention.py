@@ -64,19 +64,16 @@ def attention_backward_plan(region: Region) -> AttentionBackwardPlan:
         return r.operands[0] if r is not None and r.op.kind == "transpose" and r.operands[0] >= n_in \
             else None
 
-    def loaded(v: int) -> bool:  # an input, or a prologue on one: elementwise, with scalars
+    def source(v: int) -> int | None:
+        """The input `v` is loaded from: itself, or what a prologue on it reads (elementwise
+        ops of one same-shape tensor and scalars); None for a computed value."""
         while v >= n_in:
             r = ops[v]
             tensors = [o for o in r.operands if region.value_type(o).rank > 0]
             if not ops_module.is_elementwise(r.op.kind) or len(tensors) != 1 \
                     or region.value_type(tensors[0]).shape != r.op.shape:
-                return False
+                return None
             v = tensors[0]
-        return True
-
-    def source(v: int) -> int:  # the input a prologue reads (its one operand not a scalar)
-        while v >= n_in:
-            v = next(o for o in ops[v].operands if region.value_type(o).rank > 0)
         return v
 
     dots, products, prologues = [], [], set()
@@ -84,16 +81,17 @@ def attention_backward_plan(region: Region) -> AttentionBackwardPlan:
         if r.op.kind != "matmul":
             continue
         a, b = r.operands
-        prologues |= {p for o in (a, b) if loaded(o) for p in region.depends(o)
+        src_a, src_b = source(a), source(b)
+        prologues |= {p for o, src in ((a, src_a), (b, src_b)) if src is not None for p in region.depends(o)
                       if p >= n_in and region.value_type(p).rank > 0}
-        if loaded(a) and loaded(b):
-            dots.append(ScoreDot(v, a, b, source(a), source(b)))
-        elif swapped(a) is not None and not loaded(swapped(a)):
-            products.append(ScoreProduct(v, swapped(a), b, False, y_source=source(b)))
-        elif loaded(a):
-            products.append(ScoreProduct(v, b, a, True, y_source=source(a)))
+        if src_a is not None and src_b is not None:
+            dots.append(ScoreDot(v, a, b, src_a, src_b))
+        elif swapped(a) is not None and source(swapped(a)) is None:
+            products.append(ScoreProduct(v, swapped(a), b, False, y_source=src_b))
+        elif src_a is not None:
+            products.append(ScoreProduct(v, b, a, True, y_source=src_a))
         else:
-            products.append(ScoreProduct(v, a, b, False, y_source=source(b)))
+            products.append(ScoreProduct(v, a, b, False, y_source=src_b))
     over = "queries" if any(p.y_first or ops[p.matmul].operands[0] != p.x for p in products) else "keys"
     prods = {p.matmul for p in products}
     # sums over batch axes of the products (GQA's dk, dv over a group's query heads)
