@@ -82,7 +82,10 @@ class _Kernel:
         self.memo: dict = {}  # producers' sources, with the duals this seed may take
         product = graph.op(seed).shape
         self.row_shape = product[:-1] + (1,)
-        self.a = graph.operands(seed)[0]
+        # A may be a result of an earlier kernel (an attention's output): an edge, not a node
+        self.a_edge = graph.operand_edges(seed)[0]
+        self.a = self.a_edge[0]
+        self.a_shape = graph.result_type(*self.a_edge).shape
 
     def joins(self, node: int) -> bool:
         """Ops besides elementwise ones an epilogue producer may be computed from."""
@@ -112,7 +115,7 @@ class _Kernel:
                 return Refusal(Rule.OTHER_INDEX, "it feeds both a matmul operand and the epilogue")
             on_a = any((u == self.seed or u in self.matmuls) and slot == 0 or u in self.a_side
                        for u, slot in users)
-            k = graph.op(self.a).shape[-1] if on_a else None
+            k = self.a_shape[-1] if on_a else None
             reason = prologue_op_refusal(graph, cand, any(u not in group for u, _ in users), k_vectors=k)
             if reason is None:
                 self.prologue.add(cand)
@@ -139,14 +142,13 @@ class _Kernel:
         or mean along K, keeping the dim, of cheap elementwise ops of A's source tensor."""
         graph = self.graph
         op = graph.op(node)
-        (x,) = graph.operands(node)
-        a_shape = graph.op(self.a).shape
-        if not op.attr("keepdims") or op.attr("axis") != len(graph.op(x).shape) - 1 \
-                or graph.op(x).shape != a_shape:
+        (x,) = graph.operand_edges(node)
+        x_shape = graph.result_type(*x).shape
+        if not op.attr("keepdims") or op.attr("axis") != len(x_shape) - 1 or x_shape != self.a_shape:
             return Refusal(Rule.TILE, f"only a {' or '.join(STAT_KINDS)} of A's rows along K "
                            "(keepdims=true) is computed in the K loop")
-        root = _operand_root(graph, x, a_shape)
-        if root is None or root != _operand_root(graph, self.a, a_shape):
+        root = _operand_root(graph, x, self.a_shape)
+        if root is None or root != _operand_root(graph, self.a_edge, self.a_shape):
             return Refusal(Rule.OP, "the statistic is not computed from the tiles of A alone")
         return None
 
@@ -179,21 +181,22 @@ class _Kernel:
         return None
 
 
-def _operand_root(graph: Graph, node: int, shape) -> int | None:
-    """The one tensor of `shape` that `node` is computed from through elementwise ops (the
-    source a prologue or statistic reads), or None."""
-    roots: set[int] = set()
-    stack, seen = [node], set()
+def _operand_root(graph: Graph, value: tuple[int, int], shape) -> tuple[int, int] | None:
+    """The one tensor of `shape` that `value` (a node and its result index) is computed from
+    through elementwise ops (the source a prologue or statistic reads), or None. A result of
+    an earlier kernel is a tensor like a parameter; which result it is matters."""
+    roots: set[tuple[int, int]] = set()
+    stack, seen = [value], set()
     while stack:
-        n = stack.pop()
-        if n in seen:
+        edge = stack.pop()
+        if edge in seen:
             continue
-        seen.add(n)
-        op = graph.op(n)
-        if isinstance(op, Op) and ops.is_elementwise(op.kind) and not is_clonable(graph, n):
-            stack.extend(graph.operands(n))
-        elif graph.result_type(n).shape == shape:
-            roots.add(n)
+        seen.add(edge)
+        op = graph.op(edge[0])
+        if isinstance(op, Op) and ops.is_elementwise(op.kind) and not is_clonable(graph, edge[0]):
+            stack.extend(graph.operand_edges(edge[0]))
+        elif graph.result_type(*edge).shape == shape:
+            roots.add(edge)
     return roots.pop() if len(roots) == 1 else None
 
 

@@ -293,6 +293,39 @@ def test_a_statistic_of_another_tensor_is_not_computed_in_the_k_loop():
             "the statistic is not computed from the tiles of A alone [rule: op]") in fn.explain()
 
 
+ATTN_STAT = """kernel f(q: {dt}[B, M, D], k: {dt}[B, N, D], v: {dt}[B, N, D], w: {dt}[D, E]) -> {dt}[B, M, E] {{
+    o = softmax(q @ k.T) @ v
+    return (o * sum(o, keepdims=true)) @ w
+}}"""
+
+
+@pytest.mark.parametrize("dt", ["f32", "bf16"])
+@pytest.mark.parametrize("b, m, n, d, e", [(1, 1, 1, 1, 1), (2, 17, 113, 17, 33), (1, 113, 17, 64, 1)])
+def test_a_row_statistic_of_an_attention_output_before_a_matmul_is_not_an_internal_error(dt, b, m, n, d, e):
+    """A is the attention kernel's result (a KernelOp, not an Op): its row sum is a statistic
+    of the GEMM's own A tiles, summed in the K loop, and the scale its epilogue."""
+    tdt = {"f32": torch.float32, "bf16": torch.bfloat16}[dt]
+    r = lambda *s: randn(*s, dtype=tdt)  # noqa: E731
+    fn, _ = run_checked(ATTN_STAT.format(dt=dt), r(b, m, d), r(b, n, d), r(b, n, d), r(d, e), sm90=False)
+    assert [(k.template, [op.kind for op in k.ops if op.kind != "cast"]) for k in fn.kernels] == [
+        ("attention", ["matmul", "softmax", "matmul"]), ("matmul", ["sum", "matmul", "mul"])]
+    assert "fusions not made:\n  matmul (line 2) -> sum (line 3): no fusion pass joins" in fn.explain()
+
+
+def test_a_statistic_of_another_result_of_the_kernel_producing_a_is_refused():
+    """`o * o` joins the attention kernel as a second result: its row sum is not a statistic
+    of A's tiles (result 0 of the same kernel), so a row kernel computes it."""
+    src = """kernel f(q: f32[M, D], k: f32[N, D], v: f32[N, D], w: f32[D, E]) -> f32[M, E] {
+    o = softmax(q @ k.T) @ v
+    return (o * sum(o * o, keepdims=true)) @ w
+}"""
+    fn, _ = run_checked(src, randn(17, 33), randn(113, 33), randn(113, 33), randn(33, 5), sm90=False)
+    assert [(k.template, [op.kind for op in k.ops]) for k in fn.kernels] == [
+        ("attention", ["matmul", "softmax", "matmul", "mul"]), ("rows", ["sum"]), ("matmul", ["matmul", "mul"])]
+    assert ("[fuse-epilogue] refused: sum (line 3) -> mul (line 3): the statistic is not computed from "
+            "the tiles of A alone [rule: op]") in fn.explain()
+
+
 # --- distributed matmuls ---------------------------------------------------------------------
 
 DIFF = """kernel diff(q1: {dt}[H, M, D], k1: {dt}[H, N, D], q2: {dt}[H, M, D], k2: {dt}[H, N, D],
