@@ -13,11 +13,12 @@ EXAMPLES = Path(__file__).parent.parent / "examples"
 RMSNORM = str(EXAMPLES / "rmsnorm.tdsl")
 
 
-def cli(*argv: str, stdin: str | None = None) -> tuple[int, str, str]:
+def cli(*argv: str, stdin: str | bytes | None = None) -> tuple[int, str, str]:
     out, err = io.StringIO(), io.StringIO()
     old = sys.stdin
-    if stdin is not None:
-        sys.stdin = io.StringIO(stdin)
+    if stdin is not None:  # the command line reads standard input as bytes
+        data = stdin if isinstance(stdin, bytes) else stdin.encode()
+        sys.stdin = io.TextIOWrapper(io.BytesIO(data), encoding="utf-8")
     try:
         with redirect_stdout(out), redirect_stderr(err):
             code = main(list(argv))

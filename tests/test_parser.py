@@ -3,6 +3,7 @@
 import pytest
 
 from tiledsl import ast
+from tiledsl.diagnostics import TileDSLError
 from tiledsl.parser import parse
 
 
@@ -143,6 +144,35 @@ def test_spans_point_at_source():
 def test_crlf_line_endings():
     src = "kernel f(x: f32[N]) -> f32[N] {\r\n    y = x\r\n    return y\r\n}\r\n"
     assert len(body(src)) == 2
+
+
+BAD_LINE_2 = ["kernel f(x: f32[N]) -> f32[N] {", "    y = x $ 2.5", "    return y", "}", ""]
+DOLLAR = "p.tdsl:2:11: error: unexpected character '$'; expected one of: '(', ';', '[', '}', a newline, an operator"
+
+
+def syntax_error(src: str):
+    with pytest.raises(TileDSLError) as info:
+        parse(src, "p.tdsl")
+    return info.value
+
+
+@pytest.mark.parametrize("newline", ["\n", "\r\n", "\r"], ids=["lf", "crlf", "cr"])
+def test_cr_only_and_crlf_line_endings_give_lines_and_columns(newline):
+    """Old Mac files end lines with a lone CR (Python reads them as newlines); CRLF lines
+    are shown without their CR."""
+    assert len(body(newline.join(BAD_LINE_2).replace("$", "*"))) == 2
+    err = syntax_error(newline.join(BAD_LINE_2))
+    assert (err.line, err.column) == (2, 11)
+    assert str(err).splitlines() == [DOLLAR, "        y = x $ 2.5", "              ^"]
+
+
+def test_utf8_bom_is_accepted_and_not_counted_in_columns():
+    assert len(body("\ufeff" + "\n".join(BAD_LINE_2).replace("$", "*"))) == 2
+    err = syntax_error("\ufeff" + "\r\n".join(BAD_LINE_2))
+    assert str(err).splitlines() == [DOLLAR, "        y = x $ 2.5", "              ^"]
+    err = syntax_error("\ufeffkernel f(x: f32[N]) -> f32[N] { return x $ 1 }")
+    assert (err.line, err.column) == (1, 42)
+    assert str(err).splitlines()[1] == "    kernel f(x: f32[N]) -> f32[N] { return x $ 1 }"
 
 
 def test_python_and_triton_names_are_ordinary_identifiers():

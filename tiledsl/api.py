@@ -20,6 +20,7 @@ from tiledsl import autodiff
 from tiledsl import diagnostics as diag
 from tiledsl.backends.interface import BACKENDS, Backend, Kernel, make_backend
 from tiledsl.binding import BoundCall, bind
+from tiledsl.files import load_source, read_program  # noqa: F401 - api.read_program stays
 from tiledsl.ir import Graph, KernelOp
 from tiledsl.parser import parse
 from tiledsl.passes.manager import PassManager, PipelineResult
@@ -38,34 +39,6 @@ def check_option(where: str, name: str, value: Any, expected: str, *types: type)
     if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
         raise diag.OptionError(message=(
             f"{where}: '{name}' must be {expected}, got {type(value).__name__}"))
-
-
-def load_source(source: str | os.PathLike) -> tuple[str, str]:
-    """(text, display name) of program text or a path to a .tdsl file."""
-    check_option("compile()", "source", source, "program text or a path", str, os.PathLike)
-    if isinstance(source, os.PathLike) or (
-        "\n" not in source and "{" not in source
-        and (source.endswith(".tdsl") or os.path.isfile(source))
-    ):
-        return read_program(Path(source))
-    return source, "<string>"
-
-
-def read_program(path: Path) -> tuple[str, str]:
-    """(text, display name) of a program file, or an `OptionError` saying why not."""
-    shown = str(path)  # messages escape control characters themselves
-    try:
-        data = path.read_bytes()
-    except OSError as err:
-        raise diag.OptionError(message=f"cannot read {shown}: {err.strerror}") from None
-    except (ValueError, UnicodeError):  # a NUL byte or an unencodable character in the path
-        raise diag.OptionError(message=f"cannot read {shown}: not a valid file name") from None
-    try:
-        return data.decode("utf-8"), str(path)
-    except UnicodeDecodeError as err:
-        raise diag.OptionError(message=(
-            f"cannot read {shown}: it is not UTF-8 text (byte 0x{data[err.start]:02x} at offset "
-            f"{err.start})")) from None
 
 
 def compile(  # noqa: A001 - the public name is part of the design

@@ -90,12 +90,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _read(path: str) -> tuple[str, str]:
     """(text, display name) of a program file, or of standard input for '-'. The argument
-    is always a file name: a missing file is an error, never program text."""
+    is always a file name: a missing file is an error, never program text. Both are read
+    as bytes, with the size bound of `tiledsl.files`, and decoded as UTF-8 whatever the
+    locale says."""
     from pathlib import Path
 
-    from tiledsl.api import read_program
+    from tiledsl.files import read_program, read_stream
 
-    return (sys.stdin.read(), "<stdin>") if path == "-" else read_program(Path(path))
+    if path == "-":  # sys.stdin is None when the process started with descriptor 0 closed
+        return read_stream(getattr(sys.stdin, "buffer", None))
+    return read_program(Path(path))
 
 
 def _compile(args, **kw):

@@ -393,12 +393,21 @@ def _lark() -> lark.Lark:
     )
 
 
+def normalize_newlines(text: str) -> str:
+    """The text as the grammar and `Source` read it: without a leading UTF-8 byte order
+    mark (editors on Windows write one), and with CRLF and a lone CR (old Mac files) as
+    LF, as Python's own tokenizer reads source, so lines and columns are the editor's."""
+    text = text.removeprefix("\ufeff")
+    return text.replace("\r\n", "\n").replace("\r", "\n") if "\r" in text else text
+
+
 def parse(text: str, name: str = "<string>") -> ast.Program:
     """Parse program text into an AST, raising `TileDSLError` on any problem."""
-    source = Source(text, name)
     if len(text) > MAX_SOURCE_CHARS:
-        raise LimitError(Span(source, 0, 0), what="program size in characters",
+        raise LimitError(Span(Source(text, name), 0, 0), what="program size in characters",
                          limit=MAX_SOURCE_CHARS)
+    text = normalize_newlines(text)
+    source = Source(text, name)
     try:
         tree = _lark().parse(text)
     except UnexpectedInput as err:
