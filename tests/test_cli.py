@@ -1,11 +1,16 @@
 """The `tiledsl` command line."""
 
 import io
+import json
+import os
+import shlex
 import subprocess
 import sys
 import sysconfig
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
+
+import pytest
 
 from tiledsl.cli import main
 
@@ -122,3 +127,101 @@ def test_backward_prints_the_derived_program(tmp_path):
                           "%eps: f32, %grad_0: f32[N, D]) -> (f32[N, D], f32[D]) {")
     code, out, _ = cli("explain", str(path), "--backward")
     assert code == 0 and "fusion report for @rms_backward" in out and "2 kernels for" in out
+
+
+# --- bad options and inputs give one line on stderr and exit 1, in a process of their own ---------
+
+OUTER = "kernel outer(a: f32[M, K], b: f32[K, N]) -> f32[M, N] {\n    return a @ b\n}\n"
+
+
+def cli_process(*argv: str, env: dict | None = None, **kw) -> subprocess.CompletedProcess:
+    """`python -m tiledsl.cli ARGV` in its own process, as a user runs it: an LLVM abort, a
+    closed descriptor or an environment variable read at import are the process's own."""
+    return subprocess.run([sys.executable, "-m", "tiledsl.cli", *argv], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, **(env or {})}, **kw)
+
+
+def one_line_error(result: subprocess.CompletedProcess, message: str) -> None:
+    assert (result.returncode, result.stdout, result.stderr) == (1, "", f"error: {message}\n")
+
+
+@pytest.fixture
+def outer(tmp_path) -> str:
+    path = tmp_path / "outer.tdsl"
+    path.write_text(OUTER)
+    return str(path)
+
+
+def test_run_seed_past_64_bits_is_an_option_error():
+    one_line_error(cli_process("run", RMSNORM, "--dims", "M=3,N=4", "--seed", str(2**70)),
+                   f"--seed {2**70}: the seed must be between 0 and {2**64 - 1}")
+
+
+@pytest.mark.parametrize("seed", [-1, 2**64])
+def test_run_seed_outside_torch_range_is_an_option_error(seed):
+    assert cli("run", RMSNORM, "--dims", "M=3,N=4", "--seed", str(seed)) == (
+        1, "", f"error: --seed {seed}: the seed must be between 0 and {2**64 - 1}\n")
+
+
+def test_ptx_arch_triton_cannot_compile_for_is_refused_before_llvm_aborts():
+    import triton
+
+    result = cli_process("ptx", RMSNORM, "--dims", "M=4,N=8", "--arch", "sm_1000")
+    assert (result.returncode, result.stdout) == (1, "")
+    (line,) = result.stderr.splitlines()
+    prefix = f"error: --arch sm_1000: the installed Triton ({triton.__version__}) cannot compile for sm_1000; " \
+             "it compiles for sm_80, "
+    assert line.startswith(prefix) and "sm_90" in line.split("; ")[1]
+
+
+def test_ptx_arch_names_the_architectures_triton_compiles_for():
+    from tiledsl.cli import _triton_gpu_archs
+
+    archs = _triton_gpu_archs(90)
+    assert archs[0] == 80 and 90 in archs and all(a >= 80 for a in archs)
+    for arch in ("sm_75", "foo", "sm_9999999"):
+        assert cli("ptx", RMSNORM, "--dims", "M=4,N=8", "--arch", arch)[2] == (
+            f"error: --arch {arch}: give an NVIDIA architecture sm_80 or newer, e.g. sm_90\n")
+
+
+def test_check_stdin_empty_is_one_line():
+    one_line_error(cli_process("check", "-", stdin=subprocess.DEVNULL),
+                   "cannot read <stdin>: standard input is empty")
+
+
+def test_check_stdin_closed_is_one_line():
+    script = f"exec 0<&-; exec {shlex.quote(sys.executable)} -m tiledsl.cli check -"
+    result = subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=300)
+    one_line_error(result, "cannot read <stdin>: standard input is closed")
+
+
+def test_stdin_is_read_as_utf8_bytes():
+    code, _, err = cli("check", "-", stdin=b"kernel k(x: f32[N]) -> f32[N] { return x }\n# \xff\n")
+    assert (code, err) == (1, "error: cannot read <stdin>: it is not UTF-8 text (byte 0xff at offset 45)\n")
+    code, out, _ = cli("check", "-", stdin="# größe\nkernel k(x: f32[N]) -> f32[N] { return x }\n")
+    assert (code, out) == (0, "<stdin>: kernel 'k' ok\n")
+
+
+def test_run_output_of_terabytes_is_refused_before_allocating(outer):
+    one_line_error(cli_process("run", outer, "--dims", "M=1048576,N=1048576,K=1"),
+                   f"--dims gives the matmul at {outer}:2:12 1099511627776 elements; tiledsl run checks the "
+                   "program against torch op by op, with values of at most 2147483648 elements")
+
+
+def test_run_output_that_cannot_be_allocated_is_one_line(outer):
+    """8 GiB of output, within the element limit, in a process allowed 6 GiB of address
+    space (tiledsl run on CPU needs about 1 GiB): the allocator refuses."""
+    import resource
+
+    limit = 6 * 2**30
+    result = cli_process("run", outer, "--dims", "M=1048576,N=2048,K=1", "--repeat", "0",
+                         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)))
+    one_line_error(result, "cannot allocate the program's outputs at these sizes "
+                           "(tried to allocate 8589934592 bytes)")
+
+
+def test_ptx_works_with_triton_interpret_set():
+    result = cli_process("ptx", RMSNORM, "--dims", "M=4096,N=8192", "--json", env={"TRITON_INTERPRET": "1"})
+    assert result.returncode == 0, result.stderr
+    (kernel,) = json.loads(result.stdout)["kernels"]
+    assert kernel["name"] == "k0" and kernel["registers"] > 0 and kernel["spill_bytes"] == 0

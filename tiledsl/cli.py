@@ -19,10 +19,15 @@ several kernels. Errors print as compiler diagnostics and exit with status 1.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import math
+import os
+import re
+import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from tiledsl import diagnostics as diag
 from tiledsl.dims import evaluate
@@ -223,15 +228,32 @@ def _run_dims(fn, text: str, limit: bool = True) -> dict[str, int]:
         raise diag.OptionError(message=(
             f"--dims names {', '.join(unknown)}, which '{fn.name}' does not use "
             f"(its dims: {', '.join(needed) or 'none'})"))
+    if limit:
+        _check_run_sizes(fn, dims)
+    return dims
+
+
+def _check_run_sizes(fn, dims: dict[str, int]) -> None:
+    """Refuse sizes `tiledsl run` cannot hold before allocating anything: it draws every
+    input, and its torch reference, run op by op, allocates every value of the program
+    (outputs included), so a terabyte result is refused here, not by the allocator."""
     graph = fn.fused_graph()
-    for node in graph.params if limit else ():
+    for node in graph.params:
         t = graph.op(node).attr("type")
         numel = math.prod(evaluate(d, dims) for d in t.shape)
         if numel > MAX_RUN_ELEMENTS:
             raise diag.OptionError(message=(
                 f"--dims gives '{graph.op(node).attr('name')}' {numel} elements; tiledsl run draws "
                 f"random inputs of at most {MAX_RUN_ELEMENTS}"))
-    return dims
+    source = fn.source_graph
+    for node in source.topo_order():
+        op = source.op(node)
+        numel = math.prod(evaluate(d, dims) for d in op.shape)
+        if numel > MAX_RUN_ELEMENTS:
+            where = f" at {op.span.location()}" if op.span else ""
+            raise diag.OptionError(message=(
+                f"--dims gives the {op.kind}{where} {numel} elements; tiledsl run checks the "
+                f"program against torch op by op, with values of at most {MAX_RUN_ELEMENTS} elements"))
 
 
 def _run_scalars(fn, items: Sequence[str]) -> dict[str, object]:
@@ -289,34 +311,31 @@ def _run_device(requested: str | None) -> str:
     return str(device)
 
 
+MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 64 bits
+
+
 def _cmd_run(args) -> int:
     import torch
 
     from tiledsl import testing
 
+    if not 0 <= args.seed <= MAX_SEED:
+        raise diag.OptionError(message=f"--seed {str(args.seed)[:40]}: the seed must be between 0 and "
+                               f"{MAX_SEED}")
     device = _run_device(args.device)
     fn = _compile(args, backend=args.backend)
     dims = _run_dims(fn, args.dims)
     scalars = _run_scalars(fn, args.scalar)
     gen = torch.Generator().manual_seed(args.seed)
-    try:
+    with _allocating("random inputs"):
         inputs = testing.random_inputs(fn, dims, "cpu", gen, scalars)
         inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-    except (RuntimeError, MemoryError) as err:  # torch's out-of-memory is a RuntimeError
-        raise diag.OptionError(message=(
-            f"cannot allocate random inputs at these sizes ({str(err).splitlines()[0][:120]})")) from None
-    start = time.perf_counter()
-    outputs = fn(**inputs)
-    _sync(device)
-    first = time.perf_counter() - start
-    times = []
-    for _ in range(max(0, args.repeat)):
-        start = time.perf_counter()
-        fn(**inputs)
-        _sync(device)
-        times.append(time.perf_counter() - start)
+    with _allocating("the program's outputs"):
+        outputs, first, times = _timed_calls(fn, inputs, device, args.repeat)
     cpu_inputs = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-    report = testing.compare(outputs, fn.reference(**cpu_inputs, float64=True), fn.reference(**cpu_inputs))
+    with _allocating("the torch reference's values"):
+        report = testing.compare(outputs, fn.reference(**cpu_inputs, float64=True),
+                                 fn.reference(**cpu_inputs))
     where = "Triton interpreter" if device == "cpu" and args.backend == "triton" else device
     print(f"{fn.name} on {where}: {len(fn.kernels)} kernel(s), dims "
           + ", ".join(f"{k}={v}" for k, v in dims.items()))
@@ -330,6 +349,38 @@ def _cmd_run(args) -> int:
     return 0 if report.ok else 2
 
 
+def _timed_calls(fn, inputs: dict, device: str, repeat: int) -> tuple[object, float, list[float]]:
+    """(outputs, seconds of the first call, seconds of each of `repeat` more)."""
+    start = time.perf_counter()
+    outputs = fn(**inputs)
+    _sync(device)
+    first = time.perf_counter() - start
+    times = []
+    for _ in range(max(0, repeat)):
+        start = time.perf_counter()
+        fn(**inputs)
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return outputs, first, times
+
+
+@contextlib.contextmanager
+def _allocating(what: str) -> Iterator[None]:
+    """An allocation that fails inside (torch's CPU and CUDA out-of-memory errors, Python's
+    MemoryError) is an `OptionError` naming `what`; any other error passes through."""
+    import torch
+
+    try:
+        yield
+    except (RuntimeError, MemoryError) as err:
+        text = str(err)
+        if not (isinstance(err, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in text):
+            raise
+        tried = re.search(r"tried to allocate (\d[\d.]*\s*\w+)", text, re.IGNORECASE)
+        detail = f"tried to allocate {tried.group(1)}" if tried else text.splitlines()[0][:120]
+        raise diag.OptionError(message=f"cannot allocate {what} at these sizes ({detail})") from None
+
+
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
         import torch
@@ -339,18 +390,18 @@ def _sync(device: str) -> None:
 
 def _cmd_ptx(args) -> int:
     import json
-    import re
 
+    # Triton reads TRITON_INTERPRET whenever @triton.jit runs, for its own standard library
+    # when triton.language is imported: set, every kernel would be an InterpretedFunction,
+    # which triton.compile cannot lower. ptx compiles kernels and runs none, so it needs no
+    # interpreter; nothing has imported Triton yet (this module imports it lazily).
+    os.environ.pop("TRITON_INTERPRET", None)
     from tiledsl.backends.triton.aot import inspect_program
 
-    arch = re.fullmatch(r"sm_(\d+)a?", args.arch)
-    if arch is None or int(arch.group(1)) < 80:
-        raise diag.OptionError(message=f"--arch {args.arch[:40]}: give an NVIDIA architecture "
-                               "sm_80 or newer, e.g. sm_90")
+    arch = _gpu_arch(args.arch)
     fn = _compile(args)
     dims = _run_dims(fn, args.dims, limit=False)
-    reports = inspect_program(fn, dims, _run_scalars(fn, args.scalar), args.all,
-                              int(arch.group(1)))
+    reports = inspect_program(fn, dims, _run_scalars(fn, args.scalar), args.all, arch)
     if args.json:
         print(json.dumps({"kernels": [r.as_dict() for r in reports]}))
         return 0
@@ -360,6 +411,54 @@ def _cmd_ptx(args) -> int:
         print(f"  registers {r.registers}, spills {r.spill_bytes} bytes, shared "
               f"{r.shared_bytes} bytes, wgmma {' '.join(r.wgmma) or 'none'}, TMA copies {r.tma}")
     return 0
+
+
+def _gpu_arch(text: str) -> int:
+    """The compute capability of `--arch sm_<N>`, if tiledsl's kernels run there (sm_80 and
+    newer) and the installed Triton can compile for it. An architecture Triton's LLVM does
+    not know aborts the process (`LLVM ERROR: Cannot select`), so it is refused here."""
+    arch = re.fullmatch(r"sm_(\d{1,6})a?", text)
+    if arch is None or int(arch.group(1)) < 80:
+        raise diag.OptionError(message=f"--arch {text[:40]}: give an NVIDIA architecture "
+                               "sm_80 or newer, e.g. sm_90")
+    capability = int(arch.group(1))
+    supported = _triton_gpu_archs(capability)
+    if capability not in supported:
+        import triton
+
+        raise diag.OptionError(message=(
+            f"--arch {text}: the installed Triton ({triton.__version__}) cannot compile for "
+            f"sm_{capability}; it compiles for {', '.join(f'sm_{c}' for c in supported)}"))
+    return capability
+
+
+def _triton_gpu_archs(requested: int) -> list[int]:
+    """The capabilities from sm_80 on that the installed Triton compiles for (the requested
+    one among them if it can): those whose architecture name (sm_90a from sm_90 on) the
+    ptxas Triton picks for them accepts as --gpu-name. Triton bundles its LLVM and ptxas
+    together, so what ptxas knows, LLVM knows."""
+    from triton.backends.nvidia import compiler
+
+    def name(capability: int) -> str:
+        if hasattr(compiler, "sm_arch_from_capability"):
+            return compiler.sm_arch_from_capability(capability)
+        return f"sm_{capability}{'a' if capability >= 90 else ''}"
+
+    def accepted(capability: int) -> frozenset[str]:
+        return _ptxas_gpu_names(compiler.get_ptxas(capability).path)
+
+    try:
+        listed = {int(n) for c in (80, 90) for n in re.findall(r"sm_(\d+)", " ".join(accepted(c)))}
+        return sorted(c for c in listed | {requested} if c >= 80 and name(c) in accepted(c))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as err:
+        raise diag.OptionError(message=f"--arch: cannot run Triton's ptxas ({err})") from None
+
+
+@functools.cache
+def _ptxas_gpu_names(path: str) -> frozenset[str]:
+    """The --gpu-name values a ptxas accepts, from its --help."""
+    result = subprocess.run([path, "--help"], capture_output=True, text=True, timeout=60, check=True)
+    return frozenset(re.findall(r"'(sm_\w+)'", result.stdout))
 
 
 def _cmd_check(args) -> int:
