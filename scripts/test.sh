@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Quick start, step 2: install, then run the default test suite (both CPU cores).
+# Quick start, step 2: install (see bootstrap.sh: the project's .venv unless PYTHON is
+# given), then run the default test suite (on every CPU core).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/bootstrap.sh
-exec "${PYTHON:-python3}" -m pytest -n auto -q "$@"
+PY=$(scripts/bootstrap.sh)
+exec "$PY" -m pytest -n auto -q "$@"
