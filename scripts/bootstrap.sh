@@ -59,12 +59,9 @@ choose_python() {
     fi
 }
 
-# pip install into $PY; a failure with PYTHON given names the way out.
+# pip install into $PY
 pip_install() {
-    if ! run "$PY" -m pip install -q --root-user-action=ignore "$@"; then
-        [ -n "${PYTHON:-}" ] && say "pip cannot install into PYTHON=$PYTHON (see above); leave PYTHON unset to use the project's .venv"
-        return 1
-    fi
+    run "$PY" -m pip install -q --root-user-action=ignore "$@"
 }
 
 # Does $PY import these modules? (false under a dry run for a .venv not made yet)
@@ -73,25 +70,36 @@ imports() {
     "$PY" -c "import $1" >/dev/null 2>&1
 }
 
+install_torch() {
+    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+        pip_install torch
+    else
+        pip_install torch==2.13.0 || pip_install torch --index-url https://download.pytorch.org/whl/cpu
+    fi
+}
+
+# (called where a failure does not stop the script: each step returns its own)
 install() {
     # one interpreter start (importing torch takes seconds) when everything is there already
     if imports "torch, tiledsl, pytest, filecheck, xdist" && [ .bootstrap-stamp -nt pyproject.toml ]; then
-        return
+        return 0
     fi
     if ! imports torch; then
-        if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-            pip_install torch
-        else
-            pip_install torch==2.13.0 \
-                || pip_install torch --index-url https://download.pytorch.org/whl/cpu
-        fi
+        install_torch || return 1
     fi
     if ! imports "tiledsl, pytest, filecheck, xdist" || [ pyproject.toml -nt .bootstrap-stamp ]; then
-        pip_install -e ".[dev]"
+        pip_install -e ".[dev]" || return 1
         run touch .bootstrap-stamp
     fi
 }
 
 choose_python
-install
+if ! install; then
+    if [ -n "${PYTHON:-}" ]; then
+        say "pip cannot install into PYTHON=$PYTHON (see above); leave PYTHON unset to use the project's .venv"
+    else
+        say "pip cannot install into $PY (see above)"
+    fi
+    exit 1
+fi
 echo "$PY"
