@@ -61,7 +61,8 @@ def test_launches_at_sees_alignment_unit_strides_and_sizes():
     args_a = {x.name: (x.type, x.aligned) for x in a.arguments}
     args_b = {x.name: (x.type, x.aligned) for x in b.arguments}
     assert args_a == {"in0_ptr": ("*fp16", True), "in0_s0": ("i32", True), "in0_s1": ("constexpr", False),
-                      "out0_ptr": ("*fp16", True), "numel": ("i32", True), "d0": ("i32", True)}
+                      "out0_ptr": ("*fp16", True), "numel": ("i32", True), "d0": ("i32", True),
+                      "WIDE": ("constexpr", False)}  # int32 offsets: the call's tensors fit
     assert args_b == {**args_a, "in0_ptr": ("*fp16", False)}
     # the aligned build vectorizes its loads; the shifted one cannot
     assert "ld.global.v4.b32" in aot.compile_launch(a).asm["ptx"]

@@ -84,11 +84,13 @@ def check(fn: Program, *args: Any, **kwargs: Any) -> Report:
 
 
 def check_grads(fn: Program, *args: Any, generator: torch.Generator | None = None,
-                **kwargs: Any) -> Report:
+                as_given: bool = False, **kwargs: Any) -> Report:
     """The oracle for gradients: `fn` is called on the arguments with every floating-point
     tensor requiring grad, its outputs are pulled back along random cotangents through its
     backward program, and each parameter's gradient is compared with torch autograd of the
-    reference in float64 (golden) and in the input dtypes (the eager yardstick)."""
+    reference in float64 (golden) and in the input dtypes (the eager yardstick).
+    `as_given`: the compiled call differentiates the arguments themselves (detached, their
+    strides kept), not contiguous copies."""
     from tiledsl.backends import reference
     from tiledsl.binding import BoundCall, bind
 
@@ -98,9 +100,9 @@ def check_grads(fn: Program, *args: Any, generator: torch.Generator | None = Non
     if not wrt:
         raise ValueError(f"'{fn.name}' has no floating-point tensor argument to differentiate")
 
-    def leaves(dtype: torch.dtype | None = None) -> list[Any]:
-        return [v.detach().to(dtype or v.dtype).clone().requires_grad_(True) if i in wrt else v
-                for i, v in enumerate(bound.values)]
+    def leaves(dtype: torch.dtype | None = None, copy: bool = True) -> list[Any]:
+        return [(v.detach().to(dtype or v.dtype).clone() if copy else v.detach()).requires_grad_(True)
+                if i in wrt else v for i, v in enumerate(bound.values)]
 
     def pull(values: list[Any], outs: Any, cotangents: list[torch.Tensor] | None) -> list:
         """Gradients along one random cotangent per floating-point output (the same in every
@@ -115,7 +117,7 @@ def check_grads(fn: Program, *args: Any, generator: torch.Generator | None = Non
         return cotangents, [torch.zeros_like(values[i]) if g is None else g
                             for i, g in zip(wrt, grads, strict=True)]
 
-    compiled_in = leaves()
+    compiled_in = leaves(copy=not as_given)
     cotangents, compiled = pull(compiled_in, fn(*compiled_in), None)
     gold_in = leaves(torch.float64)
     golden = pull(gold_in, reference.run(graph, BoundCall(gold_in, bound.dims, bound.device),
@@ -154,10 +156,15 @@ def random_inputs(fn: Program, dims: Mapping[str, int], device: str = "cpu",
 
 
 def needed_dims(fn: Program) -> list[str]:
+    """The dim symbols a call of `fn` binds, in order of first appearance (those of a
+    parameter's dim expression, like a backward's `H // KH`, included)."""
+    from tiledsl.dims import symbols
+
     graph = fn.fused_graph()
     seen: dict[str, None] = {}
     for node in graph.params:
         for d in graph.op(node).attr("type").shape:
             if isinstance(d, str):
-                seen.setdefault(d)
+                for symbol in symbols(d):
+                    seen.setdefault(symbol)
     return list(seen)

@@ -123,13 +123,10 @@ def inspect_launch(launch: Launch, config: Any = None, arch: int = 90) -> Kernel
                         len(re.findall(r"cp\.async\.bulk\.tensor", ptx)))
 
 
-def inspect_program(fn: Any, dims: Mapping[str, int], scalars: Mapping[str, Any] | None = None,
-                    every_candidate: bool = False, arch: int = 90) -> list[KernelReport]:
-    """Every kernel of a compiled program as it would run on a GPU at `dims`, compiled
-    without one. Arguments are fresh contiguous tensors on torch's "meta" device (shapes and
-    strides, no memory), whose pointers are aligned as a caching allocator's are;
-    `every_candidate` reports each autotune candidate instead of the configuration a
-    launch uses first."""
+def meta_launches(fn: Any, dims: Mapping[str, int], scalars: Mapping[str, Any] | None = None) -> list:
+    """The launches a call of `fn` at `dims` makes, computed without running it: arguments are
+    fresh contiguous tensors on torch's "meta" device (shapes and strides, no memory), whose
+    pointers are aligned as a caching allocator's are."""
     import torch
 
     from tiledsl import diagnostics as diag
@@ -158,9 +155,16 @@ def inspect_program(fn: Any, dims: Mapping[str, int], scalars: Mapping[str, Any]
                                      device="meta")
     bound = BoundCall(list(args.values()), {d: dims[d] for d in needed_dims(fn)},
                       torch.device("meta"))
-    launches = fn.runtime.launches_at(bound)
+    return fn.runtime.launches_at(bound)
+
+
+def inspect_program(fn: Any, dims: Mapping[str, int], scalars: Mapping[str, Any] | None = None,
+                    every_candidate: bool = False, arch: int = 90) -> list[KernelReport]:
+    """Every kernel of a compiled program as it would run on a GPU at `dims`, compiled
+    without one (`meta_launches`); `every_candidate` reports each autotune candidate instead
+    of the configuration a launch uses first."""
     reports = []
-    for launch in launches:
+    for launch in meta_launches(fn, dims, scalars):
         configs = launch.kernel.launch_candidates(dict(launch.dims), "cuda") if every_candidate else []
         for cfg in configs or [None]:
             reports.append(inspect_launch(launch, cfg, arch))

@@ -32,7 +32,18 @@ from tiledsl.plans import AttentionPlan
 from tiledsl.types import Compute, DType
 
 from . import tma
-from .base import EmittedKernel, Hints, LaunchConfig, cdiv, decompose, finish, hint, numel, require_dot_hints
+from .base import (
+    EmittedKernel,
+    Hints,
+    LaunchConfig,
+    batch_names,
+    cdiv,
+    decompose,
+    finish,
+    hint,
+    numel,
+    require_dot_hints,
+)
 from .codegen import Code, Signature, next_pow2
 from .expr import Emitter, Val, dot_precision, inputs_read, literal, with_scalar_operands
 from .matmul import operand_tile, tile_ptrs
@@ -99,7 +110,7 @@ class AttentionProgram:
             body("pid_m = m_blocks - 1 - pid % m_blocks")
         else:
             body("pid_m = pid % m_blocks")
-        self.bnames: list[str | None] = [None if d == 1 else f"b{i}" for i, d in enumerate(self.batch)]
+        self.bnames: list[str | None] = batch_names(self.batch)
         if self.batch:
             body("pb = pid_b.to(tl.int64)")
             decompose(body, "pb", self.batch, self.bnames, sig.size, "pq")
@@ -371,14 +382,13 @@ class AttentionProgram:
                     continue
                 # a whole output tile through a TMA descriptor (rows past M are clipped)
                 flag = self.sig.tma_ready(j, role="out")
-                batch = [f"{b}.to(tl.int32)" for b in self.bnames]
                 block = ", ".join(["1"] * len(self.batch) + ["BLOCK_M", "BLOCK_DV"])
                 body(f"if {flag}:")
                 with body.indent():
                     body(f"out_desc = tl.make_tensor_descriptor({ref.ptr}, "
                          f"shape=[{', '.join(self.sig.size(d) for d in t.shape)}], "
-                         f"strides=[{', '.join(ref.strides)}], block_shape=[{block}])")
-                    body(f"out_desc.store([{', '.join(batch + ['pid_m * BLOCK_M', '0'])}], "
+                         f"strides=[{ref.descriptor_strides(range(t.rank))}], block_shape=[{block}])")
+                    body(f"out_desc.store([{tma.coordinates(self.bnames, ['pid_m * BLOCK_M', '0'])}], "
                          f"({text}).reshape([{block}]))")
                 body("else:")
                 with body.indent():

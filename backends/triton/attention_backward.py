@@ -28,7 +28,18 @@ from tiledsl.plans import AttentionBackwardPlan, ScoreProduct
 from tiledsl.types import Compute, DType, TensorType, value_compute
 
 from .attention import LOG2E, offset_text
-from .base import EmittedKernel, Hints, LaunchConfig, cdiv, decompose, finish, hint, numel, require_dot_hints
+from .base import (
+    EmittedKernel,
+    Hints,
+    LaunchConfig,
+    batch_names,
+    cdiv,
+    decompose,
+    finish,
+    hint,
+    numel,
+    require_dot_hints,
+)
 from .codegen import Code, Signature, next_pow2
 from .expr import Emitter, Val, dot_precision, inputs_read, literal, with_scalar_operands
 from .matmul import operand_tile, tile_ptrs
@@ -96,7 +107,7 @@ class AttentionBackwardProgram:
             body("pid_o = own_blocks - 1 - pid % own_blocks")
         else:
             body("pid_o = pid % own_blocks")
-        self.bnames: list[str | None] = [None if d == 1 else f"b{i}" for i, d in enumerate(self.batch)]
+        self.bnames: list[str | None] = batch_names(self.batch)
         # the batch axes the kernel walks (plan.walked) are not the program's: loops set them
         mine = [None if i in plan.walked else n for i, n in enumerate(self.bnames)]
         if any(mine):

@@ -101,10 +101,11 @@ def finish(kernel: KernelOp, template: str, sig: Signature, body: Code,
                 code(line)
     for line in sig.dim_comments():
         code(line)
+    widening = sig.widening()
     code("@triton.jit")
     code(sig.render(fn_name))
     with code.indent():
-        for line in body.lines:
+        for line in widening + body.lines:
             code(line)
     return EmittedKernel(kernel, fn_name, code.text(), tuple(sig.params), configure,
                          interpreter_flag=bool(em.helpers))
@@ -125,6 +126,12 @@ def decompose(code: Code, flat: str, dims: Sequence[int | str], names: Sequence[
             code(f"{name} = {rem} % {size(dim)}")
             code(f"{tmp}{step} = {rem} // {size(dim)}")
             rem = f"{tmp}{step}"
+
+
+def batch_names(batch: Sequence[int | str]) -> list[str | None]:
+    """A dot template's batch indices, one per batch dim (None: a literal size-1 dim). Named
+    `bi<n>`, apart from the operand tiles `a`, `b`, `b1`, ... a template also names."""
+    return [None if d == 1 else f"bi{i}" for i, d in enumerate(batch)]
 
 
 def sm_count() -> int:

@@ -96,7 +96,17 @@ class TmaReady:
     role: str = "in"  # "out": a fresh output, contiguous (its data alignment is checked)
 
 
-ArgSpec = Ptr | Stride | DimSize | Numel | Scalar | TmaReady
+@dataclass(frozen=True, slots=True)
+class Wide:
+    """A constexpr flag computed per call: some tensor the kernel reads or writes has an
+    element offset past int32's range, or a dim is near it. The kernel then computes every
+    index and offset in int64 (`base.finish` widens its size and stride arguments);
+    otherwise in int32, which the launcher has proved cannot overflow (`launch.fits_int32`)."""
+
+
+ArgSpec = Ptr | Stride | DimSize | Numel | Scalar | TmaReady | Wide
+# arguments passed positionally as `tl.constexpr` (Triton compiles a kernel per value)
+FLAGS = (TmaReady, Wide)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +115,13 @@ class TensorRef:
 
     ptr: str
     strides: tuple[str | None, ...]
+
+    def descriptor_strides(self, order: Sequence[int]) -> str:
+        """The strides of a TMA descriptor over this tensor, its axes in `order`: the last is
+        the literal 1 (a descriptor asks for a compile-time unit stride, which the call's
+        `TmaReady` flag guarantees) even where the kernel has widened the stride names."""
+        names = [self.strides[a] for a in order]
+        return ", ".join([*names[:-1], "1"])
 
     def offset(self, indices: Sequence[str | None]) -> str:
         """`i0 * s0 + i1 * s1 ...` over the dims that have both an index and a stride."""
@@ -161,8 +178,18 @@ class Signature:
         name = f"{role}{index}_tma{'_t' if swapped else ''}"
         return self._add(name, TmaReady(index, swapped, role))
 
+    def widening(self) -> list[str]:
+        """`if WIDE:` and the casts that make every size and stride argument int64, so every
+        index and offset computed from them is (see `Wide`); nothing for a kernel without
+        any. Adds the flag to the signature."""
+        names = [n for n, spec in self.params if isinstance(spec, Stride | DimSize | Numel)]
+        if not names:
+            return []
+        self._add("WIDE", Wide())
+        return ["if WIDE:", *(f"    {n} = tl.cast({n}, tl.int64)" for n in names)]
+
     def render(self, fn_name: str) -> str:
-        names = [f"{n}: tl.constexpr" if isinstance(spec, TmaReady) else n for n, spec in self.params]
+        names = [f"{n}: tl.constexpr" if isinstance(spec, FLAGS) else n for n, spec in self.params]
         names += [f"{c}: tl.constexpr" for c in self.constexprs]
         return f"def {fn_name}({', '.join(names)}):"
 

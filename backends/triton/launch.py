@@ -19,6 +19,7 @@ interpreting a list of argument specs on every call.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +29,7 @@ from tiledsl.dims import evaluate
 from tiledsl.types import DType
 
 from .base import EmittedKernel, LaunchConfig
-from .codegen import DimSize, Numel, Ptr, Scalar, Stride, TmaReady
+from .codegen import DimSize, Numel, Ptr, Scalar, Stride, TmaReady, Wide
 
 # a slot of the call's values read by a kernel: (slot, permutation of a transposed view)
 Read = tuple[int, "tuple[int, ...] | None"]
@@ -66,6 +67,30 @@ def specialize(name: str, value: Any) -> Argument:
         kind = "i32" if -(2**31) <= value < 2**31 else ("i64" if value < 2**63 else "u64")
         return Argument(name, kind, value % 16 == 0)
     return Argument(name, "fp32")
+
+
+# int32 offsets are exact below 2^31; a dim must also leave room for the indices of its last
+# block (up to 2^16 past it), which a kernel computes before masking them
+OFFSET_LIMIT = 2**31
+DIM_LIMIT = 2**31 - 2**20
+
+
+def fits_int32(t: Any) -> bool:
+    """Is every element offset of tensor `t`, from its data pointer, below 2^31, so that a
+    kernel may compute them in int32? A storage of at most 2^31 elements proves it (the
+    call path's case, about 0.2 us); a view into a larger one is measured: offsets are sums
+    of index * stride, torch strides are never negative, so the largest is the last
+    element's."""
+    if t.untyped_storage().nbytes() <= OFFSET_LIMIT * t.itemsize:
+        return True
+    return t.numel() == 0 or sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)) < OFFSET_LIMIT
+
+
+def wide_at(outputs: Sequence[tuple], dims: Mapping[str, int]) -> bool:
+    """Does a kernel need 64-bit offsets whatever its inputs: a fresh output (contiguous,
+    offsets up to its element count) too large for int32, or a dim near 2^31?"""
+    sizes = (math.prod(shape) for shape, *_ in outputs)
+    return any(n > OFFSET_LIMIT for n in sizes) or any(d >= DIM_LIMIT for d in dims.values())
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,6 +233,11 @@ def argument_function(emitted: EmittedKernel, reads: Sequence[Read], outputs: Se
                 axes[-2:] = axes[-1], axes[-2]
             pitches = "".join(f" and s{slot}[{a}] * {t.dtype.itemsize} % 16 == 0" for a in axes[:-1])
             exprs.append(f"(v[{slot}].data_ptr() % 16 == 0 and s{slot}[{axes[-1]}] == 1{pitches})")
+        elif isinstance(spec, Wide):  # per call, from the tensors the kernel reads
+            tensors = sorted({reads[p.index][0] for _, p in emitted.params
+                              if isinstance(p, Ptr) and p.role == "in"})
+            exprs.append("True" if wide_at(outputs, dims) else
+                         f"not ({' and '.join(f'fits(v[{t}])' for t in tensors)})" if tensors else "False")
         elif isinstance(spec, Scalar):  # bools travel as 0/1 (see Emitter.scalar)
             value = f"v[{reads[spec.index][0]}]"
             exprs.append(f"int({value})" if region.inputs[spec.index].type.dtype is DType.BOOL
@@ -215,7 +245,7 @@ def argument_function(emitted: EmittedKernel, reads: Sequence[Read], outputs: Se
     lines = ["def args(v, o):"]
     lines += [f"    s{slot} = v[{slot}].stride()" for slot in strides]
     lines.append(f"    return ({''.join(e + ', ' for e in exprs)})")
-    namespace: dict[str, Any] = {}
+    namespace: dict[str, Any] = {"fits": fits_int32}
     exec(compile("\n".join(lines) + "\n", f"<arguments of {emitted.fn_name}>", "exec"), namespace)
     return namespace["args"]
 

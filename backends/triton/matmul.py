@@ -36,6 +36,7 @@ from .base import (
     EmittedKernel,
     Hints,
     LaunchConfig,
+    batch_names,
     cdiv,
     decompose,
     finish,
@@ -194,7 +195,7 @@ class GemmProgram:
         body("group_m = tl.minimum(tiles_m - first_m, GROUP_M)")
         body("pid_m = first_m + (t % width) % group_m")
         body("pid_n = (t % width) // group_m")
-        self.bnames: list[str | None] = [None if d == 1 else f"b{i}" for i, d in enumerate(self.batch)]
+        self.bnames: list[str | None] = batch_names(self.batch)
         if self.batch:
             body("pb = pid_b.to(tl.int64)")
             decompose(body, "pb", self.batch, self.bnames, sig.size, "pq")

@@ -23,7 +23,7 @@ from tiledsl.ir import Graph, KernelOp, Op
 from . import attention, attention_backward, matmul, pointwise, rows
 from .base import EmittedKernel, Hints
 from .cache import load
-from .codegen import TmaReady
+from .codegen import FLAGS
 from .interpret import interpreting
 from .launch import (
     Argument,
@@ -313,6 +313,6 @@ def storage_dtype(t):
 
 
 def _arguments(emitted: EmittedKernel, args: list) -> tuple[Argument, ...]:
-    return tuple(Argument(name, "constexpr", value=value) if isinstance(spec, TmaReady)
+    return tuple(Argument(name, "constexpr", value=value) if isinstance(spec, FLAGS)
                  else specialize(name, value)
                  for (name, spec), value in zip(emitted.params, args, strict=True))

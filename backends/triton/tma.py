@@ -53,10 +53,18 @@ def declare(sig: Signature, body: Code, name: str, index: int, ref: TensorRef, t
         with body.indent():
             body(f"{name}_desc{'_t' if swapped else ''} = tl.make_tensor_descriptor({ref.ptr}, "
                  f"shape=[{', '.join(sig.size(t.shape[a]) for a in order)}], "
-                 f"strides=[{', '.join(ref.strides[a] for a in order)}], "
+                 f"strides=[{ref.descriptor_strides(order)}], "
                  f"block_shape=[{', '.join(['1'] * (t.rank - 2) + block)}])")
         flags.append((flag, swapped))
     return Descriptors(name, t.rank, tile, flipped, tuple(flags))
+
+
+def coordinates(batch: list[str | None], at: list[str]) -> str:
+    """A descriptor's block coordinates: this program's batch element, then `at` in the last
+    two dims. TMA takes int32 coordinates; a kernel computing its indices in int64 (`WIDE`)
+    narrows them, exactly, since every dim is below 2^31."""
+    return ", ".join([*(f"{b}.to(tl.int32)" for b in batch),
+                      *(c if c.isdigit() else f"tl.cast({c}, tl.int32)" for c in at)])
 
 
 @contextmanager
@@ -69,7 +77,7 @@ def load_or_pointers(em: Emitter, desc: Descriptors | None, target: str, at: tup
     if desc is None:
         yield
         return
-    batch = [f"{b}.to(tl.int32)" for b in bnames[len(bnames) - (desc.rank - 2):]]
+    batch = bnames[len(bnames) - (desc.rank - 2):]
     for i, (flag, swapped) in enumerate(desc.flags):
         tile, coords = list(desc.tile), list(at)
         if swapped:
@@ -77,7 +85,7 @@ def load_or_pointers(em: Emitter, desc: Descriptors | None, target: str, at: tup
             coords.reverse()
         body(f"{'if' if i == 0 else 'elif'} {flag}:")
         with body.indent():
-            load = f"{desc.name}_desc{'_t' if swapped else ''}.load([{', '.join(batch + coords)}])"
+            load = f"{desc.name}_desc{'_t' if swapped else ''}.load([{coordinates(batch, coords)}])"
             if desc.rank > 2:
                 load += f".reshape([{', '.join(tile)}])"
             body(f"{target} = {f'tl.trans({load})' if desc.flipped != swapped else load}")
