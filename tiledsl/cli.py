@@ -239,20 +239,19 @@ def _check_run_sizes(fn, dims: dict[str, int]) -> None:
     (outputs included), so a terabyte result is refused here, not by the allocator."""
     graph = fn.fused_graph()
     for node in graph.params:
-        t = graph.op(node).attr("type")
-        numel = math.prod(evaluate(d, dims) for d in t.shape)
-        if numel > MAX_RUN_ELEMENTS:
+        count = math.prod(evaluate(d, dims) for d in graph.op(node).attr("type").shape)
+        if count > MAX_RUN_ELEMENTS:
             raise diag.OptionError(message=(
-                f"--dims gives '{graph.op(node).attr('name')}' {numel} elements; tiledsl run draws "
+                f"--dims gives '{graph.op(node).attr('name')}' {count} elements; tiledsl run draws "
                 f"random inputs of at most {MAX_RUN_ELEMENTS}"))
     source = fn.source_graph
     for node in source.topo_order():
         op = source.op(node)
-        numel = math.prod(evaluate(d, dims) for d in op.shape)
-        if numel > MAX_RUN_ELEMENTS:
+        count = math.prod(evaluate(d, dims) for d in op.shape)
+        if count > MAX_RUN_ELEMENTS:
             where = f" at {op.span.location()}" if op.span else ""
             raise diag.OptionError(message=(
-                f"--dims gives the {op.kind}{where} {numel} elements; tiledsl run checks the "
+                f"--dims gives the {op.kind}{where} {count} elements; tiledsl run checks the "
                 f"program against torch op by op, with values of at most {MAX_RUN_ELEMENTS} elements"))
 
 
