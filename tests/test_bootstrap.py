@@ -66,14 +66,6 @@ def test_bootstrap_without_python_creates_the_project_venv(repo):
     assert not (repo / ".venv").exists() and not (repo / ".bootstrap-stamp").exists()
 
 
-def test_bootstrap_reuses_the_project_venv_and_installs_nothing(repo):
-    python = venv_with_everything(repo)
-    result = bootstrap(repo)
-    assert (result.returncode, result.stdout) == (0, f"{python}\n")
-    assert result.stderr == (f"bootstrap: using {python}: no PYTHON given, so the project's virtual environment "
-                             ".venv (set PYTHON to use another interpreter)\n")
-
-
 def test_bootstrap_with_python_set_uses_that_interpreter(repo):
     (repo / ".bootstrap-stamp").touch()
     os.utime(repo / "pyproject.toml", (0, 0))
@@ -83,9 +75,12 @@ def test_bootstrap_with_python_set_uses_that_interpreter(repo):
     assert not (repo / ".venv").exists()
 
 
-def test_test_script_runs_pytest_in_the_project_venv(repo):
+def test_test_script_runs_pytest_in_the_project_venv_and_installs_nothing(repo):
     python = venv_with_everything(repo)
-    result = bootstrap(repo, "test.sh", "--version")
-    assert result.returncode == 0, result.stderr
-    assert result.stderr.splitlines()[0].startswith(f"bootstrap: using {python}: ")
-    assert "pytest " in result.stdout + result.stderr
+    (repo / "tests").mkdir()
+    (repo / "tests/test_which.py").write_text("import sys\n\ndef test_which():\n    print('RAN', sys.executable)\n")
+    result = bootstrap(repo, "test.sh", "-n", "0", "-s", "tests/test_which.py")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"RAN {python}\n" in result.stdout
+    assert result.stderr == (f"bootstrap: using {python}: no PYTHON given, so the project's virtual environment "
+                             ".venv (set PYTHON to use another interpreter)\n")
