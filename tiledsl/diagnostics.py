@@ -242,6 +242,12 @@ class TileHintError(TileDSLError):
 # --- API and call-time ---------------------------------------------------------
 
 
+class TileSizeError(TileDSLError):
+    """A call's sizes need a tile larger than Triton can hold (a head dim past 65536)."""
+
+    template = "{message}"
+
+
 class KernelSelectionError(TileDSLError):
     template = "{message}"
 

@@ -40,6 +40,7 @@ from .base import (
     cdiv,
     decompose,
     finish,
+    fit_rows,
     hint,
     numel,
     require_dot_hints,
@@ -462,8 +463,10 @@ class AttentionProgram:
 
         def config(dims, bm: int, bn: int, warps: int | None, stages: int | None) -> LaunchConfig:
             m, n, d, dv = sizes(dims)
-            constexprs = {"BLOCK_M": user["BLOCK_M"] or bm, "BLOCK_N": user["BLOCK_N"] or bn,
-                          "BLOCK_D": max(16, next_pow2(d)), "BLOCK_DV": max(16, next_pow2(dv))}
+            widths = {"BLOCK_D": max(16, next_pow2(d)), "BLOCK_DV": max(16, next_pow2(dv))}
+            rows = fit_rows({"BLOCK_M": user["BLOCK_M"] or bm, "BLOCK_N": user["BLOCK_N"] or bn},
+                            widths.values(), [n for n in DOT_HINTS if user[n]])
+            constexprs = {**rows, **widths}
             grid = (cdiv(m, constexprs["BLOCK_M"]) * numel(batch, dims),)
             if warps is not None and constexprs["BLOCK_M"] <= 64:
                 warps = min(warps, 4)  # one warpgroup per 64 query rows
@@ -495,7 +498,7 @@ def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKer
     prog = AttentionProgram(kernel, hints, allow_tf32)
     prog.emit()
     configure, candidates = prog.launch_rules()
-    emitted = finish(kernel, "attention", prog.sig, prog.body, configure, prog.em)
+    emitted = finish(kernel, "attention", prog.sig, prog.body, configure, prog.em, hints)
     return emitted.with_candidates(candidates)
 
 

@@ -36,6 +36,7 @@ from .base import (
     cdiv,
     decompose,
     finish,
+    fit_rows,
     hint,
     numel,
     require_dot_hints,
@@ -418,9 +419,10 @@ class AttentionBackwardProgram:
 
         def config(dims: Mapping[str, int], bm: int, bn: int, warps: int, stages: int) -> LaunchConfig:
             m, n, *rest = (evaluate(d, dims) for d in dims_of)
-            consts = {"BLOCK_M": user["BLOCK_M"] or bm, "BLOCK_N": user["BLOCK_N"] or bn}
-            for j, size in enumerate(rest):
-                consts[f"BLOCK_K{j}" if j < n_dots else f"BLOCK_P{j - n_dots}"] = max(16, next_pow2(size))
+            widths = {f"BLOCK_K{j}" if j < n_dots else f"BLOCK_P{j - n_dots}": max(16, next_pow2(size))
+                      for j, size in enumerate(rest)}
+            consts = {**fit_rows({"BLOCK_M": user["BLOCK_M"] or bm, "BLOCK_N": user["BLOCK_N"] or bn},
+                                 widths.values(), [n for n in DOT_HINTS if user[n]]), **widths}
             own = n if plan.over == "queries" else m
             block = consts["BLOCK_N" if plan.over == "queries" else "BLOCK_M"]
             grid = (cdiv(own, block) * numel(programs, dims),)
@@ -466,5 +468,5 @@ def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKer
     prog = AttentionBackwardProgram(kernel, hints, allow_tf32)
     prog.emit()
     configure, candidates = prog.launch_rules()
-    emitted = finish(kernel, "attention_backward", prog.sig, prog.body, configure, prog.em)
+    emitted = finish(kernel, "attention_backward", prog.sig, prog.body, configure, prog.em, hints)
     return emitted.with_candidates(candidates)

@@ -10,11 +10,11 @@ the sizes of one call. Only constants derived from sizes (block shapes) are
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tiledsl.diagnostics import TileHintError
+from tiledsl.diagnostics import TileHintError, TileSizeError
 from tiledsl.dims import evaluate
 from tiledsl.ir import KernelOp
 from tiledsl.source import Span
@@ -33,6 +33,37 @@ class LaunchConfig:
     persistent: bool = False
 
 
+Hints = Mapping[str, tuple[int, Span]]
+
+# Triton's largest tile (TRITON_MAX_TENSOR_NUMEL): a block of a dot template's rows
+# (BLOCK_M, BLOCK_N) times any of its other blocks (a head dim's BLOCK_D, a GEMM's BLOCK_K)
+MAX_TILE = 1 << 20
+ROW_BLOCKS = ("BLOCK_M", "BLOCK_N")
+
+
+def oversized_tile(cfg: LaunchConfig) -> tuple[tuple[str, int], tuple[str, int]] | None:
+    """The first [row block, other block] tile of a configuration past `MAX_TILE`."""
+    consts = cfg.constexprs
+    for a in ROW_BLOCKS:
+        for b, vb in consts.items():
+            if a in consts and b != a and b.startswith("BLOCK_") and consts[a] * vb > MAX_TILE:
+                return (a, consts[a]), (b, vb)
+    return None
+
+
+def fit_rows(blocks: Mapping[str, int], widths: Sequence[int], hinted: Container[str],
+             smallest: int = 16) -> dict[str, int]:
+    """`blocks` (BLOCK_M, BLOCK_N) with each one no hint fixed halved, down to `smallest`
+    (tl.dot's), until its tiles against every width in `widths` fit in `MAX_TILE`."""
+    out = dict(blocks)
+    widest = max(widths, default=1)
+    for name, value in out.items():
+        while name not in hinted and value > smallest and value * widest > MAX_TILE:
+            value //= 2
+        out[name] = value
+    return out
+
+
 @dataclass(frozen=True)
 class EmittedKernel:
     kernel: KernelOp
@@ -44,14 +75,58 @@ class EmittedKernel:
     candidates: Callable[[Mapping[str, int], str], list[LaunchConfig]] | None = field(
         default=None, compare=False)
     interpreter_flag: bool = False  # the kernel takes INTERPRETER: tl.constexpr
+    hints: Hints = field(default_factory=dict, compare=False)  # the program's @tile hints
 
     def launch_config(self, dims: Mapping[str, int], device: str) -> LaunchConfig:
-        return self._flagged(self.configure(dims, device), device)
+        cfg = self.configure(dims, device)
+        too_big = oversized_tile(cfg)
+        if too_big:
+            raise self._tile_error(too_big, dims)
+        return self._flagged(cfg, device)
 
     def launch_candidates(self, dims: Mapping[str, int], device: str) -> list[LaunchConfig]:
         if self.candidates is None:
             return []
-        return [self._flagged(c, device) for c in self.candidates(dims, device)]
+        return [self._flagged(c, device) for c in self.candidates(dims, device) if not oversized_tile(c)]
+
+    def resource_error(self, err: Exception) -> Exception:
+        """The error of a launch a GPU refused for its resources (Triton's `OutOfResources`:
+        shared memory, registers): at the program's tile hints when it has some, since they
+        chose the configuration; without hints a configuration of ours that does not fit is
+        a tiledsl bug."""
+        from tiledsl.diagnostics import InternalError
+
+        need = (f"{getattr(err, 'required', '?')} of {getattr(err, 'name', 'resources')}, where "
+                f"this GPU has {getattr(err, 'limit', '?')}")
+        if self.hints:
+            first = min(self.hints.values(), key=lambda h: (h[1].line, h[1].column))
+            given = ", ".join(f"{n}={v}" for n, (v, _) in self.hints.items())
+            return TileHintError(first[1], message=(
+                f"tile hints {given} make the {self.kernel.template} kernel {self.kernel.name} need "
+                f"{need}: use smaller blocks or fewer num_stages"))
+        return InternalError(self.kernel.span, message=(
+            f"the {self.kernel.template} kernel {self.kernel.name} needs {need} at its default "
+            "configuration (this is a tiledsl bug, please report it)"))
+
+    def _tile_error(self, tile: tuple[tuple[str, int], tuple[str, int]], dims: Mapping[str, int]):
+        """The error of a configuration with a tile past `MAX_TILE`: at the hint that chose
+        one of its blocks, else at the kernel (the sizes alone need it)."""
+        (a, va), (b, vb) = tile
+        shape = f"[{a}, {b}] tile of {va} x {vb} = {va * vb} elements"
+        limit = f"more than Triton holds in one tile ({MAX_TILE} = 2^20)"
+        hinted = [n for n in (a, b) if n in self.hints]
+        if hinted:
+            name = hinted[0]
+            other = vb if name == a else va
+            return TileHintError(self.hints[name][1], message=(
+                f"tile hint {name}={self.hints[name][0]} gives the {self.kernel.template} kernel "
+                f"{self.kernel.name} a {shape} at this call's sizes "
+                f"({', '.join(f'{k} = {v}' for k, v in sorted(dims.items()))}), {limit}; "
+                f"use {name} <= {max(1, MAX_TILE // other)}"))
+        return TileSizeError(self.kernel.span, message=(
+            f"at this call's sizes ({', '.join(f'{k} = {v}' for k, v in sorted(dims.items()))}) "
+            f"the {self.kernel.template} kernel {self.kernel.name} needs a {shape} even with its "
+            f"smallest blocks, {limit}"))
 
     def _flagged(self, cfg: LaunchConfig, device: str) -> LaunchConfig:
         if not self.interpreter_flag:
@@ -67,9 +142,6 @@ class EmittedKernel:
         from tiledsl.printer import print_region
 
         return "\n".join(print_region(self.kernel.region, plan=self.kernel.plan))
-
-
-Hints = Mapping[str, tuple[int, Span]]
 
 
 def hint(hints: Hints, name: str, default: int) -> int:
@@ -88,7 +160,7 @@ def require_dot_hints(hints: Hints, names: Sequence[str]) -> None:
 
 def finish(kernel: KernelOp, template: str, sig: Signature, body: Code,
            configure: Callable[[Mapping[str, int], str], LaunchConfig],
-           em: Emitter) -> EmittedKernel:
+           em: Emitter, hints: Hints | None = None) -> EmittedKernel:
     """Assemble the module; kernels that convert bf16 or f8 get the helpers and `INTERPRETER`."""
     fn_name = f"{kernel.name}_{template}"
     code = Code()
@@ -108,7 +180,7 @@ def finish(kernel: KernelOp, template: str, sig: Signature, body: Code,
         for line in widening + body.lines:
             code(line)
     return EmittedKernel(kernel, fn_name, code.text(), tuple(sig.params), configure,
-                         interpreter_flag=bool(em.helpers))
+                         interpreter_flag=bool(em.helpers), hints=dict(hints or {}))
 
 
 def decompose(code: Code, flat: str, dims: Sequence[int | str], names: Sequence[str | None],

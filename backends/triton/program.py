@@ -226,6 +226,8 @@ class TritonBackend(Backend):
 
     def _plan(self, bound: BoundCall, values: list, device, target: str) -> LaunchPlan:
         """Build the plan for this call's sizes by running the call step by step."""
+        from triton.runtime.errors import OutOfResources
+
         dims = bound.dims
         kernels = []
         for step, outputs, arg_fn, args, outs in self._walk(bound, values, device):
@@ -251,7 +253,10 @@ class TritonBackend(Backend):
             if len(self._launches) < 1024:
                 record = Launch(emitted, _arguments(emitted, args), tuple(sorted(dims.items())))
                 self._launches.setdefault((emitted.fn_name, record.arguments, record.dims), record)
-            launch(*args, **options)
+            try:
+                launch(*args, **options)
+            except OutOfResources as err:  # the first launch compiles: a tile the GPU cannot hold
+                raise emitted.resource_error(err) from None
             kernels.append(KernelLaunch(launch, arg_fn, options, outputs, step.slot))
         return LaunchPlan(tuple((slot, dims[symbol]) for slot, symbol in self.dim_slots),
                           tuple(kernels))
