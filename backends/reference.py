@@ -25,6 +25,7 @@ import torch
 from tiledsl import ops
 from tiledsl.backends.interface import Backend, Kernel
 from tiledsl.binding import BoundCall, torch_dtype
+from tiledsl.diagnostics import EmptyReductionError
 from tiledsl.dims import evaluate
 from tiledsl.ir import Graph, KernelOp, Op, Region
 from tiledsl.ops import Reads
@@ -119,10 +120,22 @@ def eval_op(op: Op, args: list[Any], dims: Mapping[str, int], float64: bool) -> 
         # discontinuous, and a compiled kernel within 1e-7 of it before the cast could land
         # one ulp away after it (seen with the program fuzzer)
         args = [_tensor(v, out_dtype) for v in args]
+    if not opdef.empty:
+        _check_not_empty(op, args[0])
     result = opdef.reference(*args, **attrs)
     if op.weak:
         return result.item()
     return result.to(out_dtype)
+
+
+def _check_not_empty(op: Op, x: torch.Tensor) -> None:
+    """A reduction with no value over an empty axis (max, min): located, as the Triton
+    backend refuses it, not torch's IndexError."""
+    axis = op.attr("axis")
+    axes = range(x.dim()) if axis is None else (axis,) if isinstance(axis, int) else axis
+    for a in axes:
+        if x.shape[a] == 0:
+            raise EmptyReductionError(op.span, kind=op.kind, axis=f"axis {a % x.dim()} has size 0")
 
 
 def _promoted(op: Op, reads: Reads, args: list[Any], out_dtype: torch.dtype,

@@ -29,7 +29,7 @@ def torch_dtype(dtype: DType):
 
 class DimRules:
     """What a call's sizes must satisfy beyond binding: each dim expression of the program
-    at least 1, each of `Graph.requires` at least 0 (slice bounds inside their axis)."""
+    and each of `Graph.requires` at least 0 (sizes, and slice bounds inside their axis)."""
 
     def __init__(self, graph: Graph) -> None:
         from tiledsl.ir import KernelOp
@@ -43,7 +43,7 @@ class DimRules:
                 for d in shape:
                     if isinstance(d, str) and not d.isidentifier():
                         spans.setdefault(d, span)
-        self.checks = tuple((d, span, f"the dim {d} of this value must be at least 1", 1)
+        self.checks = tuple((d, span, f"the dim {d} of this value must be at least 0", 0)
                             for d, span in sorted(spans.items(), key=lambda x: x[0]))
         seen: set[tuple[str, str]] = set()
         for d, span, message in graph.requires:
@@ -136,10 +136,6 @@ def bind(graph: Graph, args: Sequence[Any], kwargs: Mapping[str, Any]) -> BoundC
                 f"argument '{name}' is on {value.device}, but '{device_owner}' is on {device}; "
                 "all tensors must be on one device"))
         for axis, (declared, size) in enumerate(zip(t.shape, value.shape, strict=True)):
-            if size < 1:
-                which = f"dim {axis}" + (f" ({declared})" if isinstance(declared, str) else "")
-                raise ArgumentError(op.span, message=(
-                    f"argument '{name}' has size {size} in {which}; every dim must be at least 1"))
             if isinstance(declared, int):
                 if size != declared:
                     raise ArgumentError(op.span, message=(
@@ -221,7 +217,7 @@ class Binder:
             if len(sizes) != len(shape):
                 return bind(self.graph, args, kwargs)
             for declared, size in zip(shape, sizes):  # noqa: B905 - lengths checked above
-                if size < 1 or (declared != size if declared.__class__ is int
+                if (declared != size if declared.__class__ is int
                                 else dims.setdefault(declared, size) != size):
                     return bind(self.graph, args, kwargs)
             if device is None:

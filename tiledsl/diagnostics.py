@@ -242,6 +242,12 @@ class TileHintError(TileDSLError):
 # --- API and call-time ---------------------------------------------------------
 
 
+class EmptyReductionError(TileDSLError):
+    """A reduction with no value over an empty axis (max, min) met one at a call."""
+
+    template = "{kind} over an empty axis ({axis} at this call): {kind} has no identity (torch raises too)"
+
+
 class TileSizeError(TileDSLError):
     """A call's sizes need a tile larger than Triton can hold (a head dim past 65536)."""
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from tiledsl import ops
+from tiledsl.diagnostics import EmptyReductionError
 from tiledsl.dims import evaluate
 from tiledsl.ir import KernelOp, Op
 from tiledsl.plans import RowPlan
@@ -432,9 +433,14 @@ def emit(kernel: KernelOp, hints: Hints) -> EmittedKernel:
     shape, axis = prog.plan.shape, prog.plan.axis
     limit = one_pass_limit(prog.plan, kernel.region.inputs)
 
+    no_identity = [prog.op(v) for v in sorted(prog.plan.reducing) if not ops.OPS[prog.op(v).kind].empty]
+
     def configure(dims: Mapping[str, int], device: str) -> LaunchConfig:
         length = evaluate(shape[axis], dims)
-        rows = numel(shape, dims) // length
+        if length == 0 and no_identity:
+            op = no_identity[0]
+            raise EmptyReductionError(op.span, kind=op.kind, axis=f"{shape[axis]} = 0")
+        rows = numel([d for i, d in enumerate(shape) if i != axis], dims)
         caps = CAPS[device]
         block_r = max(2, min(next_pow2(length), limit if device == "cuda" else caps["row"]))
         # short rows: several per program, up to a tile of `caps["tile"]` elements

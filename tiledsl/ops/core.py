@@ -97,6 +97,9 @@ class OpDef:
     # the operand this op reads at indices it computes (`take`): kernels hold it as a
     # pointer, never load it at the tile's index, and never fuse its producer
     gathers: int | None = None
+    # a reduction's value over an empty axis exists (sum: 0, mean: NaN, logsumexp: -inf);
+    # max and min have none, and torch raises (`diagnostics.EmptyReductionError`)
+    empty: bool = True
     # the vector-Jacobian product, vjp(adjoint, wanted) -> a contribution per operand or None
     # (`tiledsl.autodiff`); None here: the op has no derivative (differentiating through it
     # is an error naming it)

@@ -147,9 +147,10 @@ def _logsumexp(types, attrs):
     return TensorType(float_of(x.dtype), reduced_shape(x, attrs))
 
 
-def _reduction(kind, infer, function, vjp) -> None:
+def _reduction(kind, infer, function, vjp, empty: bool = True) -> None:
     define(kind, 1, Category.REDUCTION, infer, params=(X, AXIS, KEEPDIMS),
-           reference=lambda x, axis, keepdims: function(x, dim=axis, keepdim=keepdims), vjp=vjp)
+           reference=lambda x, axis, keepdims: function(x, dim=axis, keepdim=keepdims), vjp=vjp,
+           empty=empty)
 
 
 # derivative rules (`tiledsl.autodiff`): the gradient of a reduction is read back along
@@ -171,8 +172,8 @@ def _d_logsumexp(d, wanted):
 
 # sum reads its operand as i32 (bool sums count); torch accumulates integers in i64
 _reduction("sum", _sum, torch.sum, lambda d, w: (d.keep(d.g),))
-_reduction("max", _minmax, torch.amax, _d_extremum)
-_reduction("min", _minmax, torch.amin, _d_extremum)
+_reduction("max", _minmax, torch.amax, _d_extremum, empty=False)
+_reduction("min", _minmax, torch.amin, _d_extremum, empty=False)
 _reduction("mean", _mean, torch.mean, lambda d, w: (d.div(d.keep(d.g), d.axis_size()),))
 _reduction("logsumexp", _logsumexp, torch.logsumexp, _d_logsumexp)
 
