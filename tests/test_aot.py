@@ -243,3 +243,20 @@ def test_attention_moves_q_k_v_and_o_through_tma_when_the_call_allows():
         run_checked(fn, *args, 0.125, sm90=False)
         ptx = aot.compile_launch(launch).asm["ptx"]
         assert ("cp.async.bulk.tensor" in ptx) == any(expected.values()), name
+
+
+def test_compile_for_sm90_in_an_interpreting_process_is_an_option_error():
+    """TRITON_INTERPRET=1 at Triton's import builds every kernel for the interpreter, which
+    triton.compile cannot lower ('InterpretedFunction' has no 'cache_key'): say so."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import tiledsl\nfrom tiledsl.backends.triton import aot\n"
+            "fn = tiledsl.compile('kernel f(x: f16[M, N]) -> f16[M, N] { return exp(x) }')\n"
+            "try:\n    aot.inspect_program(fn, {'M': 64, 'N': 64})\n"
+            "except tiledsl.TileDSLError as err:\n    print(type(err).__name__, err)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert out.stdout.startswith("OptionError error: cannot compile for a GPU in a process that "
+                                 "imported Triton with TRITON_INTERPRET=1 set"), out.stdout + out.stderr

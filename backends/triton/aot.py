@@ -37,10 +37,19 @@ def compile_launch(launch: Launch, target: tuple[str, int, int] = SM90, config: 
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    from tiledsl.diagnostics import OptionError
 
     emitted = launch.kernel
     cfg = config or emitted.launch_config(dict(launch.dims), "cuda")
     fn = load(emitted.source, emitted.fn_name, "cuda", emitted.ir())
+    if not isinstance(fn, JITFunction):  # Triton read TRITON_INTERPRET when it was imported
+        raise OptionError(message=(
+            "cannot compile for a GPU in a process that imported Triton with TRITON_INTERPRET=1 "
+            "set (every kernel, Triton's own library included, is then built for its interpreter); "
+            "unset it: CPU tensors run through the interpreter without it ('tiledsl ptx' unsets it "
+            "itself)"))
     signature: dict[str, str] = dict(launch.signature)
     signature.update({name: "constexpr" for name in cfg.constexprs})
     constexprs: dict[Any, Any] = dict(cfg.constexprs)
