@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,8 +86,12 @@ def compile_text(text: str, name: str, kernel: str | None = None, backend: str =
     program = parse(text, name)
     selected = select_kernel(program, kernel)
     graph = analyze(selected, check_bounds)
-    return compile_graph(graph, backend, pipeline=pipeline, allow_tf32=allow_tf32, verify=verify,
-                         what=f"kernel '{selected.name}'", span=selected.name_span)
+    compiled = compile_graph(graph, backend, pipeline=pipeline, allow_tf32=allow_tf32, verify=verify,
+                             what=f"kernel '{selected.name}'", span=selected.name_span)
+    compiled._origin = Origin(text, name, selected.name, (
+        ("backend", backend), ("pipeline", pipeline), ("allow_tf32", allow_tf32), ("verify", verify),
+        ("check_bounds", check_bounds)))
+    return compiled
 
 
 def compile_graph(graph: Graph, backend: str = "triton", *, pipeline: str | None = None,
@@ -124,8 +129,44 @@ def normalized(graph: Graph) -> Graph:
     return PassManager(parse_pipeline(",".join(NORMALIZING)), snapshots=False).run(graph.copy()).graph
 
 
+_training_lock = threading.RLock()  # held while a first backward is derived and compiled
+
+
+def _reset_after_fork() -> None:
+    """A forked child has only the forking thread: a lock another thread held is held forever."""
+    global _training_lock
+    _training_lock = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
+
+
+@dataclass(frozen=True)
+class Origin:
+    """What compiled a program, which is what it pickles as: program text, its display name,
+    the kernel and the options of `compile_text`; or, for a derived program, the program it
+    was derived from, the parameters differentiated and its role ("forward", "backward")."""
+
+    text: str = ""
+    name: str = ""
+    kernel: str = ""
+    options: tuple[tuple[str, Any], ...] = ()
+    derived: tuple[Program, tuple[int, ...], str] | None = None
+
+
+
+def _recompile(origin: Origin) -> Program:
+    """The program `origin` describes, compiled again (how a pickled program loads)."""
+    if origin.derived is None:
+        return compile_text(origin.text, origin.name, origin.kernel, **dict(origin.options))
+    parent, wrt, role = origin.derived
+    return getattr(parent.training(wrt), role)
+
+
 class Program:
-    """A compiled kernel: call it with torch tensors, or inspect every stage."""
+    """A compiled kernel: call it with torch tensors, or inspect every stage. It pickles as
+    its source text, kernel name and options (`Origin`) and compiles again when loaded
+    (its kernels from the cache)."""
 
     def __init__(self, result: PipelineResult, backend: str, pipeline: str,
                  allow_tf32: bool = False) -> None:
@@ -144,29 +185,55 @@ class Program:
         self._scalars = tuple(i for i, p in enumerate(params) if p.attr("scalar"))
         # registered now, not on first use: torch.compile traces calls of fn and cannot
         # trace a registration (about 1 ms per program)
+        self._origin: Origin | None = None  # what compiled it, for pickling
         from tiledsl import torch_op
 
         self.op = torch_op.register(self)
         """This program as a PyTorch operator (`torch.ops.tiledsl.<kernel>_<hash>.default`):
-        traceable by torch.compile and torch.export, differentiable (see `backward`)."""
+        traceable by torch.compile and torch.export, differentiable (see `backward`). Past 64
+        parameters it takes them packed in lists by kind (`torch_op.Convention`)."""
+        self._convention = torch_op.Convention.of(self.source_graph)
+
+    def __reduce__(self) -> tuple:
+        if self._origin is None:
+            raise diag.OptionError(message=(
+                f"'{self.name}' was compiled from a graph IR, not program text, and cannot be "
+                "pickled: pickle its source text and compile it again"))
+        return _recompile, (self._origin,)
 
     # --- running --------------------------------------------------------------------------
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
         """Run the program. A call that autograd or a tracer must see (an input requires a
         gradient, or torch.compile / torch.export is tracing) goes through `fn.op`; any
         other call runs the op's kernel directly, without the dispatcher's overhead."""
         if _through_op(args, kwargs):
-            return self.op(*self._positional(args, kwargs))
+            return self.call_op(self._positional(args, kwargs))
         runtime = self.runtime
         bound = runtime.binder(args, kwargs)
-        return self._returned(runtime.run(bound), bound.dims)
+        outs = self._returned(runtime.run(bound), bound.dims)
+        return _unshared(outs, set()) if isinstance(outs, tuple) else outs
+
+    def call_op(self, args: Sequence[Any]) -> Any:
+        """`self.op` called with the program's arguments in parameter order (packed as its
+        schema takes them). Under torch.func's transforms a call that needs a gradient runs
+        the op's autograd function from here: functorch takes an autograd.Function, but
+        not one applied inside a custom op's Autograd kernel."""
+        if torch._C._are_functorch_transforms_active():
+            wrt = self.wants_grad(args)
+            if wrt:
+                from tiledsl.torch_op import differentiated
+
+                return differentiated(self, wrt, args)
+        return self.op(*self._convention.pack(args))
 
     def _positional(self, args: tuple, kwargs: dict) -> tuple:
         """The arguments in parameter order, for the op's schema; an argument the schema
-        cannot take (a missing one, a tensor for a scalar) gets the binder's error."""
-        if kwargs and (set(kwargs) - set(self._names) or len(args) + len(kwargs) != len(self._names)
-                       or any(n in kwargs for n in self._names[:len(args)])):
+        cannot take (a missing one, a tensor for a scalar, a nested tensor) gets the
+        binder's error."""
+        if len(args) + len(kwargs) != len(self._names) or (kwargs and (
+                set(kwargs) - set(self._names) or any(n in kwargs for n in self._names[:len(args)]))) \
+                or any(isinstance(a, torch.Tensor) and a.is_nested for a in (*args, *kwargs.values())):
             self.runtime.binder(args, kwargs)  # raises the error naming the parameter
         args = args + tuple(kwargs[n] for n in self._names[len(args):])
         if any(isinstance(args[i], torch.Tensor) for i in self._scalars if i < len(args)):
@@ -180,13 +247,9 @@ class Program:
         share no memory with the inputs (what a torch custom op must return)."""
         bound = self.runtime.binder(args, {})
         outs = self._returned(self.runtime.run(bound), bound.dims)
-        single = not isinstance(outs, tuple)
-        outs = [outs] if single else list(outs)
-
-        inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
-        outs = [o.clone(memory_format=torch.contiguous_format)
-                if o.untyped_storage().data_ptr() in inputs else o.contiguous() for o in outs]
-        return outs[0] if single else tuple(outs)
+        taken = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+        fresh = _unshared(outs if isinstance(outs, tuple) else (outs,), taken, contiguous=True)
+        return fresh if isinstance(outs, tuple) else fresh[0]
 
     # --- PyTorch: the op, autograd ------------------------------------------------------------
 
@@ -225,15 +288,25 @@ class Program:
                      if ok and isinstance(a, torch.Tensor) and a.requires_grad)
 
     def training(self, wrt: tuple[int, ...]) -> Training:
-        """The training forward and backward programs for gradients of parameters `wrt`."""
-        if wrt not in self._trainings:
-            d = autodiff.derive(self.normalized_graph, wrt)
-            options = {"backend": self.backend, "pipeline": self.pipeline,
-                       "allow_tf32": self.allow_tf32}
-            forward = self if not d.saved else compile_graph(d.forward, **options)
-            backward = compile_graph(d.backward, **options)
-            self._trainings[wrt] = Training(d, forward, backward)
+        """The training forward and backward programs for gradients of parameters `wrt`,
+        derived once (threads taking a first backward at once wait for one derivation)."""
+        training = self._trainings.get(wrt)
+        if training is not None:
+            return training
+        with _training_lock:
+            if wrt not in self._trainings:
+                self._trainings[wrt] = self._derive(wrt)
         return self._trainings[wrt]
+
+    def _derive(self, wrt: tuple[int, ...]) -> Training:
+        d = autodiff.derive(self.normalized_graph, wrt)
+        options = {"backend": self.backend, "pipeline": self.pipeline, "allow_tf32": self.allow_tf32}
+        forward = self if not d.saved else compile_graph(d.forward, **options)
+        backward = compile_graph(d.backward, **options)
+        for role, program in (("forward", forward), ("backward", backward)):
+            if program is not self:
+                program._origin = Origin(derived=(self, wrt, role))
+        return Training(d, forward, backward)
 
     @property
     def backward(self) -> Program:
@@ -264,7 +337,7 @@ class Program:
                         f"call) {'are' if bad > 1 else 'is'} outside [-{n}, {n})"))
         return outs[0] if len(outs) == 1 else tuple(outs)
 
-    def cuda_graph(self, *args: Any, **kwargs: Any) -> CapturedCall:
+    def cuda_graph(self, /, *args: Any, **kwargs: Any) -> CapturedCall:
         """Capture one call on CUDA tensors in a CUDA graph; replaying it launches every
         kernel with no Python and no launch gaps (static shapes). See `CapturedCall`."""
         runtime = self.runtime
@@ -285,7 +358,7 @@ class Program:
         sizes): what `backends.triton.aot.compile_launch` compiles ahead of time."""
         return self.runtime.launches
 
-    def reference(self, *args: Any, float64: bool = False, **kwargs: Any) -> Any:
+    def reference(self, /, *args: Any, float64: bool = False, **kwargs: Any) -> Any:
         """The same program run op by op in torch (float64=True: the golden result)."""
         from tiledsl.backends import reference
 
@@ -395,13 +468,27 @@ class Training:
     backward: Program
 
 
+def _unshared(outs: tuple, taken: set[int], contiguous: bool = False) -> tuple:
+    """`outs` with a copy of each one whose memory an earlier output (or `taken`, the inputs')
+    holds: `return y, y` gives two tensors, never one twice."""
+    fresh = []
+    for o in outs:
+        if o.untyped_storage().data_ptr() in taken:
+            o = o.clone(memory_format=torch.contiguous_format)
+        elif contiguous:
+            o = o.contiguous()
+        taken.add(o.untyped_storage().data_ptr())
+        fresh.append(o)
+    return tuple(fresh)
+
+
 def _through_op(args: tuple, kwargs: dict) -> bool:
     """Must this call go through the dispatcher: is torch.compile/export tracing it, does an
     input need a gradient, or is an input a tensor subclass (FakeTensor, a functional or
     proxy tensor of a tracer)?"""
 
-    if torch.compiler.is_compiling():
-        return True
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return True  # (vmap's and func.grad's tensors are wrappers the kernels cannot read)
     grad = torch.is_grad_enabled()
     for a in (*args, *kwargs.values()):
         if isinstance(a, torch.Tensor) and ((grad and a.requires_grad)
@@ -440,7 +527,7 @@ class CapturedCall:
             outs = runtime.run(static)
         self.outputs = outs[0] if len(outs) == 1 else tuple(outs)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
         bound = self.runtime.binder(args, kwargs)
         if bound.dims != self.dims:
             raise diag.ArgumentError(self.runtime.graph.span, message=(

@@ -206,7 +206,7 @@ class Binder:
                         or kind is bool and dtype is DType.BOOL):
                     return bind(self.graph, args, kwargs)
                 continue
-            if type(value) is not self._tensor or value.dtype is not dtype \
+            if type(value) is not self._tensor or value.dtype is not dtype or value.is_nested \
                     or value.layout is not self._strided or value.is_neg() or value.is_conj():
                 return bind(self.graph, args, kwargs)
             if value.requires_grad:
@@ -245,6 +245,7 @@ def _dense(value: Any, name: str, span, torch, scalar: bool) -> Any:
     """The tensor as kernels read it: strided, its lazy negation/conjugation applied; and
     never one whose gradient would be silently dropped (a tensor parameter that needs a
     gradient reaches the binder only below autograd, through `fn.op`)."""
+    _refuse_nested(value, name, span)
     if value.layout != torch.strided:
         raise ArgumentError(span, message=(
             f"argument '{name}' is a {str(value.layout).removeprefix('torch.')} tensor; tiledsl "
@@ -259,8 +260,18 @@ def _dense(value: Any, name: str, span, torch, scalar: bool) -> Any:
     return value.resolve_conj().resolve_neg()
 
 
+def _refuse_nested(value: Any, name: str, span) -> None:
+    """A nested tensor has no one shape (its `dim()` works, its `shape` raises)."""
+    if value.is_nested:
+        raise ArgumentError(span, message=(
+            f"argument '{name}' is a nested tensor ({str(value.layout).removeprefix('torch.')} "
+            "layout); tiledsl kernels read dense tensors of one shape: pad it "
+            f"(torch.nested.to_padded_tensor({name}, 0.0)) or call the program once per component"))
+
+
 def _scalar(value: Any, name: str, t: TensorType, span, torch) -> Any:
     if isinstance(value, torch.Tensor):
+        _refuse_nested(value, name, span)
         if value.dim() != 0:
             raise ArgumentError(span, message=(
                 f"argument '{name}' must be a scalar ({t.dtype}), got a tensor of shape "

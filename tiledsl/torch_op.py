@@ -1,9 +1,13 @@
 """A compiled program as a PyTorch operator: `torch.ops.tiledsl.<kernel>_<hash>`.
 
-Each `Program` is registered once, through `torch.library`, as a custom op with
+Each `Program` is registered, through `torch.library`, as a custom op with
 
 - a schema from its signature (`Tensor` per tensor parameter, `float`, `int` or
-  `bool` per scalar, one `Tensor` per output);
+  `bool` per scalar, one `Tensor` per output). A parameter whose name the schema
+  parser or Python reserves (`in`, `if`, `None`, `self`, `Tensor`, ...) is renamed
+  `arg<i>_<name>` in the schema only. Past torch's limit of 64 schema arguments
+  the arguments are packed by kind (`Convention`): `(Tensor[] tensors,
+  float[] floats, int[] ints, bool[] bools)`, each list in parameter order;
 - a CPU and a CUDA kernel that run the program (CPU through Triton's interpreter);
 - a fake (meta) kernel from the IR's shape inference: each declared dim binds to
   the size of the parameter that declares it (a SymInt under dynamic shapes)
@@ -14,37 +18,69 @@ Each `Program` is registered once, through `torch.library`, as a custom op with
   own) and, on backward, the backward program (another op): both are derived
   by `tiledsl.autodiff` and compiled through the same pipeline. Under
   `torch.no_grad()`, or when no input needs a gradient, it runs the plain
-  program and saves nothing.
+  program and saves nothing. The backward is itself differentiable (double
+  backward): under `create_graph=True` it recomputes the saved values through
+  the training forward's op, so their dependence on the inputs is seen;
+- a vmap rule (`torch.vmap`): one call per batch element, outputs stacked.
+  The autograd function has `setup_context`, so `torch.func.grad` works too.
 
 The name is the kernel's name and a hash of its graph IR, source name and
-compile options: compiling the same program twice gives the same op (the
-first registration is kept; its program computes the same thing). A program
-registers its op when it is built; the derived programs are built the first
-time a gradient is asked for (under `torch.compile`, while AOTAutograd traces).
+compile options: compiling the same program twice gives the same op. Every live
+program of that name is remembered weakly; when the last one is collected its
+registration is released (at the next registration), so compiling many
+programs does not keep every op forever. Registration happens once per name,
+under a lock (several threads may compile the same program at once); a forked
+child starts with fresh locks.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import keyword
+import os
+import threading
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tiledsl import diagnostics as diag
 from tiledsl.binding import torch_dtype
 from tiledsl.dims import evaluate
 from tiledsl.ir import Graph
 from tiledsl.types import DType
 
 if TYPE_CHECKING:
-    from tiledsl.api import Program
+    from tiledsl.api import Program, Training
 
 NAMESPACE = "tiledsl"
-_LIBRARIES: dict[str, torch.library.Library] = {}  # op name -> its registrations (kept alive)
-_PROGRAMS: dict[str, Program] = {}  # op name -> the program its kernels run
+MAX_SCHEMA_ARGS = 64  # torch's FunctionSchema limit: "this PyTorch build only supports 64"
 _SCALAR_TYPES = {DType.F32: "float", DType.F16: "float", DType.BF16: "float", DType.I32: "int",
                  DType.I64: "int", DType.BOOL: "bool"}
-# names the schema parser reserves; a parameter so named is renamed in the schema only
-_RESERVED = {"self", "out", "Tensor", "float", "int", "bool", "str", "None"}
+# schema type names a parameter may not be called; Python keywords are refused too, and
+# anything else the schema parser does not read back as the same name (`_parses`)
+_RESERVED = {"self", "out", "Tensor", "float", "int", "bool", "str", "None", "NoneType", "Scalar",
+             "Device", "Layout", "ScalarType", "MemoryFormat", "Storage", "Generator", "SymInt",
+             "SymFloat", "SymBool", "Dimname", "QScheme", "Stream", "Any", "complex", "t"}
+# a packed op's lists, in schema order: (kind, list type, argument name)
+_PACKED = (("Tensor", "Tensor[]", "tensors"), ("float", "float[]", "floats"),
+           ("int", "int[]", "ints"), ("bool", "bool[]", "bools"))
+
+_lock = threading.RLock()  # guards _REGISTRY; every registration runs under it
+_REGISTRY: dict[str, _Registration] = {}  # op name -> its registration
+_released: list[str] = []  # names whose last program was collected, released at the next register
+
+
+def _reset_after_fork() -> None:
+    """A forked child has only the forking thread: a lock another thread held is held forever."""
+    global _lock
+    _lock = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
 
 
 def op_name(program: Program) -> str:
@@ -58,52 +94,196 @@ def op_name(program: Program) -> str:
     return f"{graph.name}_{hashlib.sha256(text.encode()).hexdigest()[:12]}"
 
 
+@dataclass(frozen=True)
+class Convention:
+    """How the op takes a program's arguments: one schema argument per parameter, or, past
+    `MAX_SCHEMA_ARGS`, one list per kind of parameter (`_PACKED`), each in parameter order."""
+
+    kinds: tuple[str, ...]  # per parameter: "Tensor", "float", "int" or "bool"
+    names: tuple[str, ...]  # per parameter: its name in the schema
+    packed: bool
+
+    @staticmethod
+    def of(graph: Graph) -> Convention:
+        params = [graph.op(p) for p in graph.params]
+        kinds = tuple(_SCALAR_TYPES[p.dtype] if p.attr("scalar") else "Tensor" for p in params)
+        return Convention(kinds, _schema_names([p.attr("name") for p in params]),
+                          len(params) > MAX_SCHEMA_ARGS)
+
+    @property
+    def lists(self) -> tuple[tuple[str, str, str], ...]:
+        """The packed lists this program has (a kind no parameter has is left out)."""
+        return tuple(entry for entry in _PACKED if entry[0] in self.kinds)
+
+    def arguments(self) -> str:
+        """The schema's argument list, `Tensor x, Tensor w, float eps`."""
+        if self.packed:
+            return ", ".join(f"{list_type} {name}" for _, list_type, name in self.lists)
+        return ", ".join(f"{kind} {name}" for kind, name in zip(self.kinds, self.names, strict=True))
+
+    def pack(self, args: Sequence[Any]) -> tuple:
+        """The op's arguments for the program's arguments (in parameter order)."""
+        if not self.packed:
+            return tuple(args)
+        return tuple([a for a, k in zip(args, self.kinds, strict=True) if k == kind]
+                     for kind, _, _ in self.lists)
+
+    def unpack(self, op_args: Sequence[Any]) -> tuple:
+        """The program's arguments, in parameter order, from the op's (`pack`'s inverse). A
+        non-tensor entry of a packed `Tensor[]`'s position (vmap's None in_dims) repeats."""
+        if not self.packed:
+            return tuple(op_args)
+        lists = {kind: (iter(v) if isinstance(v, list | tuple) else _repeat(v))
+                 for (kind, _, _), v in zip(self.lists, op_args, strict=True)}
+        return tuple(next(lists[k]) for k in self.kinds)
+
+
+def _repeat(value: Any):
+    while True:
+        yield value
+
+
 def schema(graph: Graph) -> str:
     """The op's argument and return list, `(Tensor x, float eps) -> Tensor`."""
-    args = []
-    for i, p in enumerate(graph.params):
-        op = graph.op(p)
-        kind = _SCALAR_TYPES[op.dtype] if op.attr("scalar") else "Tensor"
-        args.append(f"{kind} {_arg_name(op.attr('name'), i)}")
     n = len(graph.returns) - len(graph.checks)
     rets = "Tensor" if n == 1 else "(" + ", ".join(["Tensor"] * n) + ")"
-    return f"({', '.join(args)}) -> {rets}"
+    return f"({Convention.of(graph).arguments()}) -> {rets}"
 
 
-def _arg_name(name: str, index: int) -> str:
-    return f"arg{index}_{name}" if name in _RESERVED or name.startswith("_") else name
+def _schema_names(names: Sequence[str]) -> tuple[str, ...]:
+    """Each parameter's name in the schema: its own, or `arg<i>_<name>` (unique) where the
+    schema parser or Python reserves it."""
+    kept = {n for n in names if _schema_safe(n)}
+    out = []
+    for i, name in enumerate(names):
+        if name not in kept:
+            mangled = f"arg{i}_{name}"
+            while mangled in kept:
+                mangled += "_"
+            kept.add(mangled)
+            name = mangled
+        out.append(name)
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=1024)
+def _schema_safe(name: str) -> bool:
+    """Can `name` stand as a schema argument name and a Python keyword argument?"""
+    if keyword.iskeyword(name) or name in _RESERVED or name.startswith("_"):
+        return False
+    try:
+        parsed = torch._C.parse_schema(f"f(Tensor {name}) -> Tensor")
+    except RuntimeError:
+        return False
+    return parsed.arguments[0].name == name
 
 
 def register(program: Program) -> Any:
-    """The op running `program` (an `OpOverload`), registered once per name."""
+    """The op running `program` (an `OpOverload`), registered once per name; `program` is
+    remembered weakly (`_sweep`). It takes the arguments as `Convention.of(graph)` packs them."""
     name = op_name(program)
-    if name not in _LIBRARIES:
-        graph = program.source_graph
+    with _lock:
+        _sweep()
+        reg = _REGISTRY.get(name)
+        if reg is None:
+            reg = _REGISTRY[name] = _Registration(name, program.source_graph)
+        reg.programs.add(program)
+        weakref.finalize(program, _released.append, name)
+        return reg.op
+
+
+def _sweep() -> None:
+    """Release the registrations whose programs have all been collected (called under _lock;
+    not from the finalizer itself, which may run inside any call, even the dispatcher's)."""
+    while _released:
+        name = _released.pop()
+        reg = _REGISTRY.get(name)
+        if reg is not None and not reg.programs:
+            del _REGISTRY[name]
+            reg.lib._destroy()
+
+
+def registered() -> int:
+    """How many ops are registered now (programs alive, or collected since the last sweep)."""
+    with _lock:
+        _sweep()
+        return len(_REGISTRY)
+
+
+class _Registration:
+    """One op: its library (the registrations), its calling convention, and the live programs
+    that run it (weakly: the first one alive runs a call; all compute the same thing)."""
+
+    def __init__(self, name: str, graph: Graph) -> None:
+        self.name = name
+        self.convention = Convention.of(graph)
+        self.n_outputs = len(graph.returns) - len(graph.checks)
+        self.programs: weakref.WeakSet[Program] = weakref.WeakSet()
         lib = torch.library.Library(NAMESPACE, "FRAGMENT")
         lib.define(name + schema(graph))
-        _PROGRAMS[name] = program
+        lib.impl(name, self._run, "CPU")
+        lib.impl(name, self._run, "CUDA")
+        lib.impl(name, self._autograd, "Autograd")
+        qualified = f"{NAMESPACE}::{name}"
+        torch.library.register_fake(qualified, _fake(graph, self.convention), lib=lib)
+        torch.library.register_vmap(qualified, self._vmap, lib=lib)
+        self.lib = lib
+        self.op = getattr(getattr(torch.ops, NAMESPACE), name).default
 
-        def run(*args: Any) -> Any:
-            return _PROGRAMS[name]._run_op(args)
+    def program(self) -> Program:
+        for program in self.programs:
+            return program
+        raise diag.OptionError(message=(
+            f"torch.ops.{NAMESPACE}.{self.name}: the program this op runs is no longer referenced "
+            "(keep the compiled program alive while its op is used, or compile it again)"))
 
-        lib.impl(name, run, "CPU")
-        lib.impl(name, run, "CUDA")
-        lib.impl(name, _autograd_kernel(name), "Autograd")
-        torch.library.register_fake(f"{NAMESPACE}::{name}", _fake(graph), lib=lib)
-        _LIBRARIES[name] = lib
-    return getattr(getattr(torch.ops, NAMESPACE), name).default
+    def _run(self, *op_args: Any) -> Any:
+        return self.program()._run_op(self.convention.unpack(op_args))
+
+    def _autograd(self, *op_args: Any) -> Any:
+        program = self.program()
+        args = self.convention.unpack(op_args)
+        wrt = program.wants_grad(args)
+        if not wrt:
+            with torch._C._AutoDispatchBelowAutograd():
+                return self.op(*op_args)
+        return differentiated(program, wrt, args)
+
+    def _vmap(self, info: Any, in_dims: Sequence[Any], *op_args: Any) -> tuple[Any, Any]:
+        """One call per batch element (the program's shapes are its own: no batch axis to
+        fold it into in general), outputs stacked along a new leading axis."""
+        args = self.convention.unpack(op_args)
+        dims = self.convention.unpack(in_dims)
+        rows = []
+        for b in range(info.batch_size):
+            sliced = [a if d is None else a.select(d, b) for a, d in zip(args, dims, strict=True)]
+            out = self.op(*self.convention.pack(sliced))
+            rows.append(out if isinstance(out, tuple) else (out,))
+        outs = tuple(torch.stack(column) for column in zip(*rows, strict=True))
+        if self.n_outputs == 1:
+            return outs[0], 0
+        return outs, (0,) * self.n_outputs
 
 
-def _fake(graph: Graph):
+def differentiated(program: Program, wrt: tuple[int, ...], args: Sequence[Any]) -> Any:
+    """`program`'s outputs for `args`, differentiable with respect to the parameters `wrt`:
+    from the op's Autograd kernel, or straight from `Program.__call__` under torch.func's
+    transforms (which take an autograd.Function, but not a custom op's Autograd kernel)."""
+    outs = _Differentiated.apply(program.training(wrt), *args)
+    n = program.training(wrt).derivation.n_outputs
+    return outs[0] if n == 1 else tuple(outs[:n])
+
+
+def _fake(graph: Graph, convention: Convention):
     """Outputs of the declared shapes and dtypes, dims bound from the inputs' sizes."""
     params = [graph.op(p) for p in graph.params]
     n = len(graph.returns) - len(graph.checks)
     returns = graph.returns[:n]
 
-    def fake(*args: Any) -> Any:
+    def fake(*op_args: Any) -> Any:
         dims: dict[str, Any] = {}
         device = None
-        for op, value in zip(params, args, strict=True):
+        for op, value in zip(params, convention.unpack(op_args), strict=True):
             if isinstance(value, torch.Tensor):
                 device = device or value.device
                 for d, size in zip(op.shape, value.shape, strict=True):
@@ -116,35 +296,28 @@ def _fake(graph: Graph):
     return fake
 
 
-def _autograd_kernel(name: str):
-    def kernel(*args: Any) -> Any:
-        program = _PROGRAMS[name]
-        wrt = program.wants_grad(args)
-        if not wrt:
-            with torch._C._AutoDispatchBelowAutograd():
-                return program.op(*args)
-        return _Differentiated.apply(program, wrt, *args)
-
-    return kernel
-
-
 class _Differentiated(torch.autograd.Function):
-    """One differentiated call: the training forward, then its backward program."""
+    """One differentiated call: the training forward (its outputs, then the values its
+    backward saves, which are outputs here too, not differentiable), then its backward
+    program. `setup_context` is apart from `forward`, and vmap runs the two as plain
+    functions over batched tensors, as functorch's transforms ask."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx: Any, program: Program, wrt: tuple[int, ...], *args: Any) -> Any:
-        training = program.training(wrt)
+    def forward(training: Training, *args: Any) -> Any:
+        outs = training.forward.call_op(args)
+        return tuple(outs) if isinstance(outs, tuple | list) else (outs,)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+        training, *args = inputs
         d = training.derivation
-        outs = training.forward.op(*args)
-        outs = list(outs) if isinstance(outs, tuple | list) else [outs]
-        results, saved = outs[:d.n_outputs], outs[d.n_outputs:]
         ctx.training, ctx.n_args = training, len(args)
         ctx.scalars = {i: a for i, a in enumerate(args) if not isinstance(a, torch.Tensor)}
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        ctx.save_for_backward(*tensors, *results, *saved)
-        ctx.mark_non_differentiable(*[r for k, r in enumerate(results)
-                                      if k not in d.differentiable_outputs])
-        return results[0] if len(results) == 1 else tuple(results)
+        ctx.save_for_backward(*[a for a in args if isinstance(a, torch.Tensor)], *output)
+        ctx.mark_non_differentiable(*[o for k, o in enumerate(output)
+                                      if k >= d.n_outputs or k not in d.differentiable_outputs])
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
@@ -155,13 +328,17 @@ class _Differentiated(torch.autograd.Function):
         for i in range(ctx.n_args):
             args.append(ctx.scalars[i] if i in ctx.scalars else stored.pop(0))
         results, saved = stored[:d.n_outputs], stored[d.n_outputs:]
-        values = []
-        for s in d.sources:
-            values.append({"input": args, "output": results, "saved": saved,
-                           "grad": grads}[s.kind][s.index])
-        out = training.backward.op(*values)
+        if d.saved and torch.is_grad_enabled() and any(
+                isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            # create_graph: the saved values depend on the inputs too; recomputed through the
+            # training forward's op, that dependence is differentiated (double backward)
+            outs = training.forward.call_op(tuple(args))
+            results, saved = list(outs[:d.n_outputs]), list(outs[d.n_outputs:])
+        values = [{"input": args, "output": results, "saved": saved, "grad": grads}[s.kind][s.index]
+                  for s in d.sources]
+        out = training.backward.call_op(tuple(values))
         out = list(out) if isinstance(out, tuple | list) else [out]
         per_arg: list[Any] = [None] * ctx.n_args
         for i, g in zip(d.wrt, out, strict=True):
             per_arg[i] = g
-        return (None, None, *per_arg)
+        return (None, *per_arg)

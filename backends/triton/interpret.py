@@ -22,6 +22,7 @@ tensors run compiled kernels, CPU tensors the same kernels interpreted. So:
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -81,3 +82,16 @@ def interpreting() -> Iterator[None]:
             if _depth == 0:
                 JITFunction.__call__ = _shipped_call
                 _interp._patch_lang_tensor = _shipped_patch_tensor
+
+
+def _reset_after_fork() -> None:
+    """A forked child has only the forking thread: if another thread was inside
+    `interpreting()`, its lock would stay held (the child's next CPU call would hang) and
+    Triton would stay patched. The child starts outside, with a fresh lock."""
+    global _lock, _depth
+    _lock, _depth = threading.RLock(), 0
+    JITFunction.__call__ = _shipped_call
+    _interp._patch_lang_tensor = _shipped_patch_tensor
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
