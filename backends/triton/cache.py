@@ -10,135 +10,74 @@ What the cache trusts, and why (the threat model, also in the README): code
 from the cache runs as the user, so another local user must not be able to
 put code there.
 
-- The directory (`$TILEDSL_CACHE_DIR`, else `$XDG_CACHE_HOME/tiledsl`, else
-  `~/.cache/tiledsl`) is resolved once, through any symlinks, and must be a
-  directory owned by the current user that no one else can write; so must
-  each directory above it, unless it is root's or sticky (like /tmp), where
-  others cannot rename our entries. A directory that fails is refused with a
-  `CacheError`, never repaired: tiledsl only sets the mode (0700) of a
-  directory it has just created.
+- The directory (`$TILEDSL_CACHE_DIR`, else `$XDG_CACHE_HOME/tiledsl` when
+  that is absolute, else `~/.cache/tiledsl`) is resolved once, through any
+  symlinks, and must be a directory owned by the current user that no one
+  else can write; so must each directory above it, unless it is root's or
+  sticky (like /tmp), where others cannot rename our entries. A directory
+  that fails is refused with a `CacheError`, never repaired. These checks
+  come first: nothing is created in a refused location, and each directory
+  tiledsl creates is made alone with mode 0700 whatever the umask
+  (`cache_dir.py`).
 - A module is never imported with Python's import machinery, which would
   trust a `__pycache__/*.pyc` whose header matches the file. It is compiled
   from the exact text the compiler generated, held in memory, and its
   source is registered in `linecache` so `@triton.jit` and the interpreter
   read that text, not the file. The file is a copy for people and tools; if
-  it differs from the source (tampered, truncated, non-UTF-8, a directory in
-  its place) it is rewritten, and its content is never executed either way.
+  it differs from the source (tampered, truncated, non-UTF-8, a directory,
+  a link, a FIFO or a device in its place) it is rewritten, and its content
+  is never executed either way. A file is only opened once it is known to
+  be a regular file, so a FIFO or a device never blocks a load.
+
+Loaded kernels are released with the programs that use them: a kernel and
+its `linecache` entry live while anything holds the kernel (a program's
+launch plans), plus the `KEEP_RECENT` most recently loaded ones. A kernel
+that is needed again after its release is compiled again from its generated
+text; the `linecache` entry of a kernel still alive is never dropped, so
+Triton never falls back to reading the file.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import linecache
 import os
 import shutil
 import stat
-import sys
 import tempfile
 import threading
 import types
+import weakref
 from pathlib import Path
 from typing import Any
 
 from tiledsl.diagnostics import CacheError
 
+from .cache_dir import SETTING, cache_dir
+
+KEEP_RECENT = 512  # kernels kept loaded after no program holds them (recompiling one costs ~ms)
 _lock = threading.Lock()
-_loaded: dict[tuple[str, str], Any] = {}
-_SETTING = "set TILEDSL_CACHE_DIR to a directory of your own"
+_live: weakref.WeakValueDictionary[tuple[str, str], Any] = weakref.WeakValueDictionary()
+_recent: collections.OrderedDict[tuple[str, str], Any] = collections.OrderedDict()
+_sources: dict[str, int] = {}  # linecache filename -> how many loaded modules read it
+# Filenames of modules collected since the last load. A finalizer only appends here: it may run
+# in any thread, during any allocation, even one made while `_lock` is held.
+_collected: collections.deque[str] = collections.deque()
 
 
 def loaded() -> dict[tuple[str, str], Any]:
-    """The kernels this process has loaded, by (cache directory, module name): a copy."""
+    """The kernels this process has loaded and not released, by (cache key, name): a copy."""
     with _lock:
-        return dict(_loaded)
+        return dict(_live)
 
 
 def forget_loaded() -> None:
     """Forget the loaded kernels, so the next load reads (and checks) the cache file again."""
     with _lock:
-        _loaded.clear()
-
-
-def cache_dir() -> Path:
-    """The cache directory, created if missing, after the checks in the module docstring."""
-    env = os.environ.get("TILEDSL_CACHE_DIR")
-    if env is not None:
-        if not env.strip():
-            raise CacheError(message=(
-                "TILEDSL_CACHE_DIR is set but blank; set it to a directory of your own, or unset it "
-                "to use ~/.cache/tiledsl"))
-        path = Path(env)
-    else:
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        path = Path(base) / "tiledsl"
-    return _private_dir(path)
-
-
-def _private_dir(path: Path) -> Path:
-    try:
-        os.lstat(path)
-    except FileNotFoundError:
-        _create(path)
-    except OSError as err:
-        raise _unusable(path, err.strerror) from None
-    try:
-        real = Path(os.path.realpath(path, strict=True))
-    except OSError as err:  # a dangling symlink, a loop
-        raise _unusable(path, err.strerror or "it cannot be resolved") from None
-    _check_private(real, path)
-    return real
-
-
-def _create(path: Path) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        os.mkdir(path, 0o700)
-    except FileExistsError:  # created meanwhile: checked like any existing directory
-        return
-    except OSError as err:
-        raise _unusable(path, err.strerror) from None
-    with contextlib.suppress(OSError):  # ours, just made: undo the umask's effect on group bits
-        os.chmod(path, 0o700, follow_symlinks=False)
-
-
-def _unusable(path: Path, why: str | None) -> CacheError:
-    return CacheError(message=f"cannot use the kernel cache directory {path}: {why}; {_SETTING}")
-
-
-def _check_private(real: Path, given: Path) -> None:
-    try:
-        st = os.stat(real)
-    except OSError as err:
-        raise _unusable(given, err.strerror) from None
-    if not stat.S_ISDIR(st.st_mode):
-        raise _unusable(given, "it is not a directory")
-    if not hasattr(os, "getuid"):
-        return
-    me = os.getuid()
-    shown = f"{given}" if real == given else f"{given} (= {real})"
-    if st.st_uid != me:
-        raise CacheError(message=(
-            f"the kernel cache directory {shown} belongs to another user (uid {st.st_uid}); tiledsl "
-            f"runs code from it, so it must be your own; {_SETTING}"))
-    if st.st_mode & 0o022:
-        raise CacheError(message=(
-            f"the kernel cache directory {shown} is writable by other users "
-            f"(mode {stat.S_IMODE(st.st_mode):o}); tiledsl runs code from it, so it refuses; "
-            f"run 'chmod go-w {real}' or {_SETTING}"))
-    for parent in real.parents:
-        try:
-            pst = os.stat(parent)
-        except OSError as err:
-            raise _unusable(given, err.strerror) from None
-        foreign = pst.st_uid not in (me, 0)
-        open_to_others = pst.st_mode & 0o022 and not pst.st_mode & stat.S_ISVTX
-        if foreign or open_to_others:
-            raise CacheError(message=(
-                f"the kernel cache directory {shown} is inside {parent}, which "
-                + (f"belongs to another user (uid {pst.st_uid})" if foreign else
-                   f"other users can write (mode {stat.S_IMODE(pst.st_mode):o}, not sticky)")
-                + f", so they could replace the cache; {_SETTING}"))
+        _live.clear()
+        _recent.clear()
 
 
 def versions() -> str:
@@ -157,11 +96,46 @@ def cache_key(source: str, target: str, ir: str = "") -> str:
     return h.hexdigest()
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".py")
+def read_regular(path: Path, limit: int) -> bytes | None:
+    """The bytes of `path` if it is a regular file of at most `limit` bytes, else None.
+
+    Never blocks and never reads more than `limit` + 1 bytes: the type and size are
+    checked before opening (a FIFO would block the open, a device could be endless), the
+    open follows no link, and the open descriptor is checked again (the name may have
+    been replaced in between)."""
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
+        if not _small_regular(os.lstat(path), limit):
+            return None
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+                     | getattr(os, "O_NOCTTY", 0))
+    except OSError:
+        return None
+    try:
+        if not _small_regular(os.fstat(fd), limit):
+            return None
+        chunks, left = [], limit + 1
+        while left > 0 and (chunk := os.read(fd, left)):
+            chunks.append(chunk)
+            left -= len(chunk)
+        return None if left <= 0 else b"".join(chunks)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _small_regular(st: os.stat_result, limit: int) -> bool:
+    return stat.S_ISREG(st.st_mode) and st.st_size <= limit
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write `path` through a temp file and a rename; on any failure the temp file is removed."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=path.suffix)
+    try:
+        try:
+            _write_all(fd, data)
+        finally:
+            os.close(fd)
         try:
             os.replace(tmp, path)
         except OSError:  # a directory in the file's place: ours to remove, in our own cache
@@ -175,35 +149,10 @@ def _write_atomic(path: Path, data: bytes) -> None:
         raise
 
 
-def _read(path: Path) -> bytes | None:
-    """The file's bytes, or None if it is missing or not a regular file."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-    except OSError:
-        return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        with os.fdopen(os.dup(fd), "rb") as f:
-            return f.read()
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-
-
-def _module(name: str, path: Path, source: str) -> types.ModuleType:
-    """A module executed from `source` itself; `path` only names it."""
-    filename = str(path)
-    code = compile(source, filename, "exec", dont_inherit=True)
-    module = types.ModuleType(name)
-    module.__file__ = filename
-    # inspect.getsource (used by @triton.jit and the interpreter) reads linecache first;
-    # an entry without an mtime is never re-read from disk
-    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
-    sys.modules[name] = module
-    exec(code, module.__dict__)
-    return module
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
 
 
 def load(source: str, fn_name: str, target: str, ir: str = "") -> Any:
@@ -214,22 +163,93 @@ def load(source: str, fn_name: str, target: str, ir: str = "") -> Any:
     """
     key = (cache_key(source, target, ir), fn_name)
     with _lock:
-        if key in _loaded:
-            return _loaded[key]
-        path = cache_dir() / f"tdsl_{key[0][:40]}.py"
-        data = source.encode("utf-8")
-        if _read(path) != data:
-            try:
-                _write_atomic(path, data)
-            except OSError as err:
-                raise CacheError(message=(
-                    f"cannot write to the kernel cache directory {path.parent}: {err.strerror}; "
-                    f"{_SETTING}")) from None
-        module = _module(f"tiledsl_kernels.{path.stem}", path, source)
-        fn = getattr(module, fn_name)
-        if target == "interpreter":
-            from .interpret import interpreted
-
-            fn = interpreted(fn)
-        _loaded[key] = fn
+        _release_collected()
+        fn = _live.get(key)
+        if fn is None:
+            fn = _live[key] = _load_new(source, fn_name, target, key[0])
+        _recent[key] = fn
+        _recent.move_to_end(key)
+        while len(_recent) > KEEP_RECENT:
+            _recent.popitem(last=False)
         return fn
+
+
+def _load_new(source: str, fn_name: str, target: str, key: str) -> Any:
+    path = cache_dir() / f"tdsl_{key[:40]}.py"
+    data = source.encode("utf-8")
+    if read_regular(path, len(data)) != data:
+        try:
+            write_atomic(path, data)
+        except OSError as err:
+            raise CacheError(message=(
+                f"cannot write to the kernel cache directory {path.parent}: {err.strerror}; "
+                f"{SETTING}")) from None
+    module = _module(f"tiledsl_kernels.{path.stem}", path, source)
+    fn = getattr(module, fn_name)
+    if target == "interpreter":
+        from .interpret import interpreted
+
+        fn = interpreted(fn)
+    return fn
+
+
+def _module(name: str, path: Path, source: str) -> types.ModuleType:
+    """A module executed from `source` itself; `path` only names it.
+
+    It is not entered in `sys.modules` (which would keep it forever): its functions keep
+    its namespace alive, and their source is served by `linecache`."""
+    filename = str(path)
+    code = compile(source, filename, "exec", dont_inherit=True)
+    module = types.ModuleType(name)
+    module.__file__ = filename
+    # inspect.getsource (used by @triton.jit and the interpreter) reads linecache first;
+    # an entry without an mtime is never re-read from disk
+    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
+    _sources[filename] = _sources.get(filename, 0) + 1
+    try:
+        exec(code, module.__dict__)
+    except BaseException:
+        _release(filename)
+        raise
+    functions = [f.fn for f in vars(module).values()
+                 if isinstance(getattr(f, "fn", None), types.FunctionType)]
+    for raw in functions:
+        forget_in_triton(raw)
+    # Every function of the module holds its namespace, and the namespace holds them all, so
+    # the whole module is garbage exactly when any one of its functions is: watch one of them.
+    if functions:
+        weakref.finalize(functions[0], _collected.append, filename)
+    else:
+        _release(filename)
+    return module
+
+
+def forget_in_triton(raw: types.FunctionType) -> None:
+    """Take the `@triton.jit` function made from `raw` out of Triton's registry of every
+    JITFunction (`_triton_jit_function_registry`, for deserializing JITFunction constants,
+    which tiledsl never passes): it would keep every kernel ever loaded alive."""
+    try:
+        from triton.runtime import jit
+    except ImportError:
+        return
+    registry = getattr(jit, "_triton_jit_function_registry", None)
+    if not isinstance(registry, dict):
+        return
+    name = f"{raw.__module__}:{raw.__qualname__}"
+    if getattr(registry.get(name), "fn", None) is raw:
+        del registry[name]
+
+
+def _release_collected() -> None:
+    while _collected:
+        _release(_collected.popleft())
+
+
+def _release(filename: str) -> None:
+    """One module that reads `filename` is gone: drop the source when it was the last."""
+    left = _sources.get(filename, 0) - 1
+    if left > 0:
+        _sources[filename] = left
+    else:
+        _sources.pop(filename, None)
+        linecache.cache.pop(filename, None)
