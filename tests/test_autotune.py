@@ -1,13 +1,17 @@
 """The GPU autotuner's choice and caching (the CUDA-event timing itself needs a GPU)."""
 
 import json
+import os
+import stat
 
 import pytest
 import torch
+from faults import disk_full, finishes, non_regular_kinds, plant
 
 import tiledsl
 from helpers import randn
 from tiledsl.backends.triton import autotune
+from tiledsl.backends.triton.base import LaunchConfig
 
 
 def emitted_gemm():
@@ -119,3 +123,89 @@ def test_a_bad_budget_is_a_clear_error(monkeypatch, value):
         autotune.budget_s()
     assert str(err.value) == (f"error: TILEDSL_AUTOTUNE_BUDGET_S={value}: give a number of seconds "
                               "(0 or more)")
+
+
+# --- autotune.json is data: ignored when malformed, never fatal when it cannot be saved ----------
+
+KEY = "kernel|M=512|test-gpu"
+CANDIDATES = [LaunchConfig((4,), {"BLOCK_M": b}, num_warps=4, num_stages=3) for b in (64, 128, 256)]
+BEST = autotune.describe(CANDIDATES[1])
+
+
+@pytest.fixture
+def tuner(monkeypatch, tmp_path):
+    """`choose` on fake candidates with a fake clock-free timer that picks the second one."""
+    monkeypatch.setenv("TILEDSL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(autotune, "_key", lambda emitted, dims: KEY)
+    monkeypatch.setattr(autotune, "_chosen", {})
+    monkeypatch.setattr(autotune, "_warned", set())
+    monkeypatch.setattr(autotune, "_spent", [0.0])
+    timed = []
+
+    def fake_time(cands, launch, deadline):
+        timed.append(len(cands))
+        return cands[1], True
+
+    monkeypatch.setattr(autotune, "_time", fake_time)
+    return tmp_path, timed
+
+
+def choose():
+    return autotune.choose(None, {"M": 512}, CANDIDATES, launch=None)
+
+
+NOT_AN_OBJECT = "it is not a JSON object of launch choices; its kernels are tuned again"
+
+
+@pytest.mark.parametrize(("content", "why"), [
+    (b"[1, 2]", NOT_AN_OBJECT),
+    (b'"x"', NOT_AN_OBJECT),
+    (b"null", NOT_AN_OBJECT),
+    (b"{", NOT_AN_OBJECT),
+    (b"\xff\xfe{}", NOT_AN_OBJECT),
+    (b"[" * 100_000, NOT_AN_OBJECT),
+    (json.dumps({KEY: 5, "other": {"BLOCK_M": 64, "num_warps": 4}}).encode(), "1 malformed entries"),
+    (json.dumps({KEY: {"BLOCK_M": "128"}, "a": [], "b": {}, "c": {"num_warps": 4.0},
+                 "other": {"BLOCK_M": 64, "num_warps": 4}}).encode(), "4 malformed entries"),
+])
+def test_autotune_json_that_is_valid_json_but_not_choices_is_ignored(tuner, capsys, content, why):
+    path, timed = tuner
+    (path / "autotune.json").write_bytes(content)
+    assert choose() is CANDIDATES[1]
+    assert timed == [len(CANDIDATES)]
+    file = path / "autotune.json"
+    expected = (f"tiledsl: ignoring {file}: {why}\n" if why == NOT_AN_OBJECT else
+                f"tiledsl: ignoring {why} in {file}; their kernels are tuned again\n")
+    assert capsys.readouterr().err == expected  # one line, though the file was read twice
+    saved = json.loads(file.read_text())
+    assert saved[KEY] == BEST
+    if "malformed" in why:  # the good entry is kept
+        assert saved == {KEY: BEST, "other": {"BLOCK_M": 64, "num_warps": 4}}
+    assert not list(path.glob(".tmp-*"))
+
+
+@pytest.mark.parametrize("kind", non_regular_kinds())
+def test_autotune_json_replaced_by_fifo_or_device_does_not_block(tuner, capsys, kind):
+    path, _ = tuner
+    file = path / "autotune.json"
+    plant(file, kind)
+    assert finishes(choose, unblock=file if kind == "fifo" else None) is CANDIDATES[1]
+    assert capsys.readouterr().err == (
+        f"tiledsl: ignoring {file}: it is not a readable regular file of at most 16 MiB; its kernels are "
+        "tuned again\n")
+    assert stat.S_ISREG(os.lstat(file).st_mode)
+    assert json.loads(file.read_text()) == {KEY: BEST}
+
+
+def test_autotune_json_that_cannot_be_saved_leaves_no_temp_file(tuner, capsys, monkeypatch):
+    path, timed = tuner
+    file = path / "autotune.json"
+    file.write_text(json.dumps({"other": {"BLOCK_M": 64}}))
+    made = disk_full(monkeypatch)
+    assert choose() is CANDIDATES[1]  # no exception reaches the call
+    assert made and not list(path.glob(".tmp-*"))
+    assert capsys.readouterr().err == (
+        f"tiledsl: cannot save autotuning choices to {file}: No space left on device; they are kept for "
+        "this process only\n")
+    assert json.loads(file.read_text()) == {"other": {"BLOCK_M": 64}}  # untouched
+    assert choose() is CANDIDATES[1] and timed == [len(CANDIDATES)]  # remembered in memory

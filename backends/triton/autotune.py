@@ -15,8 +15,12 @@ bucket times each candidate and keeps the fastest:
 - tuning that takes over a second prints one line on stderr.
 Choices are cached in memory and in `autotune.json` in the kernel cache
 directory (plain JSON, written atomically), keyed by the kernel's cache key,
-the size bucket and the device name. Outputs are fresh tensors, so launching a
-kernel several times is harmless.
+the size bucket and the device name. That file is data, never trusted: one
+that is not a regular file, not a JSON object, or holds entries of the wrong
+shape is ignored (its kernels are tuned again; one line on stderr), and one
+that cannot be saved (a full disk) leaves no temp file and keeps the choice
+for this process. Outputs are fresh tensors, so launching a kernel several
+times is harmless.
 """
 
 from __future__ import annotations
@@ -25,16 +29,16 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from tiledsl import diagnostics as diag
 
 from .base import EmittedKernel, LaunchConfig
-from .cache import cache_dir, cache_key
+from .cache import cache_dir, cache_key, read_regular, write_atomic
 from .codegen import next_pow2
 
 _lock = threading.Lock()
@@ -44,6 +48,8 @@ DEFAULT_BUDGET_S = 30.0
 L2_FLUSH_BYTES = 256 << 20  # more than any GPU's L2 (an H100 has 50 MB)
 _spent = [0.0]  # seconds this process has spent tuning
 _flush_buffers: dict[int, Any] = {}  # per device
+_warned: set[str] = set()
+MAX_FILE_BYTES = 16 << 20  # an autotune.json larger than this is not read (tens of thousands of choices)
 
 
 def bucket(dims: Mapping[str, int]) -> dict[str, int]:
@@ -80,25 +86,56 @@ def describe(cfg: LaunchConfig) -> dict[str, Any]:
     return described
 
 
-def _path():
+def _path() -> Path:
     return cache_dir() / "autotune.json"
 
 
 def _load_disk() -> dict[str, dict[str, Any]]:
-    try:
-        return json.loads(_path().read_text())
-    except (OSError, ValueError):
+    """The valid choices in `autotune.json`; anything else in it is ignored, with one warning."""
+    path = _path()
+    data = read_regular(path, MAX_FILE_BYTES)
+    if data is None:
+        if os.path.lexists(path):
+            _warn(f"ignoring {path}: it is not a readable regular file of at most "
+                  f"{MAX_FILE_BYTES >> 20} MiB; its kernels are tuned again")
         return {}
+    try:
+        found = json.loads(data)
+    except (ValueError, RecursionError):  # not JSON, not UTF-8, nested too deep
+        found = None
+    if not isinstance(found, dict):
+        _warn(f"ignoring {path}: it is not a JSON object of launch choices; its kernels are tuned again")
+        return {}
+    choices = {k: v for k, v in found.items() if _is_choice(v)}
+    if len(choices) < len(found):
+        _warn(f"ignoring {len(found) - len(choices)} malformed entries in {path}; their kernels are "
+              "tuned again")
+    return choices
+
+
+def _is_choice(value: Any) -> bool:
+    """What `describe` writes: launch parameters by name, each an int or a bool."""
+    return isinstance(value, dict) and bool(value) and all(
+        isinstance(v, int) for v in value.values())
 
 
 def _save_disk(key: str, choice: dict[str, Any]) -> None:
+    """Add one choice to `autotune.json`; a failure (a full disk) keeps it for this process only."""
     data = _load_disk()
     data[key] = choice
     path = _path()
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
-    os.replace(tmp, path)
+    try:
+        write_atomic(path, json.dumps(data, indent=1, sort_keys=True).encode())
+    except OSError as err:
+        _warn(f"cannot save autotuning choices to {path}: {err.strerror or err}; they are kept for this "
+              "process only")
+
+
+def _warn(message: str) -> None:
+    """One line on stderr, once per process for each message."""
+    if message not in _warned:
+        _warned.add(message)
+        print(f"tiledsl: {message}", file=sys.stderr)
 
 
 def choose(emitted: EmittedKernel, dims: Mapping[str, int], candidates: Sequence[LaunchConfig],
