@@ -12,6 +12,8 @@ import linecache
 import os
 import stat
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -189,3 +191,46 @@ def test_loading_many_distinct_kernels_keeps_memory_bounded(private_cache, monke
     # a released kernel needed again is compiled again from its text
     again = cache.load(kernel_source(1), "k", "cuda")
     assert inspect.getsource(again.fn).endswith("    # variant 1\n    pass\n")
+
+
+# --- fork ----------------------------------------------------------------------------------------
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork on this system")
+def test_a_fork_while_another_thread_loads_a_kernel_does_not_deadlock_the_child(private_cache):
+    from tiledsl.backends.triton import autotune
+
+    cache.cache_dir()
+    held, release = threading.Event(), threading.Event()
+
+    def inside_a_load():  # what a thread in the middle of `load` or `choose` holds
+        with cache._lock, autotune._lock:
+            held.set()
+            release.wait(60)
+
+    thread = threading.Thread(target=inside_a_load, daemon=True)
+    thread.start()
+    assert held.wait(30)
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: load a new kernel and look up autotuning choices, then leave
+            ok = cache.load(kernel_source(10_000), "k", "cuda").fn.__name__ == "k"
+            with autotune._lock:
+                os._exit(0 if ok else 1)
+    finally:
+        release.set()
+    thread.join()
+    status = wait_for(pid, timeout=60)
+    assert status == 0
+
+
+def wait_for(pid: int, timeout: float) -> int | None:
+    """The child's exit status, or None (after killing it) if it is still running at `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    return None

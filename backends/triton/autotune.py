@@ -52,6 +52,15 @@ _warned: set[str] = set()
 MAX_FILE_BYTES = 16 << 20  # an autotune.json larger than this is not read (tens of thousands of choices)
 
 
+def _reset_after_fork() -> None:
+    """A forked child has only the forking thread: a lock another thread held is held forever."""
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
+
+
 def bucket(dims: Mapping[str, int]) -> dict[str, int]:
     """The size bucket of a call: every dim rounded up to a power of two."""
     return {k: next_pow2(v) for k, v in dims.items()}

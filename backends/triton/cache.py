@@ -67,6 +67,17 @@ _sources: dict[str, int] = {}  # linecache filename -> how many loaded modules r
 _collected: collections.deque[str] = collections.deque()
 
 
+def _reset_after_fork() -> None:
+    """A forked child has only the forking thread: if another thread was inside `load`, its
+    lock would stay held and the child's first new kernel would hang. The child starts with a
+    fresh lock (what that load had half done is at worst a source line kept too long)."""
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
+
+
 def loaded() -> dict[tuple[str, str], Any]:
     """The kernels this process has loaded and not released, by (cache key, name): a copy."""
     with _lock:
