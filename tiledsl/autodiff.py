@@ -279,9 +279,8 @@ class _Backward:
             if flash is not None:
                 for o, c in zip((fwd.operands(flash)[0], fwd.operands(node)[1]),
                                 self._flash_vjp(node, flash, g, active), strict=True):
-                    if c is not None:
-                        full = op.shape if ops.is_elementwise(op.kind) else ()  # (others' are whole)
-                    adjoints.setdefault(o, []).append(self._fit(c, fwd.op(o), op.span, full))
+                    if c is not None:  # (None: that operand needs no gradient)
+                        adjoints.setdefault(o, []).append(self._fit(c, fwd.op(o), op.span))
                 continue
             rule = ops.OPS[op.kind].vjp
             if rule is None:
