@@ -239,6 +239,28 @@ def test_torch_func_grad_and_vmap_of_grad_of_a_program():
         torch.testing.assert_close(per[b].double(), xb64.grad, rtol=0, atol=1e-4)
 
 
+def test_forward_mode_tangents_are_refused_not_dropped():
+    """tiledsl derives reverse mode only: a jvp through a program gave a zero tangent."""
+    from torch.autograd import forward_ad
+
+    fn = tiledsl.compile(RMS)
+    x, w, t = randn(17, 33), randn(33), randn(17, 33)
+    message = ("'rms_boundary' cannot be differentiated in forward mode (torch.func.jvp, jacfwd, "
+               "hessian, torch.autograd.forward_ad): tiledsl derives reverse-mode gradients only; use "
+               "torch.func.grad, vjp or jacrev (or torch.autograd.functional.hessian, which is "
+               "reverse mode twice)")
+
+    def dual():
+        with forward_ad.dual_level():
+            return fn(forward_ad.make_dual(x, t), w, 1e-5)
+
+    for call in (lambda: torch.func.jvp(lambda x: fn(x, w, 1e-5), (x,), (t,)),
+                 lambda: torch.func.jacfwd(lambda x: fn(x, w, 1e-5))(x), dual):
+        with pytest.raises(tiledsl.TileDSLError) as err:
+            call()
+        assert err.value.message == message and err.value.line == 1
+
+
 # --- pickling -----------------------------------------------------------------------------
 
 class Holder(torch.nn.Module):

@@ -16,8 +16,9 @@ from typing import Any
 
 import networkx as nx
 import torch
+from torch.autograd import forward_ad
 
-from tiledsl import autodiff
+from tiledsl import autodiff, torch_op
 from tiledsl import diagnostics as diag
 from tiledsl.backends.interface import BACKENDS, Backend, Kernel, make_backend
 from tiledsl.binding import BoundCall, bind
@@ -186,8 +187,6 @@ class Program:
         # registered now, not on first use: torch.compile traces calls of fn and cannot
         # trace a registration (about 1 ms per program)
         self._origin: Origin | None = None  # what compiled it, for pickling
-        from tiledsl import torch_op
-
         self.op = torch_op.register(self)
         """This program as a PyTorch operator (`torch.ops.tiledsl.<kernel>_<hash>.default`):
         traceable by torch.compile and torch.export, differentiable (see `backward`). Past 64
@@ -209,6 +208,8 @@ class Program:
         other call runs the op's kernel directly, without the dispatcher's overhead."""
         if _through_op(args, kwargs):
             return self.call_op(self._positional(args, kwargs))
+        if forward_ad._current_level >= 0:  # a dual tensor's tangent would be dropped
+            torch_op.refuse_forward_mode(self, (*args, *kwargs.values()))
         runtime = self.runtime
         bound = runtime.binder(args, kwargs)
         outs = self._returned(runtime.run(bound), bound.dims)
@@ -220,11 +221,10 @@ class Program:
         the op's autograd function from here: functorch takes an autograd.Function, but
         not one applied inside a custom op's Autograd kernel."""
         if torch._C._are_functorch_transforms_active():
+            torch_op.refuse_forward_mode(self, args)
             wrt = self.wants_grad(args)
             if wrt:
-                from tiledsl.torch_op import differentiated
-
-                return differentiated(self, wrt, args)
+                return torch_op.differentiated(self, wrt, args)
         return self.op(*self._convention.pack(args))
 
     def _positional(self, args: tuple, kwargs: dict) -> tuple:

@@ -243,6 +243,7 @@ class _Registration:
     def _autograd(self, *op_args: Any) -> Any:
         program = self.program()
         args = self.convention.unpack(op_args)
+        refuse_forward_mode(program, args)
         wrt = program.wants_grad(args)
         if not wrt:
             with torch._C._AutoDispatchBelowAutograd():
@@ -272,6 +273,26 @@ def differentiated(program: Program, wrt: tuple[int, ...], args: Sequence[Any]) 
     outs = _Differentiated.apply(program.training(wrt), *args)
     n = program.training(wrt).derivation.n_outputs
     return outs[0] if n == 1 else tuple(outs[:n])
+
+
+def refuse_forward_mode(program: Program, args: Sequence[Any]) -> None:
+    """A `GradientError` when a call carries forward-mode tangents (torch.func.jvp, jacfwd,
+    torch.autograd.forward_ad), which tiledsl has no rule for: they would be dropped."""
+    from torch.autograd import forward_ad
+
+    dual = forward_ad._current_level >= 0 and any(
+        isinstance(a, torch.Tensor) and forward_ad.unpack_dual(a).tangent is not None for a in args)
+    if not dual and torch._C._are_functorch_transforms_active():
+        from torch._C._functorch import TransformType
+        from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+        dual = any(i.key() == TransformType.Jvp for i in retrieve_all_functorch_interpreters())
+    if dual:
+        raise diag.GradientError(program.source_graph.span, message=(
+            f"'{program.name}' cannot be differentiated in forward mode (torch.func.jvp, jacfwd, "
+            "hessian, torch.autograd.forward_ad): tiledsl derives reverse-mode gradients only; use "
+            "torch.func.grad, vjp or jacrev (or torch.autograd.functional.hessian, which is "
+            "reverse mode twice)"))
 
 
 def _fake(graph: Graph, convention: Convention):
