@@ -237,6 +237,11 @@ def test_torch_func_grad_and_vmap_of_grad_of_a_program():
         xb64 = xb[b].double().requires_grad_()
         rms64(xb64, w, 1e-5).square().sum().backward()
         torch.testing.assert_close(per[b].double(), xb64.grad, rtol=0, atol=1e-4)
+    with pytest.raises(tiledsl.TileDSLError) as err:  # torch.func cannot reach into an op
+        torch.func.grad(lambda x: fn.op(x, w, 1e-5).sum())(x)
+    assert err.value.message == (
+        "'rms_boundary': under torch.func's transforms, call the compiled program itself (fn(...)), "
+        "not fn.op: torch.func cannot differentiate through a custom op's Autograd kernel")
 
 
 def test_forward_mode_tangents_are_refused_not_dropped():

@@ -248,6 +248,11 @@ class _Registration:
         if not wrt:
             with torch._C._AutoDispatchBelowAutograd():
                 return self.op(*op_args)
+        if torch._C._are_functorch_transforms_active():  # functorch cannot see this far in
+            raise diag.GradientError(program.source_graph.span, message=(
+                f"'{program.name}': under torch.func's transforms, call the compiled program "
+                "itself (fn(...)), not fn.op: torch.func cannot differentiate through a custom "
+                "op's Autograd kernel"))
         return differentiated(program, wrt, args)
 
     def _vmap(self, info: Any, in_dims: Sequence[Any], *op_args: Any) -> tuple[Any, Any]:
