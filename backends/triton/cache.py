@@ -34,7 +34,8 @@ its `linecache` entry live while anything holds the kernel (a program's
 launch plans), plus the `KEEP_RECENT` most recently loaded ones. A kernel
 that is needed again after its release is compiled again from its generated
 text; the `linecache` entry of a kernel still alive is never dropped, so
-Triton never falls back to reading the file.
+Triton never falls back to reading the file (an entry is dropped at the first
+load after its module was collected).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ import tempfile
 import threading
 import types
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -237,18 +239,41 @@ def _module(name: str, path: Path, source: str) -> types.ModuleType:
 
 def forget_in_triton(raw: types.FunctionType) -> None:
     """Take the `@triton.jit` function made from `raw` out of Triton's registry of every
-    JITFunction (`_triton_jit_function_registry`, for deserializing JITFunction constants,
-    which tiledsl never passes): it would keep every kernel ever loaded alive."""
+    JITFunction (for deserializing JITFunction constants, which tiledsl never passes): it
+    would keep every kernel ever loaded alive."""
+    registry, name = _triton_registry(), _registry_name(raw)
+    if getattr(registry.get(name), "fn", None) is raw:
+        del registry[name]
+
+
+@contextlib.contextmanager
+def triton_registry_kept(raw: types.FunctionType) -> Iterator[None]:
+    """Inside, Triton may register a new JITFunction of `raw` (its interpreter makes one to
+    find a kernel's line numbers); on leaving, the registry holds for that name what it held
+    before: nothing for a tiledsl kernel, the shipped function for Triton's own."""
+    registry, name = _triton_registry(), _registry_name(raw)
+    before = registry.get(name)
+    try:
+        yield
+    finally:
+        if before is None:
+            registry.pop(name, None)
+        else:
+            registry[name] = before
+
+
+def _registry_name(raw: types.FunctionType) -> str:
+    return f"{raw.__module__}:{raw.__qualname__}"
+
+
+def _triton_registry() -> dict[str, Any]:
+    """`triton.runtime.jit._triton_jit_function_registry` where this Triton has one, else {}."""
     try:
         from triton.runtime import jit
     except ImportError:
-        return
+        return {}
     registry = getattr(jit, "_triton_jit_function_registry", None)
-    if not isinstance(registry, dict):
-        return
-    name = f"{raw.__module__}:{raw.__qualname__}"
-    if getattr(registry.get(name), "fn", None) is raw:
-        del registry[name]
+    return registry if isinstance(registry, dict) else {}
 
 
 def _release_collected() -> None:
