@@ -147,6 +147,17 @@ def test_a_relative_xdg_cache_home_is_ignored(home, tmp_path, monkeypatch):
     assert cache.cache_dir() == tmp_path / "xdg" / "tiledsl"
 
 
+def test_a_relative_home_is_not_used(home, tmp_path, monkeypatch):
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    monkeypatch.setenv("HOME", "relative/home")
+    with pytest.raises(CacheError) as err:
+        cache.cache_dir()
+    assert err.value.message == f"cannot find your home directory for the kernel cache; {SETTING}"
+    assert list(work.iterdir()) == []
+
+
 def test_a_kernel_that_cannot_be_written_is_a_cache_error_and_leaves_no_temp_file(private_cache,
                                                                                    monkeypatch):
     full = disk_full(monkeypatch)
