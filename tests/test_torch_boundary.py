@@ -141,6 +141,8 @@ def test_a_program_of_100_parameters_runs_forward_and_backward_through_a_packed_
     y64.square().sum().backward()
     for x, ref in zip(xs, x64, strict=True):
         torch.testing.assert_close(x.grad.double(), ref.grad, rtol=0, atol=1e-3)
+    with pytest.raises(tiledsl.TileDSLError, match=r"argument 's' must be a number \(f32\), got str"):
+        fn(*xs, "0.5", 3)  # a bad argument is the binder's error, not the packed schema's
     assert set(torch.library.opcheck(fn.op, ([x.detach() for x in xs[:n]], [0.5], [3])).values()) \
         == {"SUCCESS"}
 

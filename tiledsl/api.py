@@ -130,6 +130,8 @@ def normalized(graph: Graph) -> Graph:
     return PassManager(parse_pipeline(",".join(NORMALIZING)), snapshots=False).run(graph.copy()).graph
 
 
+# the Python types the op's schema takes for a scalar parameter as they are
+_SCHEMA_SCALARS = {"float": (float, int), "int": (int,), "bool": (bool,)}
 _training_lock = threading.RLock()  # held while a first backward is derived and compiled
 
 
@@ -236,10 +238,11 @@ class Program:
                 or any(isinstance(a, torch.Tensor) and a.is_nested for a in (*args, *kwargs.values())):
             self.runtime.binder(args, kwargs)  # raises the error naming the parameter
         args = args + tuple(kwargs[n] for n in self._names[len(args):])
-        if any(isinstance(args[i], torch.Tensor) for i in self._scalars if i < len(args)):
-            self.runtime.binder(args, {})  # a scalar given as a tensor that needs a gradient
-            args = tuple(a.item() if isinstance(a, torch.Tensor) and i in self._scalars else a
-                         for i, a in enumerate(args))
+        kinds = self._convention.kinds
+        if any(type(args[i]) not in _SCHEMA_SCALARS[kinds[i]] for i in self._scalars):
+            # a tensor, a NumPy number, a wrong type: the binder's error, or the Python value
+            values = self.runtime.binder(args, {}).values
+            args = tuple(values[i] if i in self._scalars else a for i, a in enumerate(args))
         return args
 
     def _run_op(self, args: tuple) -> Any:

@@ -60,11 +60,12 @@ NAMESPACE = "tiledsl"
 MAX_SCHEMA_ARGS = 64  # torch's FunctionSchema limit: "this PyTorch build only supports 64"
 _SCALAR_TYPES = {DType.F32: "float", DType.F16: "float", DType.BF16: "float", DType.I32: "int",
                  DType.I64: "int", DType.BOOL: "bool"}
-# schema type names a parameter may not be called; Python keywords are refused too, and
-# anything else the schema parser does not read back as the same name (`_parses`)
+# names a schema argument may not have (its type names, and `self`/`out`, which torch's op
+# machinery treats specially); Python keywords are refused too, and anything else the schema
+# parser does not read back as the same name (`_schema_safe`)
 _RESERVED = {"self", "out", "Tensor", "float", "int", "bool", "str", "None", "NoneType", "Scalar",
              "Device", "Layout", "ScalarType", "MemoryFormat", "Storage", "Generator", "SymInt",
-             "SymFloat", "SymBool", "Dimname", "QScheme", "Stream", "Any", "complex", "t"}
+             "SymFloat", "SymBool", "Dimname", "QScheme", "Stream", "Any", "complex"}
 # a packed op's lists, in schema order: (kind, list type, argument name)
 _PACKED = (("Tensor", "Tensor[]", "tensors"), ("float", "float[]", "floats"),
            ("int", "int[]", "ints"), ("bool", "bool[]", "bools"))
