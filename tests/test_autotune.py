@@ -6,9 +6,9 @@ import stat
 
 import pytest
 import torch
-from faults import disk_full, finishes, non_regular_kinds, plant
 
 import tiledsl
+from faults import disk_full, finishes, non_regular_kinds, plant
 from helpers import randn
 from tiledsl.backends.triton import autotune
 from tiledsl.backends.triton.base import LaunchConfig

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from faults import disk_full, finishes, non_regular_kinds, plant
 
 import tiledsl
+from faults import disk_full, finishes, non_regular_kinds, plant
 from helpers import randn, run_checked
 from tiledsl.backends.triton import cache
 from tiledsl.diagnostics import CacheError
@@ -245,3 +245,26 @@ def wait_for(pid: int, timeout: float) -> int | None:
     os.kill(pid, 9)
     os.waitpid(pid, 0)
     return None
+
+
+def test_running_many_distinct_programs_on_the_interpreter_keeps_memory_bounded(tmp_path, monkeypatch):
+    """The interpreter's wrapper of each kernel (and Triton's class-level cache of rewritten
+    kernels) kept every kernel ever run alive: they are now released with the kernel."""
+    monkeypatch.setenv("TILEDSL_CACHE_DIR", str(tmp_path / "cache"))
+    cache.forget_loaded()
+    monkeypatch.setattr(cache, "KEEP_RECENT", 4)
+    src = "kernel f(x: f32[M, N], y: f32[N]) -> f32[M, N] {{ return exp(x) * y + {} }}"
+    early, _ = run_checked(src.format(0.5), randn(17, 113), randn(113), sm90=False)
+
+    def settle() -> None:  # collect, then let a load drop what was collected
+        for _ in range(2):
+            gc.collect()
+            cache.load("import triton\n@triton.jit\ndef k():\n    pass\n", "k", "cuda")
+
+    settle()
+    before = len(cached_lines())
+    for i in range(40):
+        run_checked(src.format(i + 1), randn(3, 5), randn(5), sm90=False)
+    settle()
+    assert len(cache.loaded()) <= before + 4 and len(cached_lines()) <= before + 4
+    run_checked(early, randn(1, 17), randn(17), sm90=False)

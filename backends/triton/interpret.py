@@ -32,18 +32,33 @@ import triton.runtime.interpreter as _interp
 from triton.runtime.interpreter import InterpretedFunction, _patch_lang
 from triton.runtime.jit import JITFunction
 
+from .cache import triton_registry_kept
+
 _lock = threading.RLock()
-_wrappers: dict[int, InterpretedFunction] = {}
 _depth = 0
+
+
+class _Interpreted(InterpretedFunction):
+    """An InterpretedFunction that keeps its rewritten function itself. Triton keeps it in
+    the class-level `InterpretedFunction.rewritten_fn`, and registers the JITFunction its
+    rewriter makes, which would keep every kernel ever run (and its module) alive."""
+
+    _rewritten: Any = None
+
+    def rewrite(self) -> Any:
+        if self._rewritten is None:
+            with triton_registry_kept(self.fn):
+                self._rewritten = self.rewriter.rewrite_ast()
+        return self._rewritten
 
 
 def interpreted(fn: Any) -> InterpretedFunction:
     """`fn` (a JITFunction, or already interpreted) as an InterpretedFunction."""
     if isinstance(fn, InterpretedFunction):  # TRITON_INTERPRET=1 was set at import
         return fn
-    wrapper = _wrappers.get(id(fn))
+    wrapper = fn.__dict__.get("_tiledsl_interpreted")  # kept on the function: released with it
     if wrapper is None:
-        wrapper = _wrappers[id(fn)] = InterpretedFunction(fn.fn)
+        wrapper = fn._tiledsl_interpreted = _Interpreted(fn.fn)
     return wrapper
 
 
