@@ -157,7 +157,6 @@ class Origin:
     derived: tuple[Program, tuple[int, ...], str] | None = None
 
 
-
 def _recompile(origin: Origin) -> Program:
     """The program `origin` describes, compiled again (how a pickled program loads)."""
     if origin.derived is None:
