@@ -178,6 +178,10 @@ class DuplicateKernelError(TileDSLError):
     template = "kernel '{name}' is defined twice"
 
 
+class LiteralNameError(TileDSLError):
+    template = "'{name}' cannot name a {what}: in an expression it is {meaning}"
+
+
 class NameConflictError(TileDSLError):
     template = "'{name}' names both a parameter and a dimension"
 

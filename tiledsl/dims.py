@@ -15,6 +15,7 @@ from __future__ import annotations
 import ast
 import functools
 import operator
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -143,9 +144,18 @@ def parse(dim: str) -> Lin:
     return _fold(_tree(dim), lambda name: Lin(((name, 1),), 0), lambda k: Lin((), k))
 
 
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
 @functools.lru_cache(maxsize=4096)
 def _tree(dim: str) -> ast.AST:
-    return ast.parse(dim, mode="eval").body
+    """The expression tree of a dim text. Symbols may be any DSL identifier, Python keywords
+    included (`in // 2`): each is parsed as `_d_<name>`, then named back."""
+    tree = ast.parse(_NAME.sub(lambda m: "_d_" + m.group(0), dim), mode="eval").body
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            node.id = node.id[3:]
+    return tree
 
 
 _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,

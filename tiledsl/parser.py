@@ -53,6 +53,12 @@ _TERMINAL_NAMES = {
 }
 
 
+# the grammar's word literals (`atom` in grammar.lark): in an expression these words are
+# always the literal, so sema refuses them as names of parameters and dims
+LITERAL_WORDS = {"inf": "the float literal inf", "true": "the bool literal true",
+                 "false": "the bool literal false", "None": "None (axis=None, x[:, None])"}
+
+
 class _TooLarge(Exception):
     """Raised from the token stream; `parse` turns it into a located `LimitError`."""
 

@@ -20,6 +20,7 @@ from tiledsl.dims import build as build_dim
 from tiledsl.dims import symbols as dim_symbols
 from tiledsl.ir import Graph, Op, make_attrs
 from tiledsl.ops.structure import index_dtype_message
+from tiledsl.parser import LITERAL_WORDS
 from tiledsl.source import Span
 from tiledsl.types import (
     DTYPES,
@@ -130,6 +131,9 @@ class _KernelBuilder:
         return hints
 
     def _param(self, index: int, param: ast.Param) -> None:
+        if param.name in LITERAL_WORDS:
+            raise diag.LiteralNameError(param.name_span, name=param.name, what="parameter",
+                                        meaning=LITERAL_WORDS[param.name])
         if param.name in self.scope:
             first = self.scope[param.name][1]
             raise diag.DuplicateParameterError(
@@ -154,6 +158,9 @@ class _KernelBuilder:
                 if d.value > I32_MAX:  # dims are i32 values in the language and in kernels
                     raise diag.RankError(d.span, message=(
                         f"dim sizes must be at most {I32_MAX}, got {d.value}"))
+            elif d.value in LITERAL_WORDS:
+                raise diag.LiteralNameError(d.span, name=d.value, what="dim",
+                                            meaning=LITERAL_WORDS[d.value])
             elif owner is not None and not d.value.isidentifier():
                 raise diag.RankError(d.span, message=(
                     f"parameter '{owner}' declares the dim {d.value}: a parameter's dims are "
