@@ -19,7 +19,12 @@ dot's dtype before the scale instead of after it, and the scale is applied to th
 accumulator; the result is within the numerics contract's tolerance like any reordering of
 a reduction. Not when A is rounded to f16 after the scale: unscaled values may not fit
 f16's range and precision (a refused remark says so; bf16 and f32 operands are hoisted).
-Each rewrite is a fused remark with its modelled saving.
+Nor, for a product narrower than f32, in a compiled pipeline where no fuse-epilogue follows
+(`PassContext.following`): the product would be stored and rounded before the scale, a
+rounding at another magnitude than the program's (with K = 1 the scaled operand of an
+RMSNorm is exactly +-1 and the program's own result rounds once).
+Each rewrite is a fused remark with its modelled saving. A product that becomes one another
+matmul computes already (the same A and B) is computed once.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from tiledsl.passes.registry import Pass, PassContext, register
 from tiledsl.types import DType, broadcasts_to, format_shape
 
 NAME = "hoist-row-scale"
+Edge = tuple[int, int]  # a value: (node, result index)
 
 
 @register
@@ -42,71 +48,111 @@ class HoistRowScale(Pass):
     name = NAME
 
     def run(self, graph: Graph, ctx: PassContext) -> None:
+        # without fuse-epilogue after it, nothing applies the scale to the f32 accumulator
+        fused_later = ctx.following is None or "fuse-epilogue" in ctx.following
         for mm in graph.topo_order():
             op = graph.op(mm)
             if not (isinstance(op, Op) and op.kind == "matmul" and op.dtype.is_float):
                 continue
-            a_type = graph.result_type(graph.operands(mm)[0])
-            refused: list[int] = []
-            pairs = _row_factors(graph, graph.operands(mm)[0], mm, refused)
+            a_type = graph.result_type(*graph.operand_edges(mm)[0])
+            refused: list[Edge] = []
+            pairs = _row_factors(graph, mm, refused)
             for factor in refused:
-                ctx.remarks.append(FusionRemark.refused(NAME, Refusal(Rule.OP, (
+                self._refuse(ctx, graph, factor, op, (
                     f"the A operand is rounded to f16 after {_describe(graph, factor)} scales it; unscaled "
                     "it could overflow f16 or lose precision, so the scale stays on A (a bf16 or f32 "
-                    "operand has no such limit)")), graph.op(factor), op))
+                    "operand has no such limit)"))
+            if pairs and not fused_later and op.dtype is not DType.F32:
+                for _, factor in pairs:
+                    self._refuse(ctx, graph, factor, op, (
+                        f"no fuse-epilogue follows in this pipeline to apply {_describe(graph, factor)} to "
+                        f"the f32 accumulator: the {op.dtype} product would be rounded before the scale, "
+                        "so the scale stays on A"))
+                continue
             if not pairs:
                 continue
             saving = cost.format_poly(cost.add(*[cost.tensor_bytes(a_type)] * 2))
             for _, factor in pairs:
-                shape = graph.op(factor).shape
+                shape = graph.result_type(*factor).shape
                 what = f"the row scale {_describe(graph, factor)} {format_shape(shape)}" if shape else \
                     f"the scale {_describe(graph, factor)}"
                 ctx.remarks.append(FusionRemark(
-                    NAME, True, None, graph.op(factor), op,
+                    NAME, True, None, _value_op(graph, factor), op,
                     f"{what} is applied to the product, not to the A operand ((r * A) @ B = r * (A @ B)): "
                     f"the scaled {format_shape(a_type.shape)} operand need not be stored "
                     f"(modelled saving: {saving} B)"))
             _hoist(graph, mm, pairs)
+            _merge_equal_product(graph, mm)
+
+    @staticmethod
+    def _refuse(ctx: PassContext, graph: Graph, factor: Edge, mm: Op, detail: str) -> None:
+        ctx.remarks.append(FusionRemark.refused(NAME, Refusal(Rule.OP, detail), _value_op(graph, factor), mm))
 
 
-def _describe(graph: Graph, node: int) -> str:
-    op = graph.op(node)
-    return f"'{op.attr('name')}'" if op.kind == "param" else describe_node(graph, node)
+def _merge_equal_product(graph: Graph, mm: int) -> None:
+    """Unscaled, A may be what another matmul multiplies by the same B
+    (`(x @ w) * f((x * r) @ w)`): one product, computed once (as cse would, which ran before)."""
+    op, edges = graph.op(mm), graph.operand_edges(mm)
+    twin = next((u for u, _ in graph.users(edges[0][0]) if u != mm and isinstance(graph.op(u), Op)
+                 and graph.op(u).key() == op.key() and graph.operand_edges(u) == edges), None)
+    if twin is not None:
+        graph.replace_uses(mm, twin)
+        graph.remove(mm)
 
 
-def _row_factors(graph: Graph, a: int, mm: int, refused: list[int]) -> list[tuple[int, int]]:
+def _value_op(graph: Graph, value: Edge) -> Op:
+    """The DSL op that computes `value` (for remarks): its node's, or the op of that result
+    inside a kernel an earlier pass formed."""
+    op = graph.op(value[0])
+    if isinstance(op, Op):
+        return op
+    region = op.region
+    v = region.outputs[value[1]] - len(region.inputs)
+    return region.ops[v].op if v >= 0 else op.region.ops[0].op
+
+
+def _describe(graph: Graph, value: Edge) -> str:
+    op = graph.op(value[0])
+    return f"'{op.attr('name')}'" if op.kind == "param" else describe_node(graph, value[0])
+
+
+def _row_factors(graph: Graph, mm: int, refused: list[Edge]) -> list[tuple[int, Edge]]:
     """(mul, factor) pairs: a `mul` among the ops forming A (through muls and float casts,
-    each read only by the next) and its operand constant along K.
+    each read only by the next) and its operand constant along K. Values are edges: A and
+    the factors may be results of kernels an earlier pass formed.
 
     Not below a cast that narrows to f16: the unscaled values would be rounded to f16's
     range and precision (a large activation overflows, a small one loses bits), where the
     scaled ones fitted; such factors go to `refused`. bf16 has f32's range."""
     rows = graph.op(mm).shape[:-1]
-    found: list[tuple[int, int]] = []
+    a = graph.operands(mm)[0]
+    found: list[tuple[int, Edge]] = []
     stack, reader, narrowed = [a], {a: mm}, {a: False}
     while stack:
         n = stack.pop()
         op = graph.op(n)
         if not isinstance(op, Op) or [u for u, _ in graph.users(n)] != [reader[n]]:
             continue
-        if op.kind == "cast" and op.dtype.is_float and graph.op(graph.operands(n)[0]).dtype.is_float:
-            (src,) = graph.operands(n)
-            reader[src] = n
-            narrowed[src] = narrowed[n] or (op.dtype is DType.F16 and graph.op(src).dtype is not DType.F16)
-            stack.append(src)
+        if op.kind == "cast" and op.dtype.is_float and _float(graph, graph.operand_edges(n)[0]):
+            (src,) = graph.operand_edges(n)
+            reader[src[0]] = n
+            narrowed[src[0]] = narrowed[n] or (op.dtype is DType.F16
+                                               and graph.result_type(*src).dtype is not DType.F16)
+            stack.append(src[0])
         elif op.kind == "mul":
-            x, y = graph.operands(n)
+            x, y = graph.operand_edges(n)
             for factor, other in ((y, x), (x, y)):
-                if factor != other and _constant_along_k(graph, factor, rows) \
-                        and graph.op(other).type == op.type and graph.op(factor).dtype.is_float \
-                        and (graph.op(factor).shape != () or _is_softmax(graph, other)):
+                ft = graph.result_type(*factor)
+                if factor != other and broadcasts_to(ft.shape, (*rows, 1)) and ft.dtype.is_float \
+                        and graph.result_type(*other) == op.type \
+                        and (ft.shape != () or _is_softmax(graph, other)):
                     if narrowed[n]:
                         refused.append(factor)
                     else:
                         found.append((n, factor))
                     break
             else:
-                for o in (x, y):
+                for o, _ in (x, y):
                     if o not in reader:
                         reader[o] = n
                         narrowed[o] = narrowed[n]
@@ -114,9 +160,14 @@ def _row_factors(graph: Graph, a: int, mm: int, refused: list[int]) -> list[tupl
     return found
 
 
-def _is_softmax(graph: Graph, node: int) -> bool:
+def _float(graph: Graph, value: Edge) -> bool:
+    return graph.result_type(*value).dtype.is_float
+
+
+def _is_softmax(graph: Graph, value: Edge) -> bool:
     """A softmax, through float casts: a scalar factor is hoisted only off one (a scaled
     softmax is not attention; a scaled tensor is already a cheap prologue)."""
+    node = value[0]
     op = graph.op(node)
     while isinstance(op, Op) and op.kind == "cast":
         node = graph.operands(node)[0]
@@ -124,34 +175,29 @@ def _is_softmax(graph: Graph, node: int) -> bool:
     return isinstance(op, Op) and op.kind == "softmax"
 
 
-def _constant_along_k(graph: Graph, node: int, rows) -> bool:
-    """A scalar, or a [..., M, 1] value whose rows broadcast to the product's."""
-    return broadcasts_to(graph.op(node).shape, (*rows, 1))
-
-
-def _hoist(graph: Graph, mm: int, pairs: list[tuple[int, int]]) -> None:
+def _hoist(graph: Graph, mm: int, pairs: list[tuple[int, Edge]]) -> None:
     """Drop each factor from its `mul` and multiply the product by them all, in f32."""
     op = graph.op(mm)
     spans = [graph.op(mul).span for mul, _ in pairs]
     for mul, factor in pairs:
-        (other,) = [o for o in graph.operands(mul) if o != factor]
-        graph.replace_uses(mul, other)
+        (other,) = [e for e in graph.operand_edges(mul) if e != factor]
+        graph.replace_uses(mul, other[0], new_res=other[1])
         graph.remove(mul)
     users = graph.users(mm)
 
-    def f32(node: int, like: Op) -> int:
-        if graph.op(node).dtype is DType.F32:
-            return node
-        t = graph.op(node)
-        return graph.add(Op("cast", DType.F32, t.shape, make_attrs(dtype=DType.F32), like.span), [node])
+    def f32(value: Edge, span) -> Edge:
+        t = graph.result_type(*value)
+        if t.dtype is DType.F32:
+            return value
+        return graph.add(Op("cast", DType.F32, t.shape, make_attrs(dtype=DType.F32), span), [value]), 0
 
-    product = f32(mm, op)
+    product = f32((mm, 0), op.span)
     for (_, factor), span in zip(pairs, spans, strict=True):
         product = graph.add(Op("mul", DType.F32, op.shape, (), span),
-                            [product, f32(factor, graph.op(factor))])
+                            [product, f32(factor, _value_op(graph, factor).span)]), 0
     if op.dtype is not DType.F32:
-        product = graph.add(Op("cast", op.dtype, op.shape, make_attrs(dtype=op.dtype), op.span), [product])
+        product = graph.add(Op("cast", op.dtype, op.shape, make_attrs(dtype=op.dtype), op.span), [product]), 0
     for user, slot in users:
         edges = graph.operand_edges(user)
-        edges[slot] = (product, 0)
+        edges[slot] = product
         graph.set_operands(user, edges)

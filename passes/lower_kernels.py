@@ -27,7 +27,7 @@ from tiledsl import ops
 from tiledsl.ir import Graph, KernelOp, Op, Region, RegionInput, RegionOp
 from tiledsl.ops import Category
 from tiledsl.passes.fusion.planning import pointwise_plan
-from tiledsl.passes.regions import is_by_value, is_clonable, replace_with_kernel
+from tiledsl.passes.regions import is_by_value, is_clonable, remove_dead_clonables, replace_with_kernel
 from tiledsl.passes.registry import Pass, PassContext, register
 
 # templates that store every output through its strides (the pointwise one stores at a flat index)
@@ -49,7 +49,10 @@ class LowerKernels(Pass):
             if isinstance(op, KernelOp):
                 continue
             if is_clonable(graph, node) and not any(u == graph.output for u, _ in graph.users(node)):
-                continue  # cloned into the kernels that read it; only a returned one is stored
+                # cloned into the kernels that read it; only a returned one is stored, and one
+                # nothing reads (dead code, in a pipeline without dce) is dropped
+                remove_dead_clonables(graph, [node])
+                continue
             template = TEMPLATES.get(ops.category(op.kind))
             if template is not None:
                 replace_with_kernel(graph, [node], [node], template)

@@ -53,7 +53,10 @@ class PassManager:
         if self.verify:
             verify(graph, "sema")
         self._record(result, "graph", graph)
-        for p in self.passes:
+        names = [p.name for p in self.passes]
+        compiles = bool(names) and names[-1] == "lower-kernels"
+        for i, p in enumerate(self.passes):
+            result.context.following = tuple(names[i + 1:]) if compiles else None
             start = time.perf_counter()
             p.run(graph, result.context)
             elapsed = time.perf_counter() - start

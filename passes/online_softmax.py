@@ -21,7 +21,9 @@ when the intermediate values have no other use. A row that is all -inf then
 gives 0 (softmax) and -inf (logsumexp) instead of the NaN of the written-out
 form (with a sink, the row is 0: every weight is exp(-inf) over a finite sink term; the
 written form agrees when its max includes the sink). Runs before fuse-attention, so a
-hand-written softmax between two matmuls is recognised as attention.
+hand-written softmax between two matmuls is recognised as attention. Its row input
+and sink may be results of kernels formed earlier (a pipeline that runs a fusion pass
+first): they are matched as (node, result) edges, never as nodes.
 """
 
 from __future__ import annotations
@@ -34,35 +36,37 @@ from tiledsl.passes.registry import Pass, PassContext, register
 from tiledsl.passes.rewrite import Pattern, Rewriter, apply_patterns
 from tiledsl.types import broadcast_shapes
 
+Edge = tuple[int, int]  # a value: (node, result index); a kernel has several results
+
 
 def _is(graph: Graph, node: int, kind: str) -> bool:
     op = graph.op(node)
     return isinstance(op, Op) and op.kind == kind
 
 
-def _row_max_of(graph: Graph, m: int, x: int, axis: int) -> bool:
+def _row_max_of(graph: Graph, m: Edge, x: Edge, axis: int) -> bool:
     """Is `m` = max(x, axis, keepdims=true)?"""
-    op = graph.op(m)
-    return (_is(graph, m, "max") and graph.operands(m) == [x] and op.attr("axis") == axis
+    op = graph.op(m[0])
+    return (_is(graph, m[0], "max") and graph.operand_edges(m[0]) == [x] and op.attr("axis") == axis
             and bool(op.attr("keepdims")))
 
 
-def _shifted_exp(graph: Graph, e: int) -> tuple[int, int] | None:
+def _shifted_exp(graph: Graph, e: int) -> tuple[Edge, Edge] | None:
     """(x, m) when `e` = exp(x - m)."""
     if not _is(graph, e, "exp"):
         return None
     (d,) = graph.operands(e)
-    return tuple(graph.operands(d)) if _is(graph, d, "sub") else None
+    return tuple(graph.operand_edges(d)) if _is(graph, d, "sub") else None
 
 
 def _only_used_by(graph: Graph, node: int, users: set[int]) -> bool:
     return {u for u, _ in graph.users(node)} <= users
 
 
-def _replace(graph: Graph, node: int, op: Op, kind: str, x: int, rewriter: Rewriter, **attrs) -> bool:
+def _replace(graph: Graph, node: int, op: Op, kind: str, x: Edge, rewriter: Rewriter, **attrs) -> bool:
     """Replace `node` by `kind(x, **attrs)` when that has exactly `node`'s type."""
     attrs_t = make_attrs(**attrs)
-    if ops.OPS[kind].infer((graph.op(x).type,), dict(attrs_t)) != op.type:
+    if ops.OPS[kind].infer((graph.result_type(*x),), dict(attrs_t)) != op.type:
         return False
     rewriter.replace(node, rewriter.create(Op(kind, op.dtype, op.shape, attrs_t, op.span), [x]))
     return True
@@ -89,7 +93,7 @@ class RecognizeLogsumexp(Pattern):
     def apply(self, graph: Graph, node: int, op: Op, rewriter: Rewriter) -> bool:
         if op.kind != "add":
             return False
-        for m, lg in (graph.operands(node), reversed(graph.operands(node))):
+        for m, (lg, _) in (graph.operand_edges(node), reversed(graph.operand_edges(node))):
             if not _is(graph, lg, "log"):
                 continue
             (z,) = graph.operands(lg)
@@ -136,16 +140,16 @@ class RecognizeSinkSoftmax(Pattern):
         return False
 
     @staticmethod
-    def _rewrite(graph: Graph, node: int, op: Op, x: int, sink: int, axis: int, rewriter: Rewriter) -> bool:
-        xt = graph.op(x).type
-        if xt.dtype is not op.dtype or graph.op(sink).dtype is not op.dtype and not graph.op(sink).weak:
+    def _rewrite(graph: Graph, node: int, op: Op, x: Edge, sink: Edge, axis: int, rewriter: Rewriter) -> bool:
+        xt, st = graph.result_type(*x), graph.result_type(*sink)
+        if xt.dtype is not op.dtype or st.dtype is not op.dtype and not st.weak:
             return False
         row_shape = xt.shape[:axis] + (1,) + xt.shape[axis + 1:]
         span = op.span
         sm = rewriter.create(Op("softmax", op.dtype, xt.shape, make_attrs(axis=axis), span), [x])
         lse = rewriter.create(Op("logsumexp", op.dtype, row_shape, make_attrs(axis=axis, keepdims=True),
                                  span), [x])
-        shape = broadcast_shapes(row_shape, graph.op(sink).shape)
+        shape = broadcast_shapes(row_shape, st.shape)
         if shape != row_shape:
             return False
         gap = rewriter.create(Op("sub", op.dtype, row_shape, (), span), [lse, sink])
@@ -154,21 +158,21 @@ class RecognizeSinkSoftmax(Pattern):
         return True
 
 
-def _sink_of(graph: Graph, extra: int, m: int) -> int | None:
+def _sink_of(graph: Graph, extra: int, m: Edge) -> Edge | None:
     """`sink` when `extra` = exp(sink - m)."""
     if not _is(graph, extra, "exp"):
         return None
     (d,) = graph.operands(extra)
-    if not _is(graph, d, "sub") or graph.operands(d)[1] != m:
+    if not _is(graph, d, "sub") or graph.operand_edges(d)[1] != m:
         return None
-    return graph.operands(d)[0]
+    return graph.operand_edges(d)[0]
 
 
-def _max_with(graph: Graph, m: int, x: int, axis: int, sink: int) -> bool:
+def _max_with(graph: Graph, m: Edge, x: Edge, axis: int, sink: Edge) -> bool:
     """Is `m` = maximum(max(x, axis, keepdims=true), sink) (either order)?"""
-    if not _is(graph, m, "maximum"):
+    if not _is(graph, m[0], "maximum"):
         return False
-    a, b = graph.operands(m)
+    a, b = graph.operand_edges(m[0])
     return (b == sink and _row_max_of(graph, a, x, axis)) or (a == sink and _row_max_of(graph, b, x, axis))
 
 

@@ -24,10 +24,16 @@ from tiledsl.ir import Graph
 class PassContext:
     """State shared by the passes of one pipeline run.
 
-    `remarks` collects fusion decisions (made and refused) for `explain()`.
+    `remarks` collects fusion decisions (made and refused) for `explain()`. `following`:
+    the names of the passes after the running one in a pipeline that compiles (ends in
+    `lower-kernels`), so a rewrite whose accuracy rests on a later fusion can hold back
+    when none follows; None when that is unknown (a pipeline that stops at the graph IR,
+    as `tiledsl opt --no-lower` and the normalizing passes do, or a pass run by itself),
+    where a pass assumes the default pipeline.
     """
 
     remarks: list[Any] = field(default_factory=list)
+    following: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)

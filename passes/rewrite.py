@@ -22,7 +22,7 @@ class Rewriter:
         self.worklist: list[int] = []
         self.changed = False
 
-    def create(self, op: Payload, operands: Iterable[int]) -> int:
+    def create(self, op: Payload, operands: Iterable[int | tuple[int, int]]) -> int:
         node = self.graph.add(op, operands)
         self.worklist.append(node)
         self.changed = True

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from tiledsl import ops
 from tiledsl.ir import Graph, KernelOp, Op
-from tiledsl.passes.regions import is_clonable, replace_with_kernel
+from tiledsl.passes.regions import is_clonable, remove_dead_clonables, replace_with_kernel
 
 from .legality import Group, GroupPlan
 from .remarks import FusionRemark, Refusal
@@ -104,10 +104,19 @@ def fuse_groups(graph: Graph, remarks: list, pass_name: str, template: str,
 
 
 def rewrite_groups(plan: GroupPlan, template: str, min_size: int = 1) -> list[int]:
-    """Replace every planned group by one kernel node; returns the new kernel nodes."""
-    kernels = []
+    """Replace every planned group by one kernel node; returns the new kernel nodes.
+
+    A group whose values nothing reads (dead code, in a pipeline without `dce`) is
+    removed instead: a kernel with no results computes nothing anyone sees."""
+    graph, kernels = plan.graph, []
     for members in plan.groups:
         if len(members) < min_size:
             continue
-        kernels.append(replace_with_kernel(plan.graph, members, outputs_of(plan.graph, members), template))
+        outputs = outputs_of(graph, members)
+        if not outputs:
+            operands = {o for m in members for o in graph.operands(m)} - set(members)
+            graph.remove_all(members)
+            remove_dead_clonables(graph, list(operands))
+            continue
+        kernels.append(replace_with_kernel(graph, members, outputs, template))
     return kernels
