@@ -274,7 +274,11 @@ class _Match:
         graph = self.graph
         shape = graph.op(pv).shape
         lse = {m for m in group if _is(graph, m, "logsumexp")}
-        rows = self._row_values(group, lse, shape[:-1] + (1,))
+        # index expressions the score modification reads: outlining clones each once per
+        # kernel, so the epilogue cannot read one too (it has the output's tile, not the
+        # scores'); what reads one of them stays outside
+        in_scores = self._index_expressions([m for m in group if m != pv])
+        rows = self._row_values(group, lse, shape[:-1] + (1,), in_scores)
         epilogue: set[int] = set(rows)
         work = deque([pv])
         while work:
@@ -290,6 +294,7 @@ class _Match:
                 inner = [o for o in graph.operands(cand) if o in group and o != pv and o not in epilogue
                          and o not in lse]
                 inner += [u for u, _ in graph.users(cand) if u in group and u not in epilogue]
+                inner += sorted(self._index_expressions([cand]) & in_scores, key=self.plan.order.__getitem__)
                 why = epilogue_refusal(graph, group, cand, shape, "the attention output",
                                        epilogue - rows, broadcast=rows | lse)
                 if inner:
@@ -305,10 +310,11 @@ class _Match:
                 epilogue.add(cand)
                 work.append(cand)
 
-    def _row_values(self, group: Group, lse: set[int], row_shape) -> set[int]:
+    def _row_values(self, group: Group, lse: set[int], row_shape, in_scores: set[int]) -> set[int]:
         """Elementwise ops of the rows' shape [..., M, 1] computed from the kernel's logsumexp
         and from scalars and inputs that broadcast to the rows: the kernel has them once the
-        recurrence is finished, per query row (one read by nothing else is stored per row)."""
+        recurrence is finished, per query row (one read by nothing else is stored per row).
+        Not from an index expression the scores read (`in_scores`)."""
         graph, rows = self.graph, set()
         work = deque(lse)
         while work:
@@ -318,7 +324,8 @@ class _Match:
                 if cand in group or self.plan.grouped(cand) or not elementwise_candidate(graph, cand) \
                         or op.shape != row_shape:
                     continue
-                if not all(o in group or _row_input(graph, o, row_shape) for o in graph.operands(cand)):
+                if not all(o in group or _row_input(graph, o, row_shape) for o in graph.operands(cand)) \
+                        or self._index_expressions([cand]) & in_scores:
                     continue
                 if self.plan.creates_cycle(group, cand):
                     continue

@@ -205,6 +205,11 @@ def _dual_refusal(graph: Graph, seed: int, matmuls: set[int], cand: int,
     """Why matmul `cand` cannot share the kernel of `seed` as a dual GEMM (its own
     accumulator over the same A tiles)."""
     first, other = graph.op(seed), graph.op(cand)
+    twin = next((m for m in (seed, *sorted(matmuls)) if graph.operand_edges(m) == graph.operand_edges(cand)
+                 and graph.op(m).key() == other.key()), None)
+    if twin is not None:  # in a pipeline without cse
+        return Refusal(Rule.OP, f"it is the product {describe_node(graph, twin)} computes (the same A and "
+                       "B); cse computes it once")
     if graph.operands(cand)[0] != graph.operands(seed)[0]:
         return Refusal(Rule.OP, "a dual GEMM shares the A operand; these multiply different ones")
     if other.shape != first.shape or other.dtype is not first.dtype:

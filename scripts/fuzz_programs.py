@@ -7,8 +7,9 @@
 Program i is generated from seed (base seed, i), so any finding reproduces
 with `--seed S --first I --count 1`. Prints each failing program (source,
 sizes, what went wrong) and a summary with how many passed the oracle, were
-rejected with a located error, or overflowed in their own dtypes (see
-`fuzzgen.run`); exits 1 if anything failed.
+rejected with a located error, overflowed in their own dtypes, or missed it on a
+degenerate output of a few distinct values (see `fuzzgen.run`); exits 1 if
+anything failed.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ def one(job: tuple[int, int, int, bool]) -> tuple[int, str, str, str]:
             fuzzgen.run(program, sm90=sm90_every > 0 and i % sm90_every == 0)
     except Exception as err:  # noqa: BLE001 - the driver reports, never dies
         outcome = fuzzgen.Outcome("fail", f"driver: {type(err).__name__}: {err}")
-    return i, f"# M={program.m} N={program.n} seed={i}\n{program.source}", outcome.status, outcome.detail
+    return (i, f"# M={program.m} N={program.n} B={program.b} H={program.h} seed={i}\n{program.source}",
+            outcome.status, outcome.detail)
 
 
 def main() -> int:

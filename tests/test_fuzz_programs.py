@@ -14,8 +14,11 @@ import os
 import random
 
 import pytest
+import torch
 
 import fuzzgen
+from helpers import randn, run_checked
+from tiledsl import testing
 
 CHUNKS, PER_CHUNK = 8, 25
 SEED = int(os.environ.get("TILEDSL_FUZZ_SEED", "0"))
@@ -75,3 +78,88 @@ def test_mutated_programs_compile_or_raise_located_errors(chunk):
         if outcome is not None:
             failures.append(f"seed {SEED}, mutant {i}: {outcome}\n{text!r}")
     assert not failures, "\n".join(failures)
+
+
+# --- findings of the forward fuzzer (issue 26), one test each -------------------------------------
+
+
+def test_an_attention_epilogue_does_not_read_an_index_expression_of_the_scores():
+    """Seed 2603, program 243: `index(x, 1) * 0.01` in the mask and, merged by cse, in an
+    epilogue op; outlining clones it once per kernel, so the epilogue read a value the
+    template computes only per block of keys (an internal error: 'NoneType' object is not
+    iterable). The epilogue op that reads it stays outside, with a recorded reason."""
+    src = """kernel f(x: f32[M, N], w: f32[N, N], y: f32[N]) -> (f32[M, N], f32[M, N]) {
+    t = softmax(where(index(x, 1) * 0.01 <= 0.2, x @ w.T, -inf)) @ w
+    return t, where(y <= index(t, 1) * 0.01, t, 0.0)
+}"""
+    for m, n in ((1, 1), (17, 33), (113, 17)):
+        fn, _ = run_checked(src, randn(m, n), randn(n, n), randn(n, scale=0.2), sm90=False)
+    assert [(k.template, [op.kind for op in k.ops]) for k in fn.kernels] == [
+        ("pointwise", ["index", "mul", "le"]),
+        ("attention", ["matmul", "index", "mul", "le", "where", "softmax", "matmul", "where"])]
+    assert [str(r) for r in fn.remarks if not r.fused] == [
+        "[fuse-attention] refused: le (line 3) -> where (line 3): index (line 2) is computed per block "
+        "of keys, the epilogue at the output [rule: other-index]"]
+
+
+def test_two_equal_products_after_hoisting_a_row_scale_are_one_accumulator():
+    """Seed 2602, program 913: `(x @ w) * log1p(abs((x * r) @ w))` with r a row norm. Hoisted,
+    the second product is `x @ w` again, and fuse-epilogue made the two a dual GEMM of the
+    same B, whose kernel failed to load (SyntaxError: duplicate argument 'in1_tma'). The
+    hoisted product is the first one, computed once."""
+    src = """kernel f(x: {dt}[M, N], w: {dt}[N, N]) -> {dt}[M, N] {{
+    return (x @ w) * log1p(abs((x * rsqrt(mean(x * x, axis=-1, keepdims=true) + 1.0)) @ w))
+}}"""
+    for dt, tdt in (("f16", torch.float16), ("f32", torch.float32)):
+        for m, n in ((1, 1), (17, 33), (113, 17)):
+            fn, _ = run_checked(src.format(dt=dt), randn(m, n, dtype=tdt), randn(n, n, dtype=tdt, scale=0.2),
+                                sm90=False)
+        (kernel,) = fn.kernels
+        assert [op.kind for op in kernel.ops].count("matmul") == 1
+
+
+def test_a_reshape_the_call_cannot_view_is_a_rejection_not_a_finding():
+    """Seed 2602, program 62: a reshape of a transposed view is refused at the call with its
+    location, as the README says reshape does; the fuzzer counted it as a failure."""
+    program = fuzzgen.generate(random.Random("2602:62"), seed=62)
+    assert "reshape(reshape(transpose(" in program.source
+    outcome = fuzzgen.run(program)
+    assert (outcome.status, outcome.detail.split(";")[0]) == (
+        "rejected", "this reshape merges dims M and N of [M, N], which are not adjacent in memory at this "
+                    "call (strides 1 and 33, N = 33)")
+
+
+def test_a_miss_on_a_degenerate_output_is_counted_apart():
+    """Seed 2604, program 176: an output that is one bf16 value repeated (`maximum(N - 1, x)
+    * mean(z, axis=0)`) is one sample of the max error, where eager's double rounding landed
+    closer by luck. Counted "degenerate", not a pass; a value wrong by more than a few
+    roundings still fails."""
+    program = fuzzgen.generate(random.Random("2604:176"), seed=176)
+    outcome = fuzzgen.run(program)
+    assert outcome.status == "degenerate", outcome
+    assert "the golden holds 1 distinct values" in outcome.detail
+    golden = torch.full((17, 33), 19.25, dtype=torch.float64)
+    eager = golden + 1e-4
+    for error, status in ((4e-3, "degenerate"), (0.5, "fail")):
+        verdict = fuzzgen._judge(golden.float() + error, golden, eager, testing, torch.finfo(torch.bfloat16).eps)
+        assert verdict.status == status, (error, verdict)
+    spread = torch.linspace(-3, 3, 17 * 33, dtype=torch.float64).reshape(17, 33)  # many samples
+    assert fuzzgen._judge(spread.float() + 4e-3, spread, spread + 1e-4, testing, 2 ** -7).status == "fail"
+
+
+def test_generated_matmuls_have_batch_ranks_up_to_4():
+    """Matmul A operands of rank 2, 3 and 4, and a rank-4 activation times a 2-D weight, as
+    model code multiplies them (`x: [B, H, S, D] @ w.T`), with batched weights too."""
+    import tiledsl
+
+    ranks: set[tuple[int, int]] = set()
+    for i in range(400):
+        program = fuzzgen.generate(random.Random(f"batch:{i}"), seed=i)
+        try:
+            graph = tiledsl.compile(program.source, pipeline="canonicalize").source_graph
+        except tiledsl.TileDSLError:
+            continue
+        ranks |= {tuple(graph.result_type(*e).rank for e in graph.operand_edges(n)) for n in graph.nodes()
+                  if graph.op(n).kind == "matmul"}
+    assert {a for a, _ in ranks} == {2, 3, 4}
+    assert {(4, 2), (4, 3), (2, 3)} <= ranks
