@@ -16,6 +16,18 @@ def _private_kernel_cache(tmp_path_factory):
     yield path
 
 
+@pytest.fixture
+def private_cache(tmp_path, monkeypatch):
+    """A kernel cache of the test's own (its path), with no kernel loaded before or after."""
+    from tiledsl.backends.triton import cache
+
+    path = tmp_path / "cache"
+    monkeypatch.setenv("TILEDSL_CACHE_DIR", str(path))
+    cache.forget_loaded()
+    yield path
+    cache.forget_loaded()
+
+
 @pytest.fixture(autouse=True)
 def _inputs_depend_on_the_test_not_the_run_order(request):
     """helpers.randn() draws from a generator seeded by the test's id, so a test sees the

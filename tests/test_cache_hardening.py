@@ -32,15 +32,6 @@ NOBODY = 65534
 
 
 @pytest.fixture
-def private_cache(tmp_path, monkeypatch):
-    path = tmp_path / "cache"
-    monkeypatch.setenv("TILEDSL_CACHE_DIR", str(path))
-    cache.forget_loaded()
-    yield path
-    cache.forget_loaded()
-
-
-@pytest.fixture
 def home(tmp_path, monkeypatch):
     """A fresh HOME and no cache variables: the cache goes to ~/.cache/tiledsl."""
     path = tmp_path / "home"

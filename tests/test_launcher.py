@@ -5,7 +5,6 @@ import os
 import stat
 import tokenize
 
-import pytest
 import torch
 
 import tiledsl
@@ -13,15 +12,6 @@ from helpers import randn, run_checked
 from tiledsl.backends.triton import cache
 
 SRC = "kernel f(x: f32[M, N], y: f32[N]) -> f32[M, N] { return exp(x) * y }"
-
-
-@pytest.fixture
-def private_cache(tmp_path, monkeypatch):
-    path = tmp_path / "cache"
-    monkeypatch.setenv("TILEDSL_CACHE_DIR", str(path))
-    cache.forget_loaded()
-    yield path
-    cache.forget_loaded()
 
 
 def cached_files(path):
