@@ -534,7 +534,10 @@ def _ancestors(graph: Graph, roots: list[int], within: set[int]) -> set[int]:
 
 def _epilogue(graph: Graph, product: int) -> list[int]:
     """Elementwise ops on the product alone (a cast, a scale by a scalar), one reader each,
-    in order."""
+    in order. Not one reading a tensor, even a value every reader recomputes (`y > s` with
+    y: [N]): the kernel's epilogue loads no tensor (found by sweeping pipelines over
+    generated programs: without cse a written-out attention is this pass's, an internal
+    error)."""
     out, node = [], product
     while True:
         users = graph.users(node)
@@ -543,7 +546,7 @@ def _epilogue(graph: Graph, product: int) -> list[int]:
         user = users[0][0]
         op = _op(graph, user)
         if op is None or not ops.is_elementwise(op.kind) or op.shape != graph.op(node).shape or any(
-                o != node and not (is_clonable(graph, o) or _scalar(graph, o)) for o in graph.operands(user)):
+                o != node and not _scalar(graph, o) for o in graph.operands(user)):
             return out
         out.append(user)
         node = user

@@ -302,3 +302,24 @@ def test_a_persistent_grid_covers_every_tile(name):
     args = make(torch.float16, 113, 64, 77)  # 4 x 5 tiles (x 2 batch elements): several per program
     run_checked(fn, *args, sm90=False)
     assert fn.launches[0].kernel.launch_config(dict(fn.launches[0].dims), "interpreter").grid == (3,)
+
+
+def test_a_path_back_through_a_planned_group_that_ends_later_is_a_cycle():
+    """Gradient fuzzer, seed 2801, program 237: in the backward, one row program needs
+    `maximum(logsumexp(t), c)` and later reads a sum of another row program's output,
+    which reads that maximum. The path out of the second group ran past its last member
+    (through reshapes and two sums) before re-entering the first group at a late member;
+    the cycle check stopped there, and fuse-rows formed two kernels reading each other (an
+    internal error: the graph contains a cycle). A planned group reaches back to its first
+    member (`GroupPlan.reach_back`)."""
+    src = """kernel f(x: f32[M, N], z: f32[M, 1], q: f32[B, H, M, N], w: f32[N, N]) -> f32[B, H, M, N] {
+    t = transpose(logsumexp(z, axis=0, keepdims=true), 0, 1)
+    p = softmax((x * q) @ w.T * 0.125, axis=-1) @ w
+    return maximum(logsumexp(t, axis=-1, keepdims=false), sqrt(2.0) - 1.0 / N) / (abs(silu(p)) + 1.0)
+}"""
+    fn = tiledsl.compile(src)
+    for b, h, m, n in ((1, 1, 1, 1), (2, 3, 17, 33)):
+        report = testing.check_grads(fn, randn(m, n), randn(m, 1), randn(b, h, m, n), randn(n, n, scale=n ** -0.5),
+                                     generator=torch.Generator().manual_seed(0))
+        assert report.ok, report
+    assert len(fn.backward.kernels) == 16

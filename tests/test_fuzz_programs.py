@@ -163,3 +163,49 @@ def test_generated_matmuls_have_batch_ranks_up_to_4():
                   if graph.op(n).kind == "matmul"}
     assert {a for a, _ in ranks} == {2, 3, 4}
     assert {(4, 2), (4, 3), (2, 3)} <= ranks
+
+
+def test_a_gradient_miss_at_a_near_tie_is_unstable_not_a_finding():
+    """Gradient fuzzer, seed 2801, program 195: `maximum(0.05 * n, log1p(abs(sin(y))))` in
+    bf16 meets a tie at n = 6: the float64 golden's left side is 0.30000104, the compiled
+    one 0.2998 (sin(y) stored in bf16), eager's 0.3008, so y's gradient takes the other
+    branch in one row. Inputs moved by an ulp meet the oracle: "unstable", not a pass."""
+    program = fuzzgen.generate(random.Random("2801:195"), seed=195)
+    assert "maximum((cast((k // (k & 7)), f32) * 0.05), t0)" in program.source
+    outcome = fuzzgen.run_grads(program)
+    assert outcome.status == "unstable", outcome
+    assert "output 1: error 0.0036 (tolerance 0.000452" in outcome.detail
+
+
+def test_a_gradient_miss_at_every_nearby_input_is_a_finding(monkeypatch):
+    """A wrong derivative misses at the moved inputs too: still a failure. The moved inputs
+    differ from the drawn ones by an ulp or two of their dtype, integers and scalars kept."""
+    program = fuzzgen.generate(random.Random("2801:195"), seed=195)
+    args = program.args()
+    moved = fuzzgen._perturbed(args, torch.Generator().manual_seed(1))
+    for name, value in args.items():
+        if isinstance(value, torch.Tensor) and value.dtype.is_floating_point:
+            step = (moved[name].double() - value.double()).abs()
+            assert (step <= 2 * torch.finfo(value.dtype).eps * value.double().abs()).all(), name
+            assert (step > 0).float().mean() > 0.9, name
+        else:
+            assert moved[name] is value, name
+    miss = testing.Report((testing.OutputReport(0.5, 0.001, 0),))
+    monkeypatch.setattr(testing, "check_grads", lambda *a, **k: miss)
+    assert fuzzgen.run_grads(program).status == "fail"
+
+
+def test_a_gradient_summed_over_several_axes_is_one_reduction_rounded_once():
+    """Gradient fuzzer, seed 2803, program 122: z's gradient through `min(z, axis=0)` is the
+    sum of an [H, M, N] f16 gradient, which autodiff writes as sums over one axis after
+    another; two row kernels stored the [N] partial sums in f16 and the result missed the
+    oracle (error 0.0215, tolerance 0.0196). canonicalize merges the sums: one reduction,
+    accumulated in f32 and rounded once, as torch's sum_to_size."""
+    program = fuzzgen.generate(random.Random("2803:122"), seed=122)
+    assert "min(z, axis=0, keepdims=false)" in program.source
+    assert fuzzgen.run_grads(program).status == "pass"
+    import tiledsl
+
+    backward = tiledsl.compile(program.source).backward
+    sums = [k for k in backward.kernels if [op.kind for op in k.ops] == ["sum"]]
+    assert len(backward.kernels) == 16 and len(sums) == 3  # 17 and 4: [H * M, N] -> [N] -> [1]

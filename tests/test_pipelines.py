@@ -173,3 +173,28 @@ def test_hoist_row_scale_without_fuse_epilogue_keeps_a_half_precision_scale_on_a
         "the scale, so the scale stays on A [rule: op]"]
     # with fuse-epilogue after it (the default), norm and projection are one GEMM
     assert [k.template for k in tiledsl.compile(PROGRAMS["rmsnorm_projection"]).kernels] == ["matmul"]
+
+
+def test_an_attention_backward_epilogue_loads_no_tensor():
+    """Without cse, the written-out sink softmax is not recognised and fuse-attention-backward
+    took this forward's `p @ wb` as a product summed over the keys; its epilogue took
+    `where(y > t, ., t)`, whose comparison every reader recomputes from the tensor y, but
+    the kernel's epilogue loads no tensor (KeyError: 6, an internal error). Found by
+    sweeping pipelines over generated programs (seed ps3, program 60)."""
+    c = "where(((index(y, 0) * 0.01) < rsqrt(N)), (x @ wb.T * 0.125), -inf)"
+    m = f"maximum(max({c}, axis=-1, keepdims=true), z)"  # each written out, as the fuzzer does
+    src = f"""kernel f(x: f16[M, N], y: f16[N], z: f16[M, 1], wb: f16[H, N, N], s: f32) -> f16[H, M, N] {{
+    t = (s * 2.0) * 1.0
+    return where(y > t, ((exp({c} - {m}) / (sum(exp({c} - {m}), axis=-1, keepdims=true) + exp(z - {m}))) @ wb), t)
+}}"""
+    no_cse = ",".join(p for p in DEFAULT if p != "cse")
+    fn = tiledsl.compile(src, pipeline=no_cse)
+    g = torch.Generator().manual_seed(0)
+    for h, m, n in ((1, 1, 1), (3, 17, 33)):
+        args = [torch.randn(m, n, generator=g).half(), torch.randn(n, generator=g).half(),
+                torch.randn(m, 1, generator=g).half(), (torch.randn(h, n, n, generator=g) / n ** 0.5).half(), 0.1]
+        report = testing.check(fn, *args)
+        assert report.ok, report
+    (backward,) = [k for k in fn.kernels if k.template == "attention_backward"]
+    kinds = [op.kind for op in backward.ops]
+    assert kinds[-1] == "matmul" and "gt" not in kinds  # where(y > t, ...) stays out

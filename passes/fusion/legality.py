@@ -37,6 +37,7 @@ class GroupPlan:
         self.group_of: dict[int, int] = {}
         self.groups: list[list[int]] = []
         self.first: list[int] = []  # each planned group's earliest position
+        self.last: list[int] = []  # ... and its latest
 
     def grouped(self, node: int) -> bool:
         return node in self.group_of
@@ -46,6 +47,7 @@ class GroupPlan:
         gid = len(self.groups)
         self.groups.append(ordered)
         self.first.append(self.order[ordered[0]])
+        self.last.append(self.order[ordered[-1]])
         for n in ordered:
             self.group_of[n] = gid
 
@@ -53,7 +55,8 @@ class GroupPlan:
         """Would `group` plus `candidate` depend on itself through nodes outside it?
 
         Other planned groups count as single nodes (they will be contracted).
-        Only nodes ordered before the group's last member can lead back into it.
+        Only nodes ordered before the group's last member can lead back into it, or
+        before the last member of a planned group that starts before that (`reach_back`).
         """
         return self.cycle_through(group, candidate) is not None
 
@@ -82,7 +85,7 @@ class GroupPlan:
             limit = max(self.order[n] for n in group)
             starts = {s for m in group for s in self.graph.nx.successors(m)}
         members = group | {candidate}
-        limit = max(limit, self.order[candidate])
+        limit = self.reach_back(max(limit, self.order[candidate]))
         starts.update(self.graph.nx.successors(candidate))
         succ = self.graph.nx.successors
         stack = [s for s in starts if s not in members]
@@ -106,6 +109,20 @@ class GroupPlan:
                     return n
                 stack.append(s)
         return None
+
+
+    def reach_back(self, limit: int) -> int:
+        """The latest position from which a path can still return to one at or before
+        `limit`: a planned group is contracted to its earliest member, so a path that enters
+        one at a later member than `limit` leaves it from its first (a row program of a
+        statistic whose later ops read a sum of another group's output: found by the
+        gradient fuzzer, seed 2801 program 237)."""
+        spans = sorted(zip(self.first, self.last, strict=True))
+        for first, last in spans:
+            if first > limit:
+                break
+            limit = max(limit, last)
+        return limit
 
 
 class Group(set):
