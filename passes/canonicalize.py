@@ -160,11 +160,14 @@ class MergeReductions(Pattern):
     (`mean(x, axis=(2, 3))` is `mean(mean(x, axis=3), axis=2)`), is one reduction over the
     axes merged by a reshape: one row program instead of one per axis. The reshape is a
     view where the input's strides allow it, and a copy otherwise (`copy=true`, as torch's
-    `reshape`). The inner reduction keeps no dim (a kept one would make consumers read the
-    result through a reshape); the outer one may (autodiff sums a gradient broadcast along
-    several axes that way, to [1]). One reduction also rounds once: two in a half dtype
-    round the partial sums, where torch's sum does not (gradient fuzzer, seed 2803,
-    program 122: f16 partial sums missed the oracle)."""
+    `reshape`). Kept dims stay: when both keep theirs (autodiff sums a gradient broadcast
+    along several size-1 dims that way), the reshape also gives the merged axis a size-1
+    neighbour, so the one reduction keeping its dim has the result's shape; an outer one
+    keeping its dim after an inner one that does not is one reduction keeping it. (An
+    outer one dropping the dim an inner one kept is not merged.) One reduction also rounds
+    once: two in a half dtype round the partial sums, where torch's sum does not (gradient
+    fuzzer, seed 2803, program 122, and seed 2804, program 840: bf16 partial sums missed
+    the oracle)."""
 
     KINDS = ("sum", "mean", "max", "min")
 
@@ -173,20 +176,24 @@ class MergeReductions(Pattern):
             return False
         (inner,) = graph.operands(node)
         inner_op = graph.op(inner)
-        if not isinstance(inner_op, Op) or inner_op.kind != op.kind or inner_op.attr("keepdims") \
-                or graph.users(inner) != [(node, 0)] or inner_op.dtype is not op.dtype:
+        if not isinstance(inner_op, Op) or inner_op.kind != op.kind or graph.users(inner) != [(node, 0)] \
+                or inner_op.dtype is not op.dtype:
             return False
+        kept, keep = bool(inner_op.attr("keepdims")), bool(op.attr("keepdims"))
         first, second = inner_op.attr("axis"), op.attr("axis")
-        if second not in (first - 1, first):  # the axis before or after the first, in x
+        if kept and keep and abs(first - second) == 1:  # x's axes, both still there
+            lo = min(first, second)
+        elif not kept and second in (first - 1, first):  # the axis before or after the first, in x
+            lo = second
+        else:
             return False
-        lo = second
         (x,) = graph.operand_edges(inner)  # maybe a result of a kernel an earlier pass formed
         xt = graph.result_type(*x)
         size = (Lin.of(xt.shape[lo]) * Lin.of(xt.shape[lo + 1])).dim()
-        merged = xt.shape[:lo] + (size,) + xt.shape[lo + 2:]
+        merged = xt.shape[:lo] + (size,) + ((1,) if kept else ()) + xt.shape[lo + 2:]
         view = rewriter.create(Op("reshape", xt.dtype, merged, make_attrs(shape=merged, copy=True),
                                   inner_op.span, xt.weak), [x])
-        merged_op = op.replace(attrs=make_attrs(axis=lo, keepdims=bool(op.attr("keepdims"))))
+        merged_op = op.replace(attrs=make_attrs(axis=lo, keepdims=keep))
         rewriter.replace(node, rewriter.create(merged_op, [view]))
         return True
 

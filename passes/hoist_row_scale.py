@@ -108,7 +108,7 @@ def _value_op(graph: Graph, value: Edge) -> Op:
         return op
     region = op.region
     v = region.outputs[value[1]] - len(region.inputs)
-    return region.ops[v].op if v >= 0 else op.region.ops[0].op
+    return region.ops[v].op if v >= 0 else region.ops[0].op
 
 
 def _describe(graph: Graph, value: Edge) -> str:

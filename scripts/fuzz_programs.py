@@ -7,9 +7,9 @@
 Program i is generated from seed (base seed, i), so any finding reproduces
 with `--seed S --first I --count 1`. Prints each failing program (source,
 sizes, what went wrong) and a summary with how many passed the oracle, were
-rejected with a located error, overflowed in their own dtypes, or missed it on a
-degenerate output of a few distinct values (see `fuzzgen.run`); exits 1 if
-anything failed.
+rejected with a located error, overflowed in their own dtypes, or missed it only
+at the drawn inputs, not at inputs moved by an ulp ("unstable", see `fuzzgen.run`);
+exits 1 if anything failed.
 """
 
 from __future__ import annotations

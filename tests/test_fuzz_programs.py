@@ -129,22 +129,20 @@ def test_a_reshape_the_call_cannot_view_is_a_rejection_not_a_finding():
                     "call (strides 1 and 33, N = 33)")
 
 
-def test_a_miss_on_a_degenerate_output_is_counted_apart():
-    """Seed 2604, program 176: an output that is one bf16 value repeated (`maximum(N - 1, x)
-    * mean(z, axis=0)`) is one sample of the max error, where eager's double rounding landed
-    closer by luck. Counted "degenerate", not a pass; a value wrong by more than a few
-    roundings still fails."""
-    program = fuzzgen.generate(random.Random("2604:176"), seed=176)
-    outcome = fuzzgen.run(program)
-    assert outcome.status == "degenerate", outcome
-    assert "the golden holds 1 distinct values" in outcome.detail
-    golden = torch.full((17, 33), 19.25, dtype=torch.float64)
-    eager = golden + 1e-4
-    for error, status in ((4e-3, "degenerate"), (0.5, "fail")):
-        verdict = fuzzgen._judge(golden.float() + error, golden, eager, testing, torch.finfo(torch.bfloat16).eps)
-        assert verdict.status == status, (error, verdict)
-    spread = torch.linspace(-3, 3, 17 * 33, dtype=torch.float64).reshape(17, 33)  # many samples
-    assert fuzzgen._judge(spread.float() + 4e-3, spread, spread + 1e-4, testing, 2 ** -7).status == "fail"
+@pytest.mark.parametrize("seed, detail", [
+    ("2604:176", "output 0: error 0.00414 (tolerance 0.000483"),
+    ("2601:377", "output 0: error 13.3 (tolerance 5.32"),
+])
+def test_a_forward_miss_decided_by_a_few_elements_is_unstable_not_a_finding(seed, detail):
+    """Seed 2604, program 176: the output is one bf16 value repeated (`maximum(N - 1, x) *
+    mean(z, axis=0)`), one sample of the max error, where eager's double rounding landed
+    closer by luck. Seed 2601, program 377: exp of a bf16 batched matmul, whose largest
+    element (667, bf16 steps of 4) decides, with a smaller relative error than eager's
+    overall. Both meet the oracle at inputs moved by an ulp: "unstable", not a pass."""
+    base, i = seed.split(":")
+    outcome = fuzzgen.run(fuzzgen.generate(random.Random(seed), seed=int(i)))
+    assert outcome.status == "unstable", outcome
+    assert detail in outcome.detail
 
 
 def test_generated_matmuls_have_batch_ranks_up_to_4():
@@ -177,9 +175,10 @@ def test_a_gradient_miss_at_a_near_tie_is_unstable_not_a_finding():
     assert "output 1: error 0.0036 (tolerance 0.000452" in outcome.detail
 
 
-def test_a_gradient_miss_at_every_nearby_input_is_a_finding(monkeypatch):
-    """A wrong derivative misses at the moved inputs too: still a failure. The moved inputs
-    differ from the drawn ones by an ulp or two of their dtype, integers and scalars kept."""
+def test_a_miss_at_every_nearby_input_is_a_finding(monkeypatch):
+    """A wrong result or derivative misses at the moved inputs too: still a failure. The
+    moved inputs differ from the drawn ones by an ulp or two of their dtype, integers and
+    scalars kept."""
     program = fuzzgen.generate(random.Random("2801:195"), seed=195)
     args = program.args()
     moved = fuzzgen._perturbed(args, torch.Generator().manual_seed(1))
@@ -193,19 +192,23 @@ def test_a_gradient_miss_at_every_nearby_input_is_a_finding(monkeypatch):
     miss = testing.Report((testing.OutputReport(0.5, 0.001, 0),))
     monkeypatch.setattr(testing, "check_grads", lambda *a, **k: miss)
     assert fuzzgen.run_grads(program).status == "fail"
+    monkeypatch.setattr(fuzzgen, "_judge", lambda *a: fuzzgen.Outcome("fail", f"numerics: {miss}"))
+    assert fuzzgen.run(program).status == "fail"
 
 
-def test_a_gradient_summed_over_several_axes_is_one_reduction_rounded_once():
+@pytest.mark.parametrize("seed, sums", [("2803:122", 6), ("2804:840", 2)])
+def test_a_gradient_summed_over_several_axes_is_one_reduction_rounded_once(seed, sums):
     """Gradient fuzzer, seed 2803, program 122: z's gradient through `min(z, axis=0)` is the
     sum of an [H, M, N] f16 gradient, which autodiff writes as sums over one axis after
     another; two row kernels stored the [N] partial sums in f16 and the result missed the
-    oracle (error 0.0215, tolerance 0.0196). canonicalize merges the sums: one reduction,
-    accumulated in f32 and rounded once, as torch's sum_to_size."""
-    program = fuzzgen.generate(random.Random("2803:122"), seed=122)
-    assert "min(z, axis=0, keepdims=false)" in program.source
-    assert fuzzgen.run_grads(program).status == "pass"
+    oracle (error 0.0215, tolerance 0.0196). Seed 2804, program 840: the same to [1, 1]
+    from [M, N] in bf16, both sums keeping their dims (error 0.338, tolerance 0.176).
+    canonicalize merges the sums: one reduction, accumulated in f32 and rounded once, as
+    torch's sum_to_size."""
     import tiledsl
 
+    base, i = seed.split(":")
+    program = fuzzgen.generate(random.Random(seed), seed=int(i))
+    assert fuzzgen.run_grads(program).status == "pass"
     backward = tiledsl.compile(program.source).backward
-    sums = [k for k in backward.kernels if [op.kind for op in k.ops] == ["sum"]]
-    assert len(backward.kernels) == 16 and len(sums) == 3  # 17 and 4: [H * M, N] -> [N] -> [1]
+    assert sum(op.kind == "sum" for k in backward.kernels for op in k.ops) == sums  # 7 and 3 before

@@ -147,20 +147,22 @@ def _reductions(region: Region, products: set[int]) -> tuple[ScoreReduction, ...
 
 def reduction_axes(shape, chain: list[Op]) -> tuple[frozenset[int], tuple[int | None, ...]] | None:
     """The axes of a value of `shape` that a chain of `sum`s and `reshape`s merging two
-    adjacent axes sums over, and for each dim of the result the axis it keeps (None: a
-    kept size-1 dim); None when a result dim would merge two axes (an index the kernels do
-    not compute)."""
+    adjacent axes (and maybe adding a size-1 dim after them: canonicalize's merge of two
+    sums keeping their dims) sums over, and for each dim of the result the axis it keeps
+    (None: a kept size-1 dim); None when a result dim would merge two axes (an index the
+    kernels do not compute)."""
     dims: list[tuple[int, ...]] = [(a,) for a in range(len(shape))]
     sizes = list(shape)
     axes: set[int] = set()
     for op in chain:
         if op.kind == "reshape":
-            lo = next((k for k in range(len(sizes) - 1)
-                       if tuple(op.shape) == (*sizes[:k], (Lin.of(sizes[k]) * Lin.of(sizes[k + 1])).dim(),
-                                              *sizes[k + 2:])), None)
-            if lo is None:
+            merge = next(((k, unit) for k in range(len(sizes) - 1) for unit in ((), (1,))
+                          if tuple(op.shape) == (*sizes[:k], (Lin.of(sizes[k]) * Lin.of(sizes[k + 1])).dim(),
+                                                 *unit, *sizes[k + 2:])), None)
+            if merge is None:
                 return None
-            dims[lo:lo + 2] = [dims[lo] + dims[lo + 1]]
+            lo, unit = merge
+            dims[lo:lo + 2] = [dims[lo] + dims[lo + 1]] + [()] * len(unit)
         else:
             axis = op.attr("axis") % len(dims)
             axes.update(dims[axis])
