@@ -365,3 +365,13 @@ def test_sm90_wgmma_and_no_spills(dt, d, mask):
         assert r.spill_bytes == 0, r
         assert r.wgmma and min(wgmma_n(s) for s in r.wgmma) >= 64, r
         assert r.tma > 0, r  # q, k and v through TMA descriptors
+
+
+@pytest.mark.parametrize("dt", [torch.float16, torch.bfloat16])
+def test_keys_and_values_from_one_tensor_share_its_descriptor_flag(dt):
+    """Forward fuzzer seed 2706, program 896: one input serving as k and v gave the kernel
+    two parameters named in1_tma (a SyntaxError when loading it)."""
+    name = {torch.float16: "f16", torch.bfloat16: "bf16"}[dt]
+    fn, _ = run_checked(f"kernel f(x: {name}[M, N], w: {name}[N, N]) -> {name}[M, N] {{ return softmax(x @ w) @ w }}",
+                        randn(17, 32, dtype=dt), randn(32, 32, dtype=dt, scale=0.2))
+    assert [op.template for op in fn.kernel_ops()] == ["attention"]

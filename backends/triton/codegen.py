@@ -175,7 +175,11 @@ class Signature:
         return name
 
     def tma_ready(self, index: int, swapped: bool = False, role: str = "in") -> str:
+        """The flag of one tensor's descriptors: one parameter however many operands the
+        tensor serves (attention's k and v given the same tensor)."""
         name = f"{role}{index}_tma{'_t' if swapped else ''}"
+        if any(n == name for n, _ in self.params):
+            return name
         return self._add(name, TmaReady(index, swapped, role))
 
     def widening(self) -> list[str]:
