@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import tiledsl
+from helpers import randn
 from tiledsl import testing
 from tiledsl.api import DEFAULT_PIPELINE
 from tiledsl.passes.registry import REGISTRY, parse_pipeline
@@ -198,3 +199,22 @@ def test_an_attention_backward_epilogue_loads_no_tensor():
     (backward,) = [k for k in fn.kernels if k.template == "attention_backward"]
     kinds = [op.kind for op in backward.ops]
     assert kinds[-1] == "matmul" and "gt" not in kinds  # where(y > t, ...) stays out
+
+
+@pytest.mark.parametrize("pipeline", ["canonicalize", None], ids=["unfused", "default"])
+@pytest.mark.parametrize("dt", ["f16", "bf16"])
+def test_a_half_precision_value_stored_between_kernels_compares_as_torch_does(dt, pipeline):
+    """Pipeline sweep program ps4/14: `minimum(z, 1e-3) == 1e-3` with the minimum stored in
+    f16 by one kernel was compared in f32 against the unrounded literal by the next (False
+    where torch, comparing in f16, says True); fused, it was True. Both sides of a comparison
+    whose promoted dtype is f16 or bf16 are rounded to it, as torch compares them."""
+    torch_dt = {"f16": torch.float16, "bf16": torch.bfloat16}[dt]
+    fn = tiledsl.compile(f"""kernel f(z: {dt}[N], x: {dt}[N]) -> {dt}[N] {{
+        t = minimum(z, 1e-3)
+        return where(t == 1e-3, x, 7.0) + where(t < 1e-3, 2.0, 0.0)
+    }}""", pipeline=pipeline)
+    z = torch.cat([torch.rand(100) * 2e-3, torch.full((13,), 1e-3)]).to(torch_dt)
+    x = randn(113, dtype=torch_dt)
+    report = testing.check(fn, z, x)
+    assert report.ok, report
+    torch.testing.assert_close(fn(z, x), fn.reference(z, x), rtol=0, atol=0)

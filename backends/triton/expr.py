@@ -301,6 +301,10 @@ class Emitter:
             return val
         return self.assign(f"tl.full([], {val.text}, {TRITON_TYPE[val.cat]})", val.cat)
 
+    def rounded(self, val: Val, dtype: DType) -> Val:
+        """An f32 compute value rounded to `dtype` and read back (its value as stored)."""
+        return self.assign(self.widen(self.narrow(self.tensor(val).text, dtype), dtype), val.cat)
+
     def store_value(self, val: Val, t: TensorType) -> str:
         """Source text converting a compute value to how a value of type `t` is stored."""
         if t.weak and t.dtype.is_float:
@@ -345,9 +349,15 @@ class Emitter:
         opdef = ops.OPS[op.kind]
         out = value_compute(op.type)
         if opdef.reads is Reads.COMPARE:
-            # in the operands' promoted type (f64 when all are weak floats)
-            cat = value_compute(TensorType(result_dtype(types), (), all(t.weak for t in types)))
+            # in the operands' promoted type (f64 when all are weak floats); a half-precision
+            # one as torch compares it, both sides rounded to it, so a value stored in f16 by
+            # one kernel compares with a literal as it would inside one kernel
+            promoted = result_dtype(types)
+            weak = all(t.weak for t in types)
+            cat = value_compute(TensorType(promoted, (), weak))
             args = [self.convert(x, cat) for x in args]
+            if promoted in (DType.F16, DType.BF16) and not weak:
+                args = [self.rounded(x, promoted) for x in args]
         elif opdef.reads is Reads.SELECT:
             cond = self.tensor(self.convert(args[0], Compute.BOOL))
             args = [cond] + [self.convert(x, out) for x in args[1:]]
