@@ -32,14 +32,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tiledsl import cost
-from tiledsl.ir import Graph, Op, make_attrs
+from tiledsl.ir import Edge, Graph, Op, make_attrs
 from tiledsl.passes.fusion.legality import describe_node
 from tiledsl.passes.fusion.remarks import FusionRemark, Refusal, Rule
 from tiledsl.passes.registry import Pass, PassContext, register
 from tiledsl.types import DType, broadcasts_to, format_shape
 
 NAME = "hoist-row-scale"
-Edge = tuple[int, int]  # a value: (node, result index)
 
 
 @register

@@ -31,12 +31,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tiledsl import ops
-from tiledsl.ir import Graph, Op, make_attrs
+from tiledsl.ir import Edge, Graph, Op, make_attrs
 from tiledsl.passes.registry import Pass, PassContext, register
 from tiledsl.passes.rewrite import Pattern, Rewriter, apply_patterns
 from tiledsl.types import broadcast_shapes
-
-Edge = tuple[int, int]  # a value: (node, result index); a kernel has several results
 
 
 def _is(graph: Graph, node: int, kind: str) -> bool:

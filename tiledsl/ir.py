@@ -166,6 +166,7 @@ class KernelOp:
 
 
 Payload = Op | KernelOp
+Edge = tuple[int, int]  # a value: (node, result index); a kernel node has several results
 
 
 class Graph:
