@@ -40,11 +40,16 @@ def _inputs_depend_on_the_test_not_the_run_order(request):
 
 
 def pytest_collection_modifyitems(config, items):
+    """`gpu` tests are skipped without a CUDA device; `slow` ones unless `-m` asks for them
+    (`-m slow`), so the default suite stays short."""
     import torch
 
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    skips = {}
+    if not torch.cuda.is_available():
+        skips["gpu"] = pytest.mark.skip(reason="needs a CUDA GPU")
+    if "slow" not in (config.option.markexpr or ""):
+        skips["slow"] = pytest.mark.skip(reason="a larger sweep: run with -m slow")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        for marker, skip in skips.items():
+            if marker in item.keywords:
+                item.add_marker(skip)

@@ -101,9 +101,8 @@ def test_hoist_row_scale_alone_keeps_the_accuracy_rule(program):
 
 
 @pytest.mark.slow
-def test_every_program_with_every_pipeline(request):
-    if "slow" not in (request.config.option.markexpr or ""):
-        pytest.skip("every program with every pipeline: run with -m slow")
+def test_every_program_with_every_pipeline():
+    """Every program with every pipeline (about 100 s; run with -m slow)."""
     failures = []
     for pipeline, program in itertools.product(PIPELINES, PROGRAMS):
         try:
