@@ -276,8 +276,9 @@ def differentiated(program: Program, wrt: tuple[int, ...], args: Sequence[Any]) 
     """`program`'s outputs for `args`, differentiable with respect to the parameters `wrt`:
     from the op's Autograd kernel, or straight from `Program.__call__` under torch.func's
     transforms (which take an autograd.Function, but not a custom op's Autograd kernel)."""
-    outs = _Differentiated.apply(program.training(wrt), *args)
-    n = program.training(wrt).derivation.n_outputs
+    training = program.training(wrt)
+    outs = _Differentiated.apply(training, *args)
+    n = training.derivation.n_outputs
     return outs[0] if n == 1 else tuple(outs[:n])
 
 

@@ -44,9 +44,9 @@ ROW_BLOCKS = ("BLOCK_M", "BLOCK_N")
 def oversized_tile(cfg: LaunchConfig) -> tuple[tuple[str, int], tuple[str, int]] | None:
     """The first [row block, other block] tile of a configuration past `MAX_TILE`."""
     consts = cfg.constexprs
-    for a in ROW_BLOCKS:
+    for a in (r for r in ROW_BLOCKS if r in consts):
         for b, vb in consts.items():
-            if a in consts and b != a and b.startswith("BLOCK_") and consts[a] * vb > MAX_TILE:
+            if b != a and b.startswith("BLOCK_") and consts[a] * vb > MAX_TILE:
                 return (a, consts[a]), (b, vb)
     return None
 
@@ -89,15 +89,14 @@ class EmittedKernel:
             return []
         return [self._flagged(c, device) for c in self.candidates(dims, device) if not oversized_tile(c)]
 
-    def resource_error(self, err: Exception) -> Exception:
+    def resource_error(self, err: Any) -> Exception:
         """The error of a launch a GPU refused for its resources (Triton's `OutOfResources`:
         shared memory, registers): at the program's tile hints when it has some, since they
         chose the configuration; without hints a configuration of ours that does not fit is
         a tiledsl bug."""
         from tiledsl.diagnostics import InternalError
 
-        need = (f"{getattr(err, 'required', '?')} of {getattr(err, 'name', 'resources')}, where "
-                f"this GPU has {getattr(err, 'limit', '?')}")
+        need = f"{err.required} of {err.name}, where this GPU has {err.limit}"
         if self.hints:
             first = min(self.hints.values(), key=lambda h: (h[1].line, h[1].column))
             given = ", ".join(f"{n}={v}" for n, (v, _) in self.hints.items())
@@ -114,19 +113,18 @@ class EmittedKernel:
         (a, va), (b, vb) = tile
         shape = f"[{a}, {b}] tile of {va} x {vb} = {va * vb} elements"
         limit = f"more than Triton holds in one tile ({MAX_TILE} = 2^20)"
+        sizes = ", ".join(f"{k} = {v}" for k, v in sorted(dims.items()))
         hinted = [n for n in (a, b) if n in self.hints]
         if hinted:
             name = hinted[0]
             other = vb if name == a else va
             return TileHintError(self.hints[name][1], message=(
                 f"tile hint {name}={self.hints[name][0]} gives the {self.kernel.template} kernel "
-                f"{self.kernel.name} a {shape} at this call's sizes "
-                f"({', '.join(f'{k} = {v}' for k, v in sorted(dims.items()))}), {limit}; "
+                f"{self.kernel.name} a {shape} at this call's sizes ({sizes}), {limit}; "
                 f"use {name} <= {max(1, MAX_TILE // other)}"))
         return TileSizeError(self.kernel.span, message=(
-            f"at this call's sizes ({', '.join(f'{k} = {v}' for k, v in sorted(dims.items()))}) "
-            f"the {self.kernel.template} kernel {self.kernel.name} needs a {shape} even with its "
-            f"smallest blocks, {limit}"))
+            f"at this call's sizes ({sizes}) the {self.kernel.template} kernel {self.kernel.name} "
+            f"needs a {shape} even with its smallest blocks, {limit}"))
 
     def _flagged(self, cfg: LaunchConfig, device: str) -> LaunchConfig:
         if not self.interpreter_flag:
