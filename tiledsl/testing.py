@@ -90,9 +90,12 @@ def check_grads(fn: Program, *args: Any, generator: torch.Generator | None = Non
     backward program, and each parameter's gradient is compared with torch autograd of the
     reference in float64 (golden) and in the input dtypes (the eager yardstick).
     `as_given`: the compiled call differentiates the arguments themselves (detached, their
-    strides kept), not contiguous copies."""
+    strides kept), not contiguous copies. The cotangents come from `generator`, by default
+    one seeded with 0: never torch's global one, whose state depends on what ran before."""
     from tiledsl.backends import reference
     from tiledsl.binding import BoundCall, bind
+
+    generator = generator if generator is not None else torch.Generator().manual_seed(0)
 
     graph = fn.source_graph
     bound = bind(graph, args, kwargs)
