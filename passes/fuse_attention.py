@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 from tiledsl import ops
 from tiledsl.ir import Graph, Op
-from tiledsl.passes.fusion.admission import epilogue_refusal, prologue_op_refusal
+from tiledsl.passes.fusion.admission import epilogue_refusal, keys_are_data, prologue_op_refusal
 from tiledsl.passes.fusion.grow import elementwise_candidate, rewrite_groups
 from tiledsl.passes.fusion.legality import Group, GroupPlan, describe_node
 from tiledsl.passes.fusion.remarks import FusionRemark, Refusal, Rule
@@ -58,10 +58,15 @@ class FuseAttention(Pass):
     def run(self, graph: Graph, ctx: PassContext) -> None:
         plan = GroupPlan(graph)
         for node in graph.topo_order():
-            if _is(graph, node, "softmax") and not plan.grouped(node):
+            if plan.grouped(node):
+                continue
+            members = None
+            if _is(graph, node, "softmax"):
                 members = _Match(graph, plan, node, ctx.remarks).members()
-                if members is not None:
-                    plan.add_group(members)
+            elif _is(graph, node, "matmul"):
+                members = _Match(graph, plan, node, ctx.remarks).chain()
+            if members is not None:
+                plan.add_group(members)
         _unmatched(graph, plan, ctx.remarks)
         rewrite_groups(plan, "attention")
 
@@ -101,15 +106,16 @@ def _is(graph: Graph, node: int, kind: str) -> bool:
 class _Match:
     """The attention structure around one softmax, or the reason there is none."""
 
-    def __init__(self, graph: Graph, plan: GroupPlan, softmax: int, remarks: list) -> None:
-        self.graph, self.plan, self.softmax, self.remarks = graph, plan, softmax, remarks
+    def __init__(self, graph: Graph, plan: GroupPlan, seed: int, remarks: list) -> None:
+        # the op the score chain ends in: the softmax, or (with no softmax) p @ v itself
+        self.graph, self.plan, self.seed, self.remarks = graph, plan, seed, remarks
 
     def refuse(self, rule: Rule, producer: int, consumer: int, detail: str) -> None:
         self.remarks.append(FusionRemark.refused(NAME, Refusal(rule, detail), self.graph.op(producer),
                                                  self.graph.op(consumer)))
 
     def members(self) -> list[int] | None:
-        graph, sm = self.graph, self.softmax
+        graph, sm = self.graph, self.seed
         p = self._cast_of(sm)
         pv = [u for u, slot in graph.users(p) if slot == 0 and _is(graph, u, "matmul")]
         if not pv:
@@ -132,12 +138,38 @@ class _Match:
             return None
         qk, chain = found
         lse = self._logsumexps(x, len(op.shape) - 1)
-        inside = set(chain) | {sm, *lse}
+        sums = self._key_sums([qk, *chain], len(op.shape) - 1)
+        return self._group(qk, chain, pv, {sm, p, *lse, *sums}, "flash attention", "score modification")
+
+    def chain(self) -> list[int] | None:
+        """With no softmax: `f(q @ k.T) @ v` for any elementwise score function `f` (a
+        causal mask `where(causal(s), s, 0)`, a decay `s * gamma ** (i - j)`, a feature
+        product), summed over the keys as it is, with sums of the score function over the
+        keys kept beside it (a normaliser `sum(f(s), -1)`)."""
+        graph, pv = self.graph, self.seed
+        p = graph.operands(pv)[0]
+        shape = graph.op(p).shape
+        found = self._scores(p, shape)
+        if found is None:
+            return None
+        qk, chain = found
+        if not keys_are_data(graph.op(graph.operands(qk)[1]).type, graph.op(graph.operands(pv)[1]).type):
+            return None
+        sums = self._key_sums([qk, *chain], len(shape) - 1)
+        return self._group(qk, chain, pv, set(sums), "chained matmuls", "score function")
+
+    def _group(self, qk: int, chain: list[int], pv: int, extra: set[int], what: str,
+               mod: str) -> list[int] | None:
+        """The kernel's members: the scores' matmul and chain, what else reads the scores
+        inside it (`extra`: the softmax, logsumexps, sums over the keys), p @ v, the operand
+        prologues and the epilogue; or a refusal when something outside needs the scores."""
+        graph = self.graph
+        inside = set(chain) | extra | {pv}
         for n in [qk, *chain]:
             for u, _ in graph.users(n):
                 if u not in inside:
                     return self.refuse(Rule.MATERIALIZE, n, u, self._whole("the scores", u))
-        members = {qk, sm, p, pv, *chain, *lse}
+        members = {qk, pv, *chain, *extra}
         for operand in (0, 1):
             members |= self._prologue(qk, operand)
         if self.plan.creates_cycle(members - {qk}, qk):
@@ -148,9 +180,42 @@ class _Match:
         self._epilogue(group, pv)
         n_mod = len(chain) + len(self._index_expressions(chain))
         plural = "s" if n_mod != 1 else ""
-        detail = "flash attention" + (f" (score modification: {n_mod} op{plural})" if chain else "")
+        detail = what + (f" ({mod}: {n_mod} op{plural})" if chain else "")
         self.remarks.append(FusionRemark(NAME, True, None, graph.op(qk), graph.op(pv), detail))
         return list(group)
+
+    def _key_sums(self, values: list[int], axis: int) -> list[int]:
+        """`sum`s over the keys of score-space values, and the elementwise ops of the score
+        shape between them (`sum(cast(s, f32), -1)`) that nothing else reads: accumulated
+        beside p @ v."""
+        graph = self.graph
+        shape = graph.op(values[-1]).shape
+        side: list[int] = []
+        sums: list[int] = []
+        seen = set(values)
+        work = deque(values)
+        while work:
+            for u, _ in graph.users(work.popleft()):
+                op = graph.op(u)
+                if u in seen or self.plan.grouped(u) or not isinstance(op, Op):
+                    continue
+                seen.add(u)
+                if op.kind == "sum" and op.attr("axis") == axis and op.dtype.is_float:
+                    sums.append(u)
+                elif elementwise_candidate(graph, u) and op.shape == shape:
+                    side.append(u)
+                    work.append(u)
+        # a side op read by anything but the sums and other side ops stays outside
+        kept = set(side)
+        changed = True
+        while changed:
+            changed = False
+            for n in side:
+                if n in kept and any(u not in kept and u not in sums for u, _ in graph.users(n)):
+                    kept.discard(n)
+                    changed = True
+        inside = set(values) | kept
+        return [n for n in side if n in kept] + [n for n in sums if graph.operands(n)[0] in inside]
 
     def _logsumexps(self, x: int, axis: int) -> list[int]:
         """`logsumexp` of the scores over the keys, read directly or through a widening cast
@@ -220,7 +285,9 @@ class _Match:
             return None  # softmax of something else: not attention
         if len(matmuls) > 1:
             first, second = sorted(matmuls, key=self.plan.order.__getitem__)[:2]
-            return self.refuse(Rule.OP, second, self.softmax,
+            if not _is(graph, self.seed, "softmax"):
+                return None  # two matmuls meeting elementwise: a dual GEMM's, fuse-epilogue's
+            return self.refuse(Rule.OP, second, self.seed,
                                f"the scores come from two matmuls ({describe_node(graph, first)} and "
                                f"{describe_node(graph, second)}); a flash kernel computes one")
         (qk,) = matmuls
@@ -239,7 +306,7 @@ class _Match:
             changed = False
             for n in order:
                 if n in chain and not uses_qk[n] and any(
-                        u not in chain and u != self.softmax for u, _ in graph.users(n)):
+                        u not in chain and u != self.seed for u, _ in graph.users(n)):
                     chain.discard(n)
                     changed = True
         return qk, [n for n in order if n in chain]
@@ -273,7 +340,8 @@ class _Match:
         broadcast along the output's last dim."""
         graph = self.graph
         shape = graph.op(pv).shape
-        lse = {m for m in group if _is(graph, m, "logsumexp")}
+        # per query row: logsumexps and sums over the keys
+        lse = {m for m in group if _is(graph, m, "logsumexp") or _is(graph, m, "sum")}
         # index expressions the score modification reads: outlining clones each once per
         # kernel, so the epilogue cannot read one too (it has the output's tile, not the
         # scores'); what reads one of them stays outside

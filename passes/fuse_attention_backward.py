@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 from tiledsl import ops
 from tiledsl.ir import Graph, Op, make_attrs
+from tiledsl.passes.fusion.admission import keys_are_data
 from tiledsl.passes.fusion.attention import reduction_axes
 from tiledsl.passes.fusion.grow import rewrite_groups
 from tiledsl.passes.fusion.legality import GroupPlan, describe_node
@@ -245,7 +246,8 @@ def _find(graph: Graph, refusals: list[FusionRemark]) -> _Match | None:
             space |= other[1]
         spaces.append((dots, space))
     for dot_set, space in sorted(spaces, key=lambda sp: min(order[n] for n in sp[0])):
-        if not any(graph.op(n).kind == "exp" for n in space):
+        if not any(graph.op(n).kind == "exp" for n in space) and not keys_are_data(
+                *(graph.result_type(*graph.operand_edges(d)[1]) for d in dot_set)):
             continue
         _grow(graph, space, dot_set, order)
         dots = sorted(dot_set, key=order.__getitem__)
@@ -480,8 +482,9 @@ def _copy_prologue(graph: Graph, node: int, transpose: Op | None = None) -> int:
 def _space(graph: Graph, x: int, order: dict[int, int]) -> tuple[list[int], set[int]] | None:
     """The score dots and score-space ops `x` is computed from: elementwise ops of x's shape
     walked back to matmuls of that shape whose operands are loaded tensors. (`_find` keeps
-    the spaces with probabilities, an `exp`, among their ops: attention's; two GEMMs meeting
-    in an activation, `relu(x @ w1) @ w2`, are left to the GEMM fusions.)"""
+    the spaces with probabilities, an `exp`, among their ops: attention's, and those whose
+    dots multiply data (`admission.keys_are_data`: linear attention's, with no softmax); two
+    GEMMs meeting in an activation, `relu(x @ w1) @ w2`, are left to the GEMM fusions.)"""
     shape = graph.op(x).shape
     stack, walked, dots = [x], set(), []
     while stack:

@@ -195,9 +195,9 @@ def test_an_attention_backward_epilogue_loads_no_tensor():
                 torch.randn(m, 1, generator=g).half(), (torch.randn(h, n, n, generator=g) / n ** 0.5).half(), 0.1]
         report = testing.check(fn, *args)
         assert report.ok, report
-    (backward,) = [k for k in fn.kernels if k.template == "attention_backward"]
-    kinds = [op.kind for op in backward.ops]
-    assert kinds[-1] == "matmul" and "gt" not in kinds  # where(y > t, ...) stays out
+    chain = fn.kernels[-1]
+    kinds = [op.kind for op in chain.ops]
+    assert chain.template == "attention" and kinds[-3:] == ["mul", "gt", "where"]
 
 
 @pytest.mark.parametrize("pipeline", ["canonicalize", None], ids=["unfused", "default"])

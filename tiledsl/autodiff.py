@@ -282,6 +282,7 @@ class _Backward:
                     if c is not None:  # (None: that operand needs no gradient)
                         adjoints.setdefault(o, []).append(self._fit(c, fwd.op(o), op.span))
                 continue
+            self._chain(node)
             rule = ops.OPS[op.kind].vjp
             if rule is None:
                 raise diag.GradientError(op.span, message=(
@@ -360,17 +361,45 @@ class _Backward:
         dx = self.emit("mul", [self.primal(sm), self.emit("sub", [dp, delta], span)], span)
         return dx, dv
 
+    def _chain(self, node: int) -> None:
+        """`f(q @ k.T) @ v` with no softmax, its left operand computed elementwise from the
+        scores and used by the product alone (and sums over the keys): one kernel that never stores the scores
+        (fuse-attention), so the backward recomputes them from q and k, as for attention."""
+        from tiledsl.passes.fusion.admission import keys_are_data
+
+        fwd = self.fwd
+        if fwd.op(node).kind != "matmul":
+            return
+        p, v = fwd.operands(node)
+        outputs = {n for n, _ in fwd.outputs}
+        last = len(fwd.op(p).shape) - 1
+        others = [u for u, _ in fwd.users(p) if u != node and not (
+            fwd.op(u).kind == "sum" and fwd.op(u).attr("axis") == last)]  # a normaliser's sum
+        if not ops.is_elementwise(fwd.op(p).kind) or p in outputs or others or not _runs_matmul(fwd, p):
+            return
+        if any(fwd.op(m).kind == "matmul" and keys_are_data(fwd.op(fwd.operands(m)[1]).type, fwd.op(v).type)
+               for m in self._score_matmuls(p)):
+            self._mark_scores(p)
+
+    def _score_matmuls(self, x: int) -> set[int]:
+        """The matmuls `x` is computed from through elementwise ops."""
+        fwd, stack, out, seen = self.fwd, [x], set(), set()
+        while stack:
+            n = stack.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            op = fwd.op(n)
+            if op.kind == "matmul":
+                out.add(n)
+            elif ops.is_elementwise(op.kind) and _runs_matmul(fwd, n):
+                stack.extend(fwd.operands(n))
+        return out
+
     def _mark_scores(self, x: int) -> None:
         """The matmuls the scores `x` are computed from through elementwise ops: recomputed in
         the backward (a flash forward never stores them)."""
-        fwd, stack = self.fwd, [x]
-        while stack:
-            n = stack.pop()
-            op = fwd.op(n)
-            if op.kind == "matmul":
-                self.flash_scores.add(n)
-            elif ops.is_elementwise(op.kind) and _runs_matmul(fwd, n):
-                stack.extend(fwd.operands(n))
+        self.flash_scores |= self._score_matmuls(x)
 
     def _active(self) -> set[int]:
         """Float values on a path from a `wrt` parameter to an output."""

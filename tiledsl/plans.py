@@ -128,7 +128,9 @@ class LowerBound:
 
 @dataclass(frozen=True, slots=True)
 class AttentionPlan:
-    """softmax(score_mod(q @ kt)) @ v with its prologues, logsumexp and epilogue.
+    """softmax(score_mod(q @ kt)) @ v with its prologues, logsumexp and epilogue; or, with
+    no softmax (`softmax` None), any score function `f(q @ kt) @ v` (linear attention,
+    retention, a chunked scan's intra-chunk part), summed over the keys as it is.
 
     `q_source`, `k_source`, `v`: the region inputs the q, k and v tiles are
     loaded from; `k_transposed`: the k tensor is [.., N, D] and read as K^T.
@@ -136,8 +138,8 @@ class AttentionPlan:
 
     qk: int
     pv: int
-    softmax: int
-    scores: int  # the softmax's input (after the score modification)
+    softmax: int | None  # None: p @ v multiplies the scores themselves
+    scores: int  # the softmax's input, or p itself (after the score modification)
     q_chain: frozenset[int]  # values the left operand of qk is computed from
     k_chain: frozenset[int]
     q_source: int
@@ -156,6 +158,12 @@ class AttentionPlan:
     p_out: int | None = None
     # the scores widened to f32 for a logsumexp (the kernel computes it in f32 anyway)
     lse_casts: tuple[int, ...] = ()
+    # sums over the keys of score-space values (a linear attention's normaliser
+    # `sum(f(s), -1)`), accumulated beside p @ v; the epilogue reads them per query row
+    row_sums: tuple[int, ...] = ()
+    # with no softmax: the mask condition `bound` comes from (everything summed is 0 where
+    # it is false), true on the blocks inside an exact bound for every row
+    bound_cond: int | None = None
 
     def role(self, value: int) -> str:
         if value in self.q_chain:
@@ -163,9 +171,11 @@ class AttentionPlan:
         if value in self.k_chain:
             return "k prologue"
         if value in self.score_ops:
-            return "score modification"
+            return "score modification" if self.softmax is not None else "score function"
         if value in self.lse or value in self.lse_casts:
             return "logsumexp"
+        if value in self.row_sums:
+            return "sum over the keys"
         if value in self.epilogue:
             return "epilogue"
         return {self.qk: "q @ k.T", self.softmax: "online softmax", self.p_cast: "online softmax",
@@ -328,13 +338,16 @@ def format_plan(plan: Plan, name) -> str:
                           for r in plan.reductions)
                 + (f", walks batch axes {plan.walked}" if plan.walked else "")
                 + (f", key_bound = {_bound(plan.bound, name)}" if plan.bound else "") + "}")
-    return (f"plan attention {{qk = {name(plan.qk)}, softmax = {name(plan.softmax)}, "
+    softmax = "none" if plan.softmax is None else name(plan.softmax)
+    return (f"plan attention {{qk = {name(plan.qk)}, softmax = {softmax}, "
             f"{'' if plan.p_cast is None else f'p_cast = {name(plan.p_cast)}, '}"
+            f"{'' if plan.softmax is not None else f'p = {name(plan.scores)}, '}"
             f"pv = {name(plan.pv)}, q = {name(plan.q_source)}, "
             f"k = {name(plan.k_source)}{' (transposed)' if plan.k_transposed else ''}, "
             f"v = {name(plan.v)}, score_mod = {names(plan.score_ops)}, lse = {names(plan.lse)}, "
             f"epilogue = {names(plan.epilogue)}, key_bound = {_bound(plan.bound, name)}"
-            + ("" if plan.p_out is None else f", stores_p = {name(plan.p_out)}") + "}")
+            + ("" if plan.p_out is None else f", stores_p = {name(plan.p_out)}")
+            + (f", row_sums = {names(plan.row_sums)}" if plan.row_sums else "") + "}")
 
 
 def _bound(bound: KeyBound | None, name) -> str:

@@ -152,15 +152,24 @@ def _verify_plan(k: KernelOp, fail) -> None:
     elif isinstance(plan, AttentionPlan):
         expect(plan.qk, ("matmul",), "q @ k.T")
         expect(plan.pv, ("matmul",), "p @ v")
-        expect(plan.softmax, ("softmax",), "softmax")
-        p = plan.softmax if plan.p_cast is None else plan.p_cast
-        if plan.p_cast is not None:
-            expect(plan.p_cast, ("cast",), "the cast of p")
-            if region.ops[plan.p_cast - n_in].operands != (plan.softmax,):
-                fail(f"kernel @{k.name}: its attention plan's cast of p does not read the softmax", k.span)
-        if region.ops[plan.pv - n_in].operands != (p, plan.v) \
-                or region.ops[plan.softmax - n_in].operands != (plan.scores,):
-            fail(f"kernel @{k.name}: its attention plan does not match p @ v", k.span)
+        if plan.softmax is None:  # p @ v multiplies the scores themselves
+            if region.ops[plan.pv - n_in].operands != (plan.scores, plan.v):
+                fail(f"kernel @{k.name}: its attention plan does not match p @ v", k.span)
+            for v in plan.row_sums:
+                expect(v, ("sum",), "sum over the keys")
+            if plan.bound_cond is not None and region.value_type(plan.bound_cond).dtype is not DType.BOOL:
+                fail(f"kernel @{k.name}: its attention plan's mask condition is not a bool", k.span)
+        else:
+            expect(plan.softmax, ("softmax",), "softmax")
+            p = plan.softmax if plan.p_cast is None else plan.p_cast
+            if plan.p_cast is not None:
+                expect(plan.p_cast, ("cast",), "the cast of p")
+                if region.ops[plan.p_cast - n_in].operands != (plan.softmax,):
+                    fail(f"kernel @{k.name}: its attention plan's cast of p does not read the softmax",
+                         k.span)
+            if region.ops[plan.pv - n_in].operands != (p, plan.v) \
+                    or region.ops[plan.softmax - n_in].operands != (plan.scores,):
+                fail(f"kernel @{k.name}: its attention plan does not match p @ v", k.span)
         for v in (plan.q_source, plan.k_source, plan.v):
             expect(v, (None,), "q, k or v")
         for v in (*plan.score_ops, *plan.lse, *plan.epilogue):

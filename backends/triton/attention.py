@@ -145,14 +145,19 @@ class AttentionProgram:
                 outer[i] = self.load(i, "score")
         self.run(outer, tuple(v for v in parts.score_ops if self.value_type(v).rank == 0), "score")
         self.outer = outer
-        self.fold = self.scale_fold()
+        self.fold = self.scale_fold() if parts.softmax is not None else None
         if self.fold is not None:  # the scale and the base-2 conversion, one multiply per score
             scale = em.tensor(em.convert(self.fold[1], Compute.F32))
             body(f"qk_scale = {scale.text} * {LOG2E!r}")
 
-        first = "online" if parts.p_out is None else "stats"
-        body(f"m_i = tl.full([BLOCK_M], {NEG_INF}, tl.float32)")
-        body("l_i = tl.zeros([BLOCK_M], dtype=tl.float32)")
+        if parts.softmax is None:
+            first = "sum"
+        else:
+            first = "online" if parts.p_out is None else "stats"
+            body(f"m_i = tl.full([BLOCK_M], {NEG_INF}, tl.float32)")
+            body("l_i = tl.zeros([BLOCK_M], dtype=tl.float32)")
+        for k in range(len(parts.row_sums)):
+            body(f"rs{k} = tl.zeros([BLOCK_M], dtype=tl.float32)")
         body("acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)")
         # the key blocks every row of this program keeps whole come first, with no masks
         # (no key tail, and no mask where the mask is the plan's bound alone); the rest
@@ -183,7 +188,8 @@ class AttentionProgram:
         body(f"for n0 in range(n_full, {'n_hi' if lower is not None else self.key_limit()}, BLOCK_N):")
         with body.indent():
             self.key_block(masked=True, score_inputs=score_inputs, phase=first)
-        self.normalisers()
+        if parts.softmax is not None:
+            self.normalisers()
         if parts.p_out is not None:
             # a returned P: the statistics are final, so a second walk over every key block
             # (masks applied, nothing skipped: P is written whole) stores P and sums P @ v
@@ -198,7 +204,8 @@ class AttentionProgram:
         """One step over the key block at n0. Unmasked blocks lie inside the keys and, for an
         exact mask bound, inside the mask for every row. `phase`: "online", the online softmax
         and p @ v; "stats", its running max and sum only; "probabilities", with the row
-        statistics final, the normalised P stored and multiplied by v (a returned P)."""
+        statistics final, the normalised P stored and multiplied by v (a returned P); "sum",
+        with no softmax, the scores' function times v, added up as it is."""
         body, em, region, parts = self.body, self.em, self.region, self.parts
         N, D, DV = self.N, self.D, self.DV
         body("rn = n0 + rn_base")
@@ -216,14 +223,20 @@ class AttentionProgram:
             if i not in vals:
                 vals[i] = self.load(i, "score")
         score_ops, scores = parts.score_ops, parts.scores
+        if phase == "sum":
+            self.sum_step(vals, masked)
+            self.pv_step(masked, phase)
+            return
         if not masked and parts.bound is not None and parts.bound.exact:
             # the mask keeps every score here: its where is its kept operand
             _, scores, _ = region.ops[scores - self.n_in].operands
         folded = self.fold is not None and self.fold[0] == scores
         if folded:  # s * scale is computed with the base-2 conversion
             scores = parts.qk
-        needed = region.depends(scores)
+        needed = region.depends(scores).union(*(region.depends(x) for x in self.summed()))
         self.run(vals, tuple(v for v in score_ops if v in needed), "score")
+        if phase != "probabilities":
+            self.add_row_sums(vals, masked)
         # the online softmax in base 2; columns past the keys are -inf
         x = em.tensor(em.convert(vals[scores], Compute.F32))
         t = f"{x.text} * {'qk_scale' if folded else repr(LOG2E)}"
@@ -250,6 +263,39 @@ class AttentionProgram:
             if phase == "stats":
                 body("m_i = m_new")
                 return
+        self.pv_step(masked, phase)
+
+    def sum_step(self, vals: dict[int, Val], masked: bool) -> None:
+        """With no softmax: p, the scores' function, and the sums over the keys at this key
+        block, columns past the keys 0 (a score function of a zero-padded key is not)."""
+        region, parts, bound = self.region, self.parts, self.parts.bound
+        if not masked and bound is not None and bound.exact and parts.bound_cond is not None:
+            vals[parts.bound_cond] = literal(True, Compute.BOOL)  # the mask keeps the whole tile
+        needed = region.depends(parts.scores).union(*(region.depends(x) for x in self.summed()))
+        self.run(vals, tuple(v for v in parts.score_ops if v in needed), "score")
+        self.add_row_sums(vals, masked)
+        self.body(self.key_tail("p", vals[parts.scores], masked))
+
+    def summed(self) -> list[int]:
+        """The score-space values summed over the keys beside p @ v."""
+        return [self.region.ops[v - self.n_in].operands[0] for v in self.parts.row_sums]
+
+    def add_row_sums(self, vals: dict[int, Val], masked: bool) -> None:
+        for k, x in enumerate(self.summed()):
+            self.body(self.key_tail(f"rx{k}", vals[x], masked))
+            self.body(f"rs{k} = rs{k} + tl.sum(rx{k}, 1)")
+
+    def key_tail(self, name: str, val: Val, masked: bool) -> str:
+        """`name = val` in f32, 0 in the columns past the keys (a function of a zero-padded
+        key's score is not 0)."""
+        x = self.em.tensor(self.em.convert(val, Compute.F32)).text
+        return f"{name} = tl.where((rn < {self.N})[None, :], {x}, 0.0)" if masked else f"{name} = {x}"
+
+    def pv_step(self, masked: bool, phase: str) -> None:
+        """p (f32, this key block's) times the v tile, added to the accumulator (rescaled
+        first by the online softmax)."""
+        body, em, region = self.body, self.em, self.region
+        N, DV = self.N, self.DV
         body(f"v_ptrs = {self.tile(self.v_val, 'rn[:, None]', 'rdv[None, :]', '[BLOCK_N, BLOCK_DV]')}")
         v_mask = f"(rn[:, None] < {N}) & (rdv[None, :] < {DV})" if masked else f"rdv[None, :] < {DV}"
         with self.tma_or_pointers("v", "vt", ("n0", "0"), self.pv_op.dtype):
@@ -261,7 +307,7 @@ class AttentionProgram:
             body("if INTERPRETER:")
             with body.indent():
                 body(f"p = {em.widen('p', DType.BF16)}")
-        if phase == "probabilities":
+        if phase in ("probabilities", "sum"):
             body(f"acc = tl.dot(p, vt, acc{dot_precision(pv_dtype, self.allow_tf32)})")
             return
         body("acc = acc * alpha[:, None]")
@@ -342,15 +388,17 @@ class AttentionProgram:
         """Normalise the output (a returned P was normalised already), compute logsumexp,
         run the epilogue, store."""
         body, em, region, parts = self.body, self.em, self.region, self.parts
-        body("o = acc" if parts.p_out is not None else "o = acc * inv[:, None]")
+        body("o = acc" if parts.p_out is not None or parts.softmax is None else "o = acc * inv[:, None]")
         vals: dict[int, Val] = {parts.pv: Val("o", Compute.F32)}
+        # one value per query row: a logsumexp, a sum over the keys
+        per_row = {v: "lse" for v in parts.lse} | {v: f"rs{k}" for k, v in enumerate(parts.row_sums)}
         if parts.lse:
             body('m_fin = tl.where(m_i == float("inf"), 0.0, m_i)')
             body(f"lse = tl.where(l_i > 0.0, (m_fin + tl.log2(l_i)) * {LN2!r}, "
                  f'tl.where(l_i == 0.0, {NEG_INF}, float("nan")))')
-            for v in parts.lse:  # a kept key dim: one value per row, broadcast along the output's
-                keepdims = self.value_type(v).rank == len(self.score_shape)
-                vals[v] = Val("lse[:, None]" if keepdims else "lse", Compute.F32)
+        for v, name in per_row.items():  # with a kept key dim: broadcast along the output's
+            keepdims = self.value_type(v).rank == len(self.score_shape)
+            vals[v] = Val(f"{name}[:, None]" if keepdims else name, Compute.F32)
         for i in inputs_read(self.region, parts.epilogue):
             vals[i] = self.load(i, "out")
         self.run(vals, parts.epilogue, "out")
@@ -360,12 +408,12 @@ class AttentionProgram:
             if v == parts.p_out:  # stored by the second walk over the keys
                 continue
             t = self.value_type(v)
-            text = em.store_value(Val("lse", Compute.F32) if v in parts.lse else vals[v], t)
+            text = em.store_value(Val(per_row[v], Compute.F32) if v in per_row else vals[v], t)
             ref = self.outs[j]
-            if v in parts.lse or (t.shape == row_shape and row_shape != self.out_shape):
+            if v in per_row or (t.shape == row_shape and row_shape != self.out_shape):
                 # one value per query row (a value of the epilogue per row is a [BLOCK_M, 1] tile)
                 shape = t.shape[:len(self.score_shape) - 1]  # without a kept size-1 key dim
-                column = v not in parts.lse
+                column = v not in per_row
                 rows = [*self.space_indices("score")[:-2], "rm[:, None]" if column else "rm"]
                 idx = [None if d == 1 else rows[len(rows) - len(shape) + k] for k, d in enumerate(shape)]
                 offset = ref.offset(idx + [None] * (t.rank - len(shape)))

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 
 from tiledsl import ops
 from tiledsl.ir import Graph, KernelOp
-from tiledsl.types import Shape, format_shape
+from tiledsl.types import Shape, TensorType, format_shape
 
 from .legality import describe_node, reads_other_index
 from .profitability import MAX_EPILOGUE_INPUTS, prologue_refusal
@@ -58,6 +58,16 @@ def epilogue_refusal(graph: Graph, group: set[int], cand: int, shape: Shape, wha
         return Refusal(Rule.PROFIT, f"the epilogue would read more than {MAX_EPILOGUE_INPUTS} extra "
                        "tensors")
     return None
+
+
+def keys_are_data(*right: TensorType) -> bool:
+    """May `f(q @ k) @ v` with no softmax run as one attention-like kernel, the scores never
+    stored? When k and v have batch dims they are data (per-head keys and values, whose
+    widths are head dims, a tile each); a rank-2 right operand is a weight shared by every
+    row (an MLP's), as wide as the model, which one tile cannot hold: those two GEMMs stay
+    apart, and the backward saves what the forward stores. `right`: the right operands of
+    the matmuls (k, v; in the backward, those of the recomputed score dots)."""
+    return all(t.rank >= 3 for t in right)
 
 
 def prologue_op_refusal(graph: Graph, cand: int, users_outside: bool,
