@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import tiledsl
+from tiledsl import testing
 from helpers import randn, run_checked
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
@@ -255,3 +256,40 @@ def test_diff_attention_example(m):
     assert [kern.template for kern in fn.kernels] == ["attention", "attention"]
     h = [randn(1, 2, m if i % 2 == 0 and i < 4 else m + 3, 16, dtype=torch.float16) for i in range(5)]
     run_checked(fn, *h, lam=0.4)
+
+
+# --- two-matmul chains with no softmax (issue 27) -------------------------------------------------
+
+
+@pytest.mark.parametrize("t", [1, 17, 113])
+def test_linear_attention_example(t):
+    fn = example("linear_attention")
+    assert [kern.template for kern in fn.kernels] == ["attention"]
+    q, k = randn(2, 3, t, 32, dtype=BF16), randn(2, 3, t, 32, dtype=BF16)
+    _, out = run_checked(fn, q, k, randn(2, 3, t, 48, dtype=BF16))
+    assert out.shape == (2, 3, t, 48)
+    grads = testing.check_grads(fn, q, k, randn(2, 3, t, 48, dtype=BF16))
+    assert grads.ok, grads
+    assert [kern.template for kern in fn.backward.kernels] == ["attention_backward"] * 2
+
+
+@pytest.mark.parametrize("t", [1, 17, 113])
+def test_retention_example(t):
+    fn = example("retention")
+    assert [kern.template for kern in fn.kernels] == ["attention"]
+    log_gamma = torch.log(1 - 2.0 ** (-5 - torch.arange(3.0)))  # RetNet's per-head decays
+    args = [randn(2, 3, t, 32, dtype=torch.float16) for _ in range(2)] + [randn(2, 3, t, 40, dtype=torch.float16),
+                                                                        log_gamma]
+    run_checked(fn, *args)
+    grads = testing.check_grads(fn, *args)
+    assert grads.ok, grads
+    assert [kern.template for kern in fn.backward.kernels] == ["attention_backward"] * 2
+
+
+@pytest.mark.parametrize("chunks, length", [(1, 1), (3, 17), (2, 64)])
+def test_mamba2_chunk_example(chunks, length):
+    fn = example("mamba2_chunk")
+    assert [kern.template for kern in fn.kernels] == ["rows", "attention"]
+    a = -torch.rand(2, 3, chunks, length, generator=torch.Generator().manual_seed(length)) * 0.5
+    run_checked(fn, randn(2, 3, chunks, length, 16), randn(2, 3, chunks, length, 16),
+                randn(2, 3, chunks, length, 24), a)
