@@ -45,6 +45,7 @@ from tiledsl.passes.fusion.legality import Group, GroupPlan, describe_node
 from tiledsl.passes.fusion.remarks import FusionRemark, Refusal, Rule
 from tiledsl.passes.regions import is_clonable
 from tiledsl.passes.registry import Pass, PassContext, register
+from tiledsl.plans import AttentionPlan
 from tiledsl.types import DType, broadcasts_to
 
 NAME = "fuse-attention"
@@ -68,7 +69,7 @@ class FuseAttention(Pass):
             if members is not None:
                 plan.add_group(members)
         _unmatched(graph, plan, ctx.remarks)
-        rewrite_groups(plan, "attention")
+        rewrite_groups(plan, AttentionPlan.template)
 
 
 def _unmatched(graph: Graph, plan: GroupPlan, remarks: list) -> None:

@@ -44,6 +44,7 @@ from tiledsl.passes.fusion.legality import GroupPlan, describe_node
 from tiledsl.passes.fusion.remarks import FusionRemark, Refusal, Rule
 from tiledsl.passes.regions import is_by_value, is_clonable
 from tiledsl.passes.registry import Pass, PassContext, register
+from tiledsl.plans import AttentionBackwardPlan
 from tiledsl.types import DType
 
 NAME = "fuse-attention-backward"
@@ -70,7 +71,7 @@ class FuseAttentionBackward(Pass):
             plan = GroupPlan(graph)
             for members in groups:
                 plan.add_group(members)
-            rewrite_groups(plan, "attention_backward")
+            rewrite_groups(plan, AttentionBackwardPlan.template)
 
 
 def _op(graph: Graph, node: int) -> Op | None:

@@ -24,6 +24,7 @@ from tiledsl.passes.fusion.grow import elementwise_candidate, fuse_groups
 from tiledsl.passes.fusion.legality import GroupPlan, describe_node, reads_other_index
 from tiledsl.passes.fusion.remarks import Refusal, Rule
 from tiledsl.passes.registry import Pass, PassContext, register
+from tiledsl.plans import PointwisePlan
 from tiledsl.types import format_shape
 
 
@@ -40,7 +41,8 @@ class FuseElementwise(Pass):
             space = graph.op(seed).shape
             return lambda group, cand: _admit(graph, group, cand, space)
 
-        fuse_groups(graph, ctx.remarks, self.name, "pointwise", elementwise, elementwise, admit_for)
+        fuse_groups(graph, ctx.remarks, self.name, PointwisePlan.template, elementwise, elementwise,
+                    admit_for)
 
 
 def _admit(graph: Graph, group: set[int], cand: int, space) -> Refusal | None:

@@ -37,6 +37,7 @@ from tiledsl.passes.fusion.profitability import MAX_ACCUMULATORS
 from tiledsl.passes.fusion.remarks import Refusal, Rule
 from tiledsl.passes.regions import is_clonable
 from tiledsl.passes.registry import Pass, PassContext, register
+from tiledsl.plans import GemmPlan
 
 
 @register
@@ -52,7 +53,7 @@ class FuseEpilogue(Pass):
         def admit_for(plan: GroupPlan, seed: int):
             return _Kernel(graph, plan, seed, 2 if self.dual_gemm else 1).admit
 
-        fuse_groups(graph, ctx.remarks, self.name, "matmul", lambda node: _is_matmul(graph, node),
+        fuse_groups(graph, ctx.remarks, self.name, GemmPlan.template, lambda node: _is_matmul(graph, node),
                     candidate, admit_for)
 
 

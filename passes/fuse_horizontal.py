@@ -31,6 +31,7 @@ from tiledsl.passes.fusion.profitability import LAUNCH_BOUND_BYTES, MAX_ROW_OPS,
 from tiledsl.passes.fusion.remarks import FusionRemark, Refusal, Rule
 from tiledsl.passes.regions import merge_kernels, merged_region
 from tiledsl.passes.registry import Pass, PassContext, register
+from tiledsl.plans import PointwisePlan, RowPlan
 from tiledsl.types import format_shape
 
 NAME = "fuse-horizontal"
@@ -91,10 +92,10 @@ class FuseHorizontal(Pass):
 
 def _space(kernel: KernelOp) -> tuple | None:
     """The iteration space kernels must share to merge (None: a template not merged here)."""
-    if kernel.template == "pointwise":
-        return ("pointwise", kernel.plan.shape)
-    if kernel.template == "rows":
-        return ("rows", kernel.plan.shape, kernel.plan.axis)
+    if isinstance(kernel.plan, PointwisePlan):
+        return (kernel.template, kernel.plan.shape)
+    if isinstance(kernel.plan, RowPlan):
+        return (kernel.template, kernel.plan.shape, kernel.plan.axis)
     return None
 
 
@@ -106,7 +107,7 @@ def _refusal(graph: Graph, plan: GroupPlan, group: Group, node: int) -> Refusal 
             and not all(_reduces(graph.op(m)) for m in (*group, node)):
         return Refusal(Rule.PROFIT, "they share no input and are not both launch-bound or reductions")
     kernel = graph.op(node)
-    if kernel.template == "rows":
+    if isinstance(kernel.plan, RowPlan):
         regions = [graph.op(m).region for m in (*group, node)]
         if sum(len(r.ops) for r in regions) > MAX_ROW_OPS:
             return Refusal(Rule.PROFIT, f"the merged row program would exceed {MAX_ROW_OPS} ops")
@@ -121,7 +122,7 @@ def _refusal(graph: Graph, plan: GroupPlan, group: Group, node: int) -> Refusal 
 
 def _reduces(kernel: KernelOp) -> bool:
     """A row program whose every output is reduced along its axis (size 1 or dropped)."""
-    if kernel.template != "rows":
+    if not isinstance(kernel.plan, RowPlan):
         return False
     space, axis = kernel.plan.shape, kernel.plan.axis
     return all(len(t.shape) < len(space) or t.shape[axis] == 1 for t in kernel.result_types)
@@ -153,7 +154,7 @@ def _saving(graph: Graph, members: list[int]) -> str:
                        for e, n in reads.items() if n > 1))
     kernel = graph.op(members[0])
     space = format_shape(kernel.plan.shape) + (f" rows along axis {kernel.plan.axis}"
-                                               if kernel.template == "rows" else "")
+                                               if isinstance(kernel.plan, RowPlan) else "")
     shared = f"; shared inputs read once: saves {cost.format_poly(saved)} B" if saved else ""
     fewer = len(members) - 1
     return (f"{len(members)} {kernel.template} kernels over {space} as one: {fewer} "

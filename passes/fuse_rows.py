@@ -30,6 +30,7 @@ from tiledsl.passes.fusion.profitability import MAX_ROW_OPS, MAX_ROW_PHASES
 from tiledsl.passes.fusion.remarks import Refusal, Rule
 from tiledsl.passes.regions import outline
 from tiledsl.passes.registry import Pass, PassContext, register
+from tiledsl.plans import RowPlan
 
 
 @register
@@ -47,7 +48,7 @@ class FuseRows(Pass):
             space = RowSpace(x.shape, graph.op(seed).attr("axis"))
             return lambda group, cand: _admit(graph, plan, group, cand, space)
 
-        fuse_groups(graph, ctx.remarks, self.name, "rows",
+        fuse_groups(graph, ctx.remarks, self.name, RowPlan.template,
                     lambda node: graph.op(node).kind in ROW_OPS, consider, admit_for)
 
 

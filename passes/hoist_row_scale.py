@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from tiledsl import cost
 from tiledsl.ir import Edge, Graph, Op, make_attrs
+from tiledsl.passes.fuse_epilogue import FuseEpilogue
 from tiledsl.passes.fusion.legality import describe_node
 from tiledsl.passes.fusion.remarks import FusionRemark, Refusal, Rule
 from tiledsl.passes.registry import Pass, PassContext, register
@@ -48,7 +49,7 @@ class HoistRowScale(Pass):
 
     def run(self, graph: Graph, ctx: PassContext) -> None:
         # without fuse-epilogue after it, nothing applies the scale to the f32 accumulator
-        fused_later = ctx.following is None or "fuse-epilogue" in ctx.following
+        fused_later = ctx.following is None or FuseEpilogue.name in ctx.following
         for mm in graph.topo_order():
             op = graph.op(mm)
             if not (isinstance(op, Op) and op.kind == "matmul" and op.dtype.is_float):

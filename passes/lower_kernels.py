@@ -2,11 +2,8 @@
 
 Before: a graph of tensor ops, possibly with kernel nodes already formed by
 fusion passes.
-After: every compute op is inside a `KernelOp` whose template implements it:
-
-    elementwise op (incl. index)             -> pointwise
-    sum / max / min / mean / logsumexp, softmax, cumsum -> rows
-    matmul                                   -> matmul
+After: every compute op is inside a `KernelOp` whose template implements it
+(`LOWERED`: by the op's category, the plan class of its template).
 
 What stays outside kernels: parameters, dims, views (`transpose`, `slice`, `reshape`:
 consumers read them through their offsets and strides, no copy), and the return. Constants are
@@ -15,7 +12,7 @@ inlined into the kernels that use them, and so are scalar expressions
 produces (a parameter, a view, a constant) gets a pointwise copy kernel, so
 every output is a fresh tensor; a reshape of a kernel result read by nothing else is
 already one, and a transpose of one is stored in the transposed order by the kernel
-(`KernelOp.out_orders`) where its template stores through strides. Finally all
+(`KernelOp.out_orders`) where its template stores through strides (`strided_stores`). Finally all
 kernels are named k0, k1, ... in launch (topological) order. Must run last.
 """
 
@@ -29,11 +26,12 @@ from tiledsl.ops import Category
 from tiledsl.passes.fusion.planning import pointwise_plan
 from tiledsl.passes.regions import is_by_value, is_clonable, remove_dead_clonables, replace_with_kernel
 from tiledsl.passes.registry import Pass, PassContext, register
+from tiledsl.plans import TEMPLATES, GemmPlan, Plan, PointwisePlan, RowPlan
 
-# templates that store every output through its strides (the pointwise one stores at a flat index)
-STRIDED_STORES = ("rows", "matmul", "attention", "attention_backward")
-TEMPLATES = {Category.ELEMENTWISE: "pointwise", Category.REDUCTION: "rows",
-             Category.SOFTMAX: "rows", Category.SCAN: "rows", Category.MATMUL: "matmul"}
+# the template an op no fusion pass took runs in, by the op's category
+LOWERED: dict[Category, type[Plan]] = {
+    Category.ELEMENTWISE: PointwisePlan, Category.REDUCTION: RowPlan, Category.SOFTMAX: RowPlan,
+    Category.SCAN: RowPlan, Category.MATMUL: GemmPlan}
 
 
 @register
@@ -53,9 +51,9 @@ class LowerKernels(Pass):
                 # nothing reads (dead code, in a pipeline without dce) is dropped
                 remove_dead_clonables(graph, [node])
                 continue
-            template = TEMPLATES.get(ops.category(op.kind))
-            if template is not None:
-                replace_with_kernel(graph, [node], [node], template)
+            plan = LOWERED.get(ops.category(op.kind))
+            if plan is not None:
+                replace_with_kernel(graph, [node], [node], plan.template)
         self._copy_unproduced_outputs(graph)
         for i, node in enumerate(graph.kernels()):
             graph.set_op(node, graph.op(node).replace(name=f"k{i}"))
@@ -75,7 +73,7 @@ class LowerKernels(Pass):
             else:
                 region = Region((RegionInput(op.type, is_by_value(op)),), (), (0,))
                 operands = [(src, res)]
-            kernel = KernelOp("k?", "pointwise", region, op.span, plan=pointwise_plan(region))
+            kernel = KernelOp("k?", PointwisePlan.template, region, op.span, plan=pointwise_plan(region))
             copy = graph.add(kernel, operands)
             new_outputs.append((copy, 0))
         if new_outputs != outputs:
@@ -88,7 +86,7 @@ class LowerKernels(Pass):
     @staticmethod
     def _store_transposed(graph: Graph, node: int, outputs) -> bool:
         """A returned transpose of a kernel result that nothing else reads, from a template
-        that stores through strides (`STRIDED_STORES`): the kernel stores the result in the
+        that stores through strides (`strided_stores`): the kernel stores the result in the
         transposed order (recorded in its `out_orders`), so the returned view is a fresh
         contiguous tensor and needs no copy (composable-kernel's gemm-softmax-gemm-permute)."""
         op = graph.op(node)
@@ -104,7 +102,7 @@ class LowerKernels(Pass):
         op = graph.op(node)
         (src, res), = graph.operand_edges(node)
         kernel = graph.op(src)
-        if not isinstance(kernel, KernelOp) or kernel.template not in STRIDED_STORES \
+        if not isinstance(kernel, KernelOp) or not TEMPLATES[kernel.template].strided_stores \
                 or kernel.out_order(res) is not None:
             return False
         if [u for u, slot in graph.users(src) if graph.operand_edges(u)[slot] == (src, res)] != [node]:

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from tiledsl.ir import Graph
+from tiledsl.passes.lower_kernels import LowerKernels
 from tiledsl.passes.registry import Pass, PassContext, parse_pipeline
 from tiledsl.printer import print_graph
 from tiledsl.verifier import verify
@@ -54,7 +55,7 @@ class PassManager:
             verify(graph, "sema")
         self._record(result, "graph", graph)
         names = [p.name for p in self.passes]
-        compiles = bool(names) and names[-1] == "lower-kernels"
+        compiles = bool(names) and names[-1] == LowerKernels.name
         for i, p in enumerate(self.passes):
             result.context.following = tuple(names[i + 1:]) if compiles else None
             start = time.perf_counter()

@@ -7,6 +7,9 @@ CLI:
 
     "canonicalize,cse,dce,lower-kernels"
     "canonicalize{max-iterations=4},dce"
+
+The built-in passes, in pipeline order with their stages, are listed once, in
+`tiledsl.passes.pipeline`.
 """
 
 from __future__ import annotations
@@ -117,21 +120,5 @@ def _convert(pass_name: str, key: str, raw: str, typ: Any) -> Any:
 
 
 def _load_builtin_passes() -> None:
-    # Importing the pass modules registers them.
-    from tiledsl.passes import (  # noqa: F401
-        canonicalize,
-        cse,
-        dce,
-        distribute_matmul,
-        fuse_attention,
-        fuse_attention_backward,
-        fuse_elementwise,
-        fuse_epilogue,
-        fuse_horizontal,
-        fuse_rows,
-        hoist_row_scale,
-        lower_kernels,
-        online_softmax,
-        recompute,
-        sink_reshape,
-    )
+    # Importing the ordered list of built-in passes imports (and so registers) them all.
+    from tiledsl.passes import pipeline  # noqa: F401

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import tiledsl
-from tiledsl import testing
 from helpers import randn, run_checked
+from tiledsl import testing
 
 TORCH = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
 

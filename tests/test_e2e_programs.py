@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import tiledsl
-from tiledsl import testing
 from helpers import randn, run_checked
+from tiledsl import testing
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
 

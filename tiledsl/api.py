@@ -25,15 +25,13 @@ from tiledsl.binding import BoundCall, bind
 from tiledsl.files import load_source, read_program  # noqa: F401 - api.read_program stays
 from tiledsl.ir import Graph, KernelOp
 from tiledsl.parser import parse
+from tiledsl.passes.lower_kernels import LowerKernels
 from tiledsl.passes.manager import PassManager, PipelineResult
+from tiledsl.passes.pipeline import DEFAULT_PIPELINE, NORMALIZING
 from tiledsl.passes.registry import PassContext
 from tiledsl.printer import print_graph
 from tiledsl.sema import analyze, select_kernel
 from tiledsl.source import Span
-
-DEFAULT_PIPELINE = ("canonicalize,sink-reshape,cse,dce,online-softmax,distribute-matmul,hoist-row-scale,"
-                    "recompute,fuse-attention,fuse-attention-backward,fuse-epilogue,fuse-rows,fuse-elementwise,fuse-horizontal,"
-                    "lower-kernels")
 
 
 def check_option(where: str, name: str, value: Any, expected: str, *types: type) -> None:
@@ -101,9 +99,9 @@ def compile_graph(graph: Graph, backend: str = "triton", *, pipeline: str | None
     """Run the pass pipeline on a graph IR (from sema, or derived by `tiledsl.autodiff`) and
     wrap the result as a `Program`."""
     manager = PassManager(pipeline or DEFAULT_PIPELINE, verify=verify)
-    if not manager.passes or manager.passes[-1].name != "lower-kernels":
-        manager = PassManager(manager.pipeline + ",lower-kernels" if manager.passes
-                              else "lower-kernels", verify=verify)
+    if not manager.passes or manager.passes[-1].name != LowerKernels.name:
+        manager = PassManager(manager.pipeline + f",{LowerKernels.name}" if manager.passes
+                              else LowerKernels.name, verify=verify)
     try:
         result = manager.run(graph, PassContext())
         return Program(result, backend, manager.pipeline, allow_tf32)
@@ -115,15 +113,9 @@ def compile_graph(graph: Graph, backend: str = "triton", *, pipeline: str | None
             "this is a tiledsl bug, please report it)")) from err
 
 
-# the passes that rewrite a program into the algebra the fusions recognise, changing no
-# result (but the NaN of a written-out softmax's all -inf row, which becomes 0)
-NORMALIZING = ("canonicalize", "sink-reshape", "cse", "dce", "online-softmax", "distribute-matmul",
-               "hoist-row-scale")
-
-
 def normalized(graph: Graph) -> Graph:
-    """`graph` after the `NORMALIZING` passes (a copy): what autodiff derives a backward
-    from (`Program.normalized_graph`, `tiledsl opt --backward`)."""
+    """`graph` after the `NORMALIZING` passes (`passes.pipeline`; a copy): what autodiff
+    derives a backward from (`Program.normalized_graph`, `tiledsl opt --backward`)."""
     from tiledsl.passes.manager import PassManager
     from tiledsl.passes.registry import parse_pipeline
 

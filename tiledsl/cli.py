@@ -118,6 +118,7 @@ def _compile(args, **kw):
 def _cmd_opt(args) -> int:
     from tiledsl.api import DEFAULT_PIPELINE
     from tiledsl.parser import parse
+    from tiledsl.passes.lower_kernels import LowerKernels
     from tiledsl.passes.manager import PassManager, print_ir_to
     from tiledsl.printer import print_graph
     from tiledsl.sema import analyze, select_kernel
@@ -130,8 +131,9 @@ def _cmd_opt(args) -> int:
         select_kernel(program, program.kernels[0].name)  # reports duplicate names
         kernels = list(program.kernels)
     pipeline = args.passes if args.passes is not None else DEFAULT_PIPELINE
-    if not args.no_lower and args.passes is not None and not pipeline.rstrip().endswith("lower-kernels"):
-        pipeline = f"{pipeline},lower-kernels" if pipeline.strip() else "lower-kernels"
+    lower = LowerKernels.name
+    if not args.no_lower and args.passes is not None and not pipeline.rstrip().endswith(lower):
+        pipeline = f"{pipeline},{lower}" if pipeline.strip() else lower
     wanted = set(args.print_ir_after)
     stages = ["graph"] + [p.strip() for p in pipeline.split(",") if p.strip()]
     for stage in args.print_ir_after:

@@ -16,16 +16,23 @@ from typing import TYPE_CHECKING
 from tiledsl import cost, ops
 from tiledsl.ir import Graph, KernelOp, Op
 from tiledsl.ops.structure import format_items
+from tiledsl.passes.distribute_matmul import DistributeMatmul
+from tiledsl.passes.fuse_horizontal import FuseHorizontal
 from tiledsl.passes.fusion.remarks import FusionRemark, describe
+from tiledsl.passes.hoist_row_scale import HoistRowScale
+from tiledsl.passes.pipeline import FUSION
+from tiledsl.passes.recompute import Recompute
+from tiledsl.passes.sink_reshape import SinkReshape
+from tiledsl.plans import AttentionBackwardPlan, AttentionPlan
 from tiledsl.types import format_shape
 
 if TYPE_CHECKING:
     from tiledsl.api import Program
 
-FUSION_PASSES = ("fuse-elementwise", "fuse-epilogue", "fuse-rows", "online-softmax", "fuse-attention")
 # passes whose decisions the kernel list alone does not show: algebraic rewrites, values
 # computed again by their readers, independent kernels merged
-REWRITE_PASSES = ("sink-reshape", "distribute-matmul", "hoist-row-scale", "recompute", "fuse-horizontal")
+REWRITE_PASSES = frozenset(p.name for p in (SinkReshape, DistributeMatmul, HoistRowScale, Recompute,
+                                            FuseHorizontal))
 
 
 def _name(graph: Graph, node: int, res: int) -> str:
@@ -64,7 +71,7 @@ def explain(program: Program, dims: Mapping[str, int] | None = None) -> str:
     lines = [f"fusion report for @{program.name}",
              f"  pipeline: {program.pipeline}",
              f"  {len(kernels)} kernel{plural[0]} for {n_ops} op{plural[1]}"]
-    if not any(p.split("{")[0] in FUSION_PASSES for p in program.pipeline.split(",")):
+    if not any(p.split("{")[0] in FUSION for p in program.pipeline.split(",")):
         lines.append("  no fusion pass ran: every op is its own kernel")
     fused_total = cost.add(*(cost.kernel_traffic(graph.op(k)) for k in kernels))
     unfused_total = cost.add(*(cost.op_by_op_traffic(graph.op(k).region) for k in kernels))
@@ -86,7 +93,7 @@ def explain(program: Program, dims: Mapping[str, int] | None = None) -> str:
                             if graph.operand_edges(u)[slot] == (k, r)})
             outs.append(f"{t} -> {', '.join(users)}")
         lines.append(f"  {'':<{width}}    out: {'; '.join(outs)}")
-        if op.template in ("attention", "attention_backward"):
+        if isinstance(op.plan, (AttentionPlan, AttentionBackwardPlan)):
             lines.append(f"  {'':<{width}}    structure: {_attention_structure(op)}")
         fused, alone = cost.kernel_traffic(op), cost.op_by_op_traffic(op.region)
         lines.append(f"  {'':<{width}}    traffic: {_traffic(fused, dims)}"
@@ -116,7 +123,7 @@ def _attention_structure(kernel: KernelOp) -> str:
         if rop.op.kind not in ("const", "transpose"):
             roles.setdefault(parts.role(n_in + i), []).append(describe(rop.op))
     text = "; ".join(f"{role}: {', '.join(ops)}" for role, ops in roles.items())
-    if kernel.template == "attention_backward":
+    if isinstance(parts, AttentionBackwardPlan):
         own, walk = ("key", "query") if parts.over == "queries" else ("query", "key")
         text += f"; one program per {own} block walks the {walk} blocks"
         if parts.walked:

@@ -134,7 +134,7 @@ class KernelOp:
     pass that formed it decided (`tiledsl.plans`)."""
 
     name: str  # compiler-owned, e.g. "k3"
-    template: str  # pointwise | rows | matmul | attention
+    template: str  # a key of `plans.TEMPLATES`; `plan` is an instance of its class
     region: Region
     span: Span | None = None
     kind: str = "kernel"

@@ -3,22 +3,31 @@
 A pass that forms a kernel knows things about it that its region alone does
 not say: which values play which role, how every value maps onto the kernel's
 iteration space. It records them once, in a frozen plan; the verifier checks
-the plan against the region, the printer shows it, `explain()` reads it, and
-the code templates consume it without analysing the region again. Value ids
-are the region's (inputs first, then ops).
+the plan against the region (`verify`), the printer shows it (`format`),
+`explain()` reads it, and the code templates consume it without analysing the
+region again. Value ids are the region's (inputs first, then ops).
 
-    pointwise  -> PointwisePlan   one iteration space
-    rows       -> RowPlan         the row space, every value's layout, reduction phases
-    matmul     -> GemmPlan        operands, their prologues and sources, the epilogue
-    attention  -> AttentionPlan   q/k/v roles, score modification, mask bound, lse, epilogue
-    attention_backward -> AttentionBackwardPlan  score dots, score ops, products, epilogue
+Each plan class is the registry entry of one code template: it names the
+template (`template`), says what the template is in its docstring's first line,
+whether the template stores every output through its strides (`strided_stores`),
+and carries its printed form and its verifier check. `TEMPLATES` maps the
+template names to them; planners (`passes/fusion/planning.py`) and emitters
+(`backends/triton/program.py`) are keyed by plan class.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, get_args
 
-from tiledsl.types import Shape, format_shape
+from tiledsl import ops
+from tiledsl.types import DType, Shape, format_shape
+
+if TYPE_CHECKING:
+    from tiledsl.verifier import PlanCheck
+
+Name = Callable[[int], str]  # a value's printed name (%a0, %r3)
 
 # Per dim of a value: the row-space dim it is read along, or None (size 1 or broadcast).
 Layout = tuple[int | None, ...]
@@ -28,7 +37,17 @@ Layout = tuple[int | None, ...]
 class PointwisePlan:
     """An elementwise region over one iteration space (the outputs' shape)."""
 
+    template: ClassVar[str] = "pointwise"
+    strided_stores: ClassVar[bool] = False  # it stores at a flat index
+
     shape: Shape
+
+    def format(self, name: Name) -> str:
+        return f"plan pointwise {{space = {format_shape(self.shape)}}}"
+
+    def verify(self, check: PlanCheck) -> None:
+        if any(t.shape != self.shape for t in check.region.output_types):
+            check.fail("an output does not have the plan's shape")
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +60,9 @@ class RowPlan:
     `phases[v]`: how many dependent reductions v needs (layernorm's output: 2).
     """
 
+    template: ClassVar[str] = "rows"
+    strided_stores: ClassVar[bool] = True
+
     shape: Shape
     axis: int
     layouts: tuple[Layout | None, ...]
@@ -51,6 +73,24 @@ class RowPlan:
         """Does the value vary along the reduction axis?"""
         layout = self.layouts[value]
         return layout is not None and self.axis in layout
+
+    def format(self, name: Name) -> str:
+        layouts = ", ".join(f"{name(v)} = {_layout(lay)}" for v, lay in enumerate(self.layouts)
+                            if lay is not None)
+        return (f"plan rows {{space = {format_shape(self.shape)}, axis = {self.axis}, "
+                f"phases = {max(self.phases, default=0)}, reducing = {_names(self.reducing, name)}, "
+                f"layouts = ({layouts})}}")
+
+    def verify(self, check: PlanCheck) -> None:
+        region = check.region
+        n_values = len(region.inputs) + len(region.ops)
+        if not (len(self.layouts) == len(self.phases) == n_values and 0 <= self.axis < len(self.shape)):
+            check.fail("its row plan does not cover its region")
+        for v, layout in enumerate(self.layouts):
+            if layout is not None and len(layout) != region.value_type(v).rank:
+                check.fail(f"value {v} has a layout of the wrong rank")
+        for v in self.reducing:
+            check.expect(v, ops.ROW_KINDS, "reduction")
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +116,9 @@ class GemmPlan:
     matmuls of the same `a` whose products the epilogue also reads.
     """
 
+    template: ClassVar[str] = "matmul"
+    strided_stores: ClassVar[bool] = True
+
     matmul: int
     a: int
     b: int
@@ -99,6 +142,37 @@ class GemmPlan:
     def has_prologue(self) -> bool:
         return self.a != self.a_source or self.b != self.b_source or any(
             d.b != d.b_source for d in self.duals)
+
+    def format(self, name: Name) -> str:
+        def operand(value: int, source: int, chain: frozenset[int]) -> str:
+            if value == source:
+                return name(value)
+            return f"{name(value)} (prologue {_names(chain - {source}, name)} on {name(source)})"
+
+        return (f"plan gemm {{matmul = {name(self.matmul)}, "
+                f"a = {operand(self.a, self.a_source, self.a_prologue)}, "
+                f"b = {operand(self.b, self.b_source, self.b_prologue)}, "
+                + "".join(f"dual = {name(d.matmul)} with b = {operand(d.b, d.b_source, d.b_prologue)}, "
+                          for d in self.duals)
+                + (f"row_stats = {_names(self.row_stats, name)} of {_names(self.stat_chain, name)}, "
+                   if self.row_stats else "")
+                + f"epilogue = {_names(self.epilogue, name)}}}")
+
+    def verify(self, check: PlanCheck) -> None:
+        check.expect(self.matmul, ("matmul",), "matmul")
+        if check.operands(self.matmul) != (self.a, self.b):
+            check.fail("its plan's operands are not the matmul's")
+        for d in self.duals:
+            check.expect(d.matmul, ("matmul",), "dual matmul")
+            if check.operands(d.matmul) != (self.a, d.b):
+                check.fail("a dual matmul does not share the A operand")
+        for source, chain in ((self.a_source, self.a_prologue), (self.b_source, self.b_prologue),
+                              *((d.b_source, d.b_prologue) for d in self.duals)):
+            check.expect(source, (None,), "operand source")
+            if source not in chain:
+                check.fail("an operand source is outside its prologue")
+        for v in self.epilogue:
+            check.kind(v)
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +209,9 @@ class AttentionPlan:
     `q_source`, `k_source`, `v`: the region inputs the q, k and v tiles are
     loaded from; `k_transposed`: the k tensor is [.., N, D] and read as K^T.
     """
+
+    template: ClassVar[str] = "attention"
+    strided_stores: ClassVar[bool] = True
 
     qk: int
     pv: int
@@ -180,6 +257,46 @@ class AttentionPlan:
             return "epilogue"
         return {self.qk: "q @ k.T", self.softmax: "online softmax", self.p_cast: "online softmax",
                 self.pv: "p @ v"}[value]
+
+    def format(self, name: Name) -> str:
+        softmax = "none" if self.softmax is None else name(self.softmax)
+        return (f"plan attention {{qk = {name(self.qk)}, softmax = {softmax}, "
+                f"{'' if self.p_cast is None else f'p_cast = {name(self.p_cast)}, '}"
+                f"{'' if self.softmax is not None else f'p = {name(self.scores)}, '}"
+                f"pv = {name(self.pv)}, q = {name(self.q_source)}, "
+                f"k = {name(self.k_source)}{' (transposed)' if self.k_transposed else ''}, "
+                f"v = {name(self.v)}, score_mod = {_names(self.score_ops, name)}, "
+                f"lse = {_names(self.lse, name)}, epilogue = {_names(self.epilogue, name)}, "
+                f"key_bound = {_bound(self.bound, name)}"
+                + ("" if self.p_out is None else f", stores_p = {name(self.p_out)}")
+                + (f", row_sums = {_names(self.row_sums, name)}" if self.row_sums else "") + "}")
+
+    def verify(self, check: PlanCheck) -> None:
+        check.expect(self.qk, ("matmul",), "q @ k.T")
+        check.expect(self.pv, ("matmul",), "p @ v")
+        if self.softmax is None:  # p @ v multiplies the scores themselves
+            if check.operands(self.pv) != (self.scores, self.v):
+                check.fail("its attention plan does not match p @ v")
+            cond = self.bound_cond
+            if cond is not None and check.region.value_type(cond).dtype is not DType.BOOL:
+                check.fail("its attention plan's mask condition is not a bool")
+        else:
+            check.expect(self.softmax, ("softmax",), "softmax")
+            p = self.softmax if self.p_cast is None else self.p_cast
+            if self.p_cast is not None:
+                check.expect(self.p_cast, ("cast",), "the cast of p")
+                if check.operands(self.p_cast) != (self.softmax,):
+                    check.fail("its attention plan's cast of p does not read the softmax")
+            if check.operands(self.pv) != (p, self.v) or check.operands(self.softmax) != (self.scores,):
+                check.fail("its attention plan does not match p @ v")
+        for v in self.row_sums:
+            check.expect(v, ("sum",), "sum over the keys")
+        for v in (self.q_source, self.k_source, self.v):
+            check.expect(v, (None,), "q, k or v")
+        for v in (*self.score_ops, *self.lse, *self.epilogue):
+            check.kind(v)
+        for v in self.lse_casts:
+            check.expect(v, ("cast",), "widening of the scores")
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,6 +356,9 @@ class AttentionBackwardPlan:
     (elementwise, in order) and adds each product's step to its accumulator; `epilogue` runs
     on the finished accumulators."""
 
+    template: ClassVar[str] = "attention_backward"
+    strided_stores: ClassVar[bool] = True
+
     over: str
     dots: tuple[ScoreDot, ...]
     score_ops: tuple[int, ...]
@@ -276,6 +396,43 @@ class AttentionBackwardPlan:
             return "score dots"
         return f"summed over the {self.over}"
 
+    def format(self, name: Name) -> str:
+        products = ", ".join(
+            f"{name(p.matmul)} = " + (f"{name(p.y)}.T @ {name(p.x)}" if p.y_first else
+                                      f"{name(p.x)}.T @ {name(p.y)}" if self.over == "queries" else
+                                      f"{name(p.x)} @ {name(p.y)}") for p in self.products)
+        dots = ", ".join(f"{name(d.matmul)} = {name(d.a)} @ {name(d.b)}" for d in self.dots)
+        return (f"plan attention_backward {{over = {self.over}, dots = ({dots}), "
+                f"score_ops = {_names(self.score_ops, name)}, products = ({products}), "
+                f"epilogue = {_names(self.epilogue, name)}"
+                + (f", stores = {_names(self.stores, name)}" if self.stores else "")
+                + "".join(f", reduce {name(r.x)} over {tuple(sorted(r.axes))} = {name(r.result)}"
+                          for r in self.reductions)
+                + (f", walks batch axes {self.walked}" if self.walked else "")
+                + (f", key_bound = {_bound(self.bound, name)}" if self.bound else "") + "}")
+
+    def verify(self, check: PlanCheck) -> None:
+        for d in self.dots:
+            check.expect(d.matmul, ("matmul",), "score dot")
+            check.expect(d.a_source, (None,), "score dot operand")
+            check.expect(d.b_source, (None,), "score dot operand")
+        for p in self.products:
+            check.expect(p.matmul, ("matmul",), "product")
+            check.expect(p.y if p.y_source is None else p.y_source, (None,), "product operand")
+        if not self.products or self.over not in ("queries", "keys"):
+            check.fail("its attention backward plan has no product")
+        for v in (*self.score_ops, *self.epilogue):
+            check.kind(v)
+        for v in self.prologues:
+            check.kind(v)
+        for r in self.reductions:
+            for v in r.sums:
+                check.expect(v, ("sum", "reshape"), "reduction chain")
+            check.expect(r.result, ("sum",), "reduction")
+            region = check.region
+            if r.result not in region.outputs or region.value_type(r.result).dtype is not DType.F32:
+                check.fail(f"its reduction {r.result} is not an f32 output the programs add into")
+
 
 Plan = PointwisePlan | RowPlan | GemmPlan | AttentionPlan | AttentionBackwardPlan
 
@@ -288,69 +445,18 @@ def zero_filled(plan: Plan | None) -> frozenset[int]:
         return frozenset(r.result for r in plan.reductions) | frozenset(skipped)
     return frozenset()
 
-# which plan each template consumes
-PLAN_TYPES: dict[str, type] = {"pointwise": PointwisePlan, "rows": RowPlan, "matmul": GemmPlan,
-                               "attention": AttentionPlan, "attention_backward": AttentionBackwardPlan}
+# the code templates by name: each plan class is its template's entry
+TEMPLATES: dict[str, type[Plan]] = {plan.template: plan for plan in get_args(Plan)}
 
 
 # --- text ---------------------------------------------------------------------------------
 
 
-def format_plan(plan: Plan, name) -> str:
-    """One line for the printer; `name(v)` gives a value's printed name (%a0, %r3)."""
-
-    def names(values) -> str:
-        return "(" + ", ".join(name(v) for v in sorted(values)) + ")"
-
-    if isinstance(plan, PointwisePlan):
-        return f"plan pointwise {{space = {format_shape(plan.shape)}}}"
-    if isinstance(plan, RowPlan):
-        layouts = ", ".join(f"{name(v)} = {_layout(lay)}" for v, lay in enumerate(plan.layouts)
-                            if lay is not None)
-        return (f"plan rows {{space = {format_shape(plan.shape)}, axis = {plan.axis}, "
-                f"phases = {max(plan.phases, default=0)}, reducing = {names(plan.reducing)}, "
-                f"layouts = ({layouts})}}")
-    if isinstance(plan, GemmPlan):
-        def operand(value: int, source: int, chain: frozenset[int]) -> str:
-            if value == source:
-                return name(value)
-            return f"{name(value)} (prologue {names(chain - {source})} on {name(source)})"
-
-        return (f"plan gemm {{matmul = {name(plan.matmul)}, "
-                f"a = {operand(plan.a, plan.a_source, plan.a_prologue)}, "
-                f"b = {operand(plan.b, plan.b_source, plan.b_prologue)}, "
-                + "".join(f"dual = {name(d.matmul)} with b = {operand(d.b, d.b_source, d.b_prologue)}, "
-                          for d in plan.duals)
-                + (f"row_stats = {names(plan.row_stats)} of {names(plan.stat_chain)}, "
-                   if plan.row_stats else "")
-                + f"epilogue = {names(plan.epilogue)}}}")
-    if isinstance(plan, AttentionBackwardPlan):
-        products = ", ".join(
-            f"{name(p.matmul)} = " + (f"{name(p.y)}.T @ {name(p.x)}" if p.y_first else
-                                      f"{name(p.x)}.T @ {name(p.y)}" if plan.over == "queries" else
-                                      f"{name(p.x)} @ {name(p.y)}") for p in plan.products)
-        dots = ", ".join(f"{name(d.matmul)} = {name(d.a)} @ {name(d.b)}" for d in plan.dots)
-        return (f"plan attention_backward {{over = {plan.over}, dots = ({dots}), "
-                f"score_ops = {names(plan.score_ops)}, products = ({products}), "
-                f"epilogue = {names(plan.epilogue)}"
-                + (f", stores = {names(plan.stores)}" if plan.stores else "")
-                + "".join(f", reduce {name(r.x)} over {tuple(sorted(r.axes))} = {name(r.result)}"
-                          for r in plan.reductions)
-                + (f", walks batch axes {plan.walked}" if plan.walked else "")
-                + (f", key_bound = {_bound(plan.bound, name)}" if plan.bound else "") + "}")
-    softmax = "none" if plan.softmax is None else name(plan.softmax)
-    return (f"plan attention {{qk = {name(plan.qk)}, softmax = {softmax}, "
-            f"{'' if plan.p_cast is None else f'p_cast = {name(plan.p_cast)}, '}"
-            f"{'' if plan.softmax is not None else f'p = {name(plan.scores)}, '}"
-            f"pv = {name(plan.pv)}, q = {name(plan.q_source)}, "
-            f"k = {name(plan.k_source)}{' (transposed)' if plan.k_transposed else ''}, "
-            f"v = {name(plan.v)}, score_mod = {names(plan.score_ops)}, lse = {names(plan.lse)}, "
-            f"epilogue = {names(plan.epilogue)}, key_bound = {_bound(plan.bound, name)}"
-            + ("" if plan.p_out is None else f", stores_p = {name(plan.p_out)}")
-            + (f", row_sums = {names(plan.row_sums)}" if plan.row_sums else "") + "}")
+def _names(values, name: Name) -> str:
+    return "(" + ", ".join(name(v) for v in sorted(values)) + ")"
 
 
-def _bound(bound: KeyBound | None, name) -> str:
+def _bound(bound: KeyBound | None, name: Name) -> str:
     if bound is None:
         return "none"
 

@@ -28,7 +28,7 @@ import math
 
 from tiledsl.ir import Graph, KernelOp, Op, Region
 from tiledsl.ops.structure import format_items
-from tiledsl.plans import Plan, format_plan
+from tiledsl.plans import Plan
 from tiledsl.types import DType, TensorType
 
 # attrs that are implied by the result type or the signature
@@ -135,7 +135,7 @@ def print_region(region: Region, locations: bool = False, plan: Plan | None = No
                      f"{_loc(rop.op, locations)}")
     lines.append("  yield " + ", ".join(names[v] for v in region.outputs))
     if plan is not None:
-        lines.append("  " + format_plan(plan, names.__getitem__))
+        lines.append("  " + plan.format(names.__getitem__))
     return lines
 
 

@@ -5,8 +5,9 @@ kind's arity and the type its rule infers from its operands; parameters are
 listed in order; exactly one `return`, with no users; every kernel region is
 well formed (operands defined before use, types re-inferred, inputs typed as
 their producers' results), and every kernel carries the plan its template
-consumes, consistent with its region. A violation is a compiler bug and raises
-`VerificationError` naming the node and the pass that broke it.
+consumes (`plans.TEMPLATES`), consistent with its region (the plan's `verify`).
+A violation is a compiler bug and raises `VerificationError` naming the node
+and the pass that broke it.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import networkx as nx
 from tiledsl import ops
 from tiledsl.diagnostics import InternalError
 from tiledsl.ir import Graph, KernelOp, Op, Region
-from tiledsl.plans import PLAN_TYPES, AttentionBackwardPlan, AttentionPlan, GemmPlan, PointwisePlan, RowPlan
-from tiledsl.types import DType, TensorType
+from tiledsl.plans import TEMPLATES
+from tiledsl.types import TensorType
 
 
 class VerificationError(InternalError):
@@ -104,96 +105,38 @@ def _verify_kernel(k: KernelOp, types: tuple[TensorType, ...], fail) -> None:
 
 
 def _verify_plan(k: KernelOp, fail) -> None:
-    region, plan = k.region, k.plan
-    want = PLAN_TYPES.get(k.template)
+    want = TEMPLATES.get(k.template)
     if want is None:
         fail(f"kernel @{k.name} names no template ('{k.template}')", k.span)
-    if not isinstance(plan, want):
-        fail(f"kernel @{k.name} ({k.template}) carries {type(plan).__name__}, expected "
+    if not isinstance(k.plan, want):
+        fail(f"kernel @{k.name} ({k.template}) carries {type(k.plan).__name__}, expected "
              f"{want.__name__}", k.span)
-    n_in, n_values = len(region.inputs), len(region.inputs) + len(region.ops)
+    k.plan.verify(PlanCheck(k, fail))
 
-    def kind(v: int) -> str | None:
-        if not 0 <= v < n_values:
-            fail(f"kernel @{k.name}: its plan names value {v}, which the region does not define",
-                 k.span)
-        return region.ops[v - n_in].op.kind if v >= n_in else None
 
-    def expect(v: int, kinds: tuple, role: str) -> None:
-        if kind(v) not in kinds:
-            fail(f"kernel @{k.name}: its plan's {role} is {kind(v) or 'an input'}", k.span)
+class PlanCheck:
+    """What a plan's `verify` checks it against: its kernel's region, with the checks every
+    plan makes (the kind of op a value names) and the way to fail, naming the kernel."""
 
-    if isinstance(plan, PointwisePlan):
-        if any(t.shape != plan.shape for t in region.output_types):
-            fail(f"kernel @{k.name}: an output does not have the plan's shape", k.span)
-    elif isinstance(plan, RowPlan):
-        if not (len(plan.layouts) == len(plan.phases) == n_values and 0 <= plan.axis < len(plan.shape)):
-            fail(f"kernel @{k.name}: its row plan does not cover its region", k.span)
-        for v, layout in enumerate(plan.layouts):
-            if layout is not None and len(layout) != region.value_type(v).rank:
-                fail(f"kernel @{k.name}: value {v} has a layout of the wrong rank", k.span)
-        for v in plan.reducing:
-            expect(v, ops.ROW_KINDS, "reduction")
-    elif isinstance(plan, GemmPlan):
-        expect(plan.matmul, ("matmul",), "matmul")
-        if region.ops[plan.matmul - n_in].operands != (plan.a, plan.b):
-            fail(f"kernel @{k.name}: its plan's operands are not the matmul's", k.span)
-        for d in plan.duals:
-            expect(d.matmul, ("matmul",), "dual matmul")
-            if region.ops[d.matmul - n_in].operands != (plan.a, d.b):
-                fail(f"kernel @{k.name}: a dual matmul does not share the A operand", k.span)
-        for source, chain in ((plan.a_source, plan.a_prologue), (plan.b_source, plan.b_prologue),
-                              *((d.b_source, d.b_prologue) for d in plan.duals)):
-            expect(source, (None,), "operand source")
-            if source not in chain:
-                fail(f"kernel @{k.name}: an operand source is outside its prologue", k.span)
-        for v in plan.epilogue:
-            kind(v)
-    elif isinstance(plan, AttentionPlan):
-        expect(plan.qk, ("matmul",), "q @ k.T")
-        expect(plan.pv, ("matmul",), "p @ v")
-        if plan.softmax is None:  # p @ v multiplies the scores themselves
-            if region.ops[plan.pv - n_in].operands != (plan.scores, plan.v):
-                fail(f"kernel @{k.name}: its attention plan does not match p @ v", k.span)
-            for v in plan.row_sums:
-                expect(v, ("sum",), "sum over the keys")
-            if plan.bound_cond is not None and region.value_type(plan.bound_cond).dtype is not DType.BOOL:
-                fail(f"kernel @{k.name}: its attention plan's mask condition is not a bool", k.span)
-        else:
-            expect(plan.softmax, ("softmax",), "softmax")
-            p = plan.softmax if plan.p_cast is None else plan.p_cast
-            if plan.p_cast is not None:
-                expect(plan.p_cast, ("cast",), "the cast of p")
-                if region.ops[plan.p_cast - n_in].operands != (plan.softmax,):
-                    fail(f"kernel @{k.name}: its attention plan's cast of p does not read the softmax",
-                         k.span)
-            if region.ops[plan.pv - n_in].operands != (p, plan.v) \
-                    or region.ops[plan.softmax - n_in].operands != (plan.scores,):
-                fail(f"kernel @{k.name}: its attention plan does not match p @ v", k.span)
-        for v in (plan.q_source, plan.k_source, plan.v):
-            expect(v, (None,), "q, k or v")
-        for v in (*plan.score_ops, *plan.lse, *plan.epilogue):
-            kind(v)
-        for v in plan.lse_casts:
-            expect(v, ("cast",), "widening of the scores")
-    elif isinstance(plan, AttentionBackwardPlan):
-        for d in plan.dots:
-            expect(d.matmul, ("matmul",), "score dot")
-            expect(d.a_source, (None,), "score dot operand")
-            expect(d.b_source, (None,), "score dot operand")
-        for p in plan.products:
-            expect(p.matmul, ("matmul",), "product")
-            expect(p.y if p.y_source is None else p.y_source, (None,), "product operand")
-        if not plan.products or plan.over not in ("queries", "keys"):
-            fail(f"kernel @{k.name}: its attention backward plan has no product", k.span)
-        for v in (*plan.score_ops, *plan.epilogue):
-            kind(v)
-        for v in plan.prologues:
-            kind(v)
-        for r in plan.reductions:
-            for v in r.sums:
-                expect(v, ("sum", "reshape"), "reduction chain")
-            expect(r.result, ("sum",), "reduction")
-            if r.result not in region.outputs or region.value_type(r.result).dtype is not DType.F32:
-                fail(f"kernel @{k.name}: its reduction {r.result} is not an f32 output the "
-                     "programs add into", k.span)
+    def __init__(self, kernel: KernelOp, fail) -> None:
+        self.region: Region = kernel.region
+        self._kernel, self._fail = kernel, fail
+        self._n_in = len(self.region.inputs)
+
+    def fail(self, message: str) -> None:
+        self._fail(f"kernel @{self._kernel.name}: {message}", self._kernel.span)
+
+    def kind(self, v: int) -> str | None:
+        """The kind of the op defining value v; None for an input."""
+        if not 0 <= v < self._n_in + len(self.region.ops):
+            self.fail(f"its plan names value {v}, which the region does not define")
+        return self.region.ops[v - self._n_in].op.kind if v >= self._n_in else None
+
+    def expect(self, v: int, kinds: tuple, role: str) -> None:
+        """Value v is defined by an op of one of `kinds` (None: an input)."""
+        if self.kind(v) not in kinds:
+            self.fail(f"its plan's {role} is {self.kind(v) or 'an input'}")
+
+    def operands(self, v: int) -> tuple[int, ...]:
+        """The operands of the op defining value v."""
+        return self.region.ops[v - self._n_in].operands

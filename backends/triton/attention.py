@@ -207,7 +207,7 @@ class AttentionProgram:
         statistics final, the normalised P stored and multiplied by v (a returned P); "sum",
         with no softmax, the scores' function times v, added up as it is."""
         body, em, region, parts = self.body, self.em, self.region, self.parts
-        N, D, DV = self.N, self.D, self.DV
+        N, D = self.N, self.D
         body("rn = n0 + rn_base")
         k_rows, k_cols = ("rn[None, :]", "rd[:, None]") if self.k_flipped else \
             ("rd[:, None]", "rn[None, :]")
@@ -546,7 +546,7 @@ def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKer
     prog = AttentionProgram(kernel, hints, allow_tf32)
     prog.emit()
     configure, candidates = prog.launch_rules()
-    emitted = finish(kernel, "attention", prog.sig, prog.body, configure, prog.em, hints)
+    emitted = finish(kernel, prog.sig, prog.body, configure, prog.em, hints)
     return emitted.with_candidates(candidates)
 
 

@@ -468,5 +468,5 @@ def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKer
     prog = AttentionBackwardProgram(kernel, hints, allow_tf32)
     prog.emit()
     configure, candidates = prog.launch_rules()
-    emitted = finish(kernel, "attention_backward", prog.sig, prog.body, configure, prog.em, hints)
+    emitted = finish(kernel, prog.sig, prog.body, configure, prog.em, hints)
     return emitted.with_candidates(candidates)

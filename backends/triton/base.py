@@ -156,13 +156,13 @@ def require_dot_hints(hints: Hints, names: Sequence[str]) -> None:
                 f"tile), got {value}"))
 
 
-def finish(kernel: KernelOp, template: str, sig: Signature, body: Code,
+def finish(kernel: KernelOp, sig: Signature, body: Code,
            configure: Callable[[Mapping[str, int], str], LaunchConfig],
            em: Emitter, hints: Hints | None = None) -> EmittedKernel:
     """Assemble the module; kernels that convert bf16 or f8 get the helpers and `INTERPRETER`."""
-    fn_name = f"{kernel.name}_{template}"
+    fn_name = f"{kernel.name}_{kernel.template}"
     code = Code()
-    for line in header(kernel, template):
+    for line in header(kernel):
         code(line)
     if em.helpers:
         sig.constexpr("INTERPRETER")
@@ -224,10 +224,11 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-# Block-size caps per device: the interpreter runs each program in numpy, so
-# fewer, larger programs are faster there; GPUs want register-sized tiles (a row
-# program's row block on CUDA: `rows.one_pass_limit`).
+# Block-size caps per device (flat: a pointwise program's block of the flat index; row and
+# tile: a row program's row block and its tile of short rows): the interpreter runs each
+# program in numpy, so fewer, larger programs are faster there; GPUs want register-sized
+# tiles (a row program's row block on CUDA: `rows.one_pass_limit`).
 CAPS = {
-    "interpreter": {"pointwise": 1 << 14, "row": 1 << 12, "tile": 1 << 16},
-    "cuda": {"pointwise": 1024, "tile": 4096},
+    "interpreter": {"flat": 1 << 14, "row": 1 << 12, "tile": 1 << 16},
+    "cuda": {"flat": 1024, "tile": 4096},
 }

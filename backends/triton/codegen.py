@@ -201,9 +201,9 @@ class Signature:
         return [comment(f"{name} = size of dim {sym}") for sym, name in self._dims.items()]
 
 
-def header(kernel: KernelOp, template: str) -> list[str]:
+def header(kernel: KernelOp) -> list[str]:
     """Module preamble: what this kernel computes and where it came from (escaped)."""
-    lines = [comment(f"tiledsl kernel {kernel.name} ({template})")]
+    lines = [comment(f"tiledsl kernel {kernel.name} ({kernel.template})")]
     for op in kernel.covered:
         where = f" at {op.span.location()}" if op.span is not None else ""
         lines.append(comment(f"  {op.kind} -> {op.type}{where}"))

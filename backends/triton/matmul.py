@@ -432,5 +432,5 @@ def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKer
     prog = GemmProgram(kernel, hints, allow_tf32)
     prog.emit()
     configure, candidates = prog.launch_rules()
-    emitted = finish(kernel, "matmul", prog.sig, prog.body, configure, prog.em, hints)
+    emitted = finish(kernel, prog.sig, prog.body, configure, prog.em, hints)
     return emitted.with_candidates(candidates)

@@ -18,7 +18,8 @@ from .codegen import Code, Signature, next_pow2
 from .expr import Emitter, Val
 
 
-def emit(kernel: KernelOp, hints: Hints) -> EmittedKernel:
+def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKernel:
+    """The pointwise program over the flat index (no dots: `allow_tf32` changes nothing)."""
     region = kernel.region
     out_types = region.output_types
     shape = kernel.plan.shape
@@ -72,7 +73,7 @@ def emit(kernel: KernelOp, hints: Hints) -> EmittedKernel:
 
     def configure(dims: Mapping[str, int], device: str) -> LaunchConfig:
         n = numel(shape, dims)
-        blk = max(16, min(next_pow2(n), CAPS[device]["pointwise"]))
+        blk = max(16, min(next_pow2(n), CAPS[device]["flat"]))
         return LaunchConfig((cdiv(n, blk),), {"BLOCK": blk}, num_warps=4)
 
-    return finish(kernel, "pointwise", sig, body, configure, em)
+    return finish(kernel, sig, body, configure, em)

@@ -10,6 +10,7 @@ Triton's interpreter.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,15 @@ from tiledsl.backends.interface import Backend, Kernel
 from tiledsl.binding import BoundCall, eval_shape, torch_dtype
 from tiledsl.diagnostics import InternalError
 from tiledsl.ir import Graph, KernelOp, Op
+from tiledsl.plans import (
+    TEMPLATES,
+    AttentionBackwardPlan,
+    AttentionPlan,
+    GemmPlan,
+    Plan,
+    PointwisePlan,
+    RowPlan,
+)
 
 from . import attention, attention_backward, matmul, pointwise, rows
 from .base import EmittedKernel, Hints
@@ -44,22 +54,21 @@ _empty = _torch.empty
 _zeros = _torch.zeros
 _current_device = _torch.cuda.current_device
 
-TEMPLATES = {
-    "pointwise": pointwise.emit,
-    "rows": rows.emit,
-    "matmul": matmul.emit,
-    "attention": attention.emit,
-    "attention_backward": attention_backward.emit,
+# each template's emitter, by its plan class (`plans.TEMPLATES`)
+EMITTERS: dict[type[Plan], Callable[[KernelOp, Hints, bool], EmittedKernel]] = {
+    PointwisePlan: pointwise.emit,
+    RowPlan: rows.emit,
+    GemmPlan: matmul.emit,
+    AttentionPlan: attention.emit,
+    AttentionBackwardPlan: attention_backward.emit,
 }
 
 
 def emit_kernel(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKernel:
-    emit = TEMPLATES.get(kernel.template)
+    emit = EMITTERS.get(TEMPLATES.get(kernel.template))
     if emit is None:
         raise InternalError(kernel.span, message=f"no Triton template named '{kernel.template}'")
-    if kernel.template in ("matmul", "attention", "attention_backward"):
-        return emit(kernel, hints, allow_tf32)
-    return emit(kernel, hints)
+    return emit(kernel, hints, allow_tf32)
 
 
 @dataclass(frozen=True)

@@ -427,7 +427,8 @@ def one_pass_limit(plan: RowPlan, inputs) -> int:
     return (1 << 14 if wide else 1 << 15) >> max(0, phases - 1)
 
 
-def emit(kernel: KernelOp, hints: Hints) -> EmittedKernel:
+def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKernel:
+    """The row program (no dots: `allow_tf32` changes nothing)."""
     prog = RowProgram(kernel)
     prog.emit()
     shape, axis = prog.plan.shape, prog.plan.axis
@@ -450,4 +451,4 @@ def emit(kernel: KernelOp, hints: Hints) -> EmittedKernel:
         constexprs = {"BLOCK_O": block_o, "BLOCK_R": block_r, "ONE_PASS": length <= block_r}
         return LaunchConfig((cdiv(rows, block_o),), constexprs, num_warps=warps)
 
-    return finish(kernel, "rows", prog.sig, prog.body, configure, prog.em)
+    return finish(kernel, prog.sig, prog.body, configure, prog.em)

@@ -13,7 +13,16 @@ from collections.abc import Callable
 from tiledsl import ops
 from tiledsl.ir import Region
 from tiledsl.ops import Category
-from tiledsl.plans import DualB, GemmPlan, Plan, PointwisePlan, RowPlan
+from tiledsl.plans import (
+    TEMPLATES,
+    AttentionBackwardPlan,
+    AttentionPlan,
+    DualB,
+    GemmPlan,
+    Plan,
+    PointwisePlan,
+    RowPlan,
+)
 from tiledsl.types import broadcast_shapes
 
 from .attention import attention_backward_plan, attention_plan, operand_source
@@ -97,14 +106,15 @@ def _prologue_only(region: Region, matmuls: set[int], prologue: frozenset[int]) 
     return frozenset(ops_in - needed)
 
 
-PLANNERS: dict[str, Callable[[Region], Plan]] = {
-    "pointwise": pointwise_plan,
-    "rows": row_plan,
-    "matmul": gemm_plan,
-    "attention": attention_plan,
-    "attention_backward": attention_backward_plan,
+# each template's planner, by its plan class (`plans.TEMPLATES`)
+PLANNERS: dict[type[Plan], Callable[[Region], Plan]] = {
+    PointwisePlan: pointwise_plan,
+    RowPlan: row_plan,
+    GemmPlan: gemm_plan,
+    AttentionPlan: attention_plan,
+    AttentionBackwardPlan: attention_backward_plan,
 }
 
 
 def plan_kernel(template: str, region: Region) -> Plan:
-    return PLANNERS[template](region)
+    return PLANNERS[TEMPLATES[template]](region)

@@ -1,7 +1,7 @@
 """Ops that are not elementwise math: sources, `index`, reductions, softmax, matmul, views.
 
-Their Triton code belongs to a template (rows, matmul, attention), chosen by
-category in lower-kernels; sources are bound by the caller, so they have no
+Their Triton code belongs to a template (`plans.TEMPLATES`), chosen by category in
+lower-kernels (`LOWERED`) or by a fusion pass; sources are bound by the caller, so they have no
 reference implementation of their own.
 """
 
