@@ -12,16 +12,18 @@ values vary along the axis ([BLOCK_O, BLOCK_R] tiles), "row" values do not
   program runs straight through.
 - Otherwise the reductions run in phases: a reduction belongs to phase
   1 + the latest phase it depends on, each phase is one loop over the row,
-  and a last loop writes the full outputs. sum/max/min accumulate in a tile;
-  softmax and logsumexp keep a running max `m` and a running sum `z`, rescaled
-  by exp(m_old - m_new) when the max grows (the composable-kernel
-  recurrence); a softmax value is then exp(x - m) / z wherever a loop needs
-  it. rmsnorm reads a row twice, layernorm three times, softmax twice.
+  and a last loop writes the full outputs. A reduction is computed as its
+  `Reduction` declaration (tiledsl/ops) says: sum, max, prod... accumulate in
+  a tile of partials merged by `combine`, then `collapse`d and `finalize`d;
+  argmax/argmin also keep each lane's position; softmax and logsumexp run the
+  online recurrence (`online.py`); a softmax value is then exp(x - m) / z
+  wherever a loop needs it. rmsnorm reads a row twice, layernorm three times,
+  softmax twice.
 
 A row that is all -inf gives softmax 0 and logsumexp -inf, never NaN.
 Otherwise special values follow torch: max/min propagate NaN, a softmax row
 holding a NaN or +inf is all NaN, logsumexp of a row holding +inf is +inf.
-Sums and means whose IR dtype is f32 accumulate in f64, so an f32 program's row
+Sums, means and products whose IR dtype is f32 accumulate in f64, so an f32 program's row
 sums are as good as correctly rounded (a following exp amplifies any error
 of the sum); f16/bf16 ones accumulate in f32.
 """
