@@ -120,7 +120,7 @@ def eval_op(op: Op, args: list[Any], dims: Mapping[str, int], float64: bool) -> 
         # discontinuous, and a compiled kernel within 1e-7 of it before the cast could land
         # one ulp away after it (seen with the program fuzzer)
         args = [_tensor(v, out_dtype) for v in args]
-    if not opdef.empty:
+    if opdef.reduction is not None and not opdef.reduction.empty:
         _check_not_empty(op, args[0])
     result = opdef.reference(*args, **attrs)
     if op.weak:

@@ -57,7 +57,8 @@ class FuseEpilogue(Pass):
                     candidate, admit_for)
 
 
-STAT_KINDS = ("sum", "mean")  # reductions a GEMM computes from its A tiles in the K loop
+# reductions a GEMM computes from its A tiles in the K loop: the additive ones (sum, mean)
+STAT_KINDS = tuple(k for k, d in ops.OPS.items() if d.reduction is not None and d.reduction.additive)
 
 
 def _is_matmul(graph: Graph, node: int) -> bool:

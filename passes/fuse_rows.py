@@ -1,6 +1,6 @@
 """fuse-rows: row programs become one kernel each.
 
-Before: reductions (sum, max, min, mean, logsumexp) and softmax along an
+Before: reductions (sum, max, min, mean, logsumexp, prod, argmax...) and softmax along an
 axis, surrounded by elementwise ops that read the same rows, each op its own
 kernel (rmsnorm is 8 kernels, layernorm 10).
 After: each maximal such group is one `rows` kernel: the reductions along

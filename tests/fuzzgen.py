@@ -43,7 +43,10 @@ SAFE_UNARY = {"log": "log(abs({}) + 1.0)", "sqrt": "sqrt(abs({}) + 0.25)", "rsqr
               "log1p": "log1p(abs({}))", "expm1": "expm1(tanh({}))", "pow": "((abs({}) + 0.5) ** 1.5)",
               "square": "({} ** 2)", "clamp": "clamp({}, -1.0, 1.5)", "tan": "tan(tanh({}))"}
 BINARY = ["+", "-", "*", "maximum", "minimum"]
-REDUCE = ["sum", "max", "min", "mean", "logsumexp"]
+REDUCE = ["sum", "max", "min", "mean", "logsumexp", "prod"]
+# prod of factors near 1, so a product along a row stays finite in f16 (argmax and argmin
+# are left out: a near tie the rounding of f32 can flip would make a position differ)
+REDUCE_OPERAND = {"prod": "(1.0 + 0.1 * tanh({}))"}
 CONSTANTS = ["0.5", "2", "1.0", "-3", "1e-3", "0.0"]
 SCALAR_EXPRS = ["rsqrt(N)", "(s * 2.0)", "(N - 1)", "(s + N)", "(1.0 / N)", "log2(8.0)", "sqrt(2.0)"]
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
@@ -194,7 +197,8 @@ class Generator:
             ax = axis % len(a.shape)
             out = a.shape[:ax] + (("1",) if keep else ()) + a.shape[ax + 1:]
             op = self.rng.choice(REDUCE)
-            return Value(f"{op}({a.text}, axis={axis}, keepdims={'true' if keep else 'false'})", out)
+            x = REDUCE_OPERAND.get(op, "{}").format(a.text)
+            return Value(f"{op}({x}, axis={axis}, keepdims={'true' if keep else 'false'})", out)
         if r < 0.85:
             a = self.expr(depth - 1)
             if not a.shape:

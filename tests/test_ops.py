@@ -22,10 +22,12 @@ ELEMENTWISE = sorted(k for k, d in OPS.items() if d.category is Category.ELEMENT
 COMPUTING = sorted(k for k, d in OPS.items()
                    if d.category not in (Category.SOURCE, Category.RETURN))
 # ops whose builtin does more than bind operands and attributes (sema's special handlers)
-SPECIAL_BUILTINS = {"index", "transpose", "sum", "max", "min", "mean", "logsumexp", "softmax",
+SPECIAL_BUILTINS = {"index", "transpose", "sum", "max", "min", "mean", "logsumexp", "prod",
+                    "argmax", "argmin", "softmax",
                     "cumsum", "reshape", "expand"}
 # ops whose results are never differentiated: bool or integer results, index positions
-NO_DERIVATIVE = {"eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "isnan", "isinf", "index"}
+NO_DERIVATIVE = {"eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "isnan", "isinf", "index",
+                 "argmax", "argmin"}
 # ops built by subscripts (x[i, a:b], gather, concat) rather than called by name
 SUBSCRIPT_OPS = {"take": -1, "slice": 1}
 

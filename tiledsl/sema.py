@@ -641,6 +641,9 @@ class _KernelBuilder:
             raise diag.RankError(e.span, message=f"'{e.func}' needs a value of rank 1 or more")
         given = args.get("axis")
         if isinstance(given, ast.TupleLit | ast.NoneLit):
+            if ops.OPS[e.func].reduction.index:
+                raise diag.ConstantExpected(given.span, what=f"'axis' of '{e.func}'", expected=(
+                    "one integer: a position is along one axis (reshape(x, [...]) merges axes)"))
             return self._reduce_axes(e, x, given, rank, args)
         try:
             axis = self._axis_arg(e, args, "axis", rank)
@@ -862,7 +865,7 @@ _ELEMENTWISE_SPELLING = {"max": "maximum", "min": "minimum"}
 
 # builtins that need more than `_call_op` (axes checked against the operand's rank, macros)
 _HANDLERS = {
-    "sum": "reduce", "max": "reduce", "min": "reduce", "mean": "reduce", "logsumexp": "reduce",
+    **{kind: "reduce" for kind, d in ops.OPS.items() if d.reduction is not None},
     "softmax": "along", "cumsum": "along", "transpose": "transpose", "index": "index", "causal": "causal",
     "gather": "gather", "reshape": "reshape", "squeeze": "squeeze", "expand": "expand",
 }

@@ -159,16 +159,19 @@ def require_dot_hints(hints: Hints, names: Sequence[str]) -> None:
 def finish(kernel: KernelOp, sig: Signature, body: Code,
            configure: Callable[[Mapping[str, int], str], LaunchConfig],
            em: Emitter, hints: Hints | None = None) -> EmittedKernel:
-    """Assemble the module; kernels that convert bf16 or f8 get the helpers and `INTERPRETER`."""
+    """Assemble the module with the helpers it calls; kernels that convert bf16 or f8 take
+    `INTERPRETER`."""
     fn_name = f"{kernel.name}_{kernel.template}"
     code = Code()
     for line in header(kernel):
         code(line)
-    if em.helpers:
+    # the conversion helpers take INTERPRETER (mul_combine does not)
+    flag = any("INTERPRETER" in HELPERS[name] for name in em.helpers)
+    if flag:
         sig.constexpr("INTERPRETER")
-        for name in sorted(em.helpers):
-            for line in HELPERS[name].splitlines():
-                code(line)
+    for name in sorted(em.helpers):
+        for line in HELPERS[name].splitlines():
+            code(line)
     for line in sig.dim_comments():
         code(line)
     widening = sig.widening()
@@ -178,7 +181,7 @@ def finish(kernel: KernelOp, sig: Signature, body: Code,
         for line in widening + body.lines:
             code(line)
     return EmittedKernel(kernel, fn_name, code.text(), tuple(sig.params), configure,
-                         interpreter_flag=bool(em.helpers), hints=dict(hints or {}))
+                         interpreter_flag=flag, hints=dict(hints or {}))
 
 
 def decompose(code: Code, flat: str, dims: Sequence[int | str], names: Sequence[str | None],

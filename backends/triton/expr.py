@@ -55,6 +55,14 @@ def f32_to_bf16(x, INTERPRETER: tl.constexpr):
 
 """
 
+# a product along an axis (prod's collapse): tl.reduce's combine must be a jit function
+HELPERS["mul_combine"] = """\
+@triton.jit
+def mul_combine(a, b):
+    return a * b
+
+"""
+
 # f8: Triton's interpreter mis-converts NaN and large values, and Triton's own f32 -> f8
 # need not overflow as torch does; the narrowing helpers follow torch bit for bit on every
 # target (round to nearest even; e4m3fn saturates at 448 and has no inf; e5m2 overflows

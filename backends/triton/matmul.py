@@ -232,8 +232,9 @@ class GemmProgram:
                 if step is not None:
                     body(f"{name}_ptrs += BLOCK_K * {step}")
         for j, v in enumerate(self.stats):
-            if self.region.ops[v - self.n_in].op.kind == "mean":
-                body(f"stat{j} = stat{j} / {K}")
+            finalize = ops.OPS[self.region.ops[v - self.n_in].op.kind].reduction.finalize
+            if finalize is not None:
+                body(f"stat{j} = " + finalize.format(total=f"stat{j}", length=K))
         # the epilogue runs on the two column halves of the tile in turn, so the D tiles it
         # loads and the values it computes live beside half the accumulator, not all of it
         for acc in accs:

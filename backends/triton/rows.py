@@ -12,41 +12,47 @@ values vary along the axis ([BLOCK_O, BLOCK_R] tiles), "row" values do not
   program runs straight through.
 - Otherwise the reductions run in phases: a reduction belongs to phase
   1 + the latest phase it depends on, each phase is one loop over the row,
-  and a last loop writes the full outputs. sum/max/min accumulate in a tile;
-  softmax and logsumexp keep a running max `m` and a running sum `z`, rescaled
-  by exp(m_old - m_new) when the max grows (the composable-kernel
-  recurrence); a softmax value is then exp(x - m) / z wherever a loop needs
-  it. rmsnorm reads a row twice, layernorm three times, softmax twice.
+  and a last loop writes the full outputs. A reduction is computed as its
+  `Reduction` declaration (tiledsl/ops) says: sum, max, prod... accumulate in
+  a tile of partials merged by `combine`, then `collapse`d and `finalize`d;
+  argmax/argmin also keep each lane's position; softmax and logsumexp run the
+  online recurrence (`online.py`); a softmax value is then exp(x - m) / z
+  wherever a loop needs it. rmsnorm reads a row twice, layernorm three times,
+  softmax twice.
 
 A row that is all -inf gives softmax 0 and logsumexp -inf, never NaN.
 Otherwise special values follow torch: max/min propagate NaN, a softmax row
 holding a NaN or +inf is all NaN, logsumexp of a row holding +inf is +inf.
-Sums and means whose IR dtype is f32 accumulate in f64, so an f32 program's row
+Sums, means and products whose IR dtype is f32 accumulate in f64, so an f32 program's row
 sums are as good as correctly rounded (a following exp amplifies any error
 of the sum); f16/bf16 ones accumulate in f32.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 from tiledsl import ops
 from tiledsl.diagnostics import EmptyReductionError
 from tiledsl.dims import evaluate
 from tiledsl.ir import KernelOp, Op
+from tiledsl.ops import Reduction
 from tiledsl.plans import RowPlan
 from tiledsl.types import Compute, DType, compute_type
 
+from . import online
 from .base import CAPS, EmittedKernel, Hints, LaunchConfig, cdiv, decompose, finish, numel
 from .codegen import Code, Signature, TensorRef, next_pow2
 from .expr import TRITON_TYPE, Emitter, Val, literal
+from .online import NEG_INF
 
-F32, I32 = Compute.F32, Compute.I32
+F32, I32, I64 = Compute.F32, Compute.I32, Compute.I64
 
-NEG_INF = '-float("inf")'
 # row ops computed inside the loops from their operand (not accumulated in a phase of their own)
 _IN_LOOP = ("softmax", "cumsum")
-_COLLAPSE = {"sum": "tl.sum", "mean": "tl.sum", "max": "tl.max", "min": "tl.min"}
+# argmax/argmin: a position larger than any in a row (positions are i32 in the kernel)
+_NO_POSITION = str(2**31 - 1)
 
 
 class RowProgram:
@@ -174,15 +180,17 @@ class RowProgram:
                 vals[v] = em.op(op, args, types)
 
     def trivial_reduce(self, op: Op, x: Val) -> Val:
-        """A reduction over a size-1 axis: the value itself (softmax: 1, or 0 at -inf)."""
+        """A reduction over a size-1 axis: the value itself (softmax: 1, or 0 at -inf;
+        argmax: position 0)."""
         if op.kind == "softmax":
             x = self.em.tensor(self.em.convert(x, F32))
             return self.em.assign(f"tl.where({x.text} == {NEG_INF}, 0.0, tl.exp({x.text} - {x.text}))", F32)
-        if op.kind in ("mean", "logsumexp"):
+        red = ops.OPS[op.kind].reduction
+        if red is not None and red.index:
+            return self.em.assign(f"{self.em.tensor(self.em.convert(x, I64)).text} * 0", I64)
+        if op.dtype.is_float:
             return self.em.convert(x, F32)
-        if op.kind == "cumsum" and op.dtype.is_float:
-            return self.em.convert(x, F32)
-        return self.em.convert(x, x.cat if x.cat in (F32, Compute.I64) else I32)
+        return self.em.convert(x, x.cat if x.cat in (F32, I64) else I32)
 
     def scan(self, v: int, x: Val) -> Val:
         """cumsum along the row: within this chunk, plus the chunks before it (`carries[v]`,
@@ -216,29 +224,36 @@ class RowProgram:
         self.body(f"{name} = tl.where(tmask, {x.text}, {fill})")
         return name
 
+    def reduction(self, v: int) -> Reduction | None:
+        """The declaration of a reduction (None: softmax, cumsum)."""
+        return ops.OPS[self.op(v).kind].reduction
+
     def reduce_cat(self, v: int) -> Compute:
-        op = self.op(v)
+        """f32 when the operand or the result is a float, else the operand's integer type."""
         x_type = self.region.value_type(self.operands(v)[0])
-        if op.kind in ("mean", "logsumexp", "softmax") or x_type.dtype.is_float:
+        if self.op(v).dtype.is_float or x_type.dtype.is_float:
             return F32
-        return Compute.I64 if x_type.dtype is DType.I64 else I32
+        return I64 if x_type.dtype is DType.I64 else I32
 
     @staticmethod
-    def identity(kind: str, cat: Compute) -> str:
-        if kind in ("sum", "mean"):
-            return "0.0" if cat is F32 else "0"
+    def identity(red: Reduction, cat: Compute) -> str:
+        """The declared identity as a literal: an integer's extremes stand for -inf and inf."""
+        if not math.isinf(red.identity):
+            return repr(red.identity) if cat is F32 else str(int(red.identity))
         if cat is F32:
-            return NEG_INF if kind == "max" else 'float("inf")'
-        bits = 64 if cat is Compute.I64 else 32
-        return str(-(2 ** (bits - 1))) if kind == "max" else str(2 ** (bits - 1) - 1)
+            return NEG_INF if red.identity < 0 else 'float("inf")'
+        bits = 64 if cat is I64 else 32
+        return str(-(2 ** (bits - 1))) if red.identity < 0 else str(2 ** (bits - 1) - 1)
 
     def wide(self, v: int) -> bool:
-        """Accumulate in f64: an f32 sum or mean."""
-        op = self.op(v)
-        return op.kind in ("sum", "mean", "cumsum") and op.dtype is DType.F32
+        """Accumulate in f64: an f32 cumsum, or a reduction declared `wide` (sum, mean, prod)."""
+        op, red = self.op(v), self.reduction(v)
+        return (op.kind == "cumsum" or (red is not None and red.wide)) and op.dtype is DType.F32
 
-    def mean(self, total: Val, v: int) -> Val:
-        return self.em.assign(f"{total.text} / {self.length}", F32) if self.op(v).kind == "mean" else total
+    def finalized(self, total: Val, red: Reduction) -> Val:
+        if red.finalize is None:
+            return total
+        return self.em.assign(red.finalize.format(total=total.text, length=self.length), F32)
 
     # --- the program ------------------------------------------------------------------------
 
@@ -279,40 +294,48 @@ class RowProgram:
         self.store(vals, full=False)
 
     def one_pass_reduce(self, v: int, x: Val) -> Val:
-        kind, cat, em = self.op(v).kind, self.reduce_cat(v), self.em
+        red, cat, em = self.reduction(v), self.reduce_cat(v), self.em
         x = em.convert(x, cat)
-        if kind in _COLLAPSE:
+        if red is not None and red.index:
+            return self.position(red, cat, self.masked(x, self.identity(red, cat)), "r[None, :]")
+        if red is not None and not red.online:
             if self.wide(v):
                 x = em.assign(f"{em.tensor(x).text}.to(tl.float64)", F32)
-            xm = self.masked(x, self.identity(kind, cat))
-            total = self.collapse(kind, cat, xm)
-            return self.mean(em.assign(total + (".to(tl.float32)" if self.wide(v) else ""), cat), v)
+            xm = self.masked(x, self.identity(red, cat))
+            total = self.collapse(red, cat, xm)
+            return self.finalized(em.assign(total + (".to(tl.float32)" if self.wide(v) else ""), cat), red)
+        # softmax and logsumexp: the online recurrence in one step
         xm = self.masked(x, NEG_INF)
         m = em.assign(f"tl.max({xm}, axis=1)[:, None]", F32)
-        if kind == "logsumexp":
-            ms = em.assign(f'tl.where(tl.abs({m.text}) == float("inf"), 0.0, {m.text})', F32)
-        else:
-            ms = em.assign(f"tl.where({m.text} == {NEG_INF}, 0.0, {m.text})", F32)
+        ms = em.assign(online.finite(m.text) if red is not None else online.shift(m.text), F32)
         e = em.assign(f"tl.exp({xm} - {ms.text})", F32)
         z = em.assign(f"tl.sum({e.text}, axis=1)[:, None]", F32)
-        if kind == "logsumexp":
-            return em.assign(f"{ms.text} + tl.log({z.text})", F32)
+        if red is not None:
+            return em.assign(online.logsumexp(ms.text, z.text), F32)
         return em.assign(f"{e.text} * {self.inverse_sum(m.text, z.text)}", F32)
 
-    def collapse(self, kind: str, cat: Compute, x: str) -> str:
+    def collapse(self, red: Reduction, cat: Compute, x: str) -> str:
         """The reduction of tile `x` along the row; float max/min propagate NaN, like torch."""
-        total = f"{_COLLAPSE[kind]}({x}, axis=1)[:, None]"
-        if kind not in ("max", "min") or cat is not F32:
+        total = red.collapse.format(x=x) + "[:, None]"
+        if red.helper is not None:
+            self.em.helpers.add(red.helper)
+        if not red.nan or cat is not F32:
             return total
         nan = f"tl.max(({x} != {x}).to(tl.int32), axis=1)[:, None] > 0"
         return f'tl.where({nan}, float("nan"), {total})'
 
+    def position(self, red: Reduction, cat: Compute, x: str, positions: str) -> Val:
+        """argmax/argmin of tile `x` along the row: the first position (from the tile
+        `positions`) holding the extremum, a NaN before any number (torch's)."""
+        m = self.em.assign(self.collapse(red, cat, x), cat)
+        hit = f"({x} == {m.text})" + (f" | ({x} != {x})" if cat is F32 else "")
+        return self.em.assign(f"tl.min(tl.where({hit}, {positions}, {_NO_POSITION}), axis=1)"
+                              "[:, None].to(tl.int64)", I64)
+
     def inverse_sum(self, m: str, z: str) -> str:
-        """1 / z for softmax: 0 for a row that is all -inf (z == 0), NaN where torch gives NaN
-        (a NaN in the row makes z NaN; a +inf makes the max +inf)."""
-        inv = self.em.assign(f"tl.where({z} > 0.0, 1.0 / {z}, 0.0)", F32)
-        return self.em.assign(f'tl.where(({m} == float("inf")) | ({z} != {z}), float("nan"), '
-                              f"{inv.text})", F32).text
+        """1 / z for softmax: 0 for a row that is all -inf, NaN where torch gives NaN."""
+        inv = self.em.assign(online.positive_inverse(z), F32)
+        return self.em.assign(f'tl.where({online.nan_row(m, z)}, float("nan"), {inv.text})', F32).text
 
     def emit_phases(self) -> None:
         """Rows longer than a block: one loop per reduction phase, then one to write."""
@@ -355,52 +378,51 @@ class RowProgram:
 
 
     def init_state(self, v: int) -> dict[str, str]:
-        kind, cat = self.op(v).kind, self.reduce_cat(v)
+        red, cat = self.reduction(v), self.reduce_cat(v)
         name = self.em.fresh("acc")
-        if kind in ("logsumexp", "softmax"):
-            self.body(f"{name}_m = tl.full([BLOCK_O, 1], {NEG_INF}, tl.float32)")
-            self.body(f"{name}_z = tl.zeros([BLOCK_O, 1], tl.float32)")
-            return {"m": f"{name}_m", "z": f"{name}_z", "cat": cat}
+        if red is None or red.online:  # softmax, logsumexp
+            m, z = online.init(self.body, name)
+            return {"m": m, "z": z, "cat": cat}
         compute = "tl.float64" if self.wide(v) else TRITON_TYPE[cat]
-        self.body(f"{name} = tl.full([BLOCK_O, BLOCK_R], {self.identity(kind, cat)}, {compute})")
+        self.body(f"{name} = tl.full([BLOCK_O, BLOCK_R], {self.identity(red, cat)}, {compute})")
+        if red.index:  # each lane's position so far: the first, until a later one wins
+            self.body(f"{name}_i = tl.zeros([BLOCK_O, BLOCK_R], tl.int32) + r_base[None, :]")
         return {"acc": name, "cat": cat}
 
     def accumulate(self, v: int, state: dict[str, str], x: Val) -> None:
-        kind, body = self.op(v).kind, self.body
+        red, body = self.reduction(v), self.body
         x = self.em.convert(x, state["cat"])
-        if kind in ("logsumexp", "softmax"):
-            xm = self.masked(x, NEG_INF)
-            m, z = state["m"], state["z"]
-            body(f"{m}_new = tl.maximum({m}, tl.max({xm}, axis=1)[:, None])")
-            body(f'{m}_safe = tl.where(tl.abs({m}_new) == float("inf"), 0.0, {m}_new)')
-            # rescale the sum so far; when the max did not move the factor is 1 (no inf - inf)
-            body(f"{z} = {z} * tl.where({m} == {m}_new, 1.0, tl.exp({m} - {m}_safe)) + "
-                 f"tl.sum(tl.exp({xm} - {m}_safe), axis=1)[:, None]")
-            body(f"{m} = {m}_new")
+        if red is None or red.online:
+            online.update(body, state["m"], state["z"], self.masked(x, NEG_INF))
             return
         if self.wide(v):
             x = self.em.assign(f"{self.em.tensor(x).text}.to(tl.float64)", F32)
-        xm = self.masked(x, self.identity(kind, state["cat"]))
+        xm = self.masked(x, self.identity(red, state["cat"]))
         acc = state["acc"]
-        nan = ", propagate_nan=tl.PropagateNan.ALL" if state["cat"] is F32 else ""
-        body(f"{acc} = " + {"sum": f"{acc} + {xm}", "mean": f"{acc} + {xm}",
-                           "max": f"tl.maximum({acc}, {xm}{nan})",
-                           "min": f"tl.minimum({acc}, {xm}{nan})"}[kind])
+        nan = ", propagate_nan=tl.PropagateNan.ALL" if red.nan and state["cat"] is F32 else ""
+        combined = red.combine.format(a=acc, b=xm, nan=nan)
+        if red.index:  # a lane moves to this position where the value changed; a NaN stays
+            new = self.em.fresh("x")
+            body(f"{new} = {combined}")
+            body(f"{acc}_i = tl.where(({new} != {acc}) & ({acc} == {acc}), r[None, :], {acc}_i)")
+            combined = new
+        body(f"{acc} = {combined}")
 
     def finalize(self, v: int, state: dict[str, str], row_vals: dict[int, Val]) -> None:
-        kind, em = self.op(v).kind, self.em
-        if kind == "logsumexp":
+        red, em = self.reduction(v), self.em
+        if red is None:  # softmax, a full value: later loops compute exp(x - m) / z from these
             m, z = state["m"], state["z"]
-            ms = em.assign(f'tl.where(tl.abs({m}) == float("inf"), 0.0, {m})', F32)
-            row_vals[v] = em.assign(f"{ms.text} + tl.log({z})", F32)
-        elif kind == "softmax":  # a full value: later loops compute exp(x - m) / z from these
-            m, z = state["m"], state["z"]
-            ms = em.assign(f"tl.where({m} == {NEG_INF}, 0.0, {m})", F32)
+            ms = em.assign(online.shift(m), F32)
             self.softmax_stats[v] = (ms.text, self.inverse_sum(m, z))
+        elif red.online:
+            ms = em.assign(online.finite(state["m"]), F32)
+            row_vals[v] = em.assign(online.logsumexp(ms.text, state["z"]), F32)
+        elif red.index:
+            row_vals[v] = self.position(red, state["cat"], state["acc"], f"{state['acc']}_i")
         else:
             narrow = ".to(tl.float32)" if self.wide(v) else ""
-            total = em.assign(self.collapse(kind, state["cat"], state["acc"]) + narrow, state["cat"])
-            row_vals[v] = self.mean(total, v)
+            total = em.assign(self.collapse(red, state["cat"], state["acc"]) + narrow, state["cat"])
+            row_vals[v] = self.finalized(total, red)
 
     def store(self, vals: dict[int, Val], full: bool) -> None:
         for j, v in enumerate(self.region.outputs):
@@ -434,7 +456,8 @@ def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKer
     shape, axis = prog.plan.shape, prog.plan.axis
     limit = one_pass_limit(prog.plan, kernel.region.inputs)
 
-    no_identity = [prog.op(v) for v in sorted(prog.plan.reducing) if not ops.OPS[prog.op(v).kind].empty]
+    no_identity = [prog.op(v) for v in sorted(prog.plan.reducing)
+                   if (r := ops.OPS[prog.op(v).kind].reduction) is not None and not r.empty]
 
     def configure(dims: Mapping[str, int], device: str) -> LaunchConfig:
         length = evaluate(shape[axis], dims)

@@ -74,6 +74,50 @@ class BParam:
     choices: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True, slots=True)
+class Reduction:
+    """How a reduction computes, which every template and pass reads instead of its name.
+
+    A row is reduced in partials (one per lane of a tile, or per block of a row) that
+    `combine` merges, starting from `identity`; `finalize` turns the merged total into the
+    result. The torch meaning is the op's `reference`, its derivative the op's `vjp`.
+    A reduction accumulates in f32 when its operand or its result is a float (an f32 one in
+    f64 when `wide`), otherwise in its operand's integer type (i32 for bool)."""
+
+    # the partial that changes nothing: 0, 1, -inf or inf (an integer's lowest or highest)
+    identity: float
+    # Triton: two partials {a} and {b} merged elementwise; None: `online`, whose partials
+    # are pairs (backends/triton/online.py)
+    combine: str | None
+    # Triton: a tile {x} reduced along `axis=1` (None: `online`)
+    collapse: str | None
+    # a function of backends/triton/expr.HELPERS that `collapse` calls (Triton has no tl.prod)
+    helper: str | None = None
+    # float partials are NaN when one of theirs is (Triton's tl.max drops NaN; torch's
+    # amax keeps it)
+    nan: bool = False
+    # an f32 result accumulates in f64, so an f32 row sum is as good as correctly rounded
+    wide: bool = False
+    # Triton: the result from the merged {total} and the axis' {length}
+    finalize: str | None = None
+    # logsumexp: a running max and a sum rescaled as it grows (backends/triton/online.py)
+    online: bool = False
+    # argmax/argmin: the result is the position of the partial `combine` keeps (the first
+    # of equal ones, a NaN before any number), not its value
+    index: bool = False
+    # the result over an empty axis exists (sum: 0, mean: NaN, logsumexp: -inf); max and min
+    # have none, and torch raises (`diagnostics.EmptyReductionError`)
+    empty: bool = True
+
+    @property
+    def additive(self) -> bool:
+        """Partials add (sum, mean): what a GEMM accumulates from its A tiles in its K loop."""
+        return self.combine == ADD
+
+
+ADD = "{a} + {b}"
+
+
 Infer = Callable[[tuple[TensorType, ...], Mapping[str, Any]], TensorType]
 # (emitter, op, operands read as `reads` says, the result's compute type) -> value
 Render = Callable[..., Any]
@@ -97,9 +141,8 @@ class OpDef:
     # the operand this op reads at indices it computes (`take`): kernels hold it as a
     # pointer, never load it at the tile's index, and never fuse its producer
     gathers: int | None = None
-    # a reduction's value over an empty axis exists (sum: 0, mean: NaN, logsumexp: -inf);
-    # max and min have none, and torch raises (`diagnostics.EmptyReductionError`)
-    empty: bool = True
+    # a reduction's declaration (Category.REDUCTION ops have one, no other op does)
+    reduction: Reduction | None = None
     # the vector-Jacobian product, vjp(adjoint, wanted) -> a contribution per operand or None
     # (`tiledsl.autodiff`); None here: the op has no derivative (differentiating through it
     # is an error naming it)

@@ -24,7 +24,7 @@ from tiledsl.types import (
     result_dtype,
 )
 
-from .core import BParam, Category, NotDifferentiable, Reads, RuleError, define
+from .core import ADD, BParam, Category, NotDifferentiable, Reads, Reduction, RuleError, define
 from .render import take as _take_render
 from .rules import axis, float_of, reduced_shape
 
@@ -147,10 +147,10 @@ def _logsumexp(types, attrs):
     return TensorType(float_of(x.dtype), reduced_shape(x, attrs))
 
 
-def _reduction(kind, infer, function, vjp, empty: bool = True) -> None:
-    define(kind, 1, Category.REDUCTION, infer, params=(X, AXIS, KEEPDIMS),
+def _reduction(kind, infer, function, vjp, reduction: Reduction, reads: Reads = Reads.RESULT) -> None:
+    define(kind, 1, Category.REDUCTION, infer, params=(X, AXIS, KEEPDIMS), reads=reads,
            reference=lambda x, axis, keepdims: function(x, dim=axis, keepdim=keepdims), vjp=vjp,
-           empty=empty)
+           reduction=reduction)
 
 
 # derivative rules (`tiledsl.autodiff`): the gradient of a reduction is read back along
@@ -170,12 +170,51 @@ def _d_logsumexp(d, wanted):
     return (d.where(d.call("eq", lse, d.c(-math.inf)), d.c(0.0), d.mul(d.keep(d.g), p)),)
 
 
+def _d_prod(d, wanted):
+    """g times the product of the others, zeros included: with no zero in the row that is
+    prod / x; with one, the product of the nonzero elements at the zero and 0 elsewhere;
+    with two or more, 0 (torch's rule, without its exclusive cumulative products)."""
+    x, axis = d.x(0), d.attr("axis")
+    zero = d.call("eq", x, d.c(0.0))
+    zeros = d.call("sum", d.call("cast", zero, dtype=DType.I32), axis=axis, keepdims=True)
+    rest = d.call("prod", d.where(zero, d.c(1.0), x), axis=axis, keepdims=True)
+    g = d.keep(d.g)
+    one = d.where(d.call("and", zero, d.call("eq", zeros, d.c(1))), d.mul(g, rest), d.c(0.0))
+    return (d.where(d.call("eq", zeros, d.c(0)), d.div(d.mul(g, rest), x), one),)
+
+
+def _argextremum(kind: str):
+    def rule(types, attrs):
+        (x,) = types
+        if x.dtype is DType.BOOL:  # as torch's
+            raise RuleError(diag.DTypeError, (0,), message=(
+                f"'{kind}' needs a number, got bool; use cast(x, i32) first"))
+        return TensorType(DType.I64, reduced_shape(x, attrs))
+    return rule
+
+
+_SUM = "tl.sum({x}, axis=1)"
 # sum reads its operand as i32 (bool sums count); torch accumulates integers in i64
-_reduction("sum", _sum, torch.sum, lambda d, w: (d.keep(d.g),))
-_reduction("max", _minmax, torch.amax, _d_extremum, empty=False)
-_reduction("min", _minmax, torch.amin, _d_extremum, empty=False)
-_reduction("mean", _mean, torch.mean, lambda d, w: (d.div(d.keep(d.g), d.axis_size()),))
-_reduction("logsumexp", _logsumexp, torch.logsumexp, _d_logsumexp)
+_reduction("sum", _sum, torch.sum, lambda d, w: (d.keep(d.g),), Reduction(0.0, ADD, _SUM, wide=True))
+_reduction("max", _minmax, torch.amax, _d_extremum, Reduction(
+    -math.inf, "tl.maximum({a}, {b}{nan})", "tl.max({x}, axis=1)", nan=True, empty=False))
+_reduction("min", _minmax, torch.amin, _d_extremum, Reduction(
+    math.inf, "tl.minimum({a}, {b}{nan})", "tl.min({x}, axis=1)", nan=True, empty=False))
+_reduction("mean", _mean, torch.mean, lambda d, w: (d.div(d.keep(d.g), d.axis_size()),),
+           Reduction(0.0, ADD, _SUM, wide=True, finalize="{total} / {length}"))
+_reduction("logsumexp", _logsumexp, torch.logsumexp, _d_logsumexp, Reduction(
+    -math.inf, None, None, online=True))
+# prod has sum's dtypes (an i32 product wraps; torch's is i64)
+_reduction("prod", _sum, torch.prod, _d_prod, Reduction(
+    1.0, "{a} * {b}", "tl.reduce({x}, 1, mul_combine)", "mul_combine", wide=True))
+# argmax/argmin: the position (i64, torch's) of the first extremum; integers have no
+# derivative, so they stop the gradient as torch's do
+_reduction("argmax", _argextremum("argmax"), torch.argmax, None, Reduction(
+    -math.inf, "tl.maximum({a}, {b}{nan})", "tl.max({x}, axis=1)", nan=True, index=True, empty=False),
+    reads=Reads.OPERAND)
+_reduction("argmin", _argextremum("argmin"), torch.argmin, None, Reduction(
+    math.inf, "tl.minimum({a}, {b}{nan})", "tl.min({x}, axis=1)", nan=True, index=True, empty=False),
+    reads=Reads.OPERAND)
 
 
 def _softmax(types, attrs):
