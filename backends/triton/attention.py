@@ -31,7 +31,7 @@ from tiledsl.ir import KernelOp, Op
 from tiledsl.plans import AttentionPlan
 from tiledsl.types import Compute, DType
 
-from . import tma
+from . import online, tma
 from .base import (
     EmittedKernel,
     Hints,
@@ -48,8 +48,8 @@ from .base import (
 from .codegen import Code, Signature, next_pow2
 from .expr import Emitter, Val, dot_precision, inputs_read, literal, with_scalar_operands
 from .matmul import operand_tile, tile_ptrs
+from .online import NEG_INF
 
-NEG_INF = '-float("inf")'
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 DOT_HINTS = ("BLOCK_M", "BLOCK_N")
@@ -193,7 +193,7 @@ class AttentionProgram:
         if parts.p_out is not None:
             # a returned P: the statistics are final, so a second walk over every key block
             # (masks applied, nothing skipped: P is written whole) stores P and sums P @ v
-            body('m_fin2 = tl.where(tl.abs(m_i) == float("inf"), 0.0, m_i)')
+            body(f"m_fin2 = {online.finite('m_i')}")
             body("acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)")
             body(f"for n0 in range(0, {self.N}, BLOCK_N):")
             with body.indent():
@@ -256,8 +256,8 @@ class AttentionProgram:
             body("m_new = tl.maximum(m_i, tl.max(t, 1))")
             # an infinite max is replaced by 0: -inf (all masked so far) gives p = 0, +inf
             # (torch: a NaN row, logsumexp +inf) gives l_i = +inf, never inf - inf
-            body('m_safe = tl.where(tl.abs(m_new) == float("inf"), 0.0, m_new)')
-            body("alpha = tl.where(m_i == m_new, 1.0, tl.exp2(m_i - m_safe))")
+            body(f"m_safe = {online.finite('m_new')}")
+            body(f"alpha = {online.rescale('m_i', 'm_new', 'm_safe', exp='tl.exp2')}")
             body("p = tl.exp2(t - m_safe[:, None])")
             body("l_i = l_i * alpha + tl.sum(p, 1)")
             if phase == "stats":
@@ -381,8 +381,8 @@ class AttentionProgram:
         """1 / the row sums, once the recurrence is finished. All masked: l_i == 0, output 0,
         lse -inf; a NaN score makes l_i NaN and a +inf one m_i +inf: the row is NaN like
         torch's softmax, lse NaN or +inf like torch's logsumexp."""
-        self.body('nan_row = (m_i == float("inf")) | (l_i != l_i)')
-        self.body('inv = tl.where(nan_row, float("nan"), tl.where(l_i > 0.0, 1.0 / l_i, 0.0))')
+        self.body(f"nan_row = {online.nan_row('m_i', 'l_i')}")
+        self.body(f'inv = tl.where(nan_row, float("nan"), {online.positive_inverse("l_i")})')
 
     def finish_rows(self) -> None:
         """Normalise the output (a returned P was normalised already), compute logsumexp,

@@ -6,7 +6,7 @@ The guards keep special rows as torch has them: an infinite max is shifted to 0 
 it is subtracted, so a row that is all -inf gives z = 0 (softmax 0, logsumexp -inf) and
 one holding +inf gives z = +inf, never inf - inf; the sum so far is rescaled by 1 where
 the max did not move. A NaN makes z NaN. These build Triton source text; the templates
-(rows; attention should follow, see `finite`, `rescale`) name the values.
+(rows, attention) name the values.
 """
 
 from __future__ import annotations
