@@ -10,15 +10,14 @@ the declared return type).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from tiledsl import ast, ops
 from tiledsl import diagnostics as diag
+from tiledsl.builder import Builder
 from tiledsl.builtins import BUILTINS, REQUIRED, TILE_HINTS, TORCH_SPELLINGS, BParam, Builtin
 from tiledsl.dims import Lin, factors
-from tiledsl.dims import build as build_dim
 from tiledsl.dims import symbols as dim_symbols
-from tiledsl.ir import Graph, Op, make_attrs
+from tiledsl.ir import Graph
 from tiledsl.ops.structure import index_dtype_message
 from tiledsl.parser import LITERAL_WORDS
 from tiledsl.source import Span
@@ -73,6 +72,7 @@ class _KernelBuilder:
         self.check_bounds = check_bounds
         self.checks: list[tuple[int, tuple]] = []  # (count node, Graph.checks entry)
         self.graph = Graph(kernel.name, kernel.span)
+        self.b = Builder(self.graph)
         # name -> (node, span where it was bound)
         self.scope: dict[str, tuple[int, Span]] = {}
         # dim symbol -> (param name, span of its first occurrence)
@@ -140,9 +140,8 @@ class _KernelBuilder:
                 param.name_span, [diag.Note("first declared here", first)], name=param.name)
         t = self._type(param.type, param.name)
         scalar = param.type.dims is None
-        op = Op("param", t.dtype, t.shape,
-                make_attrs(name=param.name, index=index, scalar=scalar, type=t), param.span)
-        self.scope[param.name] = (self.graph.add(op, []), param.name_span)
+        node = self.b.param(t, param.span, name=param.name, index=index, scalar=scalar)
+        self.scope[param.name] = (node, param.name_span)
 
     def _type(self, texpr: ast.TypeExpr, owner: str | None) -> TensorType:
         dtype = DTYPES.get(texpr.dtype)
@@ -200,37 +199,15 @@ class _KernelBuilder:
                     raise diag.ReturnTypeError(value.span, note, message=(
                         f"{which} is {got.dtype} but the kernel declares {want.dtype}; "
                         f"convert it explicitly with cast(..., {want.dtype})"))
-                node = self._emit("cast", [(node, value.span)], value.span, dtype=want.dtype)
+                node = self.b.user_op("cast", [(node, value.span)], value.span, dtype=want.dtype)
             outs.append(node)
         if self.checks:
             outs += [node for node, _ in self.checks]
             self.graph.returns += (TensorType(DType.I32, ()),) * len(self.checks)
             self.graph.checks = tuple(check for _, check in self.checks)
-        self.graph.add(Op("return", DType.BOOL, (), (), stmt.span), outs)
+        self.b.ret(outs, stmt.span)
 
     # --- expressions --------------------------------------------------------------------
-
-    def _emit(self, kind: str, operands: list[tuple[int, Span]], span: Span, **attrs: Any) -> int:
-        """Add an op, inferring its type; a refused rule becomes a located error."""
-        types = tuple(self.graph.op(n).type for n, _ in operands)
-        try:
-            t = ops.infer(kind, types, attrs)
-        except ops.RuleError as err:
-            notes = [
-                diag.Note(f"this operand is {types[i]}", operands[i][1])
-                for i in err.operands if i < len(operands)
-            ]
-            raise err.cls(span, notes, **err.fields) from None
-        op = Op(kind, t.dtype, t.shape, make_attrs(**attrs), span, t.weak)
-        return self.graph.add(op, [n for n, _ in operands])
-
-    def _const(self, value: object, dtype: DType, span: Span) -> int:
-        t = TensorType(dtype, (), True)
-        return self.graph.add(Op("const", dtype, (), make_attrs(value=value, type=t), span, True), [])
-
-    def _dim(self, symbol: str, span: Span) -> int:
-        t = TensorType(DType.I32, (), True)
-        return self.graph.add(Op("dim", DType.I32, (), make_attrs(symbol=symbol, type=t), span, True), [])
 
     def expr(self, e: ast.Expr) -> int:
         method = getattr(self, "_" + type(e).__name__)
@@ -240,7 +217,7 @@ class _KernelBuilder:
         if e.id in self.scope:
             return self.scope[e.id][0]
         if e.id in self.dims:
-            return self._dim(e.id, e.span)
+            return self.b.dim(e.id, e.span)
         if e.id in BUILTINS:
             raise diag.UndefinedNameError(e.span, name=e.id,
                                           hint=f"; '{e.id}' is a function, call it as {e.id}(...)")
@@ -251,13 +228,13 @@ class _KernelBuilder:
         if e.value > I32_MAX:
             raise diag.ConstantExpected(e.span, what=f"integer literal {e.value}",
                                         expected=f"at most {I32_MAX} (it must fit in i32)")
-        return self._const(e.value, DType.I32, e.span)
+        return self.b.const(e.value, DType.I32, e.span)
 
     def _FloatLit(self, e: ast.FloatLit) -> int:
-        return self._const(e.value, DType.F32, e.span)
+        return self.b.const(e.value, DType.F32, e.span)
 
     def _BoolLit(self, e: ast.BoolLit) -> int:
-        return self._const(e.value, DType.BOOL, e.span)
+        return self.b.const(e.value, DType.BOOL, e.span)
 
     def _NoneLit(self, e: ast.NoneLit) -> int:
         raise diag.DTypeError(e.span, message="None is only allowed as axis=None (every axis)")
@@ -278,19 +255,19 @@ class _KernelBuilder:
         operand = self.expr(e.operand)
         if e.op == "+":
             return operand
-        return self._emit("neg" if e.op == "-" else "not", [(operand, e.operand.span)], e.span)
+        return self.b.user_op("neg" if e.op == "-" else "not", [(operand, e.operand.span)], e.span)
 
     def _Binary(self, e: ast.Binary) -> int:
         lhs, rhs = self.expr(e.lhs), self.expr(e.rhs)
         kind = "matmul" if e.op == "@" else ops.BINARY_KINDS[e.op]
-        return self._emit(kind, [(lhs, e.lhs.span), (rhs, e.rhs.span)], e.span)
+        return self.b.user_op(kind, [(lhs, e.lhs.span), (rhs, e.rhs.span)], e.span)
 
     def _Compare(self, e: ast.Compare) -> int:
         if len(e.ops) > 1:
             raise diag.ChainedComparisonError(e.span, op1=e.ops[0], op2=e.ops[1])
         lhs, rhs = (self.expr(x) for x in e.operands)
         kind = ops.COMPARE_KINDS[e.ops[0]]
-        return self._emit(kind, [(lhs, e.operands[0].span), (rhs, e.operands[1].span)], e.span)
+        return self.b.user_op(kind, [(lhs, e.operands[0].span), (rhs, e.operands[1].span)], e.span)
 
     def _Attribute(self, e: ast.Attribute) -> int:
         if e.name != "T":
@@ -300,7 +277,7 @@ class _KernelBuilder:
         if t.rank < 2:
             raise diag.RankError(e.span, [diag.Note(f"this value is {t}", e.value.span)],
                                  message=f"'.T' needs a value of rank 2 or more, got rank {t.rank}")
-        return self._emit("transpose", [(value, e.value.span)], e.span, dims=(t.rank - 2, t.rank - 1))
+        return self.b.user_op("transpose", [(value, e.value.span)], e.span, dims=(t.rank - 2, t.rank - 1))
 
     # --- indexing ----------------------------------------------------------------------------
 
@@ -337,7 +314,7 @@ class _KernelBuilder:
         axis = 0
         for item in items:
             if not isinstance(item, ast.Slice) and axis not in advanced:
-                advanced[axis] = (self._const(_literal_int(item), DType.I32, item.span), item.span)
+                advanced[axis] = (self.b.const(_literal_int(item), DType.I32, item.span), item.span)
             axis += 1
         basic = [ast.Slice(i.span, None, None, None) if k in advanced else i for k, i in enumerate(items)]
         if any(i.start is not None or i.stop is not None or i.step is not None for i in basic):
@@ -382,7 +359,7 @@ class _KernelBuilder:
                 out.append(("at", index.dim()))
             axis += 1
         self.graph.requires = tuple(requires)
-        return self._emit("slice", [(value, e.value.span)], e.span, items=tuple(out))
+        return self.b.user_op("slice", [(value, e.value.span)], e.span, items=tuple(out))
 
     def _range(self, item: ast.Slice, size: Lin, requires: list) -> tuple:
         step = 1 if item.step is None else _literal_int(item.step)
@@ -481,7 +458,7 @@ class _KernelBuilder:
             else:
                 pos = before.index(a) if a in before else b0 + len(b) + after.index(a)
                 indices.append((self._index_of(out, pos, e.span), e.span))
-        return self._emit("take", [(value, e.value.span), *indices], e.span)
+        return self.b.user_op("take", [(value, e.value.span), *indices], e.span)
 
     def _check_index(self, x: int, t: TensorType, axis: int, idx: int, ispan: Span,
                      span: Span) -> None:
@@ -489,15 +466,15 @@ class _KernelBuilder:
         `axis` (size n) of `x`, as one more (hidden) output of the program."""
         if not self.check_bounds:
             return
-        n = self._dim_value(Lin.of(t.shape[axis]), ispan)
-        low = self._emit("lt", [(idx, ispan), (self._emit("neg", [(n, ispan)], ispan), ispan)], ispan)
-        high = self._emit("ge", [(idx, ispan), (n, ispan)], ispan)
-        count = self._emit("or", [(low, ispan), (high, ispan)], ispan)
+        n = self.b.size(Lin.of(t.shape[axis]).dim(), ispan)
+        low = self.b.user_op("lt", [(idx, ispan), (self.b.user_op("neg", [(n, ispan)], ispan), ispan)], ispan)
+        high = self.b.user_op("ge", [(idx, ispan), (n, ispan)], ispan)
+        count = self.b.user_op("or", [(low, ispan), (high, ispan)], ispan)
         rank = self.graph.op(count).type.rank
         if rank == 0:
-            count = self._emit("cast", [(count, ispan)], ispan, dtype=DType.I32)
+            count = self.b.user_op("cast", [(count, ispan)], ispan, dtype=DType.I32)
         for a in reversed(range(rank)):
-            count = self._emit("sum", [(count, ispan)], ispan, axis=a, keepdims=False)
+            count = self.b.user_op("sum", [(count, ispan)], ispan, axis=a, keepdims=False)
         source = x
         while ops.category(self.graph.op(source).kind) is ops.Category.LAYOUT:
             source = self.graph.operands(source)[0]
@@ -511,9 +488,9 @@ class _KernelBuilder:
         """The index along `axis` of a value of `shape`, as an index value that broadcasts
         (size 1 along every other axis)."""
         if shape[axis] == 1:
-            return self._const(0, DType.I32, span)
+            return self.b.const(0, DType.I32, span)
         small = tuple(d if k == axis else 1 for k, d in enumerate(shape))
-        return self._emit("index", [], span, axis=axis, shape=small)
+        return self.b.user_op("index", [], span, axis=axis, shape=small)
 
     def _reindex(self, node: int, indices: list[int], span: Span) -> int:
         """`node` read at `indices` (one index value per axis), computed where it is read:
@@ -524,7 +501,7 @@ class _KernelBuilder:
             return node
         if op.kind == "index":
             axis = op.attr("axis")
-            return self._const(0, DType.I32, span) if op.shape[axis] == 1 else indices[axis]
+            return self.b.const(0, DType.I32, span) if op.shape[axis] == 1 else indices[axis]
         if ops.is_elementwise(op.kind):
             operands = []
             for slot, o in enumerate(self.graph.operands(node)):
@@ -533,13 +510,13 @@ class _KernelBuilder:
                     operands.append((o, span))
                     continue
                 lead = op.type.rank - ot.rank
-                sub = [self._const(0, DType.I32, span) if d == 1 else indices[lead + k]
+                sub = [self.b.const(0, DType.I32, span) if d == 1 else indices[lead + k]
                        for k, d in enumerate(ot.shape)]
                 operands.append((self._reindex(o, sub, span), span))
-            return self._emit(op.kind, operands, op.span or span, **op.attr_map)
-        sub = [self._const(0, DType.I32, span) if d == 1 else i
+            return self.b.user_op(op.kind, operands, op.span or span, **op.attr_map)
+        sub = [self.b.const(0, DType.I32, span) if d == 1 else i
                for d, i in zip(op.shape, indices, strict=True)]
-        return self._emit("take", [(node, span), *((i, span) for i in sub)], span)
+        return self.b.user_op("take", [(node, span), *((i, span) for i in sub)], span)
 
     def _concat(self, e: ast.Call) -> int:
         """concat(a, b, ..., axis=): each output element reads the piece it falls in, at its
@@ -579,21 +556,15 @@ class _KernelBuilder:
         for (node, span), offset in zip(pieces, offsets, strict=True):
             shifted = idx
             if offset != Lin():
-                start = self._dim_value(offset, e.span)
-                shifted = self._emit("sub", [(idx, e.span), (start, e.span)], e.span)
+                start = self.b.size(offset.dim(), e.span)
+                shifted = self.b.user_op("sub", [(idx, e.span), (start, e.span)], e.span)
             indices = [shifted if d == axis else self._index_of(out, d, e.span) for d in range(first.rank)]
             values.append((self._reindex(node, indices, span), span))
         result = values[-1]
         for (value, span), offset in zip(reversed(values[:-1]), reversed(offsets[1:]), strict=True):
-            cond = self._emit("lt", [(idx, e.span), (self._dim_value(offset, e.span), e.span)], e.span)
-            result = (self._emit("where", [(cond, e.span), (value, span), result], e.span), e.span)
+            cond = self.b.user_op("lt", [(idx, e.span), (self.b.size(offset.dim(), e.span), e.span)], e.span)
+            result = (self.b.user_op("where", [(cond, e.span), (value, span), result], e.span), e.span)
         return result[0]
-
-    def _dim_value(self, x: Lin, span: Span) -> int:
-        """A dim expression as a value (a weak i32 computed from dim values)."""
-        return build_dim(x.dim(), lambda name: self._dim(name, span),
-                          lambda k: self._const(k, DType.I32, span),
-                          lambda kind, *args: self._emit(kind, [(a, span) for a in args], span))
 
     def _Call(self, e: ast.Call) -> int:
         if e.func in self.scope:
@@ -622,7 +593,7 @@ class _KernelBuilder:
         attrs = {p.name: _constant(args.get(p.name), p, e.func)
                  for p in b.params if p.kind != "value"}
         operands = [self._value(args, p.name) for p in b.params if p.kind == "value"]
-        return self._emit(e.func, operands, e.span, **attrs)
+        return self.b.user_op(e.func, operands, e.span, **attrs)
 
     def _axis_arg(self, e: ast.Call, args: dict[str, ast.Expr], name: str, rank: int,
                   default: int | None = -1) -> int:
@@ -652,7 +623,7 @@ class _KernelBuilder:
                 raise type(err)(err.span, (*err.notes, note), **err.fields) from None
             raise
         keepdims = _const_bool(args.get("keepdims"), f"'keepdims' of '{e.func}'")
-        return self._emit(e.func, [x], e.span, axis=axis, keepdims=keepdims)
+        return self.b.user_op(e.func, [x], e.span, axis=axis, keepdims=keepdims)
 
     def _reduce_axes(self, e: ast.Call, x: tuple[int, Span], given: ast.Expr, rank: int,
                      args: dict[str, ast.Expr]) -> int:
@@ -673,7 +644,7 @@ class _KernelBuilder:
                     raise diag.DuplicateAxisError(item.span, axis=axis, func=e.func)
                 axes.append(norm)
         for axis in sorted(axes, reverse=True):
-            x = (self._emit(e.func, [x], e.span, axis=axis, keepdims=keepdims), e.span)
+            x = (self.b.user_op(e.func, [x], e.span, axis=axis, keepdims=keepdims), e.span)
         return x[0]
 
     def _call_along(self, e: ast.Call, b: Builtin, args: dict[str, ast.Expr]) -> int:
@@ -682,20 +653,20 @@ class _KernelBuilder:
         rank = self.graph.op(x[0]).type.rank
         if rank == 0:
             raise diag.RankError(e.span, message=f"'{e.func}' needs a value of rank 1 or more")
-        return self._emit(e.func, [x], e.span, axis=self._axis_arg(e, args, "axis", rank))
+        return self.b.user_op(e.func, [x], e.span, axis=self._axis_arg(e, args, "axis", rank))
 
     def _call_transpose(self, e: ast.Call, b: Builtin, args: dict[str, ast.Expr]) -> int:
         x = self._value(args, "x")
         rank = self.graph.op(x[0]).type.rank
         a = self._axis_arg(e, args, "a", rank, None)
         b_ = self._axis_arg(e, args, "b", rank, None)
-        return self._emit("transpose", [x], e.span, dims=(min(a, b_), max(a, b_)))
+        return self.b.user_op("transpose", [x], e.span, dims=(min(a, b_), max(a, b_)))
 
     def _call_index(self, e: ast.Call, b: Builtin, args: dict[str, ast.Expr]) -> int:
         x, _ = self._value(args, "x")
         shape = self.graph.op(x).shape
         axis = self._axis_arg(e, args, "axis", len(shape), None)
-        return self._emit("index", [], e.span, axis=axis, shape=shape)
+        return self.b.user_op("index", [], e.span, axis=axis, shape=shape)
 
     def _call_causal(self, e: ast.Call, b: Builtin, args: dict[str, ast.Expr]) -> int:
         x, xspan = self._value(args, "x")
@@ -703,9 +674,9 @@ class _KernelBuilder:
         if t.rank < 2:
             raise diag.RankError(e.span, [diag.Note(f"this value is {t}", xspan)],
                                  message=f"'causal' needs a value of rank 2 or more, got rank {t.rank}")
-        row = self._emit("index", [], e.span, axis=t.rank - 2, shape=t.shape)
-        col = self._emit("index", [], e.span, axis=t.rank - 1, shape=t.shape)
-        return self._emit("ge", [(row, e.span), (col, e.span)], e.span)
+        row = self.b.user_op("index", [], e.span, axis=t.rank - 2, shape=t.shape)
+        col = self.b.user_op("index", [], e.span, axis=t.rank - 1, shape=t.shape)
+        return self.b.user_op("ge", [(row, e.span), (col, e.span)], e.span)
 
     def _call_gather(self, e: ast.Call, b: Builtin, args: dict[str, ast.Expr]) -> int:
         """torch.gather: `out[.., j, ..] = x[.., idx[.., j, ..], ..]` along `axis`, with idx of
@@ -728,7 +699,7 @@ class _KernelBuilder:
         if it.rank == xt.rank:
             indices[axis] = (idx, ispan)
         self._check_index(x, xt, axis, idx, ispan, e.span)
-        return self._emit("take", [(x, xspan), *indices], e.span)
+        return self.b.user_op("take", [(x, xspan), *indices], e.span)
 
 
     def _call_reshape(self, e: ast.Call, b: Builtin, args: dict[str, ast.Expr]) -> int:
@@ -772,7 +743,7 @@ class _KernelBuilder:
             self._require(-diff, given.span, message, requires)
             self.graph.requires = tuple(requires)
         copy = _const_bool(args.get("copy"), "'copy' of 'reshape'")
-        return self._emit("reshape", [(x, xspan)], e.span, shape=new, copy=copy)
+        return self.b.user_op("reshape", [(x, xspan)], e.span, shape=new, copy=copy)
 
     def _call_expand(self, e: ast.Call, b: Builtin, args: dict[str, ast.Expr]) -> int:
         """expand(x, [d0, ...]): x broadcast to a shape; -1 keeps x's dim (torch's expand)."""
@@ -790,7 +761,7 @@ class _KernelBuilder:
                 raise diag.IndexingError(item.span, message=(
                     f"an expand dim must be at least 1, got {d.const}"))
             shape.append(d.dim())
-        return self._emit("expand", [(x, xspan)], e.span, shape=tuple(shape))
+        return self.b.user_op("expand", [(x, xspan)], e.span, shape=tuple(shape))
 
     def _call_squeeze(self, e: ast.Call, b: Builtin, args: dict[str, ast.Expr]) -> int:
         """squeeze(x, axis): drops size-1 axes (an int or a tuple of them), a view."""
@@ -813,7 +784,7 @@ class _KernelBuilder:
                        f" (to take index 0 of it, write x[{', '.join([':'] * norm + ['0'])}])")))
             axes[norm] = item
         out = tuple(("at", 0) if k in axes else ("range", 0, d, 1, d) for k, d in enumerate(t.shape))
-        return self._emit("slice", [(x, xspan)], e.span, items=out)
+        return self.b.user_op("slice", [(x, xspan)], e.span, items=out)
 
 
 def _shape_list(given: ast.Expr, func: str, example: str) -> ast.ListLit | ast.TupleLit:
