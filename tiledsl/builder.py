@@ -4,8 +4,9 @@ Every op sema, autodiff and the passes add to a graph is built here: its kind,
 operands, span and attributes are given, and its dtype, shape and weakness are
 what `ops.infer` says of its operands (a source op, `param`, `const` or `dim`,
 is typed by its `type` attribute, like any other op by its rule). So a graph
-built by any of them is well typed by construction, and the verifier's re-check
-after each pass only finds ops a pass retyped in place.
+built by any of them is well typed by construction; the verifier's re-check
+after each pass (`TILEDSL_VERIFY=1`) guards the rest: an op whose operands a
+pass rewired without `retype`.
 
 A rule that refuses its operands is the user's error in sema (`user_op`: a
 located diagnostic, notes at the operands it blames) and a compiler bug

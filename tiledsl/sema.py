@@ -66,7 +66,6 @@ def select_kernel(program: ast.Program, name: str | None) -> ast.Kernel:
 class _KernelBuilder:
     def __init__(self, kernel: ast.Kernel, check_bounds: bool = False) -> None:
         self.kernel = kernel
-        self.check_bounds = check_bounds
         self.graph = Graph(kernel.name, kernel.span)
         self.b = Builder(self.graph)
         # name -> (node, span where it was bound)
