@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from tiledsl import ops
 from tiledsl.dims import Lin
-from tiledsl.ir import Graph, Op, make_attrs
+from tiledsl.ir import Graph, Op
 from tiledsl.ops import Reads
 from tiledsl.passes.registry import Pass, PassContext, register
 from tiledsl.passes.rewrite import Pattern, Rewriter, apply_patterns
@@ -92,10 +92,7 @@ class FoldConstants(Pattern):
         if isinstance(value, float) and math.isnan(value):
             return False
         value = _round(value, op.dtype if op.kind == "cast" else _as_python(op.dtype))
-        t = TensorType(op.dtype, (), True)
-        new = rewriter.create(
-            Op("const", op.dtype, (), make_attrs(value=value, type=t), op.span, True), [])
-        rewriter.replace(node, new)
+        rewriter.replace(node, rewriter.build.const(value, op.dtype, op.span))
         return True
 
 
@@ -191,10 +188,8 @@ class MergeReductions(Pattern):
         xt = graph.result_type(*x)
         size = (Lin.of(xt.shape[lo]) * Lin.of(xt.shape[lo + 1])).dim()
         merged = xt.shape[:lo] + (size,) + ((1,) if kept else ()) + xt.shape[lo + 2:]
-        view = rewriter.create(Op("reshape", xt.dtype, merged, make_attrs(shape=merged, copy=True),
-                                  inner_op.span, xt.weak), [x])
-        merged_op = op.replace(attrs=make_attrs(axis=lo, keepdims=keep))
-        rewriter.replace(node, rewriter.create(merged_op, [view]))
+        view = rewriter.build.op("reshape", [x], inner_op.span, shape=merged, copy=True)
+        rewriter.replace(node, rewriter.build.op(op.kind, [view], op.span, axis=lo, keepdims=keep))
         return True
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tiledsl import cost
+from tiledsl.builder import Builder
 from tiledsl.ir import Graph, Op
 from tiledsl.passes.fusion.legality import describe_node
 from tiledsl.passes.fusion.remarks import FusionRemark
@@ -52,9 +53,9 @@ class DistributeMatmul(Pass):
                 f"{describe_node(graph, y)}) @ v is computed as two products, one per softmax, so "
                 f"each can be a flash-attention kernel (modelled saving: {saved} B of probabilities "
                 "stored and read)"))
-            left = graph.add(op, [x, b])
-            right = graph.add(op, [y, b])
-            combined = graph.add(Op(a_op.kind, op.dtype, op.shape, (), a_op.span), [left, right])
+            build = Builder(graph)
+            left, right = build.copy(op, [x, b]), build.copy(op, [y, b])
+            combined = build.op(a_op.kind, [left, right], a_op.span)
             graph.replace_uses(mm, combined)
             graph.remove(mm)
             graph.remove(a)

@@ -36,7 +36,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tiledsl import ops
-from tiledsl.ir import Graph, Op, make_attrs
+from tiledsl.builder import Builder
+from tiledsl.ir import Graph, Op
 from tiledsl.passes.fusion.admission import keys_are_data
 from tiledsl.passes.fusion.attention import reduction_axes
 from tiledsl.passes.fusion.grow import rewrite_groups
@@ -158,14 +159,13 @@ class _Match:
             last = graph.op(chain[-1])
             if last.dtype not in (DType.F16, DType.BF16):
                 continue
-            op = graph.op(x)
-            wide = graph.add(Op("cast", DType.F32, op.shape, make_attrs(dtype=DType.F32), op.span), [x])
+            b = Builder(graph)
+            wide = b.op("cast", [x], graph.op(x).span, dtype=DType.F32)
             self.space.add(wide)
             graph.set_operands(chain[0], [wide])
             for n in chain:
-                graph.set_op(n, graph.op(n).replace(dtype=DType.F32))
-            narrow = graph.add(Op("cast", last.dtype, last.shape, make_attrs(dtype=last.dtype), last.span),
-                               [chain[-1]])
+                b.retype(n)
+            narrow = b.op("cast", [chain[-1]], last.span, dtype=last.dtype)
             for user, slot in graph.users(chain[-1]):
                 if user != narrow:
                     edges = graph.operand_edges(user)
@@ -204,9 +204,9 @@ class _Match:
                         o != t and not _scalar(graph, o) for o in graph.operands(after[0][0])):
                     break
                 e = after[0][0]
-                moved = graph.add(op.replace(shape=graph.op(node).shape),
-                                  [(node, 0) if o == t else (o, r) for o, r in graph.operand_edges(e)])
-                view = graph.add(graph.op(t).replace(dtype=op.dtype), [moved])
+                b = Builder(graph)
+                moved = b.copy(op, [(node, 0) if o == t else (o, r) for o, r in graph.operand_edges(e)])
+                view = b.copy(graph.op(t), [moved])
                 graph.replace_uses(e, view)
                 graph.remove(e)
                 graph.remove(t)
@@ -220,8 +220,9 @@ class _Match:
         mine = self.members(graph, "keys")
         clones: dict[int, int] = {}
         order = {n: i for i, n in enumerate(graph.topo_order())}
+        b = Builder(graph)
         for n in sorted((n for n in mine if n in shared), key=order.__getitem__):
-            clones[n] = graph.add(graph.op(n), [(clones.get(s, s), r) for s, r in graph.operand_edges(n)])
+            clones[n] = b.copy(graph.op(n), [(clones.get(s, s), r) for s, r in graph.operand_edges(n)])
         for n in mine:  # the keys kernel's own ops read the copies
             edges = graph.operand_edges(n)
             if n not in shared and any(s in clones for s, _ in edges):
@@ -466,18 +467,16 @@ def _copy_prologue(graph: Graph, node: int, transpose: Op | None = None) -> int:
     tensor, in its shape) for one dot's use."""
     if transpose is None and _is(graph, node, "transpose"):
         transpose, (node,) = graph.op(node), graph.operands(node)
-    op = graph.op(node)
-    if transpose is not None:
-        op = op.replace(shape=transpose.shape)
+    b = Builder(graph)
     edges = []
     for src, res in graph.operand_edges(node):
         if _prologue(graph, src):
             edges.append((_copy_prologue(graph, src, transpose), 0))
         elif transpose is not None and not _scalar(graph, src):  # the loaded tensor, transposed
-            edges.append((graph.add(transpose, [(src, res)]), 0))
+            edges.append((b.copy(transpose, [(src, res)]), 0))
         else:
             edges.append((src, res))
-    return graph.add(op, edges)
+    return b.copy(graph.op(node), edges)
 
 
 def _space(graph: Graph, x: int, order: dict[int, int]) -> tuple[list[int], set[int]] | None:

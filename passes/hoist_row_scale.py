@@ -32,7 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tiledsl import cost
-from tiledsl.ir import Edge, Graph, Op, make_attrs
+from tiledsl.builder import Builder
+from tiledsl.ir import Edge, Graph, Op
 from tiledsl.passes.fuse_epilogue import FuseEpilogue
 from tiledsl.passes.fusion.legality import describe_node
 from tiledsl.passes.fusion.remarks import FusionRemark, Refusal, Rule
@@ -184,19 +185,18 @@ def _hoist(graph: Graph, mm: int, pairs: list[tuple[int, Edge]]) -> None:
         graph.replace_uses(mul, other[0], new_res=other[1])
         graph.remove(mul)
     users = graph.users(mm)
+    b = Builder(graph)
 
     def f32(value: Edge, span) -> Edge:
-        t = graph.result_type(*value)
-        if t.dtype is DType.F32:
+        if graph.result_type(*value).dtype is DType.F32:
             return value
-        return graph.add(Op("cast", DType.F32, t.shape, make_attrs(dtype=DType.F32), span), [value]), 0
+        return b.op("cast", [value], span, dtype=DType.F32), 0
 
     product = f32((mm, 0), op.span)
     for (_, factor), span in zip(pairs, spans, strict=True):
-        product = graph.add(Op("mul", DType.F32, op.shape, (), span),
-                            [product, f32(factor, _value_op(graph, factor).span)]), 0
+        product = b.op("mul", [product, f32(factor, _value_op(graph, factor).span)], span), 0
     if op.dtype is not DType.F32:
-        product = graph.add(Op("cast", op.dtype, op.shape, make_attrs(dtype=op.dtype), op.span), [product]), 0
+        product = b.op("cast", [product], op.span, dtype=op.dtype), 0
     for user, slot in users:
         edges = graph.operand_edges(user)
         edges[slot] = product

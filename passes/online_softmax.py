@@ -30,8 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tiledsl import ops
-from tiledsl.ir import Edge, Graph, Op, make_attrs
+from tiledsl.ir import Edge, Graph, Op
 from tiledsl.passes.registry import Pass, PassContext, register
 from tiledsl.passes.rewrite import Pattern, Rewriter, apply_patterns
 from tiledsl.types import broadcast_shapes
@@ -63,10 +62,9 @@ def _only_used_by(graph: Graph, node: int, users: set[int]) -> bool:
 
 def _replace(graph: Graph, node: int, op: Op, kind: str, x: Edge, rewriter: Rewriter, **attrs) -> bool:
     """Replace `node` by `kind(x, **attrs)` when that has exactly `node`'s type."""
-    attrs_t = make_attrs(**attrs)
-    if ops.OPS[kind].infer((graph.result_type(*x),), dict(attrs_t)) != op.type:
+    if rewriter.build.type_of(kind, [x], **attrs) != op.type:
         return False
-    rewriter.replace(node, rewriter.create(Op(kind, op.dtype, op.shape, attrs_t, op.span), [x]))
+    rewriter.replace(node, rewriter.build.op(kind, [x], op.span, **attrs))
     return True
 
 
@@ -143,16 +141,13 @@ class RecognizeSinkSoftmax(Pattern):
         if xt.dtype is not op.dtype or st.dtype is not op.dtype and not st.weak:
             return False
         row_shape = xt.shape[:axis] + (1,) + xt.shape[axis + 1:]
-        span = op.span
-        sm = rewriter.create(Op("softmax", op.dtype, xt.shape, make_attrs(axis=axis), span), [x])
-        lse = rewriter.create(Op("logsumexp", op.dtype, row_shape, make_attrs(axis=axis, keepdims=True),
-                                 span), [x])
-        shape = broadcast_shapes(row_shape, st.shape)
-        if shape != row_shape:
+        if broadcast_shapes(row_shape, st.shape) != row_shape:
             return False
-        gap = rewriter.create(Op("sub", op.dtype, row_shape, (), span), [lse, sink])
-        keep = rewriter.create(Op("sigmoid", op.dtype, row_shape, (), span), [gap])
-        rewriter.replace(node, rewriter.create(Op("mul", op.dtype, op.shape, (), span), [sm, keep]))
+        b, span = rewriter.build, op.span
+        sm = b.op("softmax", [x], span, axis=axis)
+        lse = b.op("logsumexp", [x], span, axis=axis, keepdims=True)
+        keep = b.op("sigmoid", [b.op("sub", [lse, sink], span)], span)
+        rewriter.replace(node, b.op("mul", [sm, keep], span))
         return True
 
 

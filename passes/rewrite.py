@@ -9,24 +9,25 @@ nodes whose operands changed are revisited, replaced nodes are erased.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
-from tiledsl.ir import Graph, Op, Payload
+from tiledsl.builder import Builder
+from tiledsl.ir import Graph, Op
 
 
 class Rewriter:
-    """The only way a pattern changes the graph."""
+    """The only way a pattern changes the graph: new ops through `build`, then `replace`."""
 
     def __init__(self, graph: Graph) -> None:
         self.graph = graph
         self.worklist: list[int] = []
         self.changed = False
+        self.build = Builder(graph, self)
 
-    def create(self, op: Payload, operands: Iterable[int | tuple[int, int]]) -> int:
-        node = self.graph.add(op, operands)
+    def created(self, node: int) -> None:
+        """`build` added `node`: its patterns run on it too."""
         self.worklist.append(node)
         self.changed = True
-        return node
 
     def replace(self, old: int, new: int) -> None:
         """Use `new` wherever `old` was used, then erase `old` (and what only it used)."""

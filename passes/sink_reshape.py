@@ -24,13 +24,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tiledsl import ops
+from tiledsl.builder import Builder
 from tiledsl.dims import build as build_dim
-from tiledsl.ir import Graph, Op, make_attrs
+from tiledsl.ir import Graph, Op
 from tiledsl.passes.fusion.legality import describe_node
 from tiledsl.passes.fusion.remarks import FusionRemark
 from tiledsl.passes.registry import Pass, PassContext, register
 from tiledsl.source import Span
-from tiledsl.types import DType, TensorType, broadcasts_to, format_shape
+from tiledsl.types import DType, broadcasts_to, format_shape
 
 NAME = "sink-reshape"
 
@@ -68,16 +69,12 @@ def _sink(graph: Graph, node: int, remarks: list) -> bool:
             new_operands.append(o)
         else:
             new_operands.append(_gathered(graph, o, inner, op.shape, op.span))
-    types = tuple(graph.op(o).type for o in new_operands)
-    try:
-        t = ops.infer(op.kind, types, op.attr_map)
-    except ops.RuleError:
+    b = Builder(graph)
+    t = b.type_of(op.kind, new_operands, **op.attr_map)
+    if t is None or t.shape != inner or t.dtype is not op.dtype:
         return False
-    if t.shape != inner or t.dtype is not op.dtype:
-        return False
-    computed = graph.add(Op(op.kind, t.dtype, t.shape, op.attrs, op.span, t.weak), new_operands)
-    back = graph.add(Op("reshape", op.dtype, op.shape, make_attrs(shape=op.shape, copy=False),
-                        graph.op(view).span, op.weak), [computed])
+    computed = b.copy(op, new_operands)
+    back = b.op("reshape", [computed], graph.op(view).span, shape=op.shape, copy=False)
     remarks.append(FusionRemark(
         NAME, True, None, graph.op(view), op,
         f"{describe_node(graph, node)} is computed in the reshape's source shape "
@@ -105,7 +102,7 @@ def _sinkable(graph: Graph, operand: int, shape) -> bool:
 def _gathered(graph: Graph, value: int, inner, outer, span: Span | None) -> int:
     """`value` (broadcast to `outer`) read at each element of `inner`: take at the index of
     `outer` that the same flat position has."""
-    b = _Builder(graph, span)
+    b = _Index(graph, span)
     rank = len(inner)
     flat = None
     for k in range(rank):
@@ -131,21 +128,19 @@ def _gathered(graph: Graph, value: int, inner, outer, span: Span | None) -> int:
     return b.op("take", [value, *indices])
 
 
-class _Builder:
-    """Typed ops for index arithmetic (i64, so a flat index never overflows)."""
+class _Index:
+    """Index arithmetic in i64 (a flat index never overflows), one dim node per symbol."""
 
     def __init__(self, graph: Graph, span: Span | None) -> None:
-        self.graph, self.span = graph, span
+        self.build, self.span = Builder(graph), span
         self.dims = {graph.op(n).attr("symbol"): n for n in graph.nodes()
                      if isinstance(graph.op(n), Op) and graph.op(n).kind == "dim"}
 
     def op(self, kind: str, operands: list[int], **attrs) -> int:
-        t = ops.infer(kind, tuple(self.graph.op(o).type for o in operands), attrs)
-        return self.graph.add(Op(kind, t.dtype, t.shape, make_attrs(**attrs), self.span, t.weak), operands)
+        return self.build.op(kind, operands, self.span, **attrs)
 
     def const(self, value: int, dtype: DType) -> int:
-        t = TensorType(dtype, (), True)
-        return self.graph.add(Op("const", dtype, (), make_attrs(value=value, type=t), self.span, True), [])
+        return self.build.const(value, dtype, self.span)
 
     def cast(self, node: int) -> int:
         return self.op("cast", [node], dtype=DType.I64)
@@ -157,9 +152,7 @@ class _Builder:
 
     def dim(self, symbol: str) -> int:
         if symbol not in self.dims:
-            t = TensorType(DType.I32, (), True)
-            self.dims[symbol] = self.graph.add(Op("dim", DType.I32, (), make_attrs(symbol=symbol, type=t),
-                                                  self.span, True), [])
+            self.dims[symbol] = self.build.dim(symbol, self.span)
         return self.dims[symbol]
 
     def product(self, dims) -> int | None:

@@ -41,6 +41,7 @@ import networkx as nx
 
 from tiledsl import diagnostics as diag
 from tiledsl import ops
+from tiledsl.builder import Builder
 from tiledsl.ir import Graph, Op, make_attrs
 from tiledsl.source import Span
 from tiledsl.types import DType, TensorType, broadcast_shapes, broadcasts_to
@@ -172,6 +173,7 @@ class _Backward:
     def __init__(self, fwd: Graph, wrt: tuple[int, ...]) -> None:
         self.fwd, self.wrt = fwd, wrt
         self.bwd = Graph(f"{fwd.name}_backward", fwd.span, fwd.hints)
+        self.b = Builder(self.bwd)
         self.bwd.requires = fwd.requires
         self.placeholders: dict[int, int] = {}  # forward node -> placeholder node
         self.resolved: dict[int, int] = {}  # forward node -> backward node computing it
@@ -188,18 +190,14 @@ class _Backward:
     # --- building ------------------------------------------------------------------------
 
     def emit(self, kind: str, operands: Iterable[int], span: Span | None, **attrs: Any) -> int:
-        operands = tuple(operands)
-        t = ops.infer(kind, tuple(self.bwd.op(o).type for o in operands), attrs)
-        return self.bwd.add(Op(kind, t.dtype, t.shape, make_attrs(**attrs), span, t.weak), operands)
+        return self.b.op(kind, tuple(operands), span, **attrs)
 
     def const(self, value: Any, span: Span | None) -> int:
         dtype = DType.BOOL if isinstance(value, bool) else DType.I32 if isinstance(value, int) \
             else DType.F32
         key = (value, dtype)
         if key not in self.consts:
-            t = TensorType(dtype, (), True)
-            self.consts[key] = self.bwd.add(
-                Op("const", dtype, (), make_attrs(value=value, type=t), span, True), [])
+            self.consts[key] = self.b.const(value, dtype, span)
         return self.consts[key]
 
     def size(self, dim: Any, span: Span | None) -> int:
@@ -207,9 +205,7 @@ class _Backward:
 
         def name(symbol: str) -> int:
             if symbol not in self.dims:
-                t = TensorType(DType.I32, (), True)
-                self.dims[symbol] = self.bwd.add(
-                    Op("dim", DType.I32, (), make_attrs(symbol=symbol, type=t), span, True), [])
+                self.dims[symbol] = self.b.dim(symbol, span)
             return self.dims[symbol]
 
         return build(dim, name, lambda k: self.const(k, span),
@@ -239,8 +235,7 @@ class _Backward:
             return self.resolved[node]
         if node not in self.placeholders:
             op = self.fwd.op(node)
-            ph = self.bwd.add(Op(PRIMAL, op.dtype, op.shape, make_attrs(type=op.type), op.span,
-                                 op.weak), [])
+            ph = self.b.op(PRIMAL, [], op.span, type=op.type)
             self.bwd.params.remove(ph)
             self.placeholders[node] = ph
         return self.placeholders[node]
@@ -251,7 +246,7 @@ class _Backward:
         fwd, bwd = self.fwd, self.bwd
         for p in fwd.params:
             op = fwd.op(p)
-            node = bwd.add(op, [])
+            node = self.b.copy(op, [])
             self.resolved[p] = node
             self.sources.append((Source("input", op.attr("index")), node))
         active = self._active()
@@ -262,8 +257,7 @@ class _Backward:
         for k, ((node, _), t) in enumerate(zip(outputs[:n_outputs], fwd.returns, strict=False)):
             if node not in active:
                 continue
-            g = bwd.add(Op("param", t.dtype, t.shape, make_attrs(
-                name=_fresh(f"grad_{k}", names), type=t, scalar=False), fwd.op(node).span), [])
+            g = self.b.param(t, fwd.op(node).span, name=_fresh(f"grad_{k}", names), scalar=False)
             self.sources.append((Source("grad", k), g))
             adjoints.setdefault(node, []).append(self.cast(g, fwd.op(node).dtype, fwd.op(node).span))
         for node in reversed(fwd.topo_order()):
@@ -307,7 +301,7 @@ class _Backward:
             if bwd.op(g).shape != op.shape:
                 g = self.emit("expand", [g], op.span, shape=op.shape)
             grads.append(self.cast(g, op.dtype, op.span))
-        bwd.add(Op("return", DType.BOOL, (), (), fwd.span), grads)
+        self.b.ret(grads, fwd.span)
         bwd.returns = tuple(fwd.op(fwd.params[i]).type for i in self.wrt)
         self._dce()
         self._resolve()
@@ -486,7 +480,7 @@ class _Backward:
                 new = self._source(Source("saved", len(self.saved) - 1), op,
                                    f"saved_{len(self.saved) - 1}")
             else:
-                new = bwd.add(op, [self.primal(o) for o in fwd.operands(node)])
+                new = self.b.copy(op, [self.primal(o) for o in fwd.operands(node)])
             self.resolved[node] = new
             bwd.replace_uses(ph, new)
             bwd.remove(ph)
@@ -498,14 +492,9 @@ class _Backward:
         fwd, op = self.fwd, self.fwd.op(sm)
         span = op.span
         (x,) = fwd.operands(sm)
-        wide = x
-        if fwd.op(x).dtype is not DType.F32:
-            t = ops.infer("cast", (fwd.op(x).type,), {"dtype": DType.F32})
-            wide = fwd.add(Op("cast", t.dtype, t.shape, make_attrs(dtype=DType.F32), span, t.weak), [x])
-        axis = op.type.rank - 1
-        t = ops.infer("logsumexp", (fwd.op(wide).type,), {"axis": axis, "keepdims": True})
-        lse = fwd.add(Op("logsumexp", t.dtype, t.shape, make_attrs(axis=axis, keepdims=True), span, t.weak),
-                      [wide])
+        forward = Builder(fwd)
+        wide = x if fwd.op(x).dtype is DType.F32 else forward.op("cast", [x], span, dtype=DType.F32)
+        lse = forward.op("logsumexp", [wide], span, axis=op.type.rank - 1, keepdims=True)
         self.saved.append(lse)
         k = len(self.saved) - 1
         saved = self._source(Source("saved", k), fwd.op(lse), f"saved_{k}")
@@ -516,9 +505,8 @@ class _Backward:
 
     def _source(self, source: Source, op: Op, name: str) -> int:
         names = {self.bwd.op(n).attr("name") for n in self.bwd.params}
-        t = TensorType(op.dtype, op.shape)
-        node = self.bwd.add(Op("param", op.dtype, op.shape, make_attrs(
-            name=_fresh(name, names), type=t, scalar=False), op.span), [])
+        node = self.b.param(TensorType(op.dtype, op.shape), op.span, name=_fresh(name, names),
+                            scalar=False)
         self.sources.append((source, node))
         return node
 
@@ -545,8 +533,7 @@ class _Backward:
         fwd.remove_all([ret])
         fwd.output = None
         checks = outs[n_outputs:]
-        fwd.add(Op("return", DType.BOOL, (), (), span),
-                outs[:n_outputs] + [(n, 0) for n in self.saved] + checks)
+        Builder(fwd).ret(outs[:n_outputs] + [(n, 0) for n in self.saved] + checks, span)
         types = tuple(TensorType(fwd.op(n).dtype, fwd.op(n).shape) for n in self.saved)
         fwd.returns = fwd.returns[:n_outputs] + types + fwd.returns[n_outputs:]
         return fwd

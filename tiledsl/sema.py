@@ -10,26 +10,22 @@ the declared return type).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from tiledsl import ast, ops
 from tiledsl import diagnostics as diag
+from tiledsl.builder import Builder
 from tiledsl.builtins import BUILTINS, REQUIRED, TILE_HINTS, TORCH_SPELLINGS, BParam, Builtin
-from tiledsl.dims import Lin, factors
-from tiledsl.dims import build as build_dim
 from tiledsl.dims import symbols as dim_symbols
-from tiledsl.ir import Graph, Op, make_attrs
-from tiledsl.ops.structure import index_dtype_message
+from tiledsl.indexing import Indexing, axis_arg, const_bool, const_int
+from tiledsl.ir import Graph
 from tiledsl.parser import LITERAL_WORDS
 from tiledsl.source import Span
 from tiledsl.types import (
     DTYPES,
     MAX_RANK,
     PARAM_DTYPES,
-    BroadcastMismatch,
     DType,
     TensorType,
-    broadcast_shapes,
     format_shape,
     normalize_axis,
 )
@@ -70,13 +66,14 @@ def select_kernel(program: ast.Program, name: str | None) -> ast.Kernel:
 class _KernelBuilder:
     def __init__(self, kernel: ast.Kernel, check_bounds: bool = False) -> None:
         self.kernel = kernel
-        self.check_bounds = check_bounds
-        self.checks: list[tuple[int, tuple]] = []  # (count node, Graph.checks entry)
         self.graph = Graph(kernel.name, kernel.span)
+        self.b = Builder(self.graph)
         # name -> (node, span where it was bound)
         self.scope: dict[str, tuple[int, Span]] = {}
         # dim symbol -> (param name, span of its first occurrence)
         self.dims: dict[str, tuple[str, Span]] = {}
+        self.indexing = Indexing(self.b, self.expr,
+                                 lambda name: name in self.dims and name not in self.scope, check_bounds)
 
     # --- kernel structure ------------------------------------------------------------
 
@@ -125,7 +122,7 @@ class _KernelBuilder:
                 if h.name in hints:
                     raise diag.TileHintError(h.span, [diag.Note("first given here", hints[h.name][1])],
                                              message=f"tile hint '{h.name}' is given twice")
-                value = _const_int(h.value, f"tile hint '{h.name}'")
+                value = const_int(h.value, f"tile hint '{h.name}'")
                 _check_hint(h.name, value, h.span)
                 hints[h.name] = (value, h.span)
         return hints
@@ -140,9 +137,8 @@ class _KernelBuilder:
                 param.name_span, [diag.Note("first declared here", first)], name=param.name)
         t = self._type(param.type, param.name)
         scalar = param.type.dims is None
-        op = Op("param", t.dtype, t.shape,
-                make_attrs(name=param.name, index=index, scalar=scalar, type=t), param.span)
-        self.scope[param.name] = (self.graph.add(op, []), param.name_span)
+        node = self.b.param(t, param.span, name=param.name, index=index, scalar=scalar)
+        self.scope[param.name] = (node, param.name_span)
 
     def _type(self, texpr: ast.TypeExpr, owner: str | None) -> TensorType:
         dtype = DTYPES.get(texpr.dtype)
@@ -200,39 +196,20 @@ class _KernelBuilder:
                     raise diag.ReturnTypeError(value.span, note, message=(
                         f"{which} is {got.dtype} but the kernel declares {want.dtype}; "
                         f"convert it explicitly with cast(..., {want.dtype})"))
-                node = self._emit("cast", [(node, value.span)], value.span, dtype=want.dtype)
+                node = self.b.user_op("cast", [(node, value.span)], value.span, dtype=want.dtype)
             outs.append(node)
-        if self.checks:
-            outs += [node for node, _ in self.checks]
-            self.graph.returns += (TensorType(DType.I32, ()),) * len(self.checks)
-            self.graph.checks = tuple(check for _, check in self.checks)
-        self.graph.add(Op("return", DType.BOOL, (), (), stmt.span), outs)
+        checks = self.indexing.checks
+        if checks:
+            outs += [node for node, _ in checks]
+            self.graph.returns += (TensorType(DType.I32, ()),) * len(checks)
+            self.graph.checks = tuple(check for _, check in checks)
+        self.b.ret(outs, stmt.span)
 
     # --- expressions --------------------------------------------------------------------
 
-    def _emit(self, kind: str, operands: list[tuple[int, Span]], span: Span, **attrs: Any) -> int:
-        """Add an op, inferring its type; a refused rule becomes a located error."""
-        types = tuple(self.graph.op(n).type for n, _ in operands)
-        try:
-            t = ops.infer(kind, types, attrs)
-        except ops.RuleError as err:
-            notes = [
-                diag.Note(f"this operand is {types[i]}", operands[i][1])
-                for i in err.operands if i < len(operands)
-            ]
-            raise err.cls(span, notes, **err.fields) from None
-        op = Op(kind, t.dtype, t.shape, make_attrs(**attrs), span, t.weak)
-        return self.graph.add(op, [n for n, _ in operands])
-
-    def _const(self, value: object, dtype: DType, span: Span) -> int:
-        t = TensorType(dtype, (), True)
-        return self.graph.add(Op("const", dtype, (), make_attrs(value=value, type=t), span, True), [])
-
-    def _dim(self, symbol: str, span: Span) -> int:
-        t = TensorType(DType.I32, (), True)
-        return self.graph.add(Op("dim", DType.I32, (), make_attrs(symbol=symbol, type=t), span, True), [])
-
     def expr(self, e: ast.Expr) -> int:
+        if isinstance(e, ast.Subscript):
+            return self.indexing.subscript(e)
         method = getattr(self, "_" + type(e).__name__)
         return method(e)
 
@@ -240,7 +217,7 @@ class _KernelBuilder:
         if e.id in self.scope:
             return self.scope[e.id][0]
         if e.id in self.dims:
-            return self._dim(e.id, e.span)
+            return self.b.dim(e.id, e.span)
         if e.id in BUILTINS:
             raise diag.UndefinedNameError(e.span, name=e.id,
                                           hint=f"; '{e.id}' is a function, call it as {e.id}(...)")
@@ -251,13 +228,13 @@ class _KernelBuilder:
         if e.value > I32_MAX:
             raise diag.ConstantExpected(e.span, what=f"integer literal {e.value}",
                                         expected=f"at most {I32_MAX} (it must fit in i32)")
-        return self._const(e.value, DType.I32, e.span)
+        return self.b.const(e.value, DType.I32, e.span)
 
     def _FloatLit(self, e: ast.FloatLit) -> int:
-        return self._const(e.value, DType.F32, e.span)
+        return self.b.const(e.value, DType.F32, e.span)
 
     def _BoolLit(self, e: ast.BoolLit) -> int:
-        return self._const(e.value, DType.BOOL, e.span)
+        return self.b.const(e.value, DType.BOOL, e.span)
 
     def _NoneLit(self, e: ast.NoneLit) -> int:
         raise diag.DTypeError(e.span, message="None is only allowed as axis=None (every axis)")
@@ -278,19 +255,19 @@ class _KernelBuilder:
         operand = self.expr(e.operand)
         if e.op == "+":
             return operand
-        return self._emit("neg" if e.op == "-" else "not", [(operand, e.operand.span)], e.span)
+        return self.b.user_op("neg" if e.op == "-" else "not", [(operand, e.operand.span)], e.span)
 
     def _Binary(self, e: ast.Binary) -> int:
         lhs, rhs = self.expr(e.lhs), self.expr(e.rhs)
         kind = "matmul" if e.op == "@" else ops.BINARY_KINDS[e.op]
-        return self._emit(kind, [(lhs, e.lhs.span), (rhs, e.rhs.span)], e.span)
+        return self.b.user_op(kind, [(lhs, e.lhs.span), (rhs, e.rhs.span)], e.span)
 
     def _Compare(self, e: ast.Compare) -> int:
         if len(e.ops) > 1:
             raise diag.ChainedComparisonError(e.span, op1=e.ops[0], op2=e.ops[1])
         lhs, rhs = (self.expr(x) for x in e.operands)
         kind = ops.COMPARE_KINDS[e.ops[0]]
-        return self._emit(kind, [(lhs, e.operands[0].span), (rhs, e.operands[1].span)], e.span)
+        return self.b.user_op(kind, [(lhs, e.operands[0].span), (rhs, e.operands[1].span)], e.span)
 
     def _Attribute(self, e: ast.Attribute) -> int:
         if e.name != "T":
@@ -300,306 +277,13 @@ class _KernelBuilder:
         if t.rank < 2:
             raise diag.RankError(e.span, [diag.Note(f"this value is {t}", e.value.span)],
                                  message=f"'.T' needs a value of rank 2 or more, got rank {t.rank}")
-        return self._emit("transpose", [(value, e.value.span)], e.span, dims=(t.rank - 2, t.rank - 1))
-
-    # --- indexing ----------------------------------------------------------------------------
-
-    def _Subscript(self, e: ast.Subscript) -> int:
-        """NumPy indexing. Integers, slices and None build a view (`slice`, read in place
-        through an offset and strides); integer tensors or expressions among the items
-        (advanced indexing) gather with `take`, NumPy's broadcasting and placement rules."""
-        value = self.expr(e.value)
-        t = self.graph.op(value).type
-        if t.rank == 0:  # a scalar is computed where it is read: there is nothing to view
-            raise diag.IndexingError(e.span, message=(
-                f"a 0-d value ({t}) cannot be indexed; it broadcasts as it is"))
-        items = self._expand_ellipsis(e, t.rank)
-        advanced: dict[int, tuple[int, Span]] = {}  # source axis -> index value
-        axis = 0
-        for item in items:
-            if isinstance(item, ast.NoneLit):
-                continue
-            if not isinstance(item, ast.Slice) and _literal_int(item) is None:
-                node = self.expr(item)
-                it = self.graph.op(node).type
-                if not it.dtype.is_int:
-                    raise diag.IndexingError(item.span, [diag.Note(f"this index is {it}", item.span)],
-                                             message=index_dtype_message(it.dtype))
-                advanced[axis] = (node, item.span)
-            axis += 1
-        if not advanced:
-            return self._view(e, value, t, items)
-        if any(isinstance(i, ast.NoneLit) for i in items):
-            raise diag.IndexingError(e.span, message=(
-                "None (a new axis) cannot be mixed with tensor indices; add the axis in a "
-                "second subscript, e.g. x[idx][:, None]"))
-        # literal integers among tensor indices are 0-d indices (NumPy counts them as advanced)
-        axis = 0
-        for item in items:
-            if not isinstance(item, ast.Slice) and axis not in advanced:
-                advanced[axis] = (self._const(_literal_int(item), DType.I32, item.span), item.span)
-            axis += 1
-        basic = [ast.Slice(i.span, None, None, None) if k in advanced else i for k, i in enumerate(items)]
-        if any(i.start is not None or i.stop is not None or i.step is not None for i in basic):
-            value = self._view(e, value, t, basic)
-            t = self.graph.op(value).type
-        return self._gather(e, value, t, advanced)
-
-    def _expand_ellipsis(self, e: ast.Subscript, rank: int) -> list[ast.Expr]:
-        items = list(e.items)
-        dots = [i for i in items if isinstance(i, ast.EllipsisLit)]
-        if len(dots) > 1:
-            raise diag.IndexingError(dots[1].span, message="an index can have only one '...'")
-        used = sum(not isinstance(i, ast.EllipsisLit | ast.NoneLit) for i in items)
-        if used > rank:
-            raise diag.IndexingError(e.span, message=(
-                f"too many indices: {used} for a value of rank {rank}"))
-        fill = [ast.Slice(e.span, None, None, None)] * (rank - used)
-        if dots:
-            k = items.index(dots[0])
-            return items[:k] + fill + items[k + 1:]
-        return items + fill
-
-    def _view(self, e: ast.Subscript, value: int, t: TensorType, items: list[ast.Expr]) -> int:
-        """Basic indexing: one `slice` view of `value`."""
-        out: list[tuple] = []
-        requires = list(self.graph.requires)
-        axis = 0
-        for item in items:
-            if isinstance(item, ast.NoneLit):
-                out.append(("new",))
-                continue
-            size = Lin.of(t.shape[axis])
-            if isinstance(item, ast.Slice):
-                out.append(self._range(item, size, requires))
-            else:
-                k = _literal_int(item)
-                index = size + Lin((), k) if k < 0 else Lin((), k)
-                self._require(index, item.span, f"index {k} is outside axis {axis} of size "
-                              f"{t.shape[axis]}", requires)
-                self._require(size - index - Lin((), 1), item.span, f"index {k} is outside axis "
-                              f"{axis} of size {t.shape[axis]}", requires)
-                out.append(("at", index.dim()))
-            axis += 1
-        self.graph.requires = tuple(requires)
-        return self._emit("slice", [(value, e.value.span)], e.span, items=tuple(out))
-
-    def _range(self, item: ast.Slice, size: Lin, requires: list) -> tuple:
-        step = 1 if item.step is None else _literal_int(item.step)
-        if step is None or step < 1:
-            raise diag.IndexingError(item.step.span, message=(
-                "a slice step must be a positive integer literal"))
-        start = Lin() if item.start is None else self._bound(item.start, size)
-        stop = size if item.stop is None else self._bound(item.stop, size)
-        if size.is_const and start.is_const and stop.is_const:  # Python's clamping, exactly
-            lo, hi, _ = slice(start.const, stop.const, step).indices(size.const)
-            start, stop = Lin((), lo), Lin((), max(lo, hi))
-        else:
-            what = f"slice {item.span.text}"
-            self._require(start, item.span, f"{what} starts before 0", requires)
-            self._require(stop - start, item.span, f"{what} stops before it starts", requires)
-            self._require(size - stop, item.span, f"{what} ends past the axis (size {size.dim()})",
-                          requires)
-        length = (stop - start + Lin((), step - 1)) // Lin((), step)
-        if length.is_const and length.const < 1:
-            raise diag.IndexingError(item.span, message=(
-                f"slice {item.span.text} is empty here; tiledsl values have no empty dims"))
-        return ("range", start.dim(), stop.dim(), step, length.dim())
-
-    def _bound(self, expr: ast.Expr, size: Lin) -> Lin:
-        """A slice bound: a negative literal or a negated expression counts from the end."""
-        k = _literal_int(expr)
-        if k is not None:
-            return size + Lin((), k) if k < 0 else Lin((), k)
-        if isinstance(expr, ast.Unary) and expr.op == "-":
-            return size - self._dim_expr(expr.operand)
-        return self._dim_expr(expr)
-
-    def _dim_expr(self, expr: ast.Expr, what: str = "slice bounds") -> Lin:
-        """An integer expression of dims and literals, as a dim."""
-        if isinstance(expr, ast.IntLit):
-            return Lin((), expr.value)
-        if isinstance(expr, ast.Name) and expr.id in self.dims and expr.id not in self.scope:
-            return Lin(((expr.id, 1),), 0)
-        if isinstance(expr, ast.Unary) and expr.op in "-+":
-            inner = self._dim_expr(expr.operand, what)
-            return -inner if expr.op == "-" else inner
-        if isinstance(expr, ast.Binary) and expr.op in ("+", "-", "*", "//", "%"):
-            a, b = self._dim_expr(expr.lhs, what), self._dim_expr(expr.rhs, what)
-            if expr.op in ("//", "%") and b.is_const and b.const <= 0:
-                raise diag.IndexingError(expr.rhs.span, message=(
-                    f"a dim can only be divided by a positive number, got {b.const}"))
-            return {"+": a.__add__, "-": a.__sub__, "*": a.__mul__, "//": a.__floordiv__,
-                    "%": a.__mod__}[expr.op](b)
-        raise diag.IndexingError(expr.span, message=(
-            f"{what} are integer expressions of dims and literals (like D // 2 or N - 1); "
-            f"'{expr.span.text}' is not one"))
-
-    def _require(self, x: Lin, span: Span, message: str, requires: list) -> None:
-        """`x >= 0`: checked now when it is a number, at every call otherwise (unless it holds
-        at any sizes: a sum of products of dims, each at least 1)."""
-        if x.const >= 0 and all(c > 0 and not any(f.startswith("(") for f in factors(a))
-                                for a, c in x.terms):
-            return
-        if x.is_const:
-            if x.const < 0:
-                raise diag.IndexingError(span, message=message)
-        else:
-            requires.append((x.dim(), span, message))
-
-    def _gather(self, e: ast.Subscript, value: int, t: TensorType,
-                advanced: dict[int, tuple[int, Span]]) -> int:
-        """Advanced indexing of `value` (its sliced axes already full) as one `take`."""
-        axes = sorted(advanced)
-        shapes = [self.graph.op(advanced[a][0]).type.shape for a in axes]
-        try:
-            b = broadcast_shapes(*shapes)
-        except BroadcastMismatch as err:
-            notes = [diag.Note(f"this index has shape {format_shape(s)}", advanced[a][1])
-                     for a, s in zip(axes, shapes, strict=True)]
-            raise diag.IndexingError(e.span, notes, message=(
-                f"the index arrays cannot be broadcast together: they differ at dim {err.dim} "
-                f"({err.a} vs {err.b})")) from None
-        for a in axes:
-            self._check_index(value, t, a, *advanced[a], e.span)
-        rest = [a for a in range(t.rank) if a not in advanced]
-        adjacent = axes == list(range(axes[0], axes[0] + len(axes)))
-        before = [a for a in rest if adjacent and a < axes[0]]
-        after = [a for a in rest if a not in before]
-        out = tuple(t.shape[a] for a in before) + b + tuple(t.shape[a] for a in after)
-        b0 = len(before)
-        indices = []
-        for a in range(t.rank):
-            if a in advanced:
-                node, span = advanced[a]
-                rank = self.graph.op(node).type.rank
-                if b0 + len(b) != len(out) and rank:  # B is not right-aligned in the output
-                    first = b0 + len(b) - rank
-                    node = self._reindex(node, [self._index_of(out, first + k, span)
-                                                for k in range(rank)], span)
-                indices.append((node, span))
-            else:
-                pos = before.index(a) if a in before else b0 + len(b) + after.index(a)
-                indices.append((self._index_of(out, pos, e.span), e.span))
-        return self._emit("take", [(value, e.value.span), *indices], e.span)
-
-    def _check_index(self, x: int, t: TensorType, axis: int, idx: int, ispan: Span,
-                     span: Span) -> None:
-        """compile(check_bounds=True): count the values of `idx` outside [-n, n) for axis
-        `axis` (size n) of `x`, as one more (hidden) output of the program."""
-        if not self.check_bounds:
-            return
-        n = self._dim_value(Lin.of(t.shape[axis]), ispan)
-        low = self._emit("lt", [(idx, ispan), (self._emit("neg", [(n, ispan)], ispan), ispan)], ispan)
-        high = self._emit("ge", [(idx, ispan), (n, ispan)], ispan)
-        count = self._emit("or", [(low, ispan), (high, ispan)], ispan)
-        rank = self.graph.op(count).type.rank
-        if rank == 0:
-            count = self._emit("cast", [(count, ispan)], ispan, dtype=DType.I32)
-        for a in reversed(range(rank)):
-            count = self._emit("sum", [(count, ispan)], ispan, axis=a, keepdims=False)
-        source = x
-        while ops.category(self.graph.op(source).kind) is ops.Category.LAYOUT:
-            source = self.graph.operands(source)[0]
-        op = self.graph.op(source)
-        name = "the indexed value"
-        if op.kind == "param":
-            name = f"'{op.attr('name')}'" if source == x else f"a view of '{op.attr('name')}'"
-        self.checks.append((count, (span, name, axis, t.shape[axis])))
-
-    def _index_of(self, shape: tuple, axis: int, span: Span) -> int:
-        """The index along `axis` of a value of `shape`, as an index value that broadcasts
-        (size 1 along every other axis)."""
-        if shape[axis] == 1:
-            return self._const(0, DType.I32, span)
-        small = tuple(d if k == axis else 1 for k, d in enumerate(shape))
-        return self._emit("index", [], span, axis=axis, shape=small)
-
-    def _reindex(self, node: int, indices: list[int], span: Span) -> int:
-        """`node` read at `indices` (one index value per axis), computed where it is read:
-        elementwise ops are rebuilt over their re-read operands, index ops become the
-        indices, anything else (a parameter, a reduction, a matmul) is gathered with `take`."""
-        op = self.graph.op(node)
-        if op.type.rank == 0:
-            return node
-        if op.kind == "index":
-            axis = op.attr("axis")
-            return self._const(0, DType.I32, span) if op.shape[axis] == 1 else indices[axis]
-        if ops.is_elementwise(op.kind):
-            operands = []
-            for slot, o in enumerate(self.graph.operands(node)):
-                ot = self.graph.op(o).type
-                if ops.gathers_at(op.kind, slot):
-                    operands.append((o, span))
-                    continue
-                lead = op.type.rank - ot.rank
-                sub = [self._const(0, DType.I32, span) if d == 1 else indices[lead + k]
-                       for k, d in enumerate(ot.shape)]
-                operands.append((self._reindex(o, sub, span), span))
-            return self._emit(op.kind, operands, op.span or span, **op.attr_map)
-        sub = [self._const(0, DType.I32, span) if d == 1 else i
-               for d, i in zip(op.shape, indices, strict=True)]
-        return self._emit("take", [(node, span), *((i, span) for i in sub)], span)
-
-    def _concat(self, e: ast.Call) -> int:
-        """concat(a, b, ..., axis=): each output element reads the piece it falls in, at its
-        index shifted by the piece's offset (`_reindex`), selected with `where`: the pieces
-        are computed where the concatenation is read, never stored."""
-        for kw in e.keywords:
-            if kw.name != "axis":
-                raise diag.KeywordError(kw.span, message=(
-                    f"'concat' has no parameter '{kw.name}' (parameters: *values, axis)"))
-        if not e.args:
-            raise diag.ArityError(e.span, name="concat", expected="1 or more values", got=0)
-        pieces = [(self.expr(a), a.span) for a in e.args]
-        first = self.graph.op(pieces[0][0]).type
-        for node, span in pieces:
-            t = self.graph.op(node).type
-            if t.rank != first.rank or t.rank == 0:
-                raise diag.RankError(span, [diag.Note(f"the first value is {first}", pieces[0][1])],
-                                     message=f"concat needs values of one rank (1 or more), got {t}")
-        args = {kw.name: kw.value for kw in e.keywords}
-        axis = self._axis_arg(e, args, "axis", first.rank)
-        offsets, total = [], Lin()
-        for node, span in pieces:
-            t = self.graph.op(node).type
-            for d in range(first.rank):
-                if d != axis and t.shape[d] != first.shape[d]:
-                    raise diag.IndexingError(span, [diag.Note(f"the first value is {first}", pieces[0][1])],
-                                             message=(f"concat along axis {axis} needs equal sizes "
-                                                      f"in the other dims; dim {d} is {t.shape[d]} "
-                                                      f"here and {first.shape[d]} in the first value"))
-            offsets.append(total)
-            total = total + Lin.of(t.shape[axis])
-        if len(pieces) == 1:
-            return pieces[0][0]
-        out = first.shape[:axis] + (total.dim(),) + first.shape[axis + 1:]
-        idx = self._index_of(out, axis, e.span)
-        values = []
-        for (node, span), offset in zip(pieces, offsets, strict=True):
-            shifted = idx
-            if offset != Lin():
-                start = self._dim_value(offset, e.span)
-                shifted = self._emit("sub", [(idx, e.span), (start, e.span)], e.span)
-            indices = [shifted if d == axis else self._index_of(out, d, e.span) for d in range(first.rank)]
-            values.append((self._reindex(node, indices, span), span))
-        result = values[-1]
-        for (value, span), offset in zip(reversed(values[:-1]), reversed(offsets[1:]), strict=True):
-            cond = self._emit("lt", [(idx, e.span), (self._dim_value(offset, e.span), e.span)], e.span)
-            result = (self._emit("where", [(cond, e.span), (value, span), result], e.span), e.span)
-        return result[0]
-
-    def _dim_value(self, x: Lin, span: Span) -> int:
-        """A dim expression as a value (a weak i32 computed from dim values)."""
-        return build_dim(x.dim(), lambda name: self._dim(name, span),
-                          lambda k: self._const(k, DType.I32, span),
-                          lambda kind, *args: self._emit(kind, [(a, span) for a in args], span))
+        return self.b.user_op("transpose", [(value, e.value.span)], e.span, dims=(t.rank - 2, t.rank - 1))
 
     def _Call(self, e: ast.Call) -> int:
         if e.func in self.scope:
             raise diag.NotCallableError(e.func_span, name=e.func, what="variable")
         if e.func == "concat":
-            return self._concat(e)
+            return self.indexing.concat(e)
         builtin = BUILTINS.get(e.func)
         if builtin is None:
             if e.func in TORCH_SPELLINGS:
@@ -608,7 +292,10 @@ class _KernelBuilder:
             raise diag.UnknownFunctionError(e.func_span, name=e.func,
                                             hint=diag.did_you_mean(e.func, BUILTINS))
         args = _bind(builtin, e)
-        return getattr(self, "_call_" + _HANDLERS.get(e.func, "op"))(e, builtin, args)
+        handler = _HANDLERS.get(e.func, "op")
+        if handler in Indexing.CALLS:
+            return getattr(self.indexing, handler)(e, args)
+        return getattr(self, "_call_" + handler)(e, builtin, args)
 
     # --- builtins --------------------------------------------------------------------------
 
@@ -622,17 +309,7 @@ class _KernelBuilder:
         attrs = {p.name: _constant(args.get(p.name), p, e.func)
                  for p in b.params if p.kind != "value"}
         operands = [self._value(args, p.name) for p in b.params if p.kind == "value"]
-        return self._emit(e.func, operands, e.span, **attrs)
-
-    def _axis_arg(self, e: ast.Call, args: dict[str, ast.Expr], name: str, rank: int,
-                  default: int | None = -1) -> int:
-        expr = args.get(name)
-        axis = default if expr is None else _const_int(expr, f"'{name}' of '{e.func}'")
-        norm = normalize_axis(axis, rank)
-        if norm is None:
-            where = expr.span if expr is not None else e.span
-            raise diag.AxisError(where, axis=axis, rank=rank, lo=-rank, hi=rank - 1)
-        return norm
+        return self.b.user_op(e.func, operands, e.span, **attrs)
 
     def _call_reduce(self, e: ast.Call, b: Builtin, args: dict[str, ast.Expr]) -> int:
         x = self._value(args, "x")
@@ -646,7 +323,7 @@ class _KernelBuilder:
                     "one integer: a position is along one axis (reshape(x, [...]) merges axes)"))
             return self._reduce_axes(e, x, given, rank, args)
         try:
-            axis = self._axis_arg(e, args, "axis", rank)
+            axis = axis_arg(e, args, "axis", rank)
         except (diag.ConstantExpected, diag.AxisError) as err:
             if e.func in _ELEMENTWISE_SPELLING and len(e.args) == 2:  # max(x, 0.0): Python's max
                 spelling = _ELEMENTWISE_SPELLING[e.func]
@@ -654,21 +331,21 @@ class _KernelBuilder:
                                  f"of two values is {spelling}(a, b)")
                 raise type(err)(err.span, (*err.notes, note), **err.fields) from None
             raise
-        keepdims = _const_bool(args.get("keepdims"), f"'keepdims' of '{e.func}'")
-        return self._emit(e.func, [x], e.span, axis=axis, keepdims=keepdims)
+        keepdims = const_bool(args.get("keepdims"), f"'keepdims' of '{e.func}'")
+        return self.b.user_op(e.func, [x], e.span, axis=axis, keepdims=keepdims)
 
     def _reduce_axes(self, e: ast.Call, x: tuple[int, Span], given: ast.Expr, rank: int,
                      args: dict[str, ast.Expr]) -> int:
         """`axis=(a, b, ...)` or `axis=None` (every axis): one reduction per axis, the last
         axis first, so each reduces a whole group of the ones before (a mean of equal-sized
         means is the mean; a logsumexp of logsumexps is the logsumexp)."""
-        keepdims = _const_bool(args.get("keepdims"), f"'keepdims' of '{e.func}'")
+        keepdims = const_bool(args.get("keepdims"), f"'keepdims' of '{e.func}'")
         if isinstance(given, ast.NoneLit):
             axes = list(range(rank))
         else:
             axes = []
             for item in given.items:
-                axis = _const_int(item, f"an axis of '{e.func}'")
+                axis = const_int(item, f"an axis of '{e.func}'")
                 norm = normalize_axis(axis, rank)
                 if norm is None:
                     raise diag.AxisError(item.span, axis=axis, rank=rank, lo=-rank, hi=rank - 1)
@@ -676,7 +353,7 @@ class _KernelBuilder:
                     raise diag.DuplicateAxisError(item.span, axis=axis, func=e.func)
                 axes.append(norm)
         for axis in sorted(axes, reverse=True):
-            x = (self._emit(e.func, [x], e.span, axis=axis, keepdims=keepdims), e.span)
+            x = (self.b.user_op(e.func, [x], e.span, axis=axis, keepdims=keepdims), e.span)
         return x[0]
 
     def _call_along(self, e: ast.Call, b: Builtin, args: dict[str, ast.Expr]) -> int:
@@ -685,20 +362,20 @@ class _KernelBuilder:
         rank = self.graph.op(x[0]).type.rank
         if rank == 0:
             raise diag.RankError(e.span, message=f"'{e.func}' needs a value of rank 1 or more")
-        return self._emit(e.func, [x], e.span, axis=self._axis_arg(e, args, "axis", rank))
+        return self.b.user_op(e.func, [x], e.span, axis=axis_arg(e, args, "axis", rank))
 
     def _call_transpose(self, e: ast.Call, b: Builtin, args: dict[str, ast.Expr]) -> int:
         x = self._value(args, "x")
         rank = self.graph.op(x[0]).type.rank
-        a = self._axis_arg(e, args, "a", rank, None)
-        b_ = self._axis_arg(e, args, "b", rank, None)
-        return self._emit("transpose", [x], e.span, dims=(min(a, b_), max(a, b_)))
+        a = axis_arg(e, args, "a", rank, None)
+        b_ = axis_arg(e, args, "b", rank, None)
+        return self.b.user_op("transpose", [x], e.span, dims=(min(a, b_), max(a, b_)))
 
     def _call_index(self, e: ast.Call, b: Builtin, args: dict[str, ast.Expr]) -> int:
         x, _ = self._value(args, "x")
         shape = self.graph.op(x).shape
-        axis = self._axis_arg(e, args, "axis", len(shape), None)
-        return self._emit("index", [], e.span, axis=axis, shape=shape)
+        axis = axis_arg(e, args, "axis", len(shape), None)
+        return self.b.user_op("index", [], e.span, axis=axis, shape=shape)
 
     def _call_causal(self, e: ast.Call, b: Builtin, args: dict[str, ast.Expr]) -> int:
         x, xspan = self._value(args, "x")
@@ -706,159 +383,9 @@ class _KernelBuilder:
         if t.rank < 2:
             raise diag.RankError(e.span, [diag.Note(f"this value is {t}", xspan)],
                                  message=f"'causal' needs a value of rank 2 or more, got rank {t.rank}")
-        row = self._emit("index", [], e.span, axis=t.rank - 2, shape=t.shape)
-        col = self._emit("index", [], e.span, axis=t.rank - 1, shape=t.shape)
-        return self._emit("ge", [(row, e.span), (col, e.span)], e.span)
-
-    def _call_gather(self, e: ast.Call, b: Builtin, args: dict[str, ast.Expr]) -> int:
-        """torch.gather: `out[.., j, ..] = x[.., idx[.., j, ..], ..]` along `axis`, with idx of
-        x's rank (out has idx's shape); or, with idx of one rank less, one element per
-        position (`gather(x, y, axis=-1)` of logits [N, V] and labels [N] is [N])."""
-        x, xspan = self._value(args, "x")
-        idx, ispan = self._value(args, "index")
-        xt, it = self.graph.op(x).type, self.graph.op(idx).type
-        axis = self._axis_arg(e, args, "axis", xt.rank)
-        if it.rank not in (xt.rank, xt.rank - 1):
-            raise diag.IndexingError(ispan, [diag.Note(f"this value is {xt}", xspan)], message=(
-                f"gather needs an index of rank {xt.rank} (torch.gather) or {xt.rank - 1} (one "
-                f"element per position along axis {axis}), got rank {it.rank}"))
-        out = it.shape
-        dims = list(range(len(out)))
-        if it.rank < xt.rank:
-            dims.insert(axis, None)
-        indices = [(idx, ispan) if d is None or k == axis else
-                   (self._index_of(out, d, e.span), e.span) for k, d in enumerate(dims)]
-        if it.rank == xt.rank:
-            indices[axis] = (idx, ispan)
-        self._check_index(x, xt, axis, idx, ispan, e.span)
-        return self._emit("take", [(x, xspan), *indices], e.span)
-
-
-    def _call_reshape(self, e: ast.Call, b: Builtin, args: dict[str, ast.Expr]) -> int:
-        """reshape(x, [d0, ...], copy=false): the dims are integer expressions of dims and
-        literals, one of them may be -1 (what is left); element counts that only the call
-        can compare are checked at every call (`Graph.requires`)."""
-        x, xspan = self._value(args, "x")
-        t = self.graph.op(x).type
-        if t.rank == 0:
-            raise diag.IndexingError(e.span, message=(
-                f"a 0-d value ({t}) cannot be reshaped; it broadcasts as it is"))
-        given = _shape_list(args["shape"], "reshape", "[B, H // 2, 2]")
-        shape: list[Lin | None] = []
-        rest: ast.Expr | None = None
-        for item in given.items:
-            if _literal_int(item) == -1:
-                if rest is not None:
-                    raise diag.IndexingError(item.span, [diag.Note("the first -1 is here", rest.span)],
-                                             message="only one dim of a reshape can be -1")
-                rest = item
-                shape.append(None)
-                continue
-            d = self._dim_expr(item, "reshape dims")
-            if d.is_const and d.const < 1:
-                raise diag.IndexingError(item.span, message=(
-                    f"a reshape dim must be at least 1, got {d.const}"))
-            shape.append(d)
-        total = _product(Lin.of(d) for d in t.shape)
-        if rest is not None:
-            shape[shape.index(None)] = _quotient(total, _product(d for d in shape if d is not None))
-        new = tuple(d.dim() for d in shape)
-        diff = total - _product(shape)
-        note = [diag.Note(f"this value is {t}", xspan)]
-        message = (f"reshape from {format_shape(t.shape)} to {format_shape(new)} changes the "
-                   "number of elements")
-        if _never_zero(diff):
-            raise diag.IndexingError(given.span, note, message=message)
-        if not diff.is_const:
-            requires = list(self.graph.requires)
-            self._require(diff, given.span, message, requires)
-            self._require(-diff, given.span, message, requires)
-            self.graph.requires = tuple(requires)
-        copy = _const_bool(args.get("copy"), "'copy' of 'reshape'")
-        return self._emit("reshape", [(x, xspan)], e.span, shape=new, copy=copy)
-
-    def _call_expand(self, e: ast.Call, b: Builtin, args: dict[str, ast.Expr]) -> int:
-        """expand(x, [d0, ...]): x broadcast to a shape; -1 keeps x's dim (torch's expand)."""
-        x, xspan = self._value(args, "x")
-        t = self.graph.op(x).type
-        given = _shape_list(args["shape"], "expand", "[N, D]")
-        lead = len(given.items) - t.rank
-        shape = []
-        for k, item in enumerate(given.items):
-            if _literal_int(item) == -1 and k >= lead:
-                shape.append(t.shape[k - lead])
-                continue
-            d = self._dim_expr(item, "expand dims")
-            if d.is_const and d.const < 1:
-                raise diag.IndexingError(item.span, message=(
-                    f"an expand dim must be at least 1, got {d.const}"))
-            shape.append(d.dim())
-        return self._emit("expand", [(x, xspan)], e.span, shape=tuple(shape))
-
-    def _call_squeeze(self, e: ast.Call, b: Builtin, args: dict[str, ast.Expr]) -> int:
-        """squeeze(x, axis): drops size-1 axes (an int or a tuple of them), a view."""
-        x, xspan = self._value(args, "x")
-        t = self.graph.op(x).type
-        given = args["axis"]
-        items = given.items if isinstance(given, ast.TupleLit) else (given,)
-        axes: dict[int, ast.Expr] = {}
-        for item in items:
-            axis = _const_int(item, "an axis of 'squeeze'")
-            norm = normalize_axis(axis, t.rank)
-            if norm is None:
-                raise diag.AxisError(item.span, axis=axis, rank=t.rank, lo=-t.rank, hi=t.rank - 1)
-            if norm in axes:
-                raise diag.DuplicateAxisError(item.span, axis=axis, func="squeeze")
-            if t.shape[norm] != 1:
-                raise diag.IndexingError(item.span, [diag.Note(f"this value is {t}", xspan)], message=(
-                    f"squeeze needs axis {axis} to have size 1; it has size {t.shape[norm]}"
-                    + ("" if isinstance(t.shape[norm], int) else
-                       f" (to take index 0 of it, write x[{', '.join([':'] * norm + ['0'])}])")))
-            axes[norm] = item
-        out = tuple(("at", 0) if k in axes else ("range", 0, d, 1, d) for k, d in enumerate(t.shape))
-        return self._emit("slice", [(x, xspan)], e.span, items=out)
-
-
-def _shape_list(given: ast.Expr, func: str, example: str) -> ast.ListLit | ast.TupleLit:
-    """The shape argument of reshape/expand: a list (or tuple) of at most MAX_RANK dims."""
-    if not isinstance(given, ast.ListLit | ast.TupleLit):
-        raise diag.ConstantExpected(given.span, what=f"the shape of '{func}'",
-                                    expected=f"a list of dims, like {example}")
-    if len(given.items) > MAX_RANK:
-        raise diag.LimitError(given.span, what=f"rank {len(given.items)}", limit=MAX_RANK)
-    return given
-
-
-def _never_zero(x: Lin) -> bool:
-    """Is a difference of element counts nonzero at every size? Its atoms are products of
-    dims, each at least 1 at any call, so terms of one sign never cancel."""
-    signs = {c > 0 for _, c in x.terms} | ({x.const > 0} if x.const else set())
-    return len(signs) == 1
-
-
-def _product(dims) -> Lin:
-    out = Lin((), 1)
-    for d in dims:
-        out = out * d
-    return out
-
-
-def _quotient(total: Lin, known: Lin) -> Lin:
-    """total // known, cancelling the factors they share (B * H * S * D over B * H * S * 2
-    is D // 2), so the dim inferred for a reshape's -1 reads as the user would write it."""
-    if len(total.terms) == 1 and not total.const and (known.is_const or (
-            len(known.terms) == 1 and not known.const)):
-        (atom, c), k = total.terms[0], known.const
-        left = factors(atom)
-        if known.terms:
-            (katom, k), = known.terms
-            for f in factors(katom):
-                if f not in left:
-                    return total // known
-                left.remove(f)
-        rest = Lin(((" * ".join(left), 1),), 0) if left else Lin((), 1)
-        return rest.scale(c // k) if c % k == 0 else rest.scale(c) // Lin((), k)
-    return total // known
+        row = self.b.user_op("index", [], e.span, axis=t.rank - 2, shape=t.shape)
+        col = self.b.user_op("index", [], e.span, axis=t.rank - 1, shape=t.shape)
+        return self.b.user_op("ge", [(row, e.span), (col, e.span)], e.span)
 
 
 _ELEMENTWISE_SPELLING = {"max": "maximum", "min": "minimum"}
@@ -909,38 +436,13 @@ def _constant(expr: ast.Expr | None, param: BParam, func: str) -> object:
     if expr is None:
         return param.default
     if param.kind == "bool":
-        return _const_bool(expr, f"'{param.name}' of '{func}'")
-    return _const_int(expr, f"'{param.name}' of '{func}'")
+        return const_bool(expr, f"'{param.name}' of '{func}'")
+    return const_int(expr, f"'{param.name}' of '{func}'")
 
 
 def _unknown_dtype(span: Span, name: str) -> diag.UnknownDTypeError:
     return diag.UnknownDTypeError(span, [diag.Note(f"the dtypes are {', '.join(PARAM_DTYPES)}")],
                                   name=name, hint=diag.did_you_mean(name, PARAM_DTYPES))
-
-
-def _literal_int(expr: ast.Expr) -> int | None:
-    """The value of an integer literal (possibly negated), else None."""
-    if isinstance(expr, ast.IntLit):
-        return expr.value
-    if isinstance(expr, ast.Unary) and expr.op in "-+" and isinstance(expr.operand, ast.IntLit):
-        return -expr.operand.value if expr.op == "-" else expr.operand.value
-    return None
-
-
-def _const_int(expr: ast.Expr, what: str) -> int:
-    if isinstance(expr, ast.IntLit):
-        return expr.value
-    if isinstance(expr, ast.Unary) and isinstance(expr.operand, ast.IntLit):
-        return -expr.operand.value if expr.op == "-" else expr.operand.value
-    raise diag.ConstantExpected(expr.span, what=what, expected="an integer constant")
-
-
-def _const_bool(expr: ast.Expr | None, what: str) -> bool:
-    if expr is None:
-        return False
-    if isinstance(expr, ast.BoolLit):
-        return expr.value
-    raise diag.ConstantExpected(expr.span, what=what, expected="true or false")
 
 
 def _const_str(expr: ast.Expr | None, param, default: str) -> str:

@@ -1,0 +1,119 @@
+"""The one place graph-IR ops are made.
+
+Every op sema, autodiff and the passes add to a graph is built here: its kind,
+operands, span and attributes are given, and its dtype, shape and weakness are
+what `ops.infer` says of its operands (a source op, `param`, `const` or `dim`,
+is typed by its `type` attribute, like any other op by its rule). So a graph
+built by any of them is well typed by construction; the verifier's re-check
+after each pass (`TILEDSL_VERIFY=1`) guards the rest: an op whose operands a
+pass rewired without `retype`.
+
+A rule that refuses its operands is the user's error in sema (`user_op`: a
+located diagnostic, notes at the operands it blames) and a compiler bug
+anywhere else (`op`: `IllTypedOp`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from tiledsl import diagnostics as diag
+from tiledsl import ops
+from tiledsl.dims import build as build_dim
+from tiledsl.ir import Edge, Graph, Op, make_attrs
+from tiledsl.source import Span
+from tiledsl.types import DType, TensorType
+
+if TYPE_CHECKING:
+    from tiledsl.passes.rewrite import Rewriter
+
+Value = int | Edge  # a node (its result 0) or (node, result index) of a kernel
+
+
+class IllTypedOp(diag.InternalError):
+    template = "internal compiler error: an ill-typed '{kind}' was built from ({types}): {message}"
+
+
+class Builder:
+    """Adds typed ops to `graph`; with a `rewriter`, each new node is also queued for its
+    patterns (`passes/rewrite.py`)."""
+
+    def __init__(self, graph: Graph, rewriter: Rewriter | None = None) -> None:
+        self.graph = graph
+        self.rewriter = rewriter
+
+    def types(self, operands: Sequence[Value]) -> tuple[TensorType, ...]:
+        return tuple(self.graph.result_type(*o) if isinstance(o, tuple) else self.graph.op(o).type
+                     for o in operands)
+
+    def type_of(self, kind: str, operands: Sequence[Value], **attrs: Any) -> TensorType | None:
+        """The type `op(kind, operands, **attrs)` would have, or None where its rule refuses:
+        for a pass that rewrites only when the new op keeps a type."""
+        try:
+            return ops.infer(kind, self.types(operands), attrs)
+        except ops.RuleError:
+            return None
+
+    def op(self, kind: str, operands: Sequence[Value], span: Span | None, **attrs: Any) -> int:
+        """Add `kind(*operands)` with `attrs`, typed by its rule; a refusal is a compiler bug."""
+        types = self.types(operands)
+        try:
+            t = ops.infer(kind, types, attrs)
+        except ops.RuleError as err:
+            raise IllTypedOp(span, kind=kind, types=", ".join(map(str, types)), message=str(err)) from None
+        return self._add(kind, t, operands, span, attrs)
+
+    def user_op(self, kind: str, operands: Sequence[tuple[int, Span]], span: Span, **attrs: Any) -> int:
+        """`op` over operands the user wrote, each with its span: a refusal is the user's
+        error, located at `span` with a note at each operand the rule blames."""
+        types = self.types([n for n, _ in operands])
+        try:
+            t = ops.infer(kind, types, attrs)
+        except ops.RuleError as err:
+            notes = [diag.Note(f"this operand is {types[i]}", operands[i][1])
+                     for i in err.operands if i < len(operands)]
+            raise err.cls(span, notes, **err.fields) from None
+        return self._add(kind, t, [n for n, _ in operands], span, attrs)
+
+    def copy(self, op: Op, operands: Sequence[Value]) -> int:
+        """`op` again (kind, attributes, span) over `operands`, typed by them."""
+        return self.op(op.kind, operands, op.span, **op.attr_map)
+
+    def retype(self, node: int) -> None:
+        """Type `node` again from its operands, after a pass changed them."""
+        op = self.graph.op(node)
+        t = self.types(self.graph.operand_edges(node))
+        try:
+            new = ops.infer(op.kind, t, op.attr_map)
+        except ops.RuleError as err:
+            raise IllTypedOp(op.span, kind=op.kind, types=", ".join(map(str, t)), message=str(err)) from None
+        self.graph.set_op(node, op.replace(dtype=new.dtype, shape=new.shape, weak=new.weak))
+
+    def const(self, value: object, dtype: DType, span: Span | None) -> int:
+        """A literal: weak, like a Python scalar."""
+        return self.op("const", [], span, value=value, type=TensorType(dtype, (), True))
+
+    def dim(self, symbol: str, span: Span | None) -> int:
+        """The size a dim symbol is bound to at the call, a weak i32."""
+        return self.op("dim", [], span, symbol=symbol, type=TensorType(DType.I32, (), True))
+
+    def size(self, dim: object, span: Span | None) -> int:
+        """A dim (an int or a dim expression) as a weak i32 value, computed from dims."""
+        return build_dim(dim, lambda name: self.dim(name, span),
+                         lambda k: self.const(k, DType.I32, span),
+                         lambda kind, *args: self.op(kind, args, span))
+
+    def param(self, t: TensorType, span: Span | None, **attrs: Any) -> int:
+        """A parameter of type `t` (`attrs`: its name, index, whether it is scalar)."""
+        return self.op("param", [], span, type=t, **attrs)
+
+    def ret(self, operands: Sequence[Value], span: Span | None) -> int:
+        return self.op("return", operands, span)
+
+    def _add(self, kind: str, t: TensorType, operands: Sequence[Value], span: Span | None,
+             attrs: dict[str, Any]) -> int:
+        node = self.graph.add(Op(kind, t.dtype, t.shape, make_attrs(**attrs), span, t.weak), operands)
+        if self.rewriter is not None:
+            self.rewriter.created(node)
+        return node
