@@ -7,7 +7,10 @@ semantics: computed in double precision, rounded to the result dtype);
 `x * 1`, `1 * x`, `x + 0`, `0 + x`, `x - 0`, `x / 1`, `--x`, casts to the same
 type (but not a cast to f16/bf16 of a computed value, which rounds it) and
 double transposes are replaced by `x` when that leaves every type unchanged;
-a reduction over adjacent axes is one reduction over them merged.
+a reduction over adjacent axes is one reduction over them merged. Equivalent
+forms become one: a reduction's dropped dim put back is the reduction keeping
+it, a transposed product is the product of the transposes, a gather of a cast
+is a cast of the gather.
 Results that are NaN or that Python cannot compute (`log(0)`) are left for
 run time.
 """
@@ -193,7 +196,114 @@ class MergeReductions(Pattern):
         return True
 
 
-PATTERNS = (FoldConstants(), RemoveIdentity(), RemoveNoOpCast(), CancelInvolution(), MergeReductions())
+class KeepReducedDim(Pattern):
+    """`r[:, None]` (or a reshape giving back the size-1 dim) of a reduction that dropped its
+    axis is the reduction keeping it: `exp(x - max(x, -1)[:, None])` reads the row max as
+    `exp(x - max(x, -1, keepdims=true))` does, so the row forms (softmax, norms) are one
+    form. The reduction without the dim stays for its other readers (both are one row
+    program's). An elementwise op of such values, read only with the dim put back
+    (`rsqrt(var + eps)[:, None]`), takes the dim back first."""
+
+    def apply(self, graph: Graph, node: int, op: Op, rewriter: Rewriter) -> bool:
+        at = _inserted_axis(graph, node)
+        if at is None:
+            return False
+        (r,) = graph.operands(node)
+        rop = graph.op(r)
+        if not isinstance(rop, Op):
+            return False
+        b = rewriter.build
+        if ops.is_elementwise(rop.kind) and rop.kind != "take" and graph.users(r) == [(node, 0)] \
+                and all(graph.result_type(*o).shape in (rop.shape, ()) for o in graph.operand_edges(r)):
+            edges = [o if graph.result_type(*o).rank == 0 else
+                     b.op("reshape", [o], op.span, shape=op.shape, copy=False)
+                     for o in graph.operand_edges(r)]
+            rewriter.replace(node, b.op(rop.kind, edges, rop.span, **rop.attr_map))
+            return True
+        if rop.kind not in ops.OPS or ops.OPS[rop.kind].reduction is None or rop.attr("keepdims") \
+                or rop.attr("axis") != at:
+            return False
+        rewriter.replace(node, b.op(rop.kind, graph.operand_edges(r), rop.span, axis=at, keepdims=True))
+        return True
+
+
+def _inserted_axis(graph: Graph, node: int) -> int | None:
+    """Where a view that only inserts one size-1 axis (`x[:, None]`, a reshape to the same
+    dims with a 1 among them) puts it; None for any other op."""
+    op = graph.op(node)
+    if not isinstance(op, Op) or op.kind not in ("slice", "reshape"):
+        return None
+    (x,) = graph.operand_edges(node)
+    shape = graph.result_type(*x).shape
+    if len(op.shape) != len(shape) + 1:
+        return None
+    if op.kind == "slice":
+        items = op.attr("items")
+        ranges = [it for it in items if it[0] == "range"]
+        if len(items) != len(op.shape) or len(ranges) != len(shape) or not all(
+                it == ("range", 0, d, 1, d) for it, d in zip(ranges, shape, strict=True)):
+            return None
+        return items.index(("new",))
+    return next((k for k in range(len(op.shape))
+                 if op.shape[k] == 1 and op.shape[:k] + op.shape[k + 1:] == shape), None)
+
+
+def _swaps_last(op: Op) -> bool:
+    return op.kind == "transpose" and {d % op.type.rank for d in op.attr("dims")} == {
+        op.type.rank - 2, op.type.rank - 1}
+
+
+class TransposeProduct(Pattern):
+    """`(a @ b).T` is `b.T @ a.T`: a product read only transposed is computed in the layout
+    it is read in (`(v.T @ p.T).T` is `p @ v`, attention's; `(w @ x.T).T + b` is a GEMM with
+    its bias epilogue), the operands' transposes views (a double one cancels)."""
+
+    def apply(self, graph: Graph, node: int, op: Op, rewriter: Rewriter) -> bool:
+        if not _swaps_last(op):
+            return False
+        (mm,) = graph.operands(node)
+        mm_op = graph.op(mm)
+        if not isinstance(mm_op, Op) or mm_op.kind != "matmul" or graph.users(mm) != [(node, 0)] \
+                or mm_op.type.rank != op.type.rank:
+            return False
+        b = rewriter.build
+        a_t, b_t = (b.op("transpose", [o], op.span, dims=(o_t.rank - 2, o_t.rank - 1))
+                    for o, o_t in ((o, b.types([o])[0]) for o in reversed(graph.operand_edges(mm))))
+        product = b.op("matmul", [a_t, b_t], mm_op.span)
+        if b.types([product])[0] != op.type:
+            return False
+        rewriter.replace(node, product)
+        return True
+
+
+# unary ops that give 0 at 0: a gather reading 0 past its index range reads them as 0 too
+_ZERO_AT_ZERO = frozenset({"cast", "neg", "abs", "relu"})
+
+
+class GatherBeforeElementwise(Pattern):
+    """A gather of an elementwise op of one tensor, `gather(cast(x, f32), y)`, is the op of
+    the gather, `cast(gather(x, y), f32)`: kernels load a gathered tensor through its
+    indices, so `cast(x)` would otherwise be stored whole for the gather (a cross-entropy's
+    second kernel). Only for ops that give 0 at 0, so an index out of range still reads 0."""
+
+    def apply(self, graph: Graph, node: int, op: Op, rewriter: Rewriter) -> bool:
+        if op.kind != "take":
+            return False
+        x, *indices = graph.operand_edges(node)
+        x_op = graph.op(x[0])
+        if not isinstance(x_op, Op) or x_op.kind not in _ZERO_AT_ZERO:
+            return False
+        b = rewriter.build
+        gathered = b.op("take", [*graph.operand_edges(x[0]), *indices], op.span)
+        out = b.op(x_op.kind, [gathered], x_op.span, **x_op.attr_map)
+        if b.types([out])[0] != op.type:
+            return False
+        rewriter.replace(node, out)
+        return True
+
+
+PATTERNS = (FoldConstants(), RemoveIdentity(), RemoveNoOpCast(), CancelInvolution(), MergeReductions(),
+            KeepReducedDim(), TransposeProduct(), GatherBeforeElementwise())
 
 
 @register
