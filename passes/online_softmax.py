@@ -16,6 +16,8 @@ pass rewrites those into the ops the templates run online:
     m + log(sum(exp(x - m), axis, keepdims=true))  -> logsumexp(x, axis, keepdims=true)
     e / (sum(e, axis, keepdims=true) + exp(sink - m))
                                 -> softmax(x, axis) * sigmoid(logsumexp(x, axis) - sink)
+    exp(x - logsumexp(x, axis, keepdims=true))     -> softmax(x, axis)
+    (e @ v) / sum(e, -1, keepdims=true)            -> softmax(x, -1) @ v
 
 when the intermediate values have no other use. A row that is all -inf then
 gives 0 (softmax) and -inf (logsumexp) instead of the NaN of the written-out
@@ -83,6 +85,53 @@ class RecognizeSoftmax(Pattern):
         if not (_only_used_by(graph, e, {node, z}) and _only_used_by(graph, z, {node})):
             return False
         return _replace(graph, node, op, "softmax", x, rewriter, axis=axis)
+
+
+class RecognizeSoftmaxOfLogsumexp(Pattern):
+    """exp(x - logsumexp(x, axis, keepdims=true)) is softmax(x, axis): probabilities from a
+    logsumexp (which may be returned too: the attention kernel stores it)."""
+
+    def apply(self, graph: Graph, node: int, op: Op, rewriter: Rewriter) -> bool:
+        found = _shifted_exp(graph, node)
+        if found is None:
+            return False
+        x, lse = found
+        lse_op = graph.op(lse[0])
+        if not (_is(graph, lse[0], "logsumexp") and graph.operand_edges(lse[0]) == [x]
+                and lse_op.attr("keepdims")):
+            return False
+        return _replace(graph, node, op, "softmax", x, rewriter, axis=lse_op.attr("axis"))
+
+
+class RecognizeNormalisedProduct(Pattern):
+    """(e @ v) / sum(e, -1, keepdims=true) with e = exp(x - max(x, -1, keepdims=true)) is
+    softmax(x) @ v: the row sum is constant along each row of the product, so dividing
+    after the product is dividing the probabilities before it (attention normalised at
+    its output, as flash kernels do)."""
+
+    def apply(self, graph: Graph, node: int, op: Op, rewriter: Rewriter) -> bool:
+        if op.kind != "div":
+            return False
+        mm, z = graph.operands(node)
+        if not (_is(graph, mm, "matmul") and _is(graph, z, "sum") and graph.op(z).attr("keepdims")):
+            return False
+        e, v = graph.operand_edges(mm)
+        found = _shifted_exp(graph, e[0])
+        axis = graph.op(z).attr("axis")
+        if found is None or graph.operand_edges(z) != [e] or axis != graph.op(e[0]).type.rank - 1:
+            return False
+        x, m = found
+        if not (_row_max_of(graph, m, x, axis) and _only_used_by(graph, e[0], {mm, z})
+                and _only_used_by(graph, z, {node}) and _only_used_by(graph, mm, {node})):
+            return False
+        b = rewriter.build
+        if b.type_of("softmax", [x], axis=axis) != graph.op(e[0]).type:
+            return False
+        product = b.op("matmul", [b.op("softmax", [x], op.span, axis=axis), v], graph.op(mm).span)
+        if b.types([product])[0] != op.type:
+            return False
+        rewriter.replace(node, product)
+        return True
 
 
 class RecognizeLogsumexp(Pattern):
@@ -175,4 +224,5 @@ class OnlineSoftmax(Pass):
     name = "online-softmax"
 
     def run(self, graph: Graph, ctx: PassContext) -> None:
-        apply_patterns(graph, (RecognizeSoftmax(), RecognizeSinkSoftmax(), RecognizeLogsumexp()))
+        apply_patterns(graph, (RecognizeSoftmax(), RecognizeSinkSoftmax(), RecognizeLogsumexp(),
+                               RecognizeSoftmaxOfLogsumexp(), RecognizeNormalisedProduct()))
