@@ -380,10 +380,11 @@ class _Match:
                 work.append(cand)
 
     def _row_values(self, group: Group, lse: set[int], row_shape, in_scores: set[int]) -> set[int]:
-        """Elementwise ops of the rows' shape [..., M, 1] computed from the kernel's logsumexp
-        and from scalars and inputs that broadcast to the rows: the kernel has them once the
-        recurrence is finished, per query row (one read by nothing else is stored per row).
-        Not from an index expression the scores read (`in_scores`)."""
+        """Elementwise ops of the rows' shape [..., M, 1] (or [..., M]) computed from the kernel's
+        logsumexps and sums over the keys (a cast of the logsumexp to f32, returned) and from
+        scalars and inputs that broadcast to the rows: the kernel has them once the recurrence
+        is finished, per query row (one read by nothing else is stored per row). Not from an
+        index expression the scores read (`in_scores`)."""
         graph, rows = self.graph, set()
         work = deque(lse)
         while work:
@@ -391,9 +392,9 @@ class _Match:
             for cand, _ in graph.users(member):
                 op = graph.op(cand)
                 if cand in group or self.plan.grouped(cand) or not elementwise_candidate(graph, cand) \
-                        or op.shape != row_shape:
+                        or op.shape not in (row_shape, row_shape[:-1]):
                     continue
-                if not all(o in group or _row_input(graph, o, row_shape) for o in graph.operands(cand)) \
+                if not all(o in group or _row_input(graph, o, op.shape) for o in graph.operands(cand)) \
                         or self._index_expressions([cand]) & in_scores:
                     continue
                 if self.plan.creates_cycle(group, cand):

@@ -410,10 +410,11 @@ class AttentionProgram:
             t = self.value_type(v)
             text = em.store_value(Val(per_row[v], Compute.F32) if v in per_row else vals[v], t)
             ref = self.outs[j]
-            if v in per_row or (t.shape == row_shape and row_shape != self.out_shape):
-                # one value per query row (a value of the epilogue per row is a [BLOCK_M, 1] tile)
+            if v in per_row or (t.shape in (row_shape, row_shape[:-1]) and row_shape != self.out_shape):
+                # one value per query row (a value of the epilogue per row with the key dim kept
+                # is a [BLOCK_M, 1] tile, without it a [BLOCK_M] one)
                 shape = t.shape[:len(self.score_shape) - 1]  # without a kept size-1 key dim
-                column = v not in per_row
+                column = v not in per_row and t.rank == len(self.score_shape)
                 rows = [*self.space_indices("score")[:-2], "rm[:, None]" if column else "rm"]
                 idx = [None if d == 1 else rows[len(rows) - len(shape) + k] for k, d in enumerate(shape)]
                 offset = ref.offset(idx + [None] * (t.rank - len(shape)))
