@@ -1,0 +1,96 @@
+"""Form invariance: equivalent forms of the programs we fuse take the kernels the canonical
+form takes (issue 27). Each variant is written the way model code writes it (a softmax by
+hand, reductions without keepdims re-expanded, attention normalised after `@ v`,
+probabilities from a logsumexp, additive masks, transposed products, a gather of a cast,
+...), compiled with the default pipeline, checked for its kernel count, and run against
+the float64 oracle at awkward sizes."""
+
+import pytest
+import torch
+
+import tiledsl
+from tiledsl import testing
+
+A = "q: f16[B, H, M, D], k: f16[B, H, N, D], v: f16[B, H, N, D]"
+O = "f16[B, H, M, D]"
+def attn(body, params=A, ret=O, extra=""):
+    return f"kernel f({params}{extra}) -> {ret} {{\n{body}\n}}"
+VARIANTS = {
+ # --- attention: canonical 1 kernel
+ "attn/canonical": (1, attn("s = q @ k.T * rsqrt(D)\n return softmax(s) @ v")),
+ "attn/handwritten_softmax": (1, attn("s = q @ k.T * rsqrt(D)\n e = exp(s - max(s, axis=-1, keepdims=true))\n return (e / sum(e, axis=-1, keepdims=true)) @ v")),
+ "attn/no_keepdims_reexpanded": (1, attn("s = q @ k.T * rsqrt(D)\n m = max(s, axis=-1)\n e = exp(s - m[..., None])\n z = sum(e, axis=-1)\n return (e / z[..., None]) @ v")),
+ "attn/normalise_after_pv": (1, attn("s = q @ k.T * rsqrt(D)\n e = exp(s - max(s, axis=-1, keepdims=true))\n return (e @ v) / sum(e, axis=-1, keepdims=true)")),
+ "attn/probs_from_lse": (1, attn("s = q @ k.T * rsqrt(D)\n p = exp(s - logsumexp(s, axis=-1, keepdims=true))\n return p @ v")),
+ "attn/probs_from_lse_returned": (1, attn("s = q @ k.T * rsqrt(D)\n l = logsumexp(s, axis=-1, keepdims=true)\n return exp(s - l) @ v, l", ret="(f16[B, H, M, D], f16[B, H, M, 1])")),
+ "attn/additive_causal": (1, attn("s = q @ k.T * rsqrt(D)\n s = s + where(causal(s), 0.0, -inf)\n return softmax(s) @ v")),
+ "attn/additive_mask_param": (1, attn("s = q @ k.T * rsqrt(D) + mask\n return softmax(s) @ v", extra=", mask: f16[M, N]")),
+ "attn/bool_mask_param": (1, attn("s = q @ k.T * rsqrt(D)\n return softmax(where(mask, s, -inf)) @ v", extra=", mask: bool[B, 1, M, N]")),
+ "attn/transpose_fn": (1, attn("return softmax(q @ transpose(k, 2, 3) * rsqrt(D)) @ v")),
+ "attn/pre_transposed_k": (1, "kernel f(q: f16[B, H, M, D], kt: f16[B, H, D, N], v: f16[B, H, N, D]) -> f16[B, H, M, D] {\n return softmax(q @ kt * rsqrt(D)) @ v\n}"),
+ "attn/scale_q_first": (1, attn("return softmax((q * rsqrt(D)) @ k.T) @ v")),
+ "attn/scale_k": (1, attn("return softmax(q @ (k * rsqrt(D)).T) @ v")),
+ "attn/transposed_output": (1, attn("p = softmax(q @ k.T * rsqrt(D))\n return (v.T @ p.T).T")),
+ "attn/bshd_layout": (1, "kernel f(q: f16[B, M, H, D], k: f16[B, N, H, D], v: f16[B, N, H, D]) -> f16[B, M, H, D] {\n qt = transpose(q, 1, 2); kt = transpose(k, 1, 2); vt = transpose(v, 1, 2)\n return transpose(softmax(qt @ kt.T * rsqrt(D)) @ vt, 1, 2)\n}"),
+ "attn/softmax_f32_then_cast": (1, attn("s = cast(q @ k.T, f32) * rsqrt(D)\n p = softmax(s)\n return cast(p, f16) @ v")),
+ "attn/lse_f32_output": (1, attn("s = q @ k.T * rsqrt(D)\n return softmax(s) @ v, cast(logsumexp(s, axis=-1), f32)", ret="(f16[B, H, M, D], f32[B, H, M])")),
+ "attn/sinks_maximum": (1, attn("s = q @ k.T * rsqrt(D)\n m = maximum(max(s, axis=-1, keepdims=true), sink)\n e = exp(s - m)\n return (e / (sum(e, axis=-1, keepdims=true) + exp(sink - m))) @ v", extra=", sink: f16[H, 1, 1]")),
+ "attn/gqa_k_broadcast_view": (1, "kernel f(q: f16[B, KH, G, M, D], k: f16[B, KH, N, D], v: f16[B, KH, N, D]) -> f16[B, KH, G, M, D] {\n s = q @ k[:, :, None].T * rsqrt(D)\n return softmax(s) @ v[:, :, None]\n}"),
+ "attn/gqa_reshape_q": (1, "kernel f(q: f16[B, H, M, D], k: f16[B, KH, N, D], v: f16[B, KH, N, D]) -> f16[B, H, M, D] {\n qg = reshape(q, [B, KH, H // KH, M, D])\n return reshape(softmax(qg @ k[:, :, None].T * rsqrt(D)) @ v[:, :, None], [B, H, M, D])\n}"),
+ "attn/gqa_flat_rows": (1, "kernel f(q: f16[B, H, M, D], k: f16[B, KH, N, D], v: f16[B, KH, N, D]) -> f16[B, H, M, D] {\n qg = reshape(q, [B, KH, H // KH * M, D])\n o = softmax(qg @ k.T * rsqrt(D)) @ v\n return reshape(o, [B, H, M, D])\n}"),
+ "attn/handwritten_logsumexp_returned": (1, attn("s = q @ k.T * rsqrt(D)\n m = max(s, axis=-1, keepdims=true)\n l = m + log(sum(exp(s - m), axis=-1, keepdims=true))\n return softmax(s) @ v, l", ret="(f16[B, H, M, D], f16[B, H, M, 1])")),
+ "attn/mask_after_scale_fill": (1, attn("s = where(causal(q @ k.T), q @ k.T, -inf) * rsqrt(D)\n return softmax(s) @ v")),
+ # --- softmax / rows
+ "rows/softmax": (1, "kernel f(x: f32[M, N]) -> f32[M, N] {\n return softmax(x)\n}"),
+ "rows/softmax_hand": (1, "kernel f(x: f32[M, N]) -> f32[M, N] {\n e = exp(x - max(x, axis=-1, keepdims=true))\n return e / sum(e, axis=-1, keepdims=true)\n}"),
+ "rows/softmax_hand_nokeep": (1, "kernel f(x: f32[M, N]) -> f32[M, N] {\n e = exp(x - max(x, axis=-1)[:, None])\n return e / sum(e, axis=-1)[:, None]\n}"),
+ "rows/logsoftmax_hand": (1, "kernel f(x: f32[M, N]) -> f32[M, N] {\n return x - logsumexp(x, axis=-1, keepdims=true)\n}"),
+ "rows/logsoftmax_hand2": (1, "kernel f(x: f32[M, N]) -> f32[M, N] {\n m = max(x, axis=-1, keepdims=true)\n return x - m - log(sum(exp(x - m), axis=-1, keepdims=true))\n}"),
+ "rows/rmsnorm": (1, "kernel f(x: f16[M, N], w: f16[N], eps: f32) -> f16[M, N] {\n return x * rsqrt(mean(x * x, axis=-1, keepdims=true) + eps) * w\n}"),
+ "rows/rmsnorm_f32": (1, "kernel f(x: f16[M, N], w: f16[N], eps: f32) -> f16[M, N] {\n xf = cast(x, f32)\n return cast(xf * rsqrt(mean(xf ** 2, axis=-1, keepdims=true) + eps), f16) * w\n}"),
+ "rows/rmsnorm_div_sqrt": (1, "kernel f(x: f16[M, N], w: f16[N], eps: f32) -> f16[M, N] {\n return w * (x / sqrt(sum(x * x, axis=-1, keepdims=true) / N + eps))\n}"),
+ "rows/rmsnorm_pow": (1, "kernel f(x: f32[M, N], w: f32[N], eps: f32) -> f32[M, N] {\n return x * (mean(x * x, axis=-1, keepdims=true) + eps) ** -0.5 * w\n}"),
+ "rows/layernorm": (1, "kernel f(x: f32[M, N], w: f32[N], b: f32[N]) -> f32[M, N] {\n mu = mean(x, axis=-1, keepdims=true)\n var = mean((x - mu) ** 2, axis=-1, keepdims=true)\n return (x - mu) * rsqrt(var + 1e-5) * w + b\n}"),
+ "rows/layernorm_e2": (1, "kernel f(x: f32[M, N], w: f32[N], b: f32[N]) -> f32[M, N] {\n mu = mean(x, axis=-1, keepdims=true)\n var = mean(x * x, axis=-1, keepdims=true) - mu * mu\n return (x - mu) / sqrt(var + 1e-5) * w + b\n}"),
+ "rows/layernorm_nokeep": (1, "kernel f(x: f32[M, N], w: f32[N], b: f32[N]) -> f32[M, N] {\n mu = mean(x, axis=-1)\n xc = x - mu[:, None]\n var = mean(xc * xc, axis=-1)\n return xc * rsqrt(var + 1e-5)[:, None] * w + b\n}"),
+ "rows/ce_gather": (1, "kernel f(x: f16[M, V], y: i64[M]) -> f32[M] {\n return logsumexp(cast(x, f32), axis=-1) - gather(cast(x, f32), y)\n}"),
+ "rows/ce_gather_of_cast": (1, "kernel f(x: f16[M, V], y: i64[M]) -> f32[M] {\n xf = cast(x, f32)\n return logsumexp(xf, axis=-1) - gather(xf, y)\n}"),
+ "rows/ce_cast_of_gather": (1, "kernel f(x: f16[M, V], y: i64[M]) -> f32[M] {\n return logsumexp(cast(x, f32), axis=-1) - cast(gather(x, y), f32)\n}"),
+ "rows/ce_log_softmax": (1, "kernel f(x: f32[M, V], y: i64[M]) -> f32[M] {\n return -gather(x - logsumexp(x, axis=-1, keepdims=true), y)\n}"),
+ "rows/ce_mean_loss": (2, "kernel f(x: f32[M, V], y: i64[M]) -> f32[] {\n return mean(logsumexp(x, axis=-1) - gather(x, y), axis=0)\n}"),
+ "rows/nested_mean": (1, "kernel f(x: f32[B, M, N]) -> f32[B] {\n return mean(mean(x, axis=-1), axis=-1)\n}"),
+ "rows/tuple_mean": (1, "kernel f(x: f32[B, M, N]) -> f32[B] {\n return mean(x, axis=(1, 2))\n}"),
+ # --- gemm epilogues: canonical 1
+ "gemm/mm": (1, "kernel f(a: f16[M, K], b: f16[K, N], d: f16[M, N], e: f16[M, N]) -> f16[M, N] {\n return (a @ b) * d * e\n}"),
+ "gemm/mm_rev": (1, "kernel f(a: f16[M, K], b: f16[K, N], d: f16[M, N], e: f16[M, N]) -> f16[M, N] {\n return e * (d * (a @ b))\n}"),
+ "gemm/mm_f32acc": (1, "kernel f(a: f16[M, K], b: f16[K, N], d: f16[M, N]) -> f16[M, N] {\n return cast(cast(a @ b, f32) * cast(d, f32), f16)\n}"),
+ "gemm/bias_relu_bt": (1, "kernel f(x: f16[M, K], w: f16[N, K], b: f16[N]) -> f16[M, N] {\n return relu(x @ w.T + b)\n}"),
+ "gemm/bias_relu_transpose_fn": (1, "kernel f(x: f16[M, K], w: f16[N, K], b: f16[N]) -> f16[M, N] {\n return maximum(x @ transpose(w, 0, 1) + b[None, :], 0.0)\n}"),
+ "gemm/transposed_product": (1, "kernel f(x: f16[M, K], w: f16[N, K], b: f16[N]) -> f16[M, N] {\n return relu((w @ x.T).T + b)\n}"),
+ "gemm/swiglu": (2, "kernel f(x: bf16[M, K], w1: bf16[F, K], w3: bf16[F, K], w2: bf16[K, F]) -> bf16[M, K] {\n return (silu(x @ w1.T) * (x @ w3.T)) @ w2.T\n}"),
+ "gemm/swiglu_reversed": (2, "kernel f(x: bf16[M, K], w1: bf16[F, K], w3: bf16[F, K], w2: bf16[K, F]) -> bf16[M, K] {\n return ((x @ w3.T) * (x @ w1.T) * sigmoid(x @ w1.T)) @ w2.T\n}"),
+}
+
+DIMS = dict(B=2, H=3, KH=1, G=3, M=17, N=33, D=16, V=37, K=19, F=23)
+
+
+# not reached yet, said so rather than skipped: a gather along the row of a value the row
+# program computes (`gather(x - lse, y)`) needs that value stored, since a gather loads its
+# tensor through the indices; sinking the gather through the difference would read 0 - lse,
+# not 0, at an index out of range
+NOT_YET = {"rows/ce_log_softmax"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason="see NOT_YET"))
+                                  if n in NOT_YET else n for n in sorted(VARIANTS)])
+def test_equivalent_forms_fuse_alike(name):
+    want, src = VARIANTS[name]
+    fn = tiledsl.compile(src)
+    assert len(fn.kernels) == want, f"{name}: {[k.template for k in fn.kernels]}\n{fn.explain()}"
+    g = torch.Generator().manual_seed(len(name))
+    dims = {d: DIMS[d] for d in testing.needed_dims(fn)}
+    args = testing.random_inputs(fn, dims, generator=g)
+    if "y" in args:  # labels inside the vocabulary
+        args["y"] = torch.randint(0, dims["V"], args["y"].shape, generator=g)
+    report = testing.check(fn, **args)
+    assert report.ok, f"{name}: {report}"
