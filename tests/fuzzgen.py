@@ -242,10 +242,21 @@ class Generator:
         return "w", a.shape
 
     def matmul(self, a: Value) -> Value:
-        """Matmul shapes of model code on A operand `a`: attention (with a mask, a sink), a dual
-        GEMM, a row-normalised A, a plain projection."""
+        """Matmul shapes of model code on A operand `a`: attention (with a mask, a sink), a
+        two-matmul chain with no softmax (batched data on the right: a mask or a decay, maybe a
+        normaliser), a dual GEMM, a row-normalised A, a plain projection."""
         b, shape = self.weight(a)
         r = self.rng.random()
+        if b == "wb" and r < 0.6:  # two products of data with no softmax (linear attention)
+            s = f"({a.text} @ {b}.T)"
+            c = self.cond(0)
+            if broadcast(c.shape, shape) != shape:
+                c = Value(f"causal({s})", shape, "bool")
+            f = self.rng.choice([f"where({c.text}, {s}, 0.0)", f"({s} * where(causal({s}), 0.5, 0.0))",
+                                 f"relu({s})"])
+            if self.rng.random() < 0.3:  # normalised by a sum over the keys
+                return Value(f"(({f} @ {b}) / (sum(abs({f}), axis=-1, keepdims=true) + 1.0))", shape)
+            return Value(f"({f} @ {b})", shape)
         if r < 0.4:  # attention-shaped: softmax of scores, then @ w
             scores = Value(f"({a.text} @ {b}.T * {self.rng.choice(['0.125', 's', 'rsqrt(N)'])})", shape)
             if self.rng.random() < 0.5:
