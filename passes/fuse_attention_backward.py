@@ -507,14 +507,15 @@ def _space(graph: Graph, x: int, order: dict[int, int]) -> tuple[list[int], set[
 
 
 def _grow(graph: Graph, space: set[int], dots: set[int], order: dict[int, int]) -> None:
-    """Add the elementwise ops of the score shape computed from the space and from values
-    read at the tile (a bias gradient `ds * (j - i)` before its reduction): stored per tile
-    instead of the values they read."""
+    """Add the elementwise ops of the score shape computed from the space, its dots and values
+    read at the tile (a bias gradient `ds * (j - i)` before its reduction; a decay's gradient
+    `dp * s`, a product of two dots): stored per tile instead of the values they read."""
     shape = graph.op(next(iter(dots))).shape
     grown = True
     while grown:
         grown = False
-        for n in sorted({u for m in space for u, _ in graph.users(m)} - space, key=order.__getitem__):
+        for n in sorted({u for m in space | dots for u, _ in graph.users(m)} - space - dots,
+                        key=order.__getitem__):
             op = _op(graph, n)
             if op is None or op.shape != shape or not ops.is_elementwise(op.kind):
                 continue

@@ -291,5 +291,11 @@ def test_mamba2_chunk_example(chunks, length):
     fn = example("mamba2_chunk")
     assert [kern.template for kern in fn.kernels] == ["rows", "attention"]
     a = -torch.rand(2, 3, chunks, length, generator=torch.Generator().manual_seed(length)) * 0.5
-    run_checked(fn, randn(2, 3, chunks, length, 16), randn(2, 3, chunks, length, 16),
-                randn(2, 3, chunks, length, 24), a)
+    args = (randn(2, 3, chunks, length, 16), randn(2, 3, chunks, length, 16), randn(2, 3, chunks, length, 24), a)
+    run_checked(fn, *args)
+    grads = testing.check_grads(fn, *args)
+    assert grads.ok, grads
+    # the scan's recompute, FlashAttention-2's two walks (the decay's gradient summed per
+    # tile along both axes), the reversed scan of the gate's gradient
+    assert [kern.template for kern in fn.backward.kernels] == ["rows", "attention_backward",
+                                                               "attention_backward", "rows"]
