@@ -8,7 +8,8 @@ its derived backward and forward+backward (against SDPA flash's, and
 FlexAttention's for a soft-capped score mod),
 GEMM + multi-D epilogue (against torch.matmul alone, eager and torch.compile),
 the dual GEMM and the norm -> GEMM rewrite (against tiledsl without them, eager and
-torch.compile),
+torch.compile), causal linear attention (against flash-linear-attention's naive forms, eager
+and torch.compile),
 row softmax (against torch.softmax and a device copy) and host overhead
 (against Triton's own dispatch and torch eager). Every baseline is timed in
 the same run on the same inputs, and every ratio is baseline time / tiledsl
@@ -33,6 +34,7 @@ import attention_backward  # noqa: E402
 import fusion_rewrites  # noqa: E402
 import gemm_epilogue  # noqa: E402
 import host_overhead  # noqa: E402
+import linear_attention  # noqa: E402
 import softmax  # noqa: E402
 from common import open_device  # noqa: E402
 
@@ -48,6 +50,8 @@ BASELINES = {
     "softmax": (("torch_softmax_ms", "torch.softmax"), ("copy_ms", "device copy")),
     "fusion_rewrites": (("unfused_ms", "tiledsl unfused"), ("eager_ms", "eager"),
                         ("compile_ms", "torch.compile")),
+    "linear_attention": (("eager_ms", "FLA naive, eager"), ("compile_ms", "FLA naive, torch.compile"),
+                         ("chunked_ms", "FLA chunked naive, eager")),
 }
 
 
@@ -62,6 +66,8 @@ def case(bench: str, row: dict) -> str:
     if bench == "fusion_rewrites":
         return (f"{row['program']} {row['dtype']} {row['size']} ({row['kernels']} vs "
                 f"{row['unfused_kernels']} kernels)")
+    if bench == "linear_attention":
+        return f"{row['dtype']} B={row['B']} H={row['H']} T={row['T']} D={row['D']} causal"
     return f"{row['dtype']} {row['M']}x{row['N']}" + (" one pass" if row.get("one_pass") else "")
 
 
@@ -150,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     results["kernels"]["gemm_epilogue"] = gemm_epilogue.measure(args.device, args.quick)
     results["kernels"]["softmax"] = softmax.measure(args.device, args.quick)
     results["kernels"]["fusion_rewrites"] = fusion_rewrites.measure(args.device, args.quick)
+    results["kernels"]["linear_attention"] = linear_attention.measure(args.device, args.quick)
     results["host_overhead"] = host_overhead.measure(3 if args.quick else 2000)
     results["seconds"] = round(time.perf_counter() - start, 1)
     print(f"tiledsl benchmarks on {device_name}, torch {torch.__version__}, "

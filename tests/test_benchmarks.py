@@ -28,6 +28,13 @@ def test_fusion_rewrites_smoke_run(capsys):
                                                         ["rms_proj", "bf16"]]
 
 
+def test_linear_attention_smoke_run(capsys):
+    assert load("linear_attention").main(["--device", "cpu", "--quick"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split("|")[0].split() == ["dtype", "B", "H", "T", "D"]
+    assert [line.split()[0] for line in lines[2:]] == ["bf16", "f16"]
+
+
 def test_compile_time_smoke_run(capsys):
     load("compile_time").main(["--quick", "--repeat", "2"])
     out = capsys.readouterr().out
@@ -81,12 +88,13 @@ def test_run_all_smoke_run(capsys, tmp_path):
     assert rows.count("attention") == 12 and rows.count("gemm_epilogue") == 6
     assert rows.count("softmax") == 4 and rows.count("host overhead") == 5
     assert rows.count("fusion_rewrites") == 9 and rows.count("attention_backward") == 12
+    assert rows.count("linear_attention") == 6
     assert "| f16 B=1 H=2 N=77 D=64 causal |" in lines[6] and "SDPA flash n/a | n/a | n/a (no GPU) |" in lines[6]
     backward = [line for line in lines if line.startswith("| attention_backward | f16 B=1 H=2 N=77 D=64 plain |")]
     assert len(backward) == 1 and "backward: SDPA flash / FlexAttention n/a | n/a | n/a (no GPU) |" in backward[0]
     result = json.loads(out_json.read_text())
     assert sorted(result["kernels"]) == ["attention", "attention_backward", "fusion_rewrites", "gemm_epilogue",
-                                         "softmax"]
+                                         "linear_attention", "softmax"]
     assert all("bwd_ms" in row and "fwd_bwd_ms" in row if bench == "attention_backward" else "ours_ms" in row
                for bench, rows in result["kernels"].items() for row in rows)
     assert sorted(result["host_overhead"]) == ["attention", "gemm_multiply_multiply", "gqa_attention", "rmsnorm",
