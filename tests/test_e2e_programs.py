@@ -291,7 +291,8 @@ def test_mamba2_chunk_example(chunks, length):
     fn = example("mamba2_chunk")
     assert [kern.template for kern in fn.kernels] == ["rows", "attention"]
     a = -torch.rand(2, 3, chunks, length, generator=torch.Generator().manual_seed(length)) * 0.5
-    args = (randn(2, 3, chunks, length, 16), randn(2, 3, chunks, length, 16), randn(2, 3, chunks, length, 24), a)
+    args = (randn(2, 3, chunks, length, 16, dtype=BF16), randn(2, 3, chunks, length, 16, dtype=BF16),
+            randn(2, 3, chunks, length, 24, dtype=BF16), a)
     run_checked(fn, *args)
     grads = testing.check_grads(fn, *args)
     assert grads.ok, grads
