@@ -142,6 +142,8 @@ def _launch_refusal(graph: Graph, plan: GroupPlan, group: Group, node: int) -> R
     if _space(graph.op(node)) in {_space(graph.op(m)) for m in group}:
         return SKIP  # merged by the first walk if at all
     refusal = _independent_and_worth_it(graph, plan, group, node)
+    if refusal is not None and refusal.rule is Rule.CYCLE:
+        return SKIP  # a kernel reading another's result: vertical fusion's remarks say why
     if refusal is None and sum(len(graph.op(m).region.ops) for m in (*group, node)) > MAX_ROW_OPS:
         return Refusal(Rule.PROFIT, f"the merged launch would exceed {MAX_ROW_OPS} ops")
     return refusal
