@@ -293,3 +293,20 @@ def test_mamba2_chunk_example(chunks, length):
     a = -torch.rand(2, 3, chunks, length, generator=torch.Generator().manual_seed(length)) * 0.5
     run_checked(fn, randn(2, 3, chunks, length, 16), randn(2, 3, chunks, length, 16),
                 randn(2, 3, chunks, length, 24), a)
+
+
+# --- recompute and merge (issue 27) ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("s", [1, 17, 113])
+def test_qk_norm_rope_attention_example(s):
+    fn = example("qk_norm_rope_attention")
+    # the norms of q and k (H = 6 and KH = 2 heads) in one launch, their rotations (cos and sin
+    # computed from the positions in each) in another, then attention: the rotation reads the
+    # normalised row at the partner position (j +- D / 2), which a row program does not
+    assert [kern.template for kern in fn.kernels] == ["merged", "merged", "attention"]
+    pos = torch.arange(s, dtype=torch.int32) * 2 + 5
+    _, out = run_checked(fn, randn(2, s, 6, 32, dtype=BF16), randn(2, s, 2, 32, dtype=BF16),
+                         randn(2, s, 2, 32, dtype=BF16), randn(32, dtype=BF16), randn(32, dtype=BF16), pos,
+                         eps=1e-6)
+    assert out.shape == (2, 6, s, 32)
