@@ -15,6 +15,14 @@ axis (their merged region must still be a row program: `legality.row_layouts`), 
   their axis: a bias's and a weight's gradient, column sums of different tensors), whose
   merged loop costs nothing and saves a launch;
 - the merged row program stays within `MAX_ROW_OPS` ops and `MAX_ROW_PHASES` phases.
+Then, in a second walk, such kernels over different spaces (q-norm and k-norm with H and KH
+heads; RoPE of q and k with H != KH; several feature normalizations of one loss) become one
+launch of the merged template (`plans.MergedPlan`): its programs are partitioned among them,
+each running its own code and plan, so nothing is read once that was read twice, but a launch
+is saved. Merged on the same rules (independent; a shared input, launch-bound, or reductions),
+while the launch stays within `MAX_ROW_OPS` ops (its source and compile time); a kernel over
+a space another member has is left to the first walk, and a dependent pair to vertical
+fusion's remarks.
 Each merge is a fused remark; kernels that share an input but may not merge get a refusal.
 Must run after the other fusion passes, which form the kernels it merges.
 """
@@ -117,8 +125,7 @@ def _launch(kernel: KernelOp) -> tuple | None:
     """What kernels merged into one launch over different spaces share: a pointwise or row
     program whose results are all computed (a copy of an input is not merged)."""
     n_in = len(kernel.region.inputs)
-    if _space(kernel) is None or kernel.template == MergedPlan.template \
-            or any(v < n_in for v in kernel.region.outputs):
+    if _space(kernel) is None or any(v < n_in for v in kernel.region.outputs):
         return None
     return ()
 
