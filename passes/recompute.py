@@ -39,11 +39,11 @@ from dataclasses import dataclass
 from tiledsl import ops
 from tiledsl.builder import Builder
 from tiledsl.ir import Graph, Op
+from tiledsl.ops.structure import format_items
 from tiledsl.passes.fusion.profitability import RECOMPUTE_BUDGET, op_units, recompute_refusal
 from tiledsl.passes.fusion.remarks import FusionRemark, Refusal, Rule
 from tiledsl.passes.regions import feeds_dot, is_clonable
 from tiledsl.passes.registry import Pass, PassContext, register
-from tiledsl.ops.structure import format_items
 from tiledsl.types import broadcasts_to, format_shape
 
 NAME = "recompute"
@@ -224,7 +224,8 @@ def _move_slice(graph: Graph, node: int, ctx: PassContext) -> None:
 
 def _movable(graph: Graph, n: int) -> bool:
     op = graph.op(n)
-    return (isinstance(op, Op) and ops.is_elementwise(op.kind) and op.kind != "index" and op.shape != ()
+    return (isinstance(op, Op) and ops.is_elementwise(op.kind) and op.shape != ()
+            and "shape" not in op.attr_map  # `index`, `expand`: a shape of their own
             and not any(ops.gathers_at(op.kind, slot) for slot in range(len(graph.operands(n)))))
 
 

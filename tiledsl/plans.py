@@ -477,7 +477,8 @@ class MergedPlan:
                 if not set(region.ops[v - n_in].operands) <= known:
                     check.fail(f"a member of its merged plan reads a value outside it at {v}")
                 known.add(v)
-            if not all(0 <= i < n_in for i in m.inputs) or not all(region.outputs[j] in known for j in m.outputs):
+            if not all(0 <= i < n_in for i in m.inputs) \
+                    or not all(region.outputs[j] in known for j in m.outputs):
                 check.fail("a member of its merged plan names values it does not compute")
             m.plan.verify(check.part(region.part(m.inputs, m.values, m.outputs)))
 

@@ -39,8 +39,8 @@ def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKer
     plan: MergedPlan = kernel.plan
     members = []
     for i, m in enumerate(plan.members):
-        part = KernelOp(f"{kernel.name}_{i}", m.plan.template, kernel.region.part(m.inputs, m.values, m.outputs),
-                        kernel.span, plan=m.plan)
+        region = kernel.region.part(m.inputs, m.values, m.outputs)
+        part = KernelOp(f"{kernel.name}_{i}", m.plan.template, region, kernel.span, plan=m.plan)
         members.append(EMITTERS[type(m.plan)](part, hints, allow_tf32))
 
     params: dict[ArgSpec, str] = {}  # the kernel's parameters, by how each is filled
@@ -75,7 +75,7 @@ def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKer
         code("")
         args = [renamed[n] for n, _ in fn.sig.params]
         calls.append((e.fn_name, args, [renamed[c] for c in fn.sig.constexprs],
-                      re.sub(r"\b\w+\b", lambda t: renamed.get(t.group(), t.group()), fn.programs)))
+                      re.sub(r"\b\w+\b", lambda t, r=renamed: r.get(t.group(), t.group()), fn.programs)))
 
     fn_name = f"{kernel.name}_{kernel.template}"
     names = [f"{n}: tl.constexpr" if isinstance(spec, FLAGS) else n for spec, n in params.items()]
@@ -119,7 +119,8 @@ def _rebased(spec: ArgSpec, member) -> ArgSpec:
     if isinstance(spec, Ptr):
         return Ptr(spec.role, (member.inputs if spec.role == "in" else member.outputs)[spec.index])
     if isinstance(spec, Stride):
-        return Stride(spec.role, (member.inputs if spec.role == "in" else member.outputs)[spec.index], spec.dim)
+        numbers = member.inputs if spec.role == "in" else member.outputs
+        return Stride(spec.role, numbers[spec.index], spec.dim)
     if isinstance(spec, Scalar):
         return Scalar(member.inputs[spec.index])
     assert isinstance(spec, DimSize | Numel | Wide), f"a merged member takes no {type(spec).__name__}"
