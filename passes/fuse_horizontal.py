@@ -15,6 +15,14 @@ axis (their merged region must still be a row program: `legality.row_layouts`), 
   their axis: a bias's and a weight's gradient, column sums of different tensors), whose
   merged loop costs nothing and saves a launch;
 - the merged row program stays within `MAX_ROW_OPS` ops and `MAX_ROW_PHASES` phases.
+Then, in a second walk, such kernels over different spaces (q-norm and k-norm with H and KH
+heads; RoPE of q and k with H != KH; several feature normalizations of one loss) become one
+launch of the merged template (`plans.MergedPlan`): its programs are partitioned among them,
+each running its own code and plan, so nothing is read once that was read twice, but a launch
+is saved. Merged on the same rules (independent; a shared input, launch-bound, or reductions),
+while the launch stays within `MAX_ROW_OPS` ops (its source and compile time); a kernel over
+a space another member has is left to the first walk, and a dependent pair to vertical
+fusion's remarks.
 Each merge is a fused remark; kernels that share an input but may not merge get a refusal.
 Must run after the other fusion passes, which form the kernels it merges.
 """
@@ -31,7 +39,7 @@ from tiledsl.passes.fusion.profitability import LAUNCH_BOUND_BYTES, MAX_ROW_OPS,
 from tiledsl.passes.fusion.remarks import FusionRemark, Refusal, Rule
 from tiledsl.passes.regions import merge_kernels, merged_region
 from tiledsl.passes.registry import Pass, PassContext, register
-from tiledsl.plans import PointwisePlan, RowPlan
+from tiledsl.plans import MergedPlan, PointwisePlan, RowPlan
 from tiledsl.types import format_shape
 
 NAME = "fuse-horizontal"
@@ -43,51 +51,65 @@ class FuseHorizontal(Pass):
     name = NAME
 
     def run(self, graph: Graph, ctx: PassContext) -> None:
-        plan = GroupPlan(graph)
-        groups: list[Group] = []
-        by_input: dict[tuple, dict[int, None]] = {}  # (space, input edge) -> groups reading it
-        small: dict[tuple, dict[int, None]] = {}  # space -> groups of launch-bound kernels
-        reducing: dict[tuple, int] = {}  # space -> the last group of reductions over it
-        for node in graph.topo_order():
-            op = graph.op(node)
-            key = _space(op) if isinstance(op, KernelOp) else None
-            if key is None:
-                continue
-            # only groups that share an input with the kernel (or, for a launch-bound kernel,
-            # groups of launch-bound ones) are tried: merging stays linear in the program
-            inputs = _inputs(graph, node)
-            tried = dict.fromkeys(g for e in inputs for g in by_input.get((key, e), {}))
-            if _launch_bound(graph, node):
-                tried.update(small.get(key, {}))
-            if _reduces(op) and key in reducing:
-                tried[reducing[key]] = None
-            for gid in tried:
-                group = groups[gid]
-                refusal = _refusal(graph, plan, group, node)
-                if refusal is None:
-                    group.add(node)
-                    plan.groups[gid].append(node)
-                    plan.group_of[node] = gid
-                    break
-                if _shared(graph, group, node):
-                    ctx.remarks.append(FusionRemark.refused(NAME, refusal, _first_op(graph, group.seed),
-                                                            _first_op(graph, node)))
-            else:
-                gid = len(groups)
-                groups.append(Group(plan, node))
-                plan.add_group([node])
-            for e in inputs:
-                by_input.setdefault((key, e), {})[gid] = None
-            if _launch_bound(graph, node) and all(_launch_bound(graph, m) for m in groups[gid]):
-                small.setdefault(key, {})[gid] = None
-            if all(_reduces(graph.op(m)) for m in groups[gid]):
-                reducing[key] = gid
-        for group in groups:
-            if len(group) > 1:
-                members = sorted(group, key=plan.order.__getitem__)
-                ctx.remarks.append(FusionRemark(NAME, True, None, _first_op(graph, members[0]),
-                                                _first_op(graph, members[-1]), _saving(graph, members)))
-                merge_kernels(graph, members)
+        for members in _groups(graph, ctx, _space, _refusal):
+            merge_kernels(graph, members)
+        for members in _groups(graph, ctx, _launch, _launch_refusal):
+            merge_kernels(graph, members, MergedPlan.template)
+
+
+def _groups(graph: Graph, ctx: PassContext, key_of, refusal_of) -> list[list[int]]:
+    """The groups of kernels to merge, each in program order, with a fused remark each: a
+    kernel joins the first group that `refusal_of` allows among those over its `key_of`
+    that it shares an input with (or, launch-bound, groups of launch-bound kernels; a
+    reduction, the last group of reductions). Refusals of kernels that share an input are
+    remarks too; `SKIP` passes a group over silently."""
+    plan = GroupPlan(graph)
+    groups: list[Group] = []
+    by_input: dict[tuple, dict[int, None]] = {}  # (key, input edge) -> groups reading it
+    small: dict[tuple, dict[int, None]] = {}  # key -> groups of launch-bound kernels
+    reducing: dict[tuple, int] = {}  # key -> the last group of reductions over it
+    for node in graph.topo_order():
+        op = graph.op(node)
+        key = key_of(op) if isinstance(op, KernelOp) else None
+        if key is None:
+            continue
+        # only groups that share an input with the kernel (or, for a launch-bound kernel,
+        # groups of launch-bound ones) are tried: merging stays linear in the program
+        inputs = _inputs(graph, node)
+        tried = dict.fromkeys(g for e in inputs for g in by_input.get((key, e), {}))
+        if _launch_bound(graph, node):
+            tried.update(small.get(key, {}))
+        if _reduces(op) and key in reducing:
+            tried[reducing[key]] = None
+        for gid in tried:
+            group = groups[gid]
+            refusal = refusal_of(graph, plan, group, node)
+            if refusal is None:
+                group.add(node)
+                plan.groups[gid].append(node)
+                plan.group_of[node] = gid
+                break
+            if refusal is not SKIP and _shared(graph, group, node):
+                ctx.remarks.append(FusionRemark.refused(NAME, refusal, _first_op(graph, group.seed),
+                                                        _first_op(graph, node)))
+        else:
+            gid = len(groups)
+            groups.append(Group(plan, node))
+            plan.add_group([node])
+        for e in inputs:
+            by_input.setdefault((key, e), {})[gid] = None
+        if _launch_bound(graph, node) and all(_launch_bound(graph, m) for m in groups[gid]):
+            small.setdefault(key, {})[gid] = None
+        if all(_reduces(graph.op(m)) for m in groups[gid]):
+            reducing[key] = gid
+    merged = []
+    for group in groups:
+        if len(group) > 1:
+            members = sorted(group, key=plan.order.__getitem__)
+            ctx.remarks.append(FusionRemark(NAME, True, None, _first_op(graph, members[0]),
+                                            _first_op(graph, members[-1]), _saving(graph, members)))
+            merged.append(members)
+    return merged
 
 
 def _space(kernel: KernelOp) -> tuple | None:
@@ -99,13 +121,45 @@ def _space(kernel: KernelOp) -> tuple | None:
     return None
 
 
-def _refusal(graph: Graph, plan: GroupPlan, group: Group, node: int) -> Refusal | None:
+def _launch(kernel: KernelOp) -> tuple | None:
+    """What kernels merged into one launch over different spaces share: a pointwise or row
+    program whose results are all computed (a copy of an input is not merged)."""
+    n_in = len(kernel.region.inputs)
+    if _space(kernel) is None or any(v < n_in for v in kernel.region.outputs):
+        return None
+    return ()
+
+
+SKIP = Refusal(Rule.PROFIT, "one iteration space: the kernels' own merge decides")
+
+
+def _independent_and_worth_it(graph: Graph, plan: GroupPlan, group: Group, node: int) -> Refusal | None:
     direct = any(m in graph.operands(node) for m in group)  # a path of one edge is no cycle
     if direct or plan.creates_cycle(group, node):
         return Refusal(Rule.CYCLE, "one reads what the other computes")
     if not _shared(graph, group, node) and not all(_launch_bound(graph, m) for m in (*group, node)) \
             and not all(_reduces(graph.op(m)) for m in (*group, node)):
         return Refusal(Rule.PROFIT, "they share no input and are not both launch-bound or reductions")
+    return None
+
+
+def _launch_refusal(graph: Graph, plan: GroupPlan, group: Group, node: int) -> Refusal | None:
+    """Kernels over different spaces: one launch, its programs partitioned among them. Each
+    keeps its own code, so what bounds the merge is the launch's source: `MAX_ROW_OPS` ops."""
+    if _space(graph.op(node)) in {_space(graph.op(m)) for m in group}:
+        return SKIP  # merged by the first walk if at all
+    refusal = _independent_and_worth_it(graph, plan, group, node)
+    if refusal is not None and refusal.rule is Rule.CYCLE:
+        return SKIP  # a kernel reading another's result: vertical fusion's remarks say why
+    if refusal is None and sum(len(graph.op(m).region.ops) for m in (*group, node)) > MAX_ROW_OPS:
+        return Refusal(Rule.PROFIT, f"the merged launch would exceed {MAX_ROW_OPS} ops")
+    return refusal
+
+
+def _refusal(graph: Graph, plan: GroupPlan, group: Group, node: int) -> Refusal | None:
+    refusal = _independent_and_worth_it(graph, plan, group, node)
+    if refusal is not None:
+        return refusal
     kernel = graph.op(node)
     if isinstance(kernel.plan, RowPlan):
         regions = [graph.op(m).region for m in (*group, node)]
@@ -153,12 +207,19 @@ def _saving(graph: Graph, members: list[int]) -> str:
     saved = cost.add(*({mono: c * (n - 1) for mono, c in cost.tensor_bytes(graph.result_type(*e)).items()}
                        for e, n in reads.items() if n > 1))
     kernel = graph.op(members[0])
-    space = format_shape(kernel.plan.shape) + (f" rows along axis {kernel.plan.axis}"
-                                               if isinstance(kernel.plan, RowPlan) else "")
-    shared = f"; shared inputs read once: saves {cost.format_poly(saved)} B" if saved else ""
     fewer = len(members) - 1
-    return (f"{len(members)} {kernel.template} kernels over {space} as one: {fewer} "
-            f"launch{'es' if fewer > 1 else ''} fewer{shared}")
+    launches = f"{fewer} launch{'es' if fewer > 1 else ''} fewer"
+    if _space(kernel) != _space(graph.op(members[1])):
+        spaces = ", ".join(_space_text(graph.op(m)) for m in members)
+        return (f"{len(members)} kernels over different iteration spaces ({spaces}) as one launch, "
+                f"its programs partitioned among them: {launches}")
+    shared = f"; shared inputs read once: saves {cost.format_poly(saved)} B" if saved else ""
+    return f"{len(members)} {kernel.template} kernels over {_space_text(kernel)} as one: {launches}{shared}"
+
+
+def _space_text(kernel: KernelOp) -> str:
+    return format_shape(kernel.plan.shape) + (f" rows along axis {kernel.plan.axis}"
+                                              if isinstance(kernel.plan, RowPlan) else "")
 
 
 def _first_op(graph: Graph, node: int):

@@ -19,6 +19,16 @@ A value is recomputed when
   prologue, which reads tensors, not tiles of an index space);
 - its expression costs at most `profitability.RECOMPUTE_BUDGET` operation units per element.
 Each decision is a fused remark; a value refused for its cost is a "profit" refusal.
+
+First, a slice of a computed elementwise value (`qn[..., D // 2:]`, RoPE's rotate_half of a
+normalised q; `cos(ang)[:, None]`) is computed from slices of its operands instead: the
+slice moves up the chain to parameters (views, read through strides) and to values it does
+not restrict (constants, scalar and index expressions), and the chain's ops are computed
+again at the slice's elements: `cos(ang)[:, None]` becomes an elementwise value its readers
+can recompute. Moved when every op on the way is elementwise (not `index`, whose value is a
+position, nor a gather), it reaches no other value (a row statistic: the moved ops would
+run over the slice's shape, where no row program reads them), and the chain costs at most
+`RECOMPUTE_BUDGET` operation units per element.
 Must run before the fusion passes.
 """
 
@@ -27,7 +37,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tiledsl import ops
+from tiledsl.builder import Builder
 from tiledsl.ir import Graph, Op
+from tiledsl.ops.structure import format_items
 from tiledsl.passes.fusion.profitability import RECOMPUTE_BUDGET, op_units, recompute_refusal
 from tiledsl.passes.fusion.remarks import FusionRemark, Refusal, Rule
 from tiledsl.passes.regions import feeds_dot, is_clonable
@@ -43,6 +55,9 @@ class Recompute(Pass):
     name = NAME
 
     def run(self, graph: Graph, ctx: PassContext) -> None:
+        for node in graph.topo_order():
+            if node in graph.nx and graph.op(node).kind == "slice":
+                _move_slice(graph, node, ctx)
         order = graph.topo_order()
         too_costly: dict[int, int] = {}  # value -> its units when it was refused
         while True:
@@ -121,7 +136,14 @@ def _computable(graph: Graph, n: int, memo: dict[int, bool]) -> bool:
 
 
 def _leaf(graph: Graph, n: int, memo: dict[int, bool]) -> bool:
+    """A value a clone reads as it is: a parameter or a view of one (read through its
+    strides), a dim, a constant, or a scalar or index expression."""
     op = graph.op(n)
+    while isinstance(op, Op) and ops.category(op.kind) is ops.Category.LAYOUT:
+        n = graph.operands(n)[0]
+        op = graph.op(n)
+        if op.kind != "param" and ops.category(op.kind) is not ops.Category.LAYOUT:
+            return False
     return isinstance(op, Op) and (op.kind in ("param", "dim", "const") or is_clonable(graph, n, memo))
 
 
@@ -169,6 +191,97 @@ def _feeds_prologue(graph: Graph, n: int) -> bool:
         if isinstance(op, Op) and ops.is_elementwise(op.kind) and len(graph.users(u)) == 1:
             stack.extend(v for v, _ in graph.users(u))
     return False
+
+
+def _move_slice(graph: Graph, node: int, ctx: PassContext) -> None:
+    """Compute a slice of an elementwise value from slices of its operands (see the module)."""
+    (src,) = graph.operands(node)
+    items = _items_for(graph.op(node).attr("items"), graph.op(src).shape)
+    chain: dict[int, None] = {}  # the elementwise ops computed again, in dependency order
+    if items is None or not _movable(graph, src) or not _slice_plan(graph, src, items, chain):
+        return
+    units = sum(op_units(graph.op(n).kind) for n in chain)
+    if recompute_refusal(units):
+        refusal = Refusal(Rule.PROFIT, recompute_refusal(units))
+        ctx.remarks.append(FusionRemark.refused(NAME, refusal, graph.op(src), graph.op(node)))
+        return
+    moved = _sliced(graph, src, items, {})
+    assert graph.op(moved).type == graph.op(node).type, "a moved slice keeps its type"
+    ctx.remarks.append(FusionRemark(
+        NAME, True, None, graph.op(src), graph.op(node),
+        f"computed again at the elements of its slice [{format_items(graph.op(node).attr('items'))}] "
+        f"({_plural(units, 'operation unit')} per element, within {RECOMPUTE_BUDGET}) from slices of "
+        f"its operands, instead of read through a slice of a stored {format_shape(graph.op(src).shape)}"))
+    graph.replace_uses(node, moved)
+    stack = [node]
+    while stack:  # the slice, and what only it read
+        n = stack.pop()
+        if n in graph.nx and not graph.users(n) and graph.output != n \
+                and graph.op(n).kind not in ("param", "dim"):
+            stack.extend(graph.operands(n))
+            graph.remove(n)
+
+
+def _movable(graph: Graph, n: int) -> bool:
+    op = graph.op(n)
+    return (isinstance(op, Op) and ops.is_elementwise(op.kind) and op.shape != ()
+            and "shape" not in op.attr_map  # `index`, `expand`: a shape of their own
+            and not any(ops.gathers_at(op.kind, slot) for slot in range(len(graph.operands(n)))))
+
+
+def _items_for(items, shape) -> tuple | None:
+    """The items of a slice of a value broadcast from `shape` (right-aligned), taking the
+    same elements of it (None: none restricted). An axis the value lacks or has of size 1 is
+    not restricted; a new axis before all of its own is left to broadcasting."""
+    rank = sum(1 for i in items if i[0] != "new")
+    lead = rank - len(shape)
+    out, axis, trivial = [], 0, True
+    for item in items:
+        if item[0] == "new":
+            if axis > lead or lead == 0:
+                out.append(item)
+                trivial = False
+            continue
+        a, axis = axis - lead, axis + 1
+        if a < 0:
+            continue
+        d = shape[a]
+        if d == 1:
+            out.append(("range", 0, 1, 1, 1) if item[0] == "range" else ("at", 0))
+            trivial = trivial and item[0] == "range"
+        else:
+            out.append(item)
+            trivial = trivial and item == ("range", 0, d, 1, d)
+    return None if trivial else tuple(out)
+
+
+def _slice_plan(graph: Graph, n: int, items, chain: dict[int, None]) -> bool:
+    """Can the slice `items` of `n` (None: all of it) be computed from slices of parameters
+    and values read as they are, that a clone may read? Collects in `chain` the elementwise
+    ops it computes again."""
+    op = graph.op(n)
+    if items is None:
+        return _leaf(graph, n, graph.memo("clonable"))
+    if isinstance(op, Op) and op.kind in ("param", "slice"):
+        return _leaf(graph, n, graph.memo("clonable"))
+    if not _movable(graph, n):
+        return False
+    if not all(_slice_plan(graph, o, _items_for(items, graph.op(o).shape), chain) for o in graph.operands(n)):
+        return False
+    chain[n] = None
+    return True
+
+
+def _sliced(graph: Graph, n: int, items, memo: dict) -> int:
+    """The node computing the slice `items` of `n` (`_slice_plan` said it can be)."""
+    if (n, items) not in memo:
+        op, b = graph.op(n), Builder(graph)
+        if op.kind in ("param", "slice"):
+            memo[(n, items)] = b.op("slice", [n], op.span, items=items)
+        else:
+            memo[(n, items)] = b.copy(op, [o if (loc := _items_for(items, graph.op(o).shape)) is None
+                                            else _sliced(graph, o, loc, memo) for o in graph.operands(n)])
+    return memo[(n, items)]
 
 
 def _plural(n: int, noun: str) -> str:

@@ -230,17 +230,18 @@ def merged_region(graph: Graph, nodes: Sequence[int]) -> tuple[Region, list[tupl
     return Region(tuple(inputs), tuple(body), tuple(outputs)), list(edges)
 
 
-def merge_kernels(graph: Graph, nodes: Sequence[int]) -> int:
-    """Replace independent kernels of one template by one kernel computing all their results
-    (horizontal fusion); returns it. The merged region (`merged_region`) is planned again
-    (`fusion.planning`). No kernel may read another's result."""
+def merge_kernels(graph: Graph, nodes: Sequence[int], template: str | None = None) -> int:
+    """Replace independent kernels by one kernel computing all their results (horizontal
+    fusion), of `template` (by default the kernels' own, which they share); returns it. The
+    merged region (`merged_region`) is planned again (`fusion.planning`). No kernel may read
+    another's result."""
     kernels = [graph.op(n) for n in nodes]
     region, edges = merged_region(graph, nodes)
     span = None
     for k in kernels:
         if k.span is not None:
             span = k.span if span is None else span.to(k.span)
-    template = kernels[0].template
+    template = template or kernels[0].template
     merged = graph.add(KernelOp("k?", template, region, span, plan=plan_kernel(template, region)), edges)
     offset = 0
     for node, kernel in zip(nodes, kernels, strict=True):

@@ -168,7 +168,7 @@ def test_new_sizes_reuse_the_compiled_program():
 @pytest.mark.parametrize("h, kh, d", [(1, 1, 2), (6, 2, 8), (4, 1, 64)])
 def test_rope_for_q_and_k(h, kh, d):
     fn = example("rope")
-    assert [k.template for k in fn.kernels] == ["pointwise", "pointwise"]  # one per output
+    assert [k.template for k in fn.kernels] == ["merged"]  # one launch, its programs split by output
     q, k = randn(2, h, 17, d), randn(2, kh, 17, d)
     c, s = randn(17, d), randn(17, d)
     _, (qr, kr) = run_checked(fn, q, k, c, s)
@@ -300,3 +300,20 @@ def test_mamba2_chunk_example(chunks, length):
     # tile along both axes), the reversed scan of the gate's gradient
     assert [kern.template for kern in fn.backward.kernels] == ["rows", "attention_backward",
                                                                "attention_backward", "rows"]
+
+
+# --- recompute and merge (issue 27) ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("s", [1, 17, 113])
+def test_qk_norm_rope_attention_example(s):
+    fn = example("qk_norm_rope_attention")
+    # the norms of q and k (H = 6 and KH = 2 heads) in one launch, their rotations (cos and sin
+    # computed from the positions in each) in another, then attention: the rotation reads the
+    # normalised row at the partner position (j +- D / 2), which a row program does not
+    assert [kern.template for kern in fn.kernels] == ["merged", "merged", "attention"]
+    pos = torch.arange(s, dtype=torch.int32) * 2 + 5
+    _, out = run_checked(fn, randn(2, s, 6, 32, dtype=BF16), randn(2, s, 2, 32, dtype=BF16),
+                         randn(2, s, 2, 32, dtype=BF16), randn(32, dtype=BF16), randn(32, dtype=BF16), pos,
+                         eps=1e-6)
+    assert out.shape == (2, 6, s, 32)

@@ -115,6 +115,20 @@ class Region:
             o == value and not gathers_at(r.op.kind, slot)
             for r in self.ops for slot, o in enumerate(r.operands))
 
+    def part(self, inputs: tuple[int, ...], values: tuple[int, ...], outputs: tuple[int, ...]) -> Region:
+        """The region of the ops `values` (in order), reading the inputs `inputs` and
+        computing this region's outputs at positions `outputs`, renumbered as a region of its
+        own (a member of a merged launch: `plans.MergedPlan`)."""
+        n_in = len(self.inputs)
+        local = {v: i for i, v in enumerate(inputs)}
+        body = []
+        for v in values:
+            r = self.ops[v - n_in]
+            body.append(RegionOp(r.op, tuple(local[o] for o in r.operands)))
+            local[v] = len(inputs) + len(body) - 1
+        return Region(tuple(self.inputs[i] for i in inputs), tuple(body),
+                      tuple(local[self.outputs[j]] for j in outputs))
+
     def depends(self, value: int) -> set[int]:
         """The values `value` is computed from, itself included."""
         n_in = len(self.inputs)

@@ -434,7 +434,56 @@ class AttentionBackwardPlan:
                 check.fail(f"its reduction {r.result} is not an f32 output the programs add into")
 
 
-Plan = PointwisePlan | RowPlan | GemmPlan | AttentionPlan | AttentionBackwardPlan
+@dataclass(frozen=True, slots=True)
+class Member:
+    """One program of a merged launch: its plan over its own part of the region
+    (`Region.part(inputs, values, outputs)`, whose value ids the plan's are)."""
+
+    inputs: tuple[int, ...]  # the region inputs it reads, in its own order
+    values: tuple[int, ...]  # the region ops it computes, in order
+    outputs: tuple[int, ...]  # the positions of its results among the region's outputs
+    plan: PointwisePlan | RowPlan
+
+
+@dataclass(frozen=True, slots=True)
+class MergedPlan:
+    """Independent pointwise and row programs over different iteration spaces in one launch:
+    its programs are partitioned in member order (ids [0, n1) run the first member over its
+    space, [n1, n1 + n2) the second...), each member keeping its own plan and layout."""
+
+    template: ClassVar[str] = "merged"
+    strided_stores: ClassVar[bool] = False  # a pointwise member stores at a flat index
+
+    members: tuple[Member, ...]
+
+    def format(self, name: Name) -> str:
+        def member(m: Member) -> str:
+            ids = (*m.inputs, *m.values)
+            return m.plan.format(lambda v: name(ids[v]))
+
+        return f"plan merged {{programs in order: {'; '.join(member(m) for m in self.members)}}}"
+
+    def verify(self, check: PlanCheck) -> None:
+        region = check.region
+        n_in = len(region.inputs)
+        values = sorted(v for m in self.members for v in m.values)
+        outputs = sorted(j for m in self.members for j in m.outputs)
+        if len(self.members) < 2 or values != list(range(n_in, n_in + len(region.ops))) \
+                or outputs != list(range(len(region.outputs))):
+            check.fail("its merged plan's members do not cover its region once each")
+        for m in self.members:
+            known = set(m.inputs)
+            for v in m.values:
+                if not set(region.ops[v - n_in].operands) <= known:
+                    check.fail(f"a member of its merged plan reads a value outside it at {v}")
+                known.add(v)
+            if not all(0 <= i < n_in for i in m.inputs) \
+                    or not all(region.outputs[j] in known for j in m.outputs):
+                check.fail("a member of its merged plan names values it does not compute")
+            m.plan.verify(check.part(region.part(m.inputs, m.values, m.outputs)))
+
+
+Plan = PointwisePlan | RowPlan | GemmPlan | AttentionPlan | AttentionBackwardPlan | MergedPlan
 
 
 def zero_filled(plan: Plan | None) -> frozenset[int]:

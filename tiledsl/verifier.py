@@ -126,6 +126,10 @@ class PlanCheck:
     def fail(self, message: str) -> None:
         self._fail(f"kernel @{self._kernel.name}: {message}", self._kernel.span)
 
+    def part(self, region: Region) -> PlanCheck:
+        """The checks of a member's plan against its part of the region (`Region.part`)."""
+        return PlanCheck(self._kernel.replace(region=region), self._fail)
+
     def kind(self, v: int) -> str | None:
         """The kind of the op defining value v; None for an input."""
         if not 0 <= v < self._n_in + len(self.region.ops):

@@ -64,6 +64,22 @@ def fit_rows(blocks: Mapping[str, int], widths: Sequence[int], hinted: Container
     return out
 
 
+# the line that numbers a pointwise or row program; a merged launch (`merged.py`) rebases it
+PROGRAM_ID = "pid = tl.program_id(0)"
+
+
+@dataclass(frozen=True)
+class Function:
+    """A kernel's @triton.jit function before it became a module, as a merged launch
+    (`merged.py`) calls it: its signature, body, the helpers it calls, and how many programs
+    it runs (source text over its parameters and constexprs)."""
+
+    sig: Signature
+    lines: tuple[str, ...]
+    helpers: frozenset[str]
+    programs: str | None
+
+
 @dataclass(frozen=True)
 class EmittedKernel:
     kernel: KernelOp
@@ -76,6 +92,7 @@ class EmittedKernel:
         default=None, compare=False)
     interpreter_flag: bool = False  # the kernel takes INTERPRETER: tl.constexpr
     hints: Hints = field(default_factory=dict, compare=False)  # the program's @tile hints
+    function: Function | None = field(default=None, compare=False)
 
     def launch_config(self, dims: Mapping[str, int], device: str) -> LaunchConfig:
         cfg = self.configure(dims, device)
@@ -158,9 +175,10 @@ def require_dot_hints(hints: Hints, names: Sequence[str]) -> None:
 
 def finish(kernel: KernelOp, sig: Signature, body: Code,
            configure: Callable[[Mapping[str, int], str], LaunchConfig],
-           em: Emitter, hints: Hints | None = None) -> EmittedKernel:
+           em: Emitter, hints: Hints | None = None, programs: str | None = None) -> EmittedKernel:
     """Assemble the module with the helpers it calls; kernels that convert bf16 or f8 take
-    `INTERPRETER`."""
+    `INTERPRETER`. `programs`: how many programs the kernel runs, for a template a merged
+    launch may hold (pointwise, rows)."""
     fn_name = f"{kernel.name}_{kernel.template}"
     code = Code()
     for line in header(kernel):
@@ -180,8 +198,9 @@ def finish(kernel: KernelOp, sig: Signature, body: Code,
     with code.indent():
         for line in widening + body.lines:
             code(line)
+    function = Function(sig, tuple(widening + body.lines), frozenset(em.helpers), programs)
     return EmittedKernel(kernel, fn_name, code.text(), tuple(sig.params), configure,
-                         interpreter_flag=flag, hints=dict(hints or {}))
+                         interpreter_flag=flag, hints=dict(hints or {}), function=function)
 
 
 def decompose(code: Code, flat: str, dims: Sequence[int | str], names: Sequence[str | None],

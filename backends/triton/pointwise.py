@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 from tiledsl.ir import KernelOp, Op
 
-from .base import CAPS, EmittedKernel, Hints, LaunchConfig, cdiv, decompose, finish, numel
+from .base import CAPS, PROGRAM_ID, EmittedKernel, Hints, LaunchConfig, cdiv, decompose, finish, numel
 from .codegen import Code, Signature, next_pow2
 from .expr import Emitter, Val
 
@@ -35,7 +35,7 @@ def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKer
     total = sig.numel(shape)
     block = sig.constexpr("BLOCK")
 
-    body("pid = tl.program_id(0)")
+    body(PROGRAM_ID)
     body(f"offs = pid.to(tl.int64) * {block} + tl.arange(0, {block})")
     body(f"mask = offs < {total}")
 
@@ -76,4 +76,4 @@ def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKer
         blk = max(16, min(next_pow2(n), CAPS[device]["flat"]))
         return LaunchConfig((cdiv(n, blk),), {"BLOCK": blk}, num_warps=4)
 
-    return finish(kernel, sig, body, configure, em)
+    return finish(kernel, sig, body, configure, em, programs=f"tl.cdiv({total}, {block})")

@@ -25,12 +25,13 @@ from tiledsl.plans import (
     AttentionBackwardPlan,
     AttentionPlan,
     GemmPlan,
+    MergedPlan,
     Plan,
     PointwisePlan,
     RowPlan,
 )
 
-from . import attention, attention_backward, matmul, pointwise, rows
+from . import attention, attention_backward, matmul, merged, pointwise, rows
 from .base import EmittedKernel, Hints
 from .cache import load
 from .codegen import FLAGS
@@ -61,6 +62,7 @@ EMITTERS: dict[type[Plan], Callable[[KernelOp, Hints, bool], EmittedKernel]] = {
     GemmPlan: matmul.emit,
     AttentionPlan: attention.emit,
     AttentionBackwardPlan: attention_backward.emit,
+    MergedPlan: merged.emit,
 }
 
 

@@ -42,7 +42,7 @@ from tiledsl.plans import RowPlan
 from tiledsl.types import Compute, DType, compute_type
 
 from . import online
-from .base import CAPS, EmittedKernel, Hints, LaunchConfig, cdiv, decompose, finish, numel
+from .base import CAPS, PROGRAM_ID, EmittedKernel, Hints, LaunchConfig, cdiv, decompose, finish, numel
 from .codegen import Code, Signature, TensorRef, next_pow2
 from .expr import TRITON_TYPE, Emitter, Val, literal
 from .online import NEG_INF
@@ -261,9 +261,10 @@ class RowProgram:
         body, sig = self.body, self.sig
         shape = self.plan.shape
         rows = sig.numel(tuple(shape[d] for d in self.kept), "n_rows")
+        self.programs = f"tl.cdiv({rows}, BLOCK_O)"  # the grid `emit`'s configure picks
         for name in ("BLOCK_O", "BLOCK_R", "ONE_PASS"):
             sig.constexpr(name)
-        body("pid = tl.program_id(0)")
+        body(PROGRAM_ID)
         body("o = pid.to(tl.int64) * BLOCK_O + tl.arange(0, BLOCK_O)")
         body(f"omask = o < {rows}")
         names = [None if shape[d] == 1 else f"j{d}" for d in self.kept]
@@ -474,4 +475,4 @@ def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKer
         constexprs = {"BLOCK_O": block_o, "BLOCK_R": block_r, "ONE_PASS": length <= block_r}
         return LaunchConfig((cdiv(rows, block_o),), constexprs, num_warps=warps)
 
-    return finish(kernel, prog.sig, prog.body, configure, prog.em)
+    return finish(kernel, prog.sig, prog.body, configure, prog.em, programs=prog.programs)

@@ -19,6 +19,8 @@ from tiledsl.plans import (
     AttentionPlan,
     DualB,
     GemmPlan,
+    Member,
+    MergedPlan,
     Plan,
     PointwisePlan,
     RowPlan,
@@ -106,6 +108,49 @@ def _prologue_only(region: Region, matmuls: set[int], prologue: frozenset[int]) 
     return frozenset(ops_in - needed)
 
 
+def merged_plan(region: Region) -> MergedPlan:
+    """One member per iteration space: the region's independent parts (ops joined by the
+    values they pass; a shared input joins nothing), grouped by the space each is planned
+    over (a row program's row space and axis, or a pointwise outputs' shape), in the order
+    of their first ops. fuse-horizontal merges kernels of different spaces only, so each
+    member is one of the kernels it merged."""
+    n_in = len(region.inputs)
+    root = list(range(len(region.ops)))
+
+    def find(k: int) -> int:
+        while root[k] != k:
+            root[k] = root[root[k]]
+            k = root[k]
+        return k
+
+    for k, rop in enumerate(region.ops):
+        for o in rop.operands:
+            if o >= n_in:
+                root[find(k)] = find(o - n_in)
+    parts: dict[int, list[int]] = {}
+    for k in range(len(region.ops)):
+        parts.setdefault(find(k), []).append(k)
+    spaces: dict[tuple, list[int]] = {}
+    for ks in parts.values():
+        rows = [region.ops[k] for k in ks if region.ops[k].op.kind in ROW_OPS]
+        if rows:
+            (x,) = rows[0].operands
+            key = (RowPlan.template, region.value_type(x).shape, rows[0].op.attr("axis"))
+        else:
+            key = (PointwisePlan.template, broadcast_shapes(*(region.value_type(n_in + k).shape for k in ks
+                                                   if n_in + k in region.outputs)))
+        spaces.setdefault(key, []).extend(ks)
+    members = []
+    for key, ks in spaces.items():
+        values = tuple(n_in + k for k in sorted(ks))
+        inputs = tuple(sorted({o for v in values for o in region.ops[v - n_in].operands if o < n_in}))
+        outputs = tuple(j for j, v in enumerate(region.outputs) if v in values)
+        part = region.part(inputs, values, outputs)
+        members.append(Member(inputs, values, outputs,
+                              row_plan(part) if key[0] == RowPlan.template else pointwise_plan(part)))
+    return MergedPlan(tuple(members))
+
+
 # each template's planner, by its plan class (`plans.TEMPLATES`)
 PLANNERS: dict[type[Plan], Callable[[Region], Plan]] = {
     PointwisePlan: pointwise_plan,
@@ -113,6 +158,7 @@ PLANNERS: dict[type[Plan], Callable[[Region], Plan]] = {
     GemmPlan: gemm_plan,
     AttentionPlan: attention_plan,
     AttentionBackwardPlan: attention_backward_plan,
+    MergedPlan: merged_plan,
 }
 
 
