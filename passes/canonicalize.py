@@ -213,18 +213,35 @@ class KeepReducedDim(Pattern):
         if not isinstance(rop, Op):
             return False
         b = rewriter.build
-        if ops.is_elementwise(rop.kind) and rop.kind != "take" and graph.users(r) == [(node, 0)] \
-                and all(graph.result_type(*o).shape in (rop.shape, ()) for o in graph.operand_edges(r)):
-            edges = [o if graph.result_type(*o).rank == 0 else
-                     b.op("reshape", [o], op.span, shape=op.shape, copy=False)
+        if _reduced_along(graph, r, at) == "through":
+            edges = [o if graph.result_type(*o).rank == 0 else b.op(op.kind, [o], op.span, **op.attr_map)
                      for o in graph.operand_edges(r)]
             rewriter.replace(node, b.op(rop.kind, edges, rop.span, **rop.attr_map))
             return True
-        if rop.kind not in ops.OPS or ops.OPS[rop.kind].reduction is None or rop.attr("keepdims") \
-                or rop.attr("axis") != at:
+        if _reduced_along(graph, r, at) != "reduction":
             return False
         rewriter.replace(node, b.op(rop.kind, graph.operand_edges(r), rop.span, axis=at, keepdims=True))
         return True
+
+
+def _reduced_along(graph: Graph, node: int, axis: int, depth: int = 8) -> str | None:
+    """"reduction": `node` is a reduction along `axis` that dropped it; "through": an
+    elementwise op of values of its shape (and scalars), read by one op, one of them such a
+    reduction or in turn such an op; None otherwise. (Other views put back stay: recompute
+    moves them to the parameters.)"""
+    op = graph.op(node)
+    if not isinstance(op, Op):
+        return None
+    red = ops.OPS[op.kind].reduction if op.kind in ops.OPS else None
+    if red is not None:
+        return "reduction" if not op.attr("keepdims") and op.attr("axis") == axis else None
+    edges = graph.operand_edges(node)
+    if depth == 0 or not ops.is_elementwise(op.kind) or op.kind == "take" or len(graph.users(node)) != 1 \
+            or any(graph.result_type(*e).shape not in (op.shape, ()) for e in edges):
+        return None
+    if any(_reduced_along(graph, e[0], axis, depth - 1) for e in edges if e[1] == 0):
+        return "through"
+    return None
 
 
 def _inserted_axis(graph: Graph, node: int) -> int | None:
