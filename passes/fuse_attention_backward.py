@@ -19,8 +19,8 @@ cleared. The ops both kernels need are cloned, so each kernel is a group. The pl
 (`attention_backward_plan`) adds the mask bound whose blocks the walk skips.
 
 The earlier passes shape a space for its kernels and are not needed for a correct one:
-without widen-score-sums, a sum of f16 or bf16 score values is left to a kernel after
-(its values stored per tile); without own-prologues, a prologue another op reads too is
+without widen-score-sums, a space whose values f16 or bf16 sums read is refused ("profit":
+the atomic adds would round); without own-prologues, a prologue another op reads too is
 refused (the shared prologue rule: it is stored anyway); without sink-transposes, a scale
 after a product's transpose runs after the kernel.
 """

@@ -35,7 +35,7 @@ from tiledsl.ir import Graph, Op
 from tiledsl.passes.fusion.admission import keys_are_data
 from tiledsl.passes.fusion.attention import reduction_axes
 from tiledsl.passes.fusion.legality import GroupPlan, describe_node
-from tiledsl.passes.fusion.remarks import Refusal, Rule
+from tiledsl.passes.fusion.remarks import Refusal, Rule, describe
 from tiledsl.passes.regions import is_by_value, is_clonable
 from tiledsl.types import DType
 
@@ -158,8 +158,7 @@ def derive(graph: Graph, rec: Recorded, narrow_sums: bool = True
     """The space `rec` records, with what reads it in the graph as it is now: the values
     stored or summed per tile, the products' sums over batch axes; or why the kernels
     cannot serve a reader. `narrow_sums=False`: a chain of f16 or bf16 sums (not widened to
-    f32, `widen-score-sums`) is a reduction the kernel leaves to another kernel, reading its
-    tiles stored."""
+    f32, `widen-score-sums`) refuses the space."""
     if rec.refused is not None:
         return None, rec.refused
     return _derive(graph, rec.dots, rec.ops, {n: (graph.score_space(n).at, n) for n in [*rec.dots, *rec.ops]},
@@ -193,7 +192,10 @@ def _derive(graph: Graph, dots: list[int], space: set[int], order: dict[int, int
                 p = product(readers[0][0]) if len(readers) == 1 else None
             chain = _sum_chain(graph, user)
             if chain is not None and not narrow_sums and graph.op(chain[-1]).dtype in NARROW:
-                chain = None
+                last = graph.op(chain[-1])
+                return None, (Refusal(Rule.PROFIT, (
+                    f"{describe(last)} sums the scores in {last.dtype}, which the kernels' atomic adds "
+                    "would round at every add (widen-score-sums sums them in f32)")), graph.op(n), last)
             if p is not None and p.x == n:
                 if p.matmul not in {q.matmul for q in products}:
                     products.append(p)
