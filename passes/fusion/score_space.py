@@ -27,6 +27,7 @@ which consumes them, clears them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -177,8 +178,11 @@ def _recorded_product(graph: Graph, node: int, rec: Recorded) -> Product | None:
     return Product(node, b, over, None)
 
 
-def _derive(graph: Graph, dots: list[int], space: set[int], order: dict[int, int], product,
-            narrow_sums: bool = True) -> tuple[ScoreSpace | None, tuple[Refusal, Op, Op] | None]:
+def _derive(graph: Graph, dots: list[int], space: set[int], order: dict[int, int | tuple[int, int]],
+            product: Callable[[int], Product | None], narrow_sums: bool = True
+            ) -> tuple[ScoreSpace | None, tuple[Refusal, Op, Op] | None]:
+    """`derive` of the dots and score ops given, in `order`, with the products `product`
+    recognises: `_product` while the analysis runs, the marks after it."""
     dots = sorted(dots, key=order.__getitem__)
     dot_set = set(dots)
     products, stored, reduced, refusal = [], [], [], None
