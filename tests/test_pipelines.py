@@ -65,7 +65,7 @@ PIPELINES = [",".join(p) for p in SINGLES + DROP_ONE + PAIRS]
 
 
 def arguments(fn: tiledsl.Program, seed: int = 0) -> dict:
-    """Random arguments; labels with ignored positions (-100), sorted document ids."""
+    """Random arguments; labels with ignored positions (-100), sorted document ids, decays below 1."""
     g = torch.Generator().manual_seed(seed)
     args = testing.random_inputs(fn, {d: DIMS[d] for d in testing.needed_dims(fn)}, generator=g,
                                  scalars=SCALARS)
@@ -74,6 +74,8 @@ def arguments(fn: tiledsl.Program, seed: int = 0) -> dict:
         args["labels"] = labels.where(torch.rand(labels.shape, generator=g) > 0.2, -100).to(args["labels"].dtype)
     if "doc" in args:
         args["doc"] = torch.randint(0, 3, args["doc"].shape, generator=g).sort().values.to(torch.int32)
+    if "log_gamma" in args:  # RetNet's per-head decays, below 1 (a random one overflows gamma^(i - j))
+        args["log_gamma"] = torch.log(1 - 2.0 ** (-5 - torch.arange(float(args["log_gamma"].numel()))))
     return args
 
 
