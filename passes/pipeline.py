@@ -23,9 +23,12 @@ from tiledsl.passes.fuse_rows import FuseRows
 from tiledsl.passes.hoist_row_scale import HoistRowScale
 from tiledsl.passes.lower_kernels import LowerKernels
 from tiledsl.passes.online_softmax import OnlineSoftmax
+from tiledsl.passes.own_prologues import OwnPrologues
 from tiledsl.passes.recompute import Recompute
 from tiledsl.passes.registry import Pass
 from tiledsl.passes.sink_reshape import SinkReshape
+from tiledsl.passes.sink_transposes import SinkTransposes
+from tiledsl.passes.widen_score_sums import WidenScoreSums
 
 
 class Stage(str, enum.Enum):
@@ -52,6 +55,9 @@ PASSES: tuple[tuple[type[Pass], Stage], ...] = (
     (HoistRowScale, Stage.NORMALIZING),
     (Recompute, Stage.FUSION),
     (FuseAttention, Stage.FUSION),
+    (WidenScoreSums, Stage.FUSION),
+    (OwnPrologues, Stage.FUSION),
+    (SinkTransposes, Stage.FUSION),
     (FuseAttentionBackward, Stage.FUSION),
     (FuseEpilogue, Stage.FUSION),
     (FuseRows, Stage.FUSION),

@@ -104,7 +104,8 @@ def test_check_and_passes():
     assert [line.split()[0] for line in out.splitlines()] == [
         "canonicalize", "cse", "dce", "distribute-matmul", "fuse-attention", "fuse-attention-backward", "fuse-elementwise", "fuse-epilogue", "fuse-horizontal",
         "fuse-rows",
-        "hoist-row-scale", "lower-kernels", "online-softmax", "recompute", "sink-reshape"]
+        "hoist-row-scale", "lower-kernels", "online-softmax", "own-prologues", "recompute", "sink-reshape",
+        "sink-transposes", "widen-score-sums"]
 
 
 def test_console_script_is_installed():

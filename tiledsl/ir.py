@@ -256,6 +256,19 @@ class Graph:
         self._changed()
         self.nx.nodes[node]["recompute"] = True
 
+    def score_space(self, node: int) -> Any:
+        """The score space of an attention backward that `node` is a score dot or score op
+        of, as the analysis recorded it (`passes/fusion/score_space.py`: a `Mark`), or None."""
+        return self.nx.nodes[node].get("score_space")
+
+    def set_score_space(self, node: int, mark: Any) -> None:
+        """Record (or, with None, drop) `node`'s score space. A record, not a change to the
+        program: the memoized analyses stay."""
+        if mark is None:
+            self.nx.nodes[node].pop("score_space", None)
+        else:
+            self.nx.nodes[node]["score_space"] = mark
+
     def result_type(self, node: int, res: int = 0) -> TensorType:
         """The type of result `res` of `node` (a kernel has one per output)."""
         op = self.op(node)

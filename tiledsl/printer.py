@@ -115,6 +115,8 @@ def print_graph(graph: Graph, locations: bool = False) -> str:
         else:
             names[(node, 0)] = name
             mark = "  // recomputed by each reader" if graph.recomputed(node) else ""
+            if graph.score_space(node) is not None:
+                mark += f"  // {graph.score_space(node)}"
             lines.append(f"  {name} = {_op_head(op, args)}{_attrs(op)} : {op.type}"
                          f"{_loc(op, locations)}{mark}")
     lines.append("}")
