@@ -95,7 +95,7 @@ def _space(kernel: KernelOp) -> tuple | None:
     if isinstance(kernel.plan, PointwisePlan):
         return (kernel.template, kernel.plan.shape)
     if isinstance(kernel.plan, RowPlan):
-        return (kernel.template, kernel.plan.shape, kernel.plan.axis)
+        return (kernel.template, kernel.plan.shape, kernel.plan.axes)
     return None
 
 
@@ -121,11 +121,11 @@ def _refusal(graph: Graph, plan: GroupPlan, group: Group, node: int) -> Refusal 
 
 
 def _reduces(kernel: KernelOp) -> bool:
-    """A row program whose every output is reduced along its axis (size 1 or dropped)."""
+    """A row program whose every output is reduced along its axes (size 1 or dropped)."""
     if not isinstance(kernel.plan, RowPlan):
         return False
-    space, axis = kernel.plan.shape, kernel.plan.axis
-    return all(len(t.shape) < len(space) or t.shape[axis] == 1 for t in kernel.result_types)
+    space, axes = kernel.plan.shape, kernel.plan.axes
+    return all(len(t.shape) < len(space) or all(t.shape[a] == 1 for a in axes) for t in kernel.result_types)
 
 
 def _inputs(graph: Graph, node: int) -> set[tuple[int, int]]:
@@ -153,8 +153,10 @@ def _saving(graph: Graph, members: list[int]) -> str:
     saved = cost.add(*({mono: c * (n - 1) for mono, c in cost.tensor_bytes(graph.result_type(*e)).items()}
                        for e, n in reads.items() if n > 1))
     kernel = graph.op(members[0])
-    space = format_shape(kernel.plan.shape) + (f" rows along axis {kernel.plan.axis}"
-                                               if isinstance(kernel.plan, RowPlan) else "")
+    space = format_shape(kernel.plan.shape)
+    if isinstance(kernel.plan, RowPlan):
+        axes = kernel.plan.axes
+        space += f" rows along axis {axes[0]}" if len(axes) == 1 else f" rows along axes {axes}"
     shared = f"; shared inputs read once: saves {cost.format_poly(saved)} B" if saved else ""
     fewer = len(members) - 1
     return (f"{len(members)} {kernel.template} kernels over {space} as one: {fewer} "

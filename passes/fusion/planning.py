@@ -26,7 +26,15 @@ from tiledsl.plans import (
 from tiledsl.types import broadcast_shapes
 
 from .attention import attention_backward_plan, attention_plan, operand_source
-from .legality import PASS_OPS, ROW_OPS, RowSpace, row_layouts
+from .legality import (
+    PASS_OPS,
+    ROW_OPS,
+    RowSpace,
+    continues_reduction,
+    partial_reductions,
+    reduced_axes,
+    row_layouts,
+)
 
 
 def pointwise_plan(region: Region) -> PointwisePlan:
@@ -36,11 +44,21 @@ def pointwise_plan(region: Region) -> PointwisePlan:
 
 
 def row_space(region: Region) -> RowSpace:
-    """The space of a row program: the shape and axis of its first reduction or softmax."""
-    for rop in region.ops:
+    """The space of a row program: the shape of its first reduction's or softmax's operand,
+    and the axes it reduces, with the reductions reducing what it leaves (a reduction over
+    several axes, one op per axis: `legality.continues_reduction`)."""
+    n_in = len(region.inputs)
+    for i, rop in enumerate(region.ops):
         if rop.op.kind in ROW_OPS:
             (x,) = rop.operands
-            return RowSpace(region.value_type(x).shape, rop.op.attr("axis"))
+            chain, v = [rop.op], n_in + i
+            while v not in region.outputs and len(readers := [n_in + k for k, r in enumerate(region.ops)
+                                                               if v in r.operands]) == 1 \
+                    and continues_reduction(chain[-1], region.ops[readers[0] - n_in].op):
+                v = readers[0]
+                chain.append(region.ops[v - n_in].op)
+            x_type = region.value_type(x)
+            return RowSpace(x_type.shape, reduced_axes(x_type.rank, chain))
     raise AssertionError("a row program has at least one reduction or softmax")
 
 
@@ -48,19 +66,25 @@ def row_plan(region: Region) -> RowPlan:
     space = row_space(region)
     layouts = row_layouts(region, space)
     assert isinstance(layouts, dict), f"not a row program: {layouts.detail}"
+    partial = partial_reductions(region, space, layouts)
     n_in = len(region.inputs)
     values = range(n_in + len(region.ops))
-    reducing, phases = set(), []
+    reducing, sources, phases = set(), [], []
     for v in values:
         rop = region.ops[v - n_in] if v >= n_in else None
         operands = rop.operands if rop is not None else ()
-        reduces = rop is not None and rop.op.kind in ROW_OPS and space.axis in layouts.get(operands[0], ())
+        reduces = rop is not None and rop.op.kind in ROW_OPS and v not in partial \
+            and bool(space.runs & set(layouts.get(operands[0], ())))
         if reduces:
             reducing.add(v)
+            source = operands[0]
+            while source in partial:  # the start of a reduction over several axes
+                source = region.ops[source - n_in].operands[0]
+            sources.append((v, source))
         phases.append(max((phases[o] for o in operands), default=0)
                       + (reduces and rop.op.kind in PASS_OPS))
-    return RowPlan(space.shape, space.axis, tuple(layouts.get(v) for v in values),
-                   frozenset(reducing), tuple(phases))
+    return RowPlan(space.shape, space.axes, tuple(layouts.get(v) for v in values),
+                   frozenset(reducing), tuple(phases), partial, tuple(sources))
 
 
 def gemm_plan(region: Region) -> GemmPlan:
