@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tiledsl import ops
-from tiledsl.ir import Graph, Region
+from tiledsl.ir import Graph, Op, Region
 from tiledsl.passes.fusion.grow import candidate_kind, fuse_groups, outputs_of
 from tiledsl.passes.fusion.legality import (
     PASS_OPS,
@@ -62,8 +62,23 @@ class FuseRows(Pass):
             space = RowSpace(x.shape, reduced_axes(x.rank, [graph.op(seed), *_continuing(graph, seed)]))
             return lambda group, cand: _admit(graph, plan, group, cand, space)
 
+        _unshare_reductions(graph)
         fuse_groups(graph, ctx.remarks, self.name, RowPlan.template,
                     lambda node: graph.op(node).kind in ROW_OPS, consider, admit_for)
+
+
+def _unshare_reductions(graph: Graph) -> None:
+    """A reduction that several reductions continue (cse shares the first op of
+    `sum(x, axis=(0, 2))` and of `sum(x, axis=None)`) gets a copy per continuing user:
+    each is then one reduction over its own axes, not partial sums stored between two (in
+    a half dtype, rounded twice). Users first: a copy's operand may be shared in turn."""
+    for node in reversed(graph.topo_order()):
+        op = graph.op(node)
+        if not isinstance(op, Op) or op.kind not in ROW_OPS or len(users := graph.users(node)) < 2:
+            continue
+        continuing = [u for u, _ in users if continues_reduction(op, graph.op(u))]
+        for user in continuing[1:] if len(continuing) == len(users) else continuing:
+            graph.set_operands(user, [graph.add(op, graph.operand_edges(node))])
 
 
 def _admit(graph: Graph, plan: GroupPlan, group: set[int], cand: int,

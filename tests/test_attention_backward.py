@@ -241,7 +241,7 @@ def test_gqa_gradients():
 @pytest.mark.parametrize("kv", ["B, 1, N, D", "N, D"])
 def test_mqa_gradients(kv):
     # one key/value head for every query head, broadcast from a size-1 head dim or from no
-    # batch dims at all (summed over B and H, which canonicalize merges into one sum)
+    # batch dims at all (summed over B and H)
     fn = tiledsl.compile(f"""
     kernel mqa(q: f16[B, H, M, D], k: f16[{kv}], v: f16[{kv}]) -> f16[B, H, M, D] {{
         s = where(causal(q @ k.T), q @ k.T * rsqrt(D), -inf)

@@ -48,7 +48,7 @@ kernel f(q: f32[B, M, D], k: f32[B, N, D], v: f32[B, N, D], w: f32[D, E]) -> f32
 PROGRAMS = {p.stem: p.read_text() for p in sorted((ROOT / "examples").glob("*.tdsl"))} | MODEL_PROGRAMS
 
 # awkward sizes: primes, an odd head dim, GQA's 4 heads over 2
-DIMS = dict(B=2, H=4, KH=2, M=17, N=33, S=17, D=17, K=19, F=23, V=37, L=13, NB=6, E=5)
+DIMS = dict(B=2, H=4, KH=2, M=17, N=33, S=17, D=17, K=19, F=23, V=37, L=13, NB=6, E=5, C=3, P=7, T=17, W=11)
 SCALARS = dict(scale=0.3, cap=5.0, eps=1e-5, temperature=0.7, lam=0.4, width=3, radius=1)
 
 parse_pipeline("canonicalize")  # registers every built-in pass
@@ -65,13 +65,16 @@ PIPELINES = [",".join(p) for p in SINGLES + DROP_ONE + PAIRS]
 
 
 def arguments(fn: tiledsl.Program, seed: int = 0) -> dict:
-    """Random arguments; labels with ignored positions (-100), sorted document ids."""
+    """Random arguments; labels with ignored positions (-100), sorted document ids, RetNet's
+    decays (log(gamma) < 0: a random one grows exp(log_gamma * T) past f16)."""
     g = torch.Generator().manual_seed(seed)
     args = testing.random_inputs(fn, {d: DIMS[d] for d in testing.needed_dims(fn)}, generator=g,
                                  scalars=SCALARS)
     if "labels" in args:
         labels = torch.randint(0, DIMS["V"], args["labels"].shape, generator=g)
         args["labels"] = labels.where(torch.rand(labels.shape, generator=g) > 0.2, -100).to(args["labels"].dtype)
+    if "log_gamma" in args:
+        args["log_gamma"] = torch.log(1 - 2.0 ** (-5 - torch.arange(float(DIMS["H"]))))
     if "doc" in args:
         args["doc"] = torch.randint(0, 3, args["doc"].shape, generator=g).sort().values.to(torch.int32)
     return args
