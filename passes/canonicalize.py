@@ -6,11 +6,12 @@ After: constant scalar expressions are single `const` nodes (Python-scalar
 semantics: computed in double precision, rounded to the result dtype);
 `x * 1`, `1 * x`, `x + 0`, `0 + x`, `x - 0`, `x / 1`, `--x`, casts to the same
 type (but not a cast to f16/bf16 of a computed value, which rounds it) and
-double transposes are replaced by `x` when that leaves every type unchanged;
-a reduction over adjacent axes is one reduction over them merged. Equivalent
-forms become one: a reduction's dropped dim put back is the reduction keeping
-it, a transposed product is the product of the transposes, a gather of a cast
-is a cast of the gather.
+double transposes are replaced by `x` when that leaves every type unchanged.
+(A reduction over several axes stays one op per axis, as sema writes it: a row
+program reduces them as one, `fuse-rows`.)
+Equivalent forms become one: a reduction's dropped dim put back is the
+reduction keeping it, a transposed product is the product of the transposes,
+a gather of a cast is a cast of the gather.
 Results that are NaN or that Python cannot compute (`log(0)`) are left for
 run time.
 """
@@ -22,7 +23,6 @@ import struct
 from dataclasses import dataclass
 
 from tiledsl import ops
-from tiledsl.dims import Lin
 from tiledsl.ir import Graph, Op
 from tiledsl.ops import Reads
 from tiledsl.passes.registry import Pass, PassContext, register
@@ -155,47 +155,6 @@ class CancelInvolution(Pattern):
         return True
 
 
-class MergeReductions(Pattern):
-    """A reduction over several adjacent axes, which sema writes as one reduction per axis
-    (`mean(x, axis=(2, 3))` is `mean(mean(x, axis=3), axis=2)`), is one reduction over the
-    axes merged by a reshape: one row program instead of one per axis. The reshape is a
-    view where the input's strides allow it, and a copy otherwise (`copy=true`, as torch's
-    `reshape`). Kept dims stay: when both keep theirs (autodiff sums a gradient broadcast
-    along several size-1 dims that way), the reshape also gives the merged axis a size-1
-    neighbour, so the one reduction keeping its dim has the result's shape; an outer one
-    keeping its dim after an inner one that does not is one reduction keeping it. (An
-    outer one dropping the dim an inner one kept is not merged.) One reduction also rounds
-    once: two in a half dtype round the partial sums, where torch's sum does not (gradient
-    fuzzer, seed 2803, program 122, and seed 2804, program 840: bf16 partial sums missed
-    the oracle). Merged: the reductions whose partials `combine` elementwise (sum, mean,
-    max, min, prod); not logsumexp's online pairs, nor argmax's positions (along one axis)."""
-
-    def apply(self, graph: Graph, node: int, op: Op, rewriter: Rewriter) -> bool:
-        red = ops.OPS[op.kind].reduction if op.kind in ops.OPS else None
-        if red is None or red.combine is None or red.index:
-            return False
-        (inner,) = graph.operands(node)
-        inner_op = graph.op(inner)
-        if not isinstance(inner_op, Op) or inner_op.kind != op.kind or graph.users(inner) != [(node, 0)] \
-                or inner_op.dtype is not op.dtype:
-            return False
-        kept, keep = bool(inner_op.attr("keepdims")), bool(op.attr("keepdims"))
-        first, second = inner_op.attr("axis"), op.attr("axis")
-        if kept and keep and abs(first - second) == 1:  # x's axes, both still there
-            lo = min(first, second)
-        elif not kept and second in (first - 1, first):  # the axis before or after the first, in x
-            lo = second
-        else:
-            return False
-        (x,) = graph.operand_edges(inner)  # maybe a result of a kernel an earlier pass formed
-        xt = graph.result_type(*x)
-        size = (Lin.of(xt.shape[lo]) * Lin.of(xt.shape[lo + 1])).dim()
-        merged = xt.shape[:lo] + (size,) + ((1,) if kept else ()) + xt.shape[lo + 2:]
-        view = rewriter.build.op("reshape", [x], inner_op.span, shape=merged, copy=True)
-        rewriter.replace(node, rewriter.build.op(op.kind, [view], op.span, axis=lo, keepdims=keep))
-        return True
-
-
 class KeepReducedDim(Pattern):
     """`r[:, None]` (or a reshape giving back the size-1 dim) of a reduction that dropped its
     axis is the reduction keeping it: `exp(x - max(x, -1)[:, None])` reads the row max as
@@ -319,8 +278,8 @@ class GatherBeforeElementwise(Pattern):
         return True
 
 
-PATTERNS = (FoldConstants(), RemoveIdentity(), RemoveNoOpCast(), CancelInvolution(), MergeReductions(),
-            KeepReducedDim(), TransposeProduct(), GatherBeforeElementwise())
+PATTERNS = (FoldConstants(), RemoveIdentity(), RemoveNoOpCast(), CancelInvolution(), KeepReducedDim(),
+            TransposeProduct(), GatherBeforeElementwise())
 
 
 @register

@@ -117,7 +117,7 @@ def _space(kernel: KernelOp) -> tuple | None:
     if isinstance(kernel.plan, PointwisePlan):
         return (kernel.template, kernel.plan.shape)
     if isinstance(kernel.plan, RowPlan):
-        return (kernel.template, kernel.plan.shape, kernel.plan.axis)
+        return (kernel.template, kernel.plan.shape, kernel.plan.axes)
     return None
 
 
@@ -175,11 +175,11 @@ def _refusal(graph: Graph, plan: GroupPlan, group: Group, node: int) -> Refusal 
 
 
 def _reduces(kernel: KernelOp) -> bool:
-    """A row program whose every output is reduced along its axis (size 1 or dropped)."""
+    """A row program whose every output is reduced along its axes (size 1 or dropped)."""
     if not isinstance(kernel.plan, RowPlan):
         return False
-    space, axis = kernel.plan.shape, kernel.plan.axis
-    return all(len(t.shape) < len(space) or t.shape[axis] == 1 for t in kernel.result_types)
+    space, axes = kernel.plan.shape, kernel.plan.axes
+    return all(len(t.shape) < len(space) or all(t.shape[a] == 1 for a in axes) for t in kernel.result_types)
 
 
 def _inputs(graph: Graph, node: int) -> set[tuple[int, int]]:
@@ -218,8 +218,11 @@ def _saving(graph: Graph, members: list[int]) -> str:
 
 
 def _space_text(kernel: KernelOp) -> str:
-    return format_shape(kernel.plan.shape) + (f" rows along axis {kernel.plan.axis}"
-                                              if isinstance(kernel.plan, RowPlan) else "")
+    text = format_shape(kernel.plan.shape)
+    if isinstance(kernel.plan, RowPlan):
+        axes = kernel.plan.axes
+        text += f" rows along axis {axes[0]}" if len(axes) == 1 else f" rows along axes {axes}"
+    return text
 
 
 def _first_op(graph: Graph, node: int):

@@ -4,13 +4,17 @@ Before: reductions (sum, max, min, mean, logsumexp, prod, argmax...) and softmax
 axis, surrounded by elementwise ops that read the same rows, each op its own
 kernel (rmsnorm is 8 kernels, layernorm 10).
 After: each maximal such group is one `rows` kernel: the reductions along
-one axis of one shape S, the elementwise ops before and after them whose
-dims map onto S consistently, and further reductions along the same axis
-that depend on earlier ones (layernorm's variance after its mean). Values
-used outside the group are stored by the kernel too.
+the row axes of one shape S, the elementwise ops before and after them whose
+dims map onto S consistently, and further reductions along the same axes
+that depend on earlier ones (layernorm's variance after its mean). The row
+axes are the seed's axis, or its axes: a reduction over several axes (one op
+per axis from sema, `legality.continues_reduction`) is one reduction over a
+row of their elements, adjacent or not (batch norm's axes 0, 2 and 3 of
+NCHW, one program per channel). Values used outside the group are stored by
+the kernel too.
 
 Refused, with a recorded rule: a reduction along another axis or of another
-shape, an op that reads a group value at another index (a reduced row
+shape, or along some of the row axes only, an op that reads a group value at another index (a reduced row
 broadcast along the row, a transpose) or does not fit S ("other-index",
 "tile"), a value used outside the group that does not vary along the rows
 ("tile": every row would store it), and anything that would create a cycle;
@@ -23,9 +27,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tiledsl import ops
-from tiledsl.ir import Graph, Region
+from tiledsl.ir import Graph, Op, Region
 from tiledsl.passes.fusion.grow import candidate_kind, fuse_groups, outputs_of
-from tiledsl.passes.fusion.legality import PASS_OPS, ROW_OPS, GroupPlan, RowSpace, gathers_within, row_layouts
+from tiledsl.passes.fusion.legality import (
+    PASS_OPS,
+    ROW_OPS,
+    GroupPlan,
+    RowSpace,
+    continues_reduction,
+    gathers_within,
+    partial_reductions,
+    reduced_axes,
+    row_layouts,
+)
 from tiledsl.passes.fusion.profitability import MAX_ROW_OPS, MAX_ROW_PHASES
 from tiledsl.passes.fusion.remarks import Refusal, Rule
 from tiledsl.passes.regions import outline
@@ -45,16 +59,34 @@ class FuseRows(Pass):
 
         def admit_for(plan: GroupPlan, seed: int):
             x = graph.result_type(*graph.operand_edges(seed)[0])
-            space = RowSpace(x.shape, graph.op(seed).attr("axis"))
+            space = RowSpace(x.shape, reduced_axes(x.rank, [graph.op(seed), *_continuing(graph, seed)]))
             return lambda group, cand: _admit(graph, plan, group, cand, space)
 
+        _unshare_reductions(graph)
         fuse_groups(graph, ctx.remarks, self.name, RowPlan.template,
                     lambda node: graph.op(node).kind in ROW_OPS, consider, admit_for)
 
 
+def _unshare_reductions(graph: Graph) -> None:
+    """A reduction that several reductions continue (cse shares the first op of
+    `sum(x, axis=(0, 2))` and of `sum(x, axis=None)`) gets a copy per continuing user:
+    each is then one reduction over its own axes, not partial sums stored between two (in
+    a half dtype, rounded twice). Users first: a copy's operand may be shared in turn."""
+    for node in reversed(graph.topo_order()):
+        op = graph.op(node)
+        if not isinstance(op, Op) or op.kind not in ROW_OPS or len(users := graph.users(node)) < 2:
+            continue
+        continuing = [u for u, _ in users if continues_reduction(op, graph.op(u))]
+        for user in continuing[1:] if len(continuing) == len(users) else continuing:
+            graph.set_operands(user, [graph.add(op, graph.operand_edges(node))])
+
+
 def _admit(graph: Graph, plan: GroupPlan, group: set[int], cand: int,
            space: RowSpace) -> Refusal | None:
-    if len(group) >= MAX_ROW_OPS:
+    # the rest of a reduction over several axes always joins: what it reduces is never stored
+    continuing = any(continues_reduction(graph.op(x), graph.op(cand)) for x in graph.operands(cand)
+                     if x in group)
+    if len(group) >= MAX_ROW_OPS and not continuing:
         return Refusal(Rule.PROFIT, f"a row program holds at most {MAX_ROW_OPS} ops")
     if (gather := gathers_within(graph, cand, group)) is not None:
         return Refusal(Rule.OTHER_INDEX, gather)
@@ -66,20 +98,39 @@ def _admit(graph: Graph, plan: GroupPlan, group: set[int], cand: int,
     layouts = row_layouts(region, space)
     if isinstance(layouts, Refusal):
         return layouts
-    kept = [d for d in range(len(space.shape)) if d != space.axis and space.shape[d] != 1]
+    kept = [d for d in range(len(space.shape)) if d not in space.axes and space.shape[d] != 1]
     outputs = set(outputs_of(graph, members))
+    partial = partial_reductions(region, space, layouts)
     for node, value in zip(members, region.outputs, strict=True):  # outputs = members, in order
-        if node in outputs and not set(kept) <= set(layouts[value]):
+        if node in outputs and value in partial:  # stored unless the rest of its reduction joins
+            layout, chain = layouts[value], _continuing(graph, node)
+            if not space.runs & set(layout) <= {layout[a] for a in reduced_axes(len(layout), chain)}:
+                return Refusal(Rule.TILE, f"{graph.op(node).kind} is used outside the row program but "
+                               "reduces only some of its axes")
+        elif node in outputs and not set(kept) <= set(layouts[value]):
             return Refusal(Rule.TILE, f"{graph.op(node).kind} is used outside the row program but does "
                            "not vary along every row dim, so every row would store it")
     return None
 
 
+def _continuing(graph: Graph, node: int) -> list:
+    """The reductions that reduce what the reduction `node` leaves, one after another (the
+    rest of a reduction over several axes), each the only user of the one before."""
+    chain = []
+    while len(users := graph.users(node)) == 1 and continues_reduction(graph.op(node), graph.op(users[0][0])):
+        node = users[0][0]
+        chain.append(graph.op(node))
+    return chain
+
+
 def _phases(region: Region) -> int:
-    """The longest chain of reductions that each need the one before (layernorm: 2)."""
+    """The longest chain of reductions that each need the one before (layernorm: 2); the
+    reductions of one over several axes count once."""
     n_in = len(region.inputs)
     phase = [0] * (n_in + len(region.ops))
     for i, rop in enumerate(region.ops):
         p = max((phase[o] for o in rop.operands), default=0)
-        phase[n_in + i] = p + 1 if rop.op.kind in PASS_OPS else p
+        continued = len(rop.operands) == 1 and rop.operands[0] >= n_in and continues_reduction(
+            region.ops[rop.operands[0] - n_in].op, rop.op)
+        phase[n_in + i] = p + 1 if rop.op.kind in PASS_OPS and not continued else p
     return max(phase, default=0)

@@ -110,6 +110,10 @@ def broadcast(a: Shape, b: Shape) -> Shape | None:
 class Generator:
     def __init__(self, rng: random.Random) -> None:
         self.rng = rng
+        # reductions over several axes draw from a stream of their own, seeded from the main
+        # one's state without advancing it: every other choice stays what it was (the salt
+        # keeps the programs test_fuzz_programs.py pins by seed as they were)
+        self.axes_rng = random.Random("axes1:" + str(rng.getstate()[1][:8]))
         self.values: list[Value] = [
             Value("x", ("M", "N")), Value("y", ("N",)), Value("z", ("M", "1")), Value("s", ()),
             Value("mask", ("M", "N"), "bool"), Value("flag", (), "bool")]
@@ -194,8 +198,11 @@ class Generator:
                 return a
             axis = self.rng.choice([-1, 0]) if len(a.shape) > 1 else -1
             keep = self.rng.random() < 0.5
-            ax = axis % len(a.shape)
-            out = a.shape[:ax] + (("1",) if keep else ()) + a.shape[ax + 1:]
+            axes = {axis % len(a.shape)}
+            if len(a.shape) > 1 and self.axes_rng.random() < 0.3:  # a tuple of axes, or all
+                axis = self.axes_rng.choice(["(0, -1)", "None"])
+                axes = {0, len(a.shape) - 1} if axis != "None" else set(range(len(a.shape)))
+            out = tuple("1" if i in axes else d for i, d in enumerate(a.shape) if keep or i not in axes)
             op = self.rng.choice(REDUCE)
             x = REDUCE_OPERAND.get(op, "{}").format(a.text)
             return Value(f"{op}({x}, axis={axis}, keepdims={'true' if keep else 'false'})", out)

@@ -317,3 +317,22 @@ def test_qk_norm_rope_attention_example(s):
                          randn(2, s, 2, 32, dtype=BF16), randn(32, dtype=BF16), randn(32, dtype=BF16), pos,
                          eps=1e-6)
     assert out.shape == (2, 6, s, 32)
+
+
+@pytest.mark.parametrize("n, c, h, w", [(1, 1, 1, 1), (3, 5, 7, 11), (5, 3, 29, 31)])
+def test_batch_norm_example(n, c, h, w):
+    """Training batch norm: the statistics over axes 0, 2 and 3 and the output in one row
+    program, one program per channel (the last size: N * H * W = 4495 loops over blocks);
+    its derived backward is one kernel too."""
+    fn = example("batch_norm")
+    assert [kern.template for kern in fn.kernels] == ["rows"]
+    args = (randn(n, c, h, w, scale=3), randn(c, seed=1), randn(c, seed=2))
+    _, (y, mu, var) = run_checked(fn, *args, eps=1e-5)
+    x = args[0].double()
+    var64, mu64 = torch.var_mean(x, dim=(0, 2, 3), unbiased=False, keepdim=True)
+    expected = (x - mu64) / torch.sqrt(var64 + 1e-5) * args[1].double()[:, None, None] + args[2].double()[:, None, None]
+    assert torch.allclose(y.double(), expected, atol=1e-4)
+    assert torch.allclose(mu.double(), mu64, atol=1e-5) and torch.allclose(var.double(), var64, atol=1e-4)
+    grads = testing.check_grads(fn, *args, eps=1e-5)
+    assert grads.ok, grads
+    assert [kern.template for kern in fn.backward.kernels] == ["rows"]

@@ -322,4 +322,6 @@ def test_a_path_back_through_a_planned_group_that_ends_later_is_a_cycle():
         report = testing.check_grads(fn, randn(m, n), randn(m, 1), randn(b, h, m, n), randn(n, n, scale=n ** -0.5),
                                      generator=torch.Generator().manual_seed(0))
         assert report.ok, report
-    assert len(fn.backward.kernels) == 15  # two independent kernels over different spaces share a launch
+    # 16 before: two independent kernels over different spaces share a launch, and sums over
+    # several axes are one row program each
+    assert len(fn.backward.kernels) == 13

@@ -89,7 +89,8 @@ def test_several_row_normalizations_of_one_loss_share_a_launch(m):
     # three row programs over different spaces (launch-bound at these sizes): one launch
     assert structure(fn) == ["merged"]
     plan = fn.fused_graph().op(fn.fused_graph().kernels()[0]).plan
-    assert [(p.plan.shape, p.plan.axis) for p in plan.members] == [((m, 48), 1), ((m, 7, 20), 2), ((5, m), 0)]
+    assert [(p.plan.shape, p.plan.axes) for p in plan.members] == [((m, 48), (1,)), ((m, 7, 20), (2,)),
+                                                                     ((5, m), (0,))]
 
 
 def test_kernels_that_share_no_input_at_unknown_sizes_are_not_merged():

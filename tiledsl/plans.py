@@ -52,11 +52,17 @@ class PointwisePlan:
 
 @dataclass(frozen=True, slots=True)
 class RowPlan:
-    """Reductions along `axis` of the space `shape`, with the elementwise ops around them.
+    """Reductions along the `axes` of the space `shape`, with the elementwise ops around them.
 
+    A row is the elements along `axes` (one axis, or several: a reduction over several
+    axes, adjacent or not; batch norm's 0, 2 and 3 of NCHW), the other dims index rows.
     `layouts[v]`: how value v maps onto the space (None: an input no op reads).
     `reducing`: the reductions and softmaxes that really reduce (their operand
-    varies along the axis; one over a size-1 axis is elementwise).
+    varies along the axes; one over a size-1 axis is elementwise).
+    `partial`: reductions over some of the axes whose rest the reductions reading them
+    reduce (sema writes a reduction over several axes one axis at a time): never computed.
+    `sources`: (v, the value v reduces) for every reducing v: its operand, or the first
+    operand of the partial reductions before it.
     `phases[v]`: how many dependent reductions v needs (layernorm's output: 2).
     """
 
@@ -64,33 +70,49 @@ class RowPlan:
     strided_stores: ClassVar[bool] = True
 
     shape: Shape
-    axis: int
+    axes: tuple[int, ...]
     layouts: tuple[Layout | None, ...]
     reducing: frozenset[int]
     phases: tuple[int, ...]
+    partial: frozenset[int]
+    sources: tuple[tuple[int, int], ...]
 
     def full(self, value: int) -> bool:
-        """Does the value vary along the reduction axis?"""
+        """Does the value vary along the row axes?"""
         layout = self.layouts[value]
-        return layout is not None and self.axis in layout
+        return layout is not None and any(a in layout for a in self.axes)
+
+    def source(self, value: int) -> int:
+        """The value a reducing value reduces."""
+        return dict(self.sources)[value]
 
     def format(self, name: Name) -> str:
         layouts = ", ".join(f"{name(v)} = {_layout(lay)}" for v, lay in enumerate(self.layouts)
                             if lay is not None)
-        return (f"plan rows {{space = {format_shape(self.shape)}, axis = {self.axis}, "
+        axes = f"axis = {self.axes[0]}" if len(self.axes) == 1 else f"axes = {self.axes}"
+        partial = f"partial = {_names(self.partial, name)}, " if self.partial else ""
+        return (f"plan rows {{space = {format_shape(self.shape)}, {axes}, "
                 f"phases = {max(self.phases, default=0)}, reducing = {_names(self.reducing, name)}, "
-                f"layouts = ({layouts})}}")
+                f"{partial}layouts = ({layouts})}}")
 
     def verify(self, check: PlanCheck) -> None:
         region = check.region
         n_values = len(region.inputs) + len(region.ops)
-        if not (len(self.layouts) == len(self.phases) == n_values and 0 <= self.axis < len(self.shape)):
+        if not (len(self.layouts) == len(self.phases) == n_values and self.axes
+                and list(self.axes) == sorted(set(self.axes)) and 0 <= self.axes[0]
+                and self.axes[-1] < len(self.shape)):
             check.fail("its row plan does not cover its region")
         for v, layout in enumerate(self.layouts):
             if layout is not None and len(layout) != region.value_type(v).rank:
                 check.fail(f"value {v} has a layout of the wrong rank")
         for v in self.reducing:
             check.expect(v, ops.ROW_KINDS, "reduction")
+        for v in self.partial:
+            check.expect(v, ops.ROW_KINDS, "partial reduction")
+            if v in region.outputs:
+                check.fail(f"its partial reduction {v} is an output")
+        if {v for v, _ in self.sources} != self.reducing:
+            check.fail("its row plan does not name the value every reduction reduces")
 
 
 @dataclass(frozen=True, slots=True)

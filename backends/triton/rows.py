@@ -1,12 +1,16 @@
 """The row-program template: reductions and softmax along one axis, with the
 elementwise ops around them, in one kernel.
 
-A row program's iteration space is a shape S and an axis: the other ("kept")
-dims index rows, the axis indexes positions in a row. A program owns BLOCK_O
-rows and walks them in chunks of BLOCK_R. Every value has a layout (which
-dims of S it varies along, recorded in the kernel's `RowPlan`): "full"
-values vary along the axis ([BLOCK_O, BLOCK_R] tiles), "row" values do not
-([BLOCK_O, 1]).
+A row program's iteration space is a shape S and its row axes: the other ("kept")
+dims index rows, the row axes index positions in a row. With several row axes
+(a reduction over several axes, adjacent or not: batch norm's 0, 2 and 3 of
+NCHW) a position `r` counts their elements in row-major order and splits into
+one index per axis (`k<axis>`). A program owns BLOCK_O rows and walks them in
+chunks of BLOCK_R. Every value has a layout (which dims of S it varies along,
+recorded in the kernel's `RowPlan`): "full" values vary along the row axes
+([BLOCK_O, BLOCK_R] tiles), "row" values do not ([BLOCK_O, 1]). A reduction
+over several axes is one reduction over the row (sema's one op per axis are
+the plan's `partial` reductions, never computed).
 
 - When a row fits in one block (`ONE_PASS`), inputs are read once and the
   program runs straight through.
@@ -64,8 +68,8 @@ class RowProgram:
         self.values = range(self.n_in + len(region.ops))
         self.sig, self.body = Signature(), Code()
         self.em = Emitter(self.body)
-        shape, axis = self.plan.shape, self.plan.axis
-        self.kept = [d for d in range(len(shape)) if d != axis]
+        shape, axes = self.plan.shape, self.plan.axes
+        self.kept = [d for d in range(len(shape)) if d not in axes]
         self.refs: dict[int, TensorRef] = {}
         self.scalars: dict[int, str] = {}
         for i, inp in enumerate(region.inputs):
@@ -76,7 +80,8 @@ class RowProgram:
         self.outs = [self.sig.tensor("out", j, region.value_type(v).shape)
                      for j, v in enumerate(region.outputs)]
         self.em.gather_from(region, self.refs, self.sig.size)
-        self.length = self.sig.size(shape[axis])
+        self.length = (self.sig.size(shape[axes[0]]) if len(axes) == 1
+                       else self.sig.numel(tuple(shape[a] for a in axes), "n_cols"))
         self.softmax_stats: dict[int, tuple[str, str]] = {}  # softmax value -> (m, 1/z) names
         self.carries: dict[int, str] = {}  # cumsum value -> its running total in this loop
 
@@ -89,13 +94,13 @@ class RowProgram:
         return self.region.ops[v - self.n_in].operands if v >= self.n_in else ()
 
     def is_row_op(self, v: int) -> bool:
-        """A reduction or softmax that really reduces: its operand varies along the axis.
+        """A reduction or softmax that really reduces: its operand varies along the axes.
 
         One over a literal size-1 axis is elementwise (see `trivial_reduce`)."""
         return v in self.plan.reducing
 
     def full(self, v: int) -> bool:
-        """Does the value vary along the reduction axis?"""
+        """Does the value vary along the row axes?"""
         return self.plan.full(v)
 
     def needed(self, targets: list[int]) -> set[int]:
@@ -122,7 +127,9 @@ class RowProgram:
     def index(self, dim: int | None) -> str | None:
         if dim is None or self.plan.shape[dim] == 1:
             return None
-        return "r[None, :]" if dim == self.plan.axis else f"j{dim}[:, None]"
+        if dim not in self.plan.axes:
+            return f"j{dim}[:, None]"
+        return "r[None, :]" if len(self.plan.axes) == 1 else f"k{dim}[None, :]"
 
     def access(self, ref: TensorRef, v: int) -> tuple[str | None, str | None]:
         """(pointer, mask) of a value's tensor at the tile, or (None, None) for one element."""
@@ -130,9 +137,9 @@ class RowProgram:
         offset = ref.offset([self.index(d) for d in layout])
         if offset == "0":
             return None, None
-        axis = self.plan.axis
-        rows = any(self.index(d) for d in layout if d is not None and d != axis)
-        cols = any(self.index(d) for d in layout if d == axis)
+        axes = self.plan.axes
+        rows = any(self.index(d) for d in layout if d is not None and d not in axes)
+        cols = any(self.index(d) for d in layout if d in axes)
         mask = {(True, True): "tmask", (True, False): "omask[:, None]",
                 (False, True): f"(r < {self.length})[None, :]"}[(rows, cols)]
         return f"{ref.ptr} + {offset}", mask
@@ -150,7 +157,7 @@ class RowProgram:
         """Emit the loads and elementwise ops (those in `which`, or all) not yet in `vals`."""
         em = self.em
         for v in self.values:
-            if v in vals or (which is not None and v not in which):
+            if v in vals or (which is not None and v not in which) or v in self.plan.partial:
                 continue
             op = self.op(v)
             if op is None:
@@ -230,7 +237,7 @@ class RowProgram:
 
     def reduce_cat(self, v: int) -> Compute:
         """f32 when the operand or the result is a float, else the operand's integer type."""
-        x_type = self.region.value_type(self.operands(v)[0])
+        x_type = self.region.value_type(self.plan.source(v))
         if self.op(v).dtype.is_float or x_type.dtype.is_float:
             return F32
         return I64 if x_type.dtype is DType.I64 else I32
@@ -278,6 +285,12 @@ class RowProgram:
             self.emit_phases()
 
     def tile_mask(self) -> None:
+        """The mask of the tile at positions `r`, and with several row axes, `r` split into
+        an index per axis."""
+        shape, axes = self.plan.shape, self.plan.axes
+        if len(axes) > 1:
+            names = [None if shape[a] == 1 else f"k{a}" for a in axes]
+            decompose(self.body, "r", [shape[a] for a in axes], names, self.sig.size, "kq")
         self.body(f"tmask = omask[:, None] & (r < {self.length})[None, :]")
 
     def emit_one_pass(self) -> None:
@@ -289,7 +302,7 @@ class RowProgram:
         for v in self.values:
             self.emit_values(vals, None)
             if self.is_row_op(v) and v not in vals and self.op(v).kind != "cumsum":
-                vals[v] = self.one_pass_reduce(v, vals[self.operands(v)[0]])
+                vals[v] = self.one_pass_reduce(v, vals[self.plan.source(v)])
         self.emit_values(vals, None)
         self.store(vals, full=True)
         self.store(vals, full=False)
@@ -347,7 +360,7 @@ class RowProgram:
         for p in range(1, max((self.plan.phases[v] for v in reductions), default=0) + 1):
             current = [v for v in reductions if self.plan.phases[v] == p]
             state = {v: self.init_state(v) for v in current}
-            need = self.needed([self.operands(v)[0] for v in current])
+            need = self.needed([self.plan.source(v) for v in current])
             self.start_scans(need)
             body(f"for r0 in range(0, {self.length}, BLOCK_R):")
             with body.indent():
@@ -356,7 +369,7 @@ class RowProgram:
                 vals = dict(row_vals)
                 self.emit_values(vals, need)
                 for v in current:
-                    self.accumulate(v, state[v], vals[self.operands(v)[0]])
+                    self.accumulate(v, state[v], vals[self.plan.source(v)])
             for v in current:
                 self.finalize(v, state[v], row_vals)
             self.emit_row_values(row_vals)
@@ -454,18 +467,18 @@ def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKer
     """The row program (no dots: `allow_tf32` changes nothing)."""
     prog = RowProgram(kernel)
     prog.emit()
-    shape, axis = prog.plan.shape, prog.plan.axis
+    shape, axes = prog.plan.shape, prog.plan.axes
     limit = one_pass_limit(prog.plan, kernel.region.inputs)
 
     no_identity = [prog.op(v) for v in sorted(prog.plan.reducing)
                    if (r := ops.OPS[prog.op(v).kind].reduction) is not None and not r.empty]
 
     def configure(dims: Mapping[str, int], device: str) -> LaunchConfig:
-        length = evaluate(shape[axis], dims)
+        length = numel([shape[a] for a in axes], dims)
         if length == 0 and no_identity:
-            op = no_identity[0]
-            raise EmptyReductionError(op.span, kind=op.kind, axis=f"{shape[axis]} = 0")
-        rows = numel([d for i, d in enumerate(shape) if i != axis], dims)
+            op, empty = no_identity[0], next(a for a in axes if evaluate(shape[a], dims) == 0)
+            raise EmptyReductionError(op.span, kind=op.kind, axis=f"{shape[empty]} = 0")
+        rows = numel([d for i, d in enumerate(shape) if i not in axes], dims)
         caps = CAPS[device]
         block_r = max(2, min(next_pow2(length), limit if device == "cuda" else caps["row"]))
         # short rows: several per program, up to a tile of `caps["tile"]` elements

@@ -207,17 +207,24 @@ def describe_node(graph: Graph, node: int) -> str:
 
 @dataclass(frozen=True)
 class RowSpace:
-    """The iteration space of a row program: a shape and the axis its reductions run along."""
+    """The iteration space of a row program: a shape and the axes its reductions run along
+    (one, or several: a reduction over several axes, which sema writes as one reduction
+    per axis, `continues_reduction`)."""
 
     shape: Shape
-    axis: int
+    axes: tuple[int, ...]
+
+    @property
+    def runs(self) -> frozenset[int]:
+        """The axes a row really runs along (not of literal size 1)."""
+        return frozenset(a for a in self.axes if self.shape[a] != 1)
 
     def default_layout(self, shape: Shape) -> Layout | None:
         """Right-aligned broadcasting onto the space; failing that, one value per row (the
-        shape of the rows without the reduced axis, as a reduction's result); None when
+        shape of the rows without the reduced axes, as a reduction's result); None when
         it does not fit."""
         right = self._right_aligned(shape)
-        kept = tuple(d for d in range(len(self.shape)) if d != self.axis)
+        kept = tuple(d for d in range(len(self.shape)) if d not in self.axes)
         if right is None and shape and shape == tuple(self.shape[d] for d in kept):
             return tuple(None if shape[k] == 1 else d for k, d in enumerate(kept))
         return right
@@ -237,6 +244,28 @@ class RowSpace:
         return tuple(out)
 
 
+def continues_reduction(op: Op, user: Op) -> bool:
+    """Does `user` reduce what the reduction `op` left, the two being one reduction over
+    several axes? sema writes `sum(x, axis=(0, 2))` (and `axis=None`) as one reduction per
+    axis, and a nested `mean(mean(x, -1), -1)` is the same: of one kind and dtype, whose
+    partials combine (a mean of equal-sized means is the mean), so not argmax's positions."""
+    red = ops.OPS[op.kind].reduction if op.kind in ops.OPS else None
+    return (isinstance(user, Op) and user.kind == op.kind and red is not None and not red.index
+            and user.dtype is op.dtype)
+
+
+def reduced_axes(rank: int, chain: list[Op]) -> tuple[int, ...]:
+    """The axes of the first reduction's operand (of rank `rank`) that a chain of reductions,
+    each reading the one before, reduces."""
+    positions, axes = list(range(rank)), set()
+    for op in chain:
+        axis = op.attr("axis")
+        axes.add(positions[axis])
+        if not op.attr("keepdims"):
+            del positions[axis]
+    return tuple(sorted(axes))
+
+
 ROW_OPS = ops.ROW_KINDS
 # row ops that need a pass over the row of their own (a scan is computed in whichever pass
 # reads it)
@@ -248,10 +277,13 @@ def row_layouts(region: Region, space: RowSpace) -> dict[int, Layout] | Refusal:
 
     Returns value id -> layout (inputs and ops), or a refusal naming the op
     that reads a value at another index ("other-index") or does not fit the
-    space ("tile").
+    space ("tile"). In a space of several axes, a reduction reduces them all through the
+    reductions reading it (`continues_reduction`); what it leaves (`partial_reductions`)
+    only they may read.
     """
     n_in = len(region.inputs)
     layouts: dict[int, Layout] = {}
+    partial = set()  # reductions that leave some of the row's axes to the ones reading them
 
     def fit(v: int, layout: Layout) -> Refusal | None:
         if v in layouts and layouts[v] != layout:
@@ -268,25 +300,37 @@ def row_layouts(region: Region, space: RowSpace) -> dict[int, Layout] | Refusal:
             (x,) = rop.operands
             xt = region.value_type(x)
             lx = layouts.get(x) or space.default_layout(xt.shape)
-            along = lx is not None and (lx[op.attr("axis")] == space.axis or (
-                xt.shape[op.attr("axis")] == 1 and space.shape[space.axis] == 1))
+            axis = op.attr("axis")
+            continued = x >= n_in and continues_reduction(region.ops[x - n_in].op, op)
+            along = lx is not None and (lx[axis] in space.axes or (
+                xt.shape[axis] == 1 and (not space.runs or continued)))
             if not along:
                 return Refusal(Rule.TILE, f"{op.kind} runs along another axis than the row program")
+            if x not in partial and lx[axis] is not None and not space.runs <= set(lx):
+                return Refusal(Rule.TILE, f"{op.kind} runs along some of the row program's axes only")
+            if x in partial and not continued:
+                return Refusal(Rule.TILE, f"{op.kind} reads a {region.ops[x - n_in].op.kind} over some of "
+                               "the row program's axes only")
+            if ops.category(op.kind) is not ops.Category.REDUCTION and len(space.runs) > 1:
+                return Refusal(Rule.TILE, f"{op.kind} runs along one of the row program's axes only")
             if x not in layouts and (err := fit(x, lx)):
                 return err
-            axis = op.attr("axis")
             if ops.category(op.kind) is not ops.Category.REDUCTION:  # softmax, cumsum
                 layouts[vid] = lx
             elif op.attr("keepdims"):
                 layouts[vid] = lx[:axis] + (None,) + lx[axis + 1:]
             else:
                 layouts[vid] = lx[:axis] + lx[axis + 1:]
+            if ops.category(op.kind) is ops.Category.REDUCTION and space.runs & set(layouts[vid]):
+                partial.add(vid)  # the reductions reading it reduce the rest of the row
             continue
         if not ops.is_elementwise(op.kind):
             return Refusal(Rule.TILE, f"{op.kind} is not part of a row program")
         shape = op.shape
         result: list[int | None] = [None] * len(shape)
         read = [v for slot, v in enumerate(rop.operands) if not ops.gathers_at(op.kind, slot)]
+        if any(v in partial for v in read):
+            return Refusal(Rule.TILE, f"{op.kind} reads a reduction over some of the row program's axes only")
         for v in read:
             if v not in layouts:
                 continue
@@ -318,3 +362,12 @@ def row_layouts(region: Region, space: RowSpace) -> dict[int, Layout] | Refusal:
                 if err := fit(v, want):
                     return err
     return layouts
+
+
+def partial_reductions(region: Region, space: RowSpace, layouts: dict[int, Layout]) -> frozenset[int]:
+    """The reductions of a row program that leave some of its axes to the reductions reading
+    them (`mean(x, axis=3)` in `mean(x, axis=(0, 2, 3))`): their values are never computed."""
+    n_in = len(region.inputs)
+    return frozenset(n_in + i for i, r in enumerate(region.ops)
+                     if ops.category(r.op.kind) is ops.Category.REDUCTION
+                     and space.runs & set(layouts[n_in + i]))

@@ -28,7 +28,15 @@ from tiledsl.plans import (
 from tiledsl.types import broadcast_shapes
 
 from .attention import attention_backward_plan, attention_plan, operand_source
-from .legality import PASS_OPS, ROW_OPS, RowSpace, row_layouts
+from .legality import (
+    PASS_OPS,
+    ROW_OPS,
+    RowSpace,
+    continues_reduction,
+    partial_reductions,
+    reduced_axes,
+    row_layouts,
+)
 
 
 def pointwise_plan(region: Region) -> PointwisePlan:
@@ -38,11 +46,21 @@ def pointwise_plan(region: Region) -> PointwisePlan:
 
 
 def row_space(region: Region) -> RowSpace:
-    """The space of a row program: the shape and axis of its first reduction or softmax."""
-    for rop in region.ops:
+    """The space of a row program: the shape of its first reduction's or softmax's operand,
+    and the axes it reduces, with the reductions reducing what it leaves (a reduction over
+    several axes, one op per axis: `legality.continues_reduction`)."""
+    n_in = len(region.inputs)
+    for i, rop in enumerate(region.ops):
         if rop.op.kind in ROW_OPS:
             (x,) = rop.operands
-            return RowSpace(region.value_type(x).shape, rop.op.attr("axis"))
+            chain, v = [rop.op], n_in + i
+            while v not in region.outputs and len(readers := [n_in + k for k, r in enumerate(region.ops)
+                                                               if v in r.operands]) == 1 \
+                    and continues_reduction(chain[-1], region.ops[readers[0] - n_in].op):
+                v = readers[0]
+                chain.append(region.ops[v - n_in].op)
+            x_type = region.value_type(x)
+            return RowSpace(x_type.shape, reduced_axes(x_type.rank, chain))
     raise AssertionError("a row program has at least one reduction or softmax")
 
 
@@ -50,19 +68,25 @@ def row_plan(region: Region) -> RowPlan:
     space = row_space(region)
     layouts = row_layouts(region, space)
     assert isinstance(layouts, dict), f"not a row program: {layouts.detail}"
+    partial = partial_reductions(region, space, layouts)
     n_in = len(region.inputs)
     values = range(n_in + len(region.ops))
-    reducing, phases = set(), []
+    reducing, sources, phases = set(), [], []
     for v in values:
         rop = region.ops[v - n_in] if v >= n_in else None
         operands = rop.operands if rop is not None else ()
-        reduces = rop is not None and rop.op.kind in ROW_OPS and space.axis in layouts.get(operands[0], ())
+        reduces = rop is not None and rop.op.kind in ROW_OPS and v not in partial \
+            and bool(space.runs & set(layouts.get(operands[0], ())))
         if reduces:
             reducing.add(v)
+            source = operands[0]
+            while source in partial:  # the start of a reduction over several axes
+                source = region.ops[source - n_in].operands[0]
+            sources.append((v, source))
         phases.append(max((phases[o] for o in operands), default=0)
                       + (reduces and rop.op.kind in PASS_OPS))
-    return RowPlan(space.shape, space.axis, tuple(layouts.get(v) for v in values),
-                   frozenset(reducing), tuple(phases))
+    return RowPlan(space.shape, space.axes, tuple(layouts.get(v) for v in values),
+                   frozenset(reducing), tuple(phases), partial, tuple(sources))
 
 
 def gemm_plan(region: Region) -> GemmPlan:
@@ -112,8 +136,8 @@ def merged_plan(region: Region) -> MergedPlan:
     """One member per iteration space: the region's independent parts (ops joined by the
     values they pass; a shared input joins nothing), grouped by the space each is planned
     over (a row program's row space and axis, or a pointwise outputs' shape), in the order
-    of their first ops. fuse-horizontal merges kernels of different spaces only, so each
-    member is one of the kernels it merged."""
+    of their first ops (a row space is its shape and every axis it reduces). fuse-horizontal
+    merges kernels of different spaces only, so each member is one of the kernels it merged."""
     n_in = len(region.inputs)
     root = list(range(len(region.ops)))
 
@@ -130,24 +154,26 @@ def merged_plan(region: Region) -> MergedPlan:
     parts: dict[int, list[int]] = {}
     for k in range(len(region.ops)):
         parts.setdefault(find(k), []).append(k)
+    def part(ks: list[int]) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], Region]:
+        values = tuple(n_in + k for k in sorted(ks))
+        inputs = tuple(sorted({o for v in values for o in region.ops[v - n_in].operands if o < n_in}))
+        outputs = tuple(j for j, v in enumerate(region.outputs) if v in values)
+        return inputs, values, outputs, region.part(inputs, values, outputs)
+
     spaces: dict[tuple, list[int]] = {}
     for ks in parts.values():
-        rows = [region.ops[k] for k in ks if region.ops[k].op.kind in ROW_OPS]
-        if rows:
-            (x,) = rows[0].operands
-            key = (RowPlan.template, region.value_type(x).shape, rows[0].op.attr("axis"))
+        if any(region.ops[k].op.kind in ROW_OPS for k in ks):
+            space = row_space(part(ks)[3])  # its shape and every axis it reduces
+            key = (RowPlan.template, space.shape, space.axes)
         else:
             key = (PointwisePlan.template, broadcast_shapes(*(region.value_type(n_in + k).shape for k in ks
                                                    if n_in + k in region.outputs)))
         spaces.setdefault(key, []).extend(ks)
     members = []
     for key, ks in spaces.items():
-        values = tuple(n_in + k for k in sorted(ks))
-        inputs = tuple(sorted({o for v in values for o in region.ops[v - n_in].operands if o < n_in}))
-        outputs = tuple(j for j, v in enumerate(region.outputs) if v in values)
-        part = region.part(inputs, values, outputs)
-        members.append(Member(inputs, values, outputs,
-                              row_plan(part) if key[0] == RowPlan.template else pointwise_plan(part)))
+        inputs, values, outputs, region_part = part(ks)
+        members.append(Member(inputs, values, outputs, row_plan(region_part) if key[0] == RowPlan.template
+                              else pointwise_plan(region_part)))
     return MergedPlan(tuple(members))
 
 
