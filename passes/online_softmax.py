@@ -89,7 +89,8 @@ class RecognizeSoftmax(Pattern):
 
 class RecognizeSoftmaxOfLogsumexp(Pattern):
     """exp(x - logsumexp(x, axis, keepdims=true)) is softmax(x, axis): probabilities from a
-    logsumexp (which may be returned too: the attention kernel stores it)."""
+    logsumexp (which may be returned too: the attention kernel stores it), when nothing else
+    computes with the logsumexp."""
 
     def apply(self, graph: Graph, node: int, op: Op, rewriter: Rewriter) -> bool:
         found = _shifted_exp(graph, node)
@@ -99,6 +100,12 @@ class RecognizeSoftmaxOfLogsumexp(Pattern):
         lse_op = graph.op(lse[0])
         if not (_is(graph, lse[0], "logsumexp") and graph.operand_edges(lse[0]) == [x]
                 and lse_op.attr("keepdims")):
+            return False
+        # read by nothing else but the return (a training forward's saved logsumexp): another
+        # reader computing with it (`exp(lse) * p`, a gradient's) rounds against exp(x - lse)
+        # as it is written, not against the softmax (gradient fuzzer, seed 2712, program 48)
+        d = graph.operands(node)[0]
+        if not _only_used_by(graph, lse[0], {d, graph.output}):
             return False
         return _replace(graph, node, op, "softmax", x, rewriter, axis=lse_op.attr("axis"))
 
