@@ -336,3 +336,22 @@ def test_batch_norm_example(n, c, h, w):
     grads = testing.check_grads(fn, *args, eps=1e-5)
     assert grads.ok, grads
     assert [kern.template for kern in fn.backward.kernels] == ["rows"]
+
+
+@pytest.mark.parametrize("t", [4, 17, 113])
+def test_depthwise_causal_conv1d_by_shifted_slices_is_one_kernel(t):
+    """Mamba's short convolution as model code shifts it: each tap a concat of zeros and a
+    slice, read through its index inside the one kernel (nothing shifted is stored)."""
+    fn = tiledsl.compile("""
+kernel causal_conv1d(x: f32[B, C, T], w: f32[C, 4], bias: f32[C]) -> f32[B, C, T] {
+    x1 = concat(x[..., :1] * 0.0, x[..., :T - 1], axis=-1)
+    x2 = concat(x[..., :2] * 0.0, x[..., :T - 2], axis=-1)
+    x3 = concat(x[..., :3] * 0.0, x[..., :T - 3], axis=-1)
+    y = x * w[:, 3:4] + x1 * w[:, 2:3] + x2 * w[:, 1:2] + x3 * w[:, 0:1] + bias[:, None]
+    return silu(y)
+}""")
+    assert [kern.template for kern in fn.kernels] == ["pointwise"]
+    x, w, bias = randn(2, 3, t), randn(3, 4), randn(3)
+    _, out = run_checked(fn, x, w, bias)
+    conv = torch.nn.functional.conv1d(x.double(), w.double()[:, None, :], bias.double(), padding=3, groups=3)
+    assert torch.allclose(out.double(), torch.nn.functional.silu(conv[..., :t]), atol=1e-5)
