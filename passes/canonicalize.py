@@ -270,11 +270,11 @@ class GatherBeforeElementwise(Pattern):
         if not isinstance(x_op, Op) or x_op.kind not in _ZERO_AT_ZERO:
             return False
         b = rewriter.build
-        gathered = b.op("take", [*graph.operand_edges(x[0]), *indices], op.span)
-        out = b.op(x_op.kind, [gathered], x_op.span, **x_op.attr_map)
-        if b.types([out])[0] != op.type:
+        # a gather of the op's operand must type (not one of f8 values, which only a cast reads)
+        if b.type_of("take", [*graph.operand_edges(x[0]), *indices]) is None:
             return False
-        rewriter.replace(node, out)
+        gathered = b.op("take", [*graph.operand_edges(x[0]), *indices], op.span)
+        rewriter.replace(node, b.op(x_op.kind, [gathered], x_op.span, **x_op.attr_map))
         return True
 
 

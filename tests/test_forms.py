@@ -94,3 +94,16 @@ def test_equivalent_forms_fuse_alike(name):
         args["y"] = torch.randint(0, dims["V"], args["y"].shape, generator=g)
     report = testing.check(fn, **args)
     assert report.ok, f"{name}: {report}"
+
+
+def test_a_gather_of_a_cast_of_f8_keeps_the_cast_first():
+    """f8 values are read only by a cast: `gather(cast(x, f32), y)` of f8 x is not rewritten
+    to a gather of x (an internal error, an ill-typed take, when the rewrite did not ask)."""
+    fn = tiledsl.compile("kernel f(x: f8e4m3[M, V], y: i64[M]) -> f32[M] { return gather(cast(x, f32), y) }")
+    assert [k.template for k in fn.kernels] == ["pointwise", "pointwise"]
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(17, 37, generator=g) * 4).to(torch.float8_e4m3fn)
+    y = torch.randint(0, 37, (17,), generator=g)
+    report = testing.check(fn, x, y)
+    assert report.ok, report
+    assert torch.equal(fn(x, y), x.float()[torch.arange(17), y])
