@@ -190,7 +190,8 @@ class _Match:
         shape between them (`sum(cast(s, f32), -1)`) that nothing else reads: accumulated
         beside p @ v."""
         graph = self.graph
-        shape = graph.op(values[-1]).shape
+        shape = graph.op(values[0]).shape  # the scores' (values[0] is q @ k.T)
+        values = [v for v in values if graph.op(v).shape == shape]  # not the chain's scalars
         side: list[int] = []
         sums: list[int] = []
         seen = set(values)

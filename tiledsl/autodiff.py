@@ -357,8 +357,9 @@ class _Backward:
 
     def _chain(self, node: int) -> None:
         """`f(q @ k.T) @ v` with no softmax, its left operand computed elementwise from the
-        scores and used by the product alone (and sums over the keys): one kernel that never stores the scores
-        (fuse-attention), so the backward recomputes them from q and k, as for attention."""
+        scores and used by the product alone (and sums over the keys): one kernel that never
+        stores the scores (fuse-attention), so the backward recomputes them from q and k, as
+        for attention."""
         from tiledsl.passes.fusion.admission import keys_are_data
 
         fwd = self.fwd
@@ -371,9 +372,9 @@ class _Backward:
             fwd.op(u).kind == "sum" and fwd.op(u).attr("axis") == last)]  # a normaliser's sum
         if not ops.is_elementwise(fwd.op(p).kind) or p in outputs or others or not _runs_matmul(fwd, p):
             return
-        if any(fwd.op(m).kind == "matmul" and keys_are_data(fwd.op(fwd.operands(m)[1]).type, fwd.op(v).type)
-               for m in self._score_matmuls(p)):
-            self._mark_scores(p)
+        scores = self._score_matmuls(p)
+        if any(keys_are_data(fwd.op(fwd.operands(m)[1]).type, fwd.op(v).type) for m in scores):
+            self.flash_scores |= scores
 
     def _score_matmuls(self, x: int) -> set[int]:
         """The matmuls `x` is computed from through elementwise ops."""

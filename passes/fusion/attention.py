@@ -27,65 +27,50 @@ from tiledsl.plans import (
 
 
 def attention_plan(region: Region) -> AttentionPlan:
-    """The roles of an attention kernel's values (the region fuse-attention built)."""
+    """The roles of an attention kernel's values (the region fuse-attention built). With no
+    softmax, `f(q @ kt) @ v`: p @ v is the matmul whose left operand is computed from the
+    other, and the mask bound is one outside which p and every summed value are 0
+    (`where(causal(s), s, 0)`, a decay `s * where(i >= j, g, 0)`). Sums over the keys
+    accumulate beside p @ v either way."""
     n_in = len(region.inputs)
     ops = {n_in + i: r for i, r in enumerate(region.ops)}
-    sms = [v for v, r in ops.items() if r.op.kind == "softmax"]
-    if not sms:
-        return _chain_plan(region, ops)
-    (sm,) = sms
+    matmuls = [v for v, r in ops.items() if r.op.kind == "matmul"]
+    sm = next((v for v, r in ops.items() if r.op.kind == "softmax"), None)
     casts = [v for v, r in ops.items() if r.op.kind == "cast" and r.operands == (sm,)]
-    p = casts[0] if casts else sm
-    (pv,) = [v for v, r in ops.items() if r.op.kind == "matmul" and r.operands[0] == p]
-    (qk,) = [v for v, r in ops.items() if r.op.kind == "matmul" and v != pv]
-    scores = ops[sm].operands[0]
+    if sm is not None:
+        p = casts[0] if casts else sm
+        (pv,) = [v for v in matmuls if ops[v].operands[0] == p]
+        scores = ops[sm].operands[0]
+    else:
+        (pv,) = [v for v in matmuls if any(m in region.depends(ops[v].operands[0])
+                                           for m in matmuls if m != v)]
+        p = scores = ops[pv].operands[0]
+    (qk,) = [v for v in matmuls if v != pv]
     a, b = ops[qk].operands
     q_chain, k_chain = frozenset(region.depends(a)), frozenset(region.depends(b))
-    before = region.depends(scores)
     lse = tuple(v for v, r in ops.items() if r.op.kind == "logsumexp")
     widened = tuple(dict.fromkeys(ops[v].operands[0] for v in lse if ops[v].operands[0] != scores))
     sums = tuple(v for v, r in ops.items() if r.op.kind == "sum")
-    before |= set().union(*(region.depends(ops[v].operands[0]) for v in sums))
+    summed = [ops[v].operands[0] for v in sums]
+    before = region.depends(scores).union(*(region.depends(x) for x in summed))
     score_ops = tuple(v for v in ops if v in before and v not in q_chain | k_chain and v != qk
                       and ops[v].op.kind != "const")
     after = set(ops) - before - q_chain - k_chain - {qk, sm, p, pv, *lse, *widened, *sums}
     epilogue = tuple(v for v in ops if v in after and ops[v].op.kind != "const")
     transposes = sum(ops[v].op.kind == "transpose" for v in k_chain if v >= n_in)
-    bound = _key_bound(region, scores)
-    if bound is not None and sums:  # key blocks past the bound are skipped: nothing summed may be lost
-        cond, memo = ops[scores].operands[0], {}
-        if not all(_vanishes(region, cond, ops[v].operands[0], False, memo) for v in sums):
-            bound = None
+    if sm is None:
+        bound, cond = _vanishing_bound(region, [scores, *summed])
+    else:
+        bound, cond = _key_bound(region, scores), None
+        if bound is not None and summed:  # key blocks past the bound are skipped: nothing summed is lost
+            mask, memo = ops[scores].operands[0], {}
+            if not all(_vanishes(region, mask, x, False, memo) for x in summed):
+                bound = None
     return AttentionPlan(qk, pv, sm, scores, q_chain, k_chain, operand_source(region, q_chain),
                          operand_source(region, k_chain), ops[pv].operands[1], transposes % 2 == 1,
                          score_ops, lse, epilogue, bound, casts[0] if casts else None,
-                         p if p in region.outputs else None, widened, row_sums=sums)
-
-
-def _chain_plan(region: Region, ops: dict) -> AttentionPlan:
-    """The roles with no softmax, `f(q @ kt) @ v`: p @ v is the matmul whose left operand is
-    computed from the other; the sums over the keys accumulate beside it; a mask bound is
-    one outside which p and every summed value are 0 (`where(causal(s), s, 0)`, a decay
-    `s * where(i >= j, g, 0)`)."""
-    n_in = len(region.inputs)
-    matmuls = [v for v, r in ops.items() if r.op.kind == "matmul"]
-    (pv,) = [v for v in matmuls if any(m in region.depends(ops[v].operands[0]) for m in matmuls if m != v)]
-    (qk,) = [v for v in matmuls if v != pv]
-    p = ops[pv].operands[0]
-    a, b = ops[qk].operands
-    q_chain, k_chain = frozenset(region.depends(a)), frozenset(region.depends(b))
-    sums = tuple(v for v, r in ops.items() if r.op.kind == "sum")
-    summed = [p, *(ops[v].operands[0] for v in sums)]
-    before = set().union(*(region.depends(v) for v in summed))
-    score_ops = tuple(v for v in ops if v in before and v not in q_chain | k_chain and v != qk
-                      and ops[v].op.kind != "const")
-    after = set(ops) - before - q_chain - k_chain - {qk, pv, *sums}
-    epilogue = tuple(v for v in ops if v in after and ops[v].op.kind != "const")
-    transposes = sum(ops[v].op.kind == "transpose" for v in k_chain if v >= n_in)
-    bound, cond = _vanishing_bound(region, summed)
-    return AttentionPlan(qk, pv, None, p, q_chain, k_chain, operand_source(region, q_chain),
-                         operand_source(region, k_chain), ops[pv].operands[1], transposes % 2 == 1,
-                         score_ops, (), epilogue, bound, row_sums=sums, bound_cond=cond)
+                         p if sm is not None and p in region.outputs else None, widened, row_sums=sums,
+                         bound_cond=cond)
 
 
 def attention_backward_plan(region: Region) -> AttentionBackwardPlan:
