@@ -29,9 +29,8 @@ class OwnPrologues(Pass):
     name = "own-prologues"
 
     def run(self, graph: Graph, ctx: PassContext) -> None:
-        for rec in score_space.recorded(graph):
-            found = score_space.derive(graph, rec)[0]
-            for m in found.dots + [p.matmul for p in found.products] if found is not None else ():
+        for found in score_space.spaces(graph):
+            for m in found.dots + [p.matmul for p in found.products]:
                 edges = graph.operand_edges(m)
                 if any(prologue_ops(graph, o) for o, _ in edges):
                     graph.set_operands(m, [(_copy(graph, o), 0) if prologue_ops(graph, o) else (o, r)

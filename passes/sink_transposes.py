@@ -28,9 +28,8 @@ class SinkTransposes(Pass):
     name = "sink-transposes"
 
     def run(self, graph: Graph, ctx: PassContext) -> None:
-        for rec in score_space.recorded(graph):
-            found = score_space.derive(graph, rec)[0]
-            for p in found.products if found is not None else ():
+        for found in score_space.spaces(graph):
+            for p in found.products:
                 chain = found.batch_sums.get(p.matmul, [])
                 _sink(graph, chain[-1] if chain else p.matmul)
 

@@ -28,9 +28,8 @@ class WidenScoreSums(Pass):
     name = "widen-score-sums"
 
     def run(self, graph: Graph, ctx: PassContext) -> None:
-        for rec in score_space.recorded(graph):
-            found = score_space.derive(graph, rec)[0]
-            for x, chain in found.reduced if found is not None else ():
+        for found in score_space.spaces(graph):
+            for x, chain in found.reduced:
                 _widen(graph, x, chain)
 
 

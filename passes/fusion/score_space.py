@@ -27,7 +27,7 @@ which consumes them, clears them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -164,6 +164,16 @@ def derive(graph: Graph, rec: Recorded, narrow_sums: bool = True
         return None, rec.refused
     return _derive(graph, rec.dots, rec.ops, {n: (graph.score_space(n).at, n) for n in [*rec.dots, *rec.ops]},
                    lambda user: _recorded_product(graph, user, rec), narrow_sums)
+
+
+def spaces(graph: Graph) -> Iterator[ScoreSpace]:
+    """The recorded spaces the kernels can serve, each derived from the graph as it is when
+    reached (a rewrite of one may change what reads the next), for the passes that prepare
+    them; fuse-attention-backward reports the refused ones."""
+    for rec in recorded(graph):
+        found = derive(graph, rec)[0]
+        if found is not None:
+            yield found
 
 
 def _recorded_product(graph: Graph, node: int, rec: Recorded) -> Product | None:
