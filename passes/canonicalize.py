@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from tiledsl import ops
 from tiledsl.ir import Graph, Op
 from tiledsl.ops import Reads
+from tiledsl.passes.fusion.score_space import swaps_last
 from tiledsl.passes.registry import Pass, PassContext, register
 from tiledsl.passes.rewrite import Pattern, Rewriter, apply_patterns
 from tiledsl.types import DType, TensorType, result_dtype
@@ -224,18 +225,13 @@ def _inserted_axis(graph: Graph, node: int) -> int | None:
                  if op.shape[k] == 1 and op.shape[:k] + op.shape[k + 1:] == shape), None)
 
 
-def _swaps_last(op: Op) -> bool:
-    return op.kind == "transpose" and {d % op.type.rank for d in op.attr("dims")} == {
-        op.type.rank - 2, op.type.rank - 1}
-
-
 class TransposeProduct(Pattern):
     """`(a @ b).T` is `b.T @ a.T`: a product read only transposed is computed in the layout
     it is read in (`(v.T @ p.T).T` is `p @ v`, attention's; `(w @ x.T).T + b` is a GEMM with
     its bias epilogue), the operands' transposes views (a double one cancels)."""
 
     def apply(self, graph: Graph, node: int, op: Op, rewriter: Rewriter) -> bool:
-        if not _swaps_last(op):
+        if not swaps_last(graph, node):
             return False
         (mm,) = graph.operands(node)
         mm_op = graph.op(mm)

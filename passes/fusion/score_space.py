@@ -183,7 +183,7 @@ def _recorded_product(graph: Graph, node: int, rec: Recorded) -> Product | None:
     a, b = graph.operands(node)
     if over == "keys":
         return Product(node, a, over, None)
-    if _swaps_last(graph, a) and graph.operands(a)[0] in rec.ops:
+    if swaps_last(graph, a) and graph.operands(a)[0] in rec.ops:
         return Product(node, graph.operands(a)[0], over, a)
     return Product(node, b, over, None)
 
@@ -201,7 +201,7 @@ def _derive(graph: Graph, dots: list[int], space: set[int], order: dict[int, int
             if user in space or user in dot_set:
                 continue
             p = product(user)
-            if p is None and _swaps_last(graph, user):
+            if p is None and swaps_last(graph, user):
                 readers = graph.users(user)
                 p = product(readers[0][0]) if len(readers) == 1 else None
             chain = _sum_chain(graph, user)
@@ -279,7 +279,8 @@ def is_op(graph: Graph, node: int, kind: str) -> bool:
     return op is not None and op.kind == kind
 
 
-def _swaps_last(graph: Graph, node: int) -> bool:
+def swaps_last(graph: Graph, node: int) -> bool:
+    """Is `node` a transpose of its last two dims (`x.T`)?"""
     op = _op(graph, node)
     if op is None or op.kind != "transpose":
         return False
@@ -350,9 +351,9 @@ def _product(graph: Graph, node: int) -> Product | None:
     if not is_op(graph, node, "matmul"):
         return None
     a, b = graph.operands(node)
-    if _swaps_last(graph, a) and _computed(graph, x := graph.operands(a)[0]) and _outside(graph, b, x):
+    if swaps_last(graph, a) and _computed(graph, x := graph.operands(a)[0]) and _outside(graph, b, x):
         return Product(node, x, "queries", a)
-    if _computed(graph, b) and _swaps_last(graph, a) and _outside(graph, a, b):
+    if _computed(graph, b) and swaps_last(graph, a) and _outside(graph, a, b):
         return Product(node, b, "queries", None)
     if _computed(graph, a) and _outside(graph, b, a):
         return Product(node, a, "keys", None)
