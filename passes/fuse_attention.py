@@ -43,9 +43,9 @@ from tiledsl.passes.fusion.admission import epilogue_refusal, keys_are_data, pro
 from tiledsl.passes.fusion.grow import elementwise_candidate, rewrite_groups
 from tiledsl.passes.fusion.legality import Group, GroupPlan, describe_node
 from tiledsl.passes.fusion.remarks import FusionRemark, Refusal, Rule
+from tiledsl.passes.fusion.spec import AttentionSpec
 from tiledsl.passes.regions import is_clonable
 from tiledsl.passes.registry import Pass, PassContext, register
-from tiledsl.plans import AttentionPlan
 from tiledsl.types import DType, broadcasts_to
 
 NAME = "fuse-attention"
@@ -61,15 +61,15 @@ class FuseAttention(Pass):
         for node in graph.topo_order():
             if plan.grouped(node):
                 continue
-            members = None
+            found = None
             if _is(graph, node, "softmax"):
-                members = _Match(graph, plan, node, ctx.remarks).members()
+                found = _Match(graph, plan, node, ctx.remarks).members()
             elif _is(graph, node, "matmul"):
-                members = _Match(graph, plan, node, ctx.remarks).chain()
-            if members is not None:
-                plan.add_group(members)
+                found = _Match(graph, plan, node, ctx.remarks).chain()
+            if found is not None:
+                plan.add_group(*found)
         _unmatched(graph, plan, ctx.remarks)
-        rewrite_groups(plan, AttentionPlan.template)
+        rewrite_groups(plan)
 
 
 def _unmatched(graph: Graph, plan: GroupPlan, remarks: list) -> None:
@@ -115,7 +115,7 @@ class _Match:
         self.remarks.append(FusionRemark.refused(NAME, Refusal(rule, detail), self.graph.op(producer),
                                                  self.graph.op(consumer)))
 
-    def members(self) -> list[int] | None:
+    def members(self) -> tuple[list[int], AttentionSpec] | None:
         graph, sm = self.graph, self.seed
         p = self._cast_of(sm)
         pv = [u for u, slot in graph.users(p) if slot == 0 and _is(graph, u, "matmul")]
@@ -140,9 +140,9 @@ class _Match:
         qk, chain = found
         lse = self._logsumexps(x, len(op.shape) - 1)
         sums = self._key_sums([qk, *chain], len(op.shape) - 1)
-        return self._group(qk, chain, pv, {sm, p, *lse, *sums}, "flash attention", "score modification")
+        return self._group(qk, chain, pv, sm, p, lse, sums, "flash attention", "score modification")
 
-    def chain(self) -> list[int] | None:
+    def chain(self) -> tuple[list[int], AttentionSpec] | None:
         """With no softmax: `f(q @ k.T) @ v` for any elementwise score function `f` (a
         causal mask `where(causal(s), s, 0)`, a decay `s * gamma ** (i - j)`, a feature
         product), summed over the keys as it is, with sums of the score function over the
@@ -157,14 +157,17 @@ class _Match:
         if not keys_are_data(graph.op(graph.operands(qk)[1]).type, graph.op(graph.operands(pv)[1]).type):
             return None
         sums = self._key_sums([qk, *chain], len(shape) - 1)
-        return self._group(qk, chain, pv, set(sums), "chained matmuls", "score function")
+        return self._group(qk, chain, pv, None, None, [], sums, "chained matmuls", "score function")
 
-    def _group(self, qk: int, chain: list[int], pv: int, extra: set[int], what: str,
-               mod: str) -> list[int] | None:
-        """The kernel's members: the scores' matmul and chain, what else reads the scores
-        inside it (`extra`: the softmax, logsumexps, sums over the keys), p @ v, the operand
-        prologues and the epilogue; or a refusal when something outside needs the scores."""
+    def _group(self, qk: int, chain: list[int], pv: int, sm: int | None, p: int | None, lse: list[int],
+               sums: list[int], what: str, mod: str) -> tuple[list[int], AttentionSpec] | None:
+        """The kernel's members and their roles: the scores' matmul and chain, what else reads
+        the scores inside it (the softmax `sm` and its cast `p`, the logsumexps `lse` and the
+        widenings they read, the sums over the keys and the side ops they read), p @ v, the
+        operand prologues and the epilogue; or a refusal when something outside needs the
+        scores."""
         graph = self.graph
+        extra = {n for n in (sm, p) if n is not None} | set(lse) | set(sums)
         inside = set(chain) | extra | {pv}
         for n in [qk, *chain]:
             for u, _ in graph.users(n):
@@ -183,7 +186,17 @@ class _Match:
         plural = "s" if n_mod != 1 else ""
         detail = what + (f" ({mod}: {n_mod} op{plural})" if chain else "")
         self.remarks.append(FusionRemark(NAME, True, None, graph.op(qk), graph.op(pv), detail))
-        return list(group)
+
+        def ordered(nodes) -> tuple[int, ...]:
+            return tuple(sorted(nodes, key=self.plan.order.__getitem__))
+
+        side = [n for n in sums if not _is(graph, n, "sum")]
+        spec = AttentionSpec(qk, pv, sm, p if p != sm else None, ordered([*chain, *side]),
+                             ordered(n for n in lse if _is(graph, n, "logsumexp")),
+                             ordered(n for n in lse if _is(graph, n, "cast")),
+                             ordered(n for n in sums if _is(graph, n, "sum")),
+                             ordered(n for n in group if n not in members))
+        return list(group), spec
 
     def _key_sums(self, values: list[int], axis: int) -> list[int]:
         """`sum`s over the keys of score-space values, and the elementwise ops of the score

@@ -37,8 +37,8 @@ from tiledsl.passes.fusion.grow import rewrite_groups
 from tiledsl.passes.fusion.legality import GroupPlan, describe_node
 from tiledsl.passes.fusion.remarks import FusionRemark
 from tiledsl.passes.fusion.score_space import ScoreSpace, is_op, prologue_ops
+from tiledsl.passes.fusion.spec import AttentionBackwardSpec, ProductSpec
 from tiledsl.passes.registry import Pass, PassContext, register
-from tiledsl.plans import AttentionBackwardPlan
 
 NAME = "fuse-attention-backward"
 
@@ -57,11 +57,11 @@ class FuseAttentionBackward(Pass):
                 refusals.append(FusionRemark.refused(NAME, *refused))
                 continue
             ctx.remarks.append(_remark(graph, found))
-            groups = _split(graph, found)
+            groups = _split(graph, found)  # adds the keys kernel's copies first
             plan = GroupPlan(graph)
-            for members in groups:
-                plan.add_group(members)
-            rewrite_groups(plan, AttentionBackwardPlan.template)
+            for members, spec in groups:
+                plan.add_group(members, spec)
+            rewrite_groups(plan)
         ctx.remarks.extend(refusals)
         score_space.clear(graph)
 
@@ -95,11 +95,30 @@ def _remark(graph: Graph, found: ScoreSpace) -> FusionRemark:
     return FusionRemark(NAME, True, None, graph.op(found.dots[0]), graph.op(products[-1].matmul), detail)
 
 
-def _split(graph: Graph, found: ScoreSpace) -> list[list[int]]:
-    """One group per kernel; the keys kernel gets its own copy of the score ops."""
+def _spec(found: ScoreSpace, over: str, members: list[int], copy: dict[int, int]) -> AttentionBackwardSpec:
+    """The roles in the kernel of `members` whose products sum over `over`, read through
+    `copy` (the keys kernel's copies of the ops both kernels need)."""
+    inside = set(members)
+
+    def own(nodes) -> tuple[int, ...]:
+        return tuple(copy.get(n, n) for n in nodes if copy.get(n, n) in inside)
+
+    products = tuple(ProductSpec(p.matmul, copy.get(p.x, p.x), p.view,
+                                 tuple(found.batch_sums.get(p.matmul, ())))
+                     for p in found.products if p.over == over)
+    if over != found.storer:
+        return AttentionBackwardSpec(over, own(found.dots), products, (), ())
+    reduced = tuple((copy.get(x, x), *chain) for x, chain in found.reduced)
+    return AttentionBackwardSpec(over, own(found.dots), products, own(found.stored), reduced)
+
+
+def _split(graph: Graph, found: ScoreSpace) -> list[tuple[list[int], AttentionBackwardSpec]]:
+    """One group per kernel, with its spec; the keys kernel gets its own copy of the score ops."""
     kinds = {p.over for p in found.products}
     if len(kinds) == 1:
-        return [found.members(graph, kinds.pop())]
+        over = kinds.pop()
+        members = found.members(graph, over)
+        return [(members, _spec(found, over, members, {}))]
     shared = set(found.members(graph, "queries"))
     mine = found.members(graph, "keys")
     clones: dict[int, int] = {}
@@ -111,4 +130,6 @@ def _split(graph: Graph, found: ScoreSpace) -> list[list[int]]:
         edges = graph.operand_edges(n)
         if n not in shared and any(s in clones for s, _ in edges):
             graph.set_operands(n, [(clones.get(s, s), r) for s, r in edges])
-    return [sorted(shared), [clones.get(n, n) for n in mine]]
+    keys = [clones.get(n, n) for n in mine]
+    queries = sorted(shared)
+    return [(queries, _spec(found, "queries", queries, {})), (keys, _spec(found, "keys", keys, clones))]

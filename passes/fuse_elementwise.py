@@ -20,11 +20,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tiledsl.ir import Graph
-from tiledsl.passes.fusion.grow import elementwise_candidate, fuse_groups
+from tiledsl.passes.fusion.grow import Admission, elementwise_candidate, fuse_groups
 from tiledsl.passes.fusion.legality import GroupPlan, describe_node, reads_other_index
 from tiledsl.passes.fusion.remarks import Refusal, Rule
+from tiledsl.passes.fusion.spec import PointwiseSpec
 from tiledsl.passes.registry import Pass, PassContext, register
-from tiledsl.plans import PointwisePlan
 from tiledsl.types import format_shape
 
 
@@ -37,12 +37,12 @@ class FuseElementwise(Pass):
         def elementwise(node: int) -> bool:
             return elementwise_candidate(graph, node)
 
-        def admit_for(plan: GroupPlan, seed: int):
+        def admit_for(plan: GroupPlan, seed: int) -> Admission:
             space = graph.op(seed).shape
-            return lambda group, cand: _admit(graph, group, cand, space)
+            return Admission(lambda group, cand: _admit(graph, group, cand, space),
+                             lambda members: PointwiseSpec(space))
 
-        fuse_groups(graph, ctx.remarks, self.name, PointwisePlan.template, elementwise, elementwise,
-                    admit_for)
+        fuse_groups(graph, ctx.remarks, self.name, elementwise, elementwise, admit_for)
 
 
 def _admit(graph: Graph, group: set[int], cand: int, space) -> Refusal | None:

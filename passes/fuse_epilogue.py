@@ -31,13 +31,13 @@ from dataclasses import dataclass
 from tiledsl import ops
 from tiledsl.ir import Graph, KernelOp, Op
 from tiledsl.passes.fusion.admission import epilogue_refusal, prologue_op_refusal
-from tiledsl.passes.fusion.grow import elementwise_candidate, fuse_groups
+from tiledsl.passes.fusion.grow import Admission, elementwise_candidate, fuse_groups
 from tiledsl.passes.fusion.legality import GroupPlan, describe_node
 from tiledsl.passes.fusion.profitability import MAX_ACCUMULATORS
 from tiledsl.passes.fusion.remarks import Refusal, Rule
+from tiledsl.passes.fusion.spec import GemmSpec
 from tiledsl.passes.regions import is_clonable
 from tiledsl.passes.registry import Pass, PassContext, register
-from tiledsl.plans import GemmPlan
 
 
 @register
@@ -50,11 +50,12 @@ class FuseEpilogue(Pass):
         def candidate(node: int) -> bool:
             return elementwise_candidate(graph, node) or _is_matmul(graph, node) or _is_stat_kind(graph, node)
 
-        def admit_for(plan: GroupPlan, seed: int):
-            return _Kernel(graph, plan, seed, 2 if self.dual_gemm else 1).admit
+        def admit_for(plan: GroupPlan, seed: int) -> Admission:
+            kernel = _Kernel(graph, plan, seed, 2 if self.dual_gemm else 1)
+            return Admission(kernel.admit, kernel.spec)
 
-        fuse_groups(graph, ctx.remarks, self.name, GemmPlan.template, lambda node: _is_matmul(graph, node),
-                    candidate, admit_for)
+        fuse_groups(graph, ctx.remarks, self.name, lambda node: _is_matmul(graph, node), candidate,
+                    admit_for)
 
 
 # reductions a GEMM computes from its A tiles in the K loop: the additive ones (sum, mean)
@@ -132,6 +133,11 @@ class _Kernel:
         epilogue = [m for m in group if m not in consumers and m not in self.rows]
         return epilogue_refusal(graph, group, cand, graph.op(self.seed).shape, "the product", epilogue,
                                 self.joins, self.memo, broadcast=self.rows | self.stats)
+
+    def spec(self, members: list[int]) -> GemmSpec:
+        """The group as this kernel admitted it: the seed, its duals and the statistics of A."""
+        return GemmSpec(self.seed, tuple(m for m in members if m in self.matmuls and m != self.seed),
+                        tuple(m for m in members if m in self.stats))
 
     def users_outside(self, group: set[int], cand: int) -> Refusal | None:
         if any(u not in group for u, _ in self.graph.users(cand)):

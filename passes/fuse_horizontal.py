@@ -33,13 +33,13 @@ from dataclasses import dataclass
 
 from tiledsl import cost
 from tiledsl.ir import Graph, KernelOp
-from tiledsl.passes.fusion.legality import Group, GroupPlan, row_layouts
-from tiledsl.passes.fusion.planning import row_space
+from tiledsl.passes.fusion.legality import Group, GroupPlan, RowSpace, row_layouts
 from tiledsl.passes.fusion.profitability import LAUNCH_BOUND_BYTES, MAX_ROW_OPS, MAX_ROW_PHASES
 from tiledsl.passes.fusion.remarks import FusionRemark, Refusal, Rule
+from tiledsl.passes.fusion.spec import PointwiseSpec, RowSpec
 from tiledsl.passes.regions import merge_kernels, merged_region
 from tiledsl.passes.registry import Pass, PassContext, register
-from tiledsl.plans import MergedPlan, PointwisePlan, RowPlan
+from tiledsl.plans import PointwisePlan, RowPlan
 from tiledsl.types import format_shape
 
 NAME = "fuse-horizontal"
@@ -52,9 +52,9 @@ class FuseHorizontal(Pass):
 
     def run(self, graph: Graph, ctx: PassContext) -> None:
         for members in _groups(graph, ctx, _space, _refusal):
-            merge_kernels(graph, members)
+            merge_kernels(graph, members, _spec(graph.op(members[0])))
         for members in _groups(graph, ctx, _launch, _launch_refusal):
-            merge_kernels(graph, members, MergedPlan.template)
+            merge_kernels(graph, members)
 
 
 def _groups(graph: Graph, ctx: PassContext, key_of, refusal_of) -> list[list[int]]:
@@ -121,6 +121,14 @@ def _space(kernel: KernelOp) -> tuple | None:
     return None
 
 
+def _spec(kernel: KernelOp) -> PointwiseSpec | RowSpec:
+    """The spec of kernels merged over their one space: the space itself."""
+    plan = kernel.plan
+    if isinstance(plan, RowPlan):
+        return RowSpec(RowSpace(plan.shape, plan.axes))
+    return PointwiseSpec(plan.shape)
+
+
 def _launch(kernel: KernelOp) -> tuple | None:
     """What kernels merged into one launch over different spaces share: a pointwise or row
     program whose results are all computed (a copy of an input is not merged)."""
@@ -167,8 +175,8 @@ def _refusal(graph: Graph, plan: GroupPlan, group: Group, node: int) -> Refusal 
             return Refusal(Rule.PROFIT, f"the merged row program would exceed {MAX_ROW_OPS} ops")
         if max(max(graph.op(m).plan.phases, default=0) for m in (*group, node)) > MAX_ROW_PHASES:
             return Refusal(Rule.PROFIT, f"the merged row program would exceed {MAX_ROW_PHASES} phases")
-        region, _ = merged_region(graph, [*sorted(group, key=plan.order.__getitem__), node])
-        layouts = row_layouts(region, row_space(region))
+        region, _, _ = merged_region(graph, [*sorted(group, key=plan.order.__getitem__), node])
+        layouts = row_layouts(region, RowSpace(kernel.plan.shape, kernel.plan.axes))
         if not isinstance(layouts, dict):  # one input read along different dims, say
             return Refusal(layouts.rule, f"merged, {layouts.detail}")
     return None

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from tiledsl import ops
 from tiledsl.ir import Graph, Op, Region
-from tiledsl.passes.fusion.grow import candidate_kind, fuse_groups, outputs_of
+from tiledsl.passes.fusion.grow import Admission, candidate_kind, fuse_groups, outputs_of
 from tiledsl.passes.fusion.legality import (
     PASS_OPS,
     ROW_OPS,
@@ -42,9 +42,9 @@ from tiledsl.passes.fusion.legality import (
 )
 from tiledsl.passes.fusion.profitability import MAX_ROW_OPS, MAX_ROW_PHASES
 from tiledsl.passes.fusion.remarks import Refusal, Rule
+from tiledsl.passes.fusion.spec import RowSpec
 from tiledsl.passes.regions import outline
 from tiledsl.passes.registry import Pass, PassContext, register
-from tiledsl.plans import RowPlan
 
 
 @register
@@ -57,14 +57,15 @@ class FuseRows(Pass):
             kind = graph.op(node).kind
             return candidate_kind(graph, node) and (ops.is_elementwise(kind) or kind in ROW_OPS)
 
-        def admit_for(plan: GroupPlan, seed: int):
+        def admit_for(plan: GroupPlan, seed: int) -> Admission:
             x = graph.result_type(*graph.operand_edges(seed)[0])
             space = RowSpace(x.shape, reduced_axes(x.rank, [graph.op(seed), *_continuing(graph, seed)]))
-            return lambda group, cand: _admit(graph, plan, group, cand, space)
+            return Admission(lambda group, cand: _admit(graph, plan, group, cand, space),
+                             lambda members: RowSpec(space))
 
         _unshare_reductions(graph)
-        fuse_groups(graph, ctx.remarks, self.name, RowPlan.template,
-                    lambda node: graph.op(node).kind in ROW_OPS, consider, admit_for)
+        fuse_groups(graph, ctx.remarks, self.name, lambda node: graph.op(node).kind in ROW_OPS, consider,
+                    admit_for)
 
 
 def _unshare_reductions(graph: Graph) -> None:
@@ -91,7 +92,7 @@ def _admit(graph: Graph, plan: GroupPlan, group: set[int], cand: int,
     if (gather := gathers_within(graph, cand, group)) is not None:
         return Refusal(Rule.OTHER_INDEX, gather)
     members = sorted(group | {cand}, key=plan.order.__getitem__)
-    region, _ = outline(graph, members, members)
+    region, _, _ = outline(graph, members, members)
     if _phases(region) > MAX_ROW_PHASES:
         return Refusal(Rule.PROFIT, f"a row program reads its rows at most {MAX_ROW_PHASES + 1} times "
                        f"({MAX_ROW_PHASES} dependent reductions); storing an intermediate costs less")

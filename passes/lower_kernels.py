@@ -3,7 +3,7 @@
 Before: a graph of tensor ops, possibly with kernel nodes already formed by
 fusion passes.
 After: every compute op is inside a `KernelOp` whose template implements it
-(`LOWERED`: by the op's category, the plan class of its template).
+(`LOWERED`: by the op's category, the spec of its kernel).
 
 What stays outside kernels: parameters, dims, views (`transpose`, `slice`, `reshape`:
 consumers read them through their offsets and strides, no copy), and the return. Constants are
@@ -18,20 +18,29 @@ kernels are named k0, k1, ... in launch (topological) order. Must run last.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tiledsl import ops
 from tiledsl.ir import Graph, KernelOp, Op, Region, RegionInput, RegionOp
 from tiledsl.ops import Category
-from tiledsl.passes.fusion.planning import pointwise_plan
+from tiledsl.passes.fusion.legality import RowSpace, reduced_axes
+from tiledsl.passes.fusion.spec import GemmSpec, PointwiseSpec, RowSpec, Spec
 from tiledsl.passes.regions import is_by_value, is_clonable, remove_dead_clonables, replace_with_kernel
 from tiledsl.passes.registry import Pass, PassContext, register
-from tiledsl.plans import TEMPLATES, GemmPlan, Plan, PointwisePlan, RowPlan
+from tiledsl.plans import TEMPLATES, PointwisePlan
 
-# the template an op no fusion pass took runs in, by the op's category
-LOWERED: dict[Category, type[Plan]] = {
-    Category.ELEMENTWISE: PointwisePlan, Category.REDUCTION: RowPlan, Category.SOFTMAX: RowPlan,
-    Category.SCAN: RowPlan, Category.MATMUL: GemmPlan}
+
+def _row(graph: Graph, node: int) -> RowSpec:
+    x = graph.result_type(*graph.operand_edges(node)[0])
+    return RowSpec(RowSpace(x.shape, reduced_axes(x.rank, [graph.op(node)])))
+
+
+# the kernel an op no fusion pass took runs in, by the op's category: its spec
+LOWERED: dict[Category, Callable[[Graph, int], Spec]] = {
+    Category.ELEMENTWISE: lambda graph, node: PointwiseSpec(graph.op(node).shape),
+    Category.REDUCTION: _row, Category.SOFTMAX: _row, Category.SCAN: _row,
+    Category.MATMUL: lambda graph, node: GemmSpec(node)}
 
 
 @register
@@ -51,9 +60,9 @@ class LowerKernels(Pass):
                 # nothing reads (dead code, in a pipeline without dce) is dropped
                 remove_dead_clonables(graph, [node])
                 continue
-            plan = LOWERED.get(ops.category(op.kind))
-            if plan is not None:
-                replace_with_kernel(graph, [node], [node], plan.template)
+            spec = LOWERED.get(ops.category(op.kind))
+            if spec is not None:
+                replace_with_kernel(graph, [node], [node], spec(graph, node))
         self._copy_unproduced_outputs(graph)
         for i, node in enumerate(graph.kernels()):
             graph.set_op(node, graph.op(node).replace(name=f"k{i}"))
@@ -73,7 +82,8 @@ class LowerKernels(Pass):
             else:
                 region = Region((RegionInput(op.type, is_by_value(op)),), (), (0,))
                 operands = [(src, res)]
-            kernel = KernelOp("k?", PointwisePlan.template, region, op.span, plan=pointwise_plan(region))
+            plan = PointwisePlan(op.type.shape)
+            kernel = KernelOp("k?", plan.template, region, op.span, plan=plan)
             copy = graph.add(kernel, operands)
             new_outputs.append((copy, 0))
         if new_outputs != outputs:

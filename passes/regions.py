@@ -3,7 +3,8 @@
 Shared by every pass that forms kernels (the fusion passes and lower-kernels):
 given the nodes a kernel will compute, `outline` builds its `Region` and the
 list of values that flow in from outside, and `replace_with_kernel` puts the
-kernel, with its plan (`fusion.planning`), in their place. Constants and scalar
+kernel, with the plan of the spec the pass gave (`fusion.spec`, `fusion.planning`), in their
+place. Constants and scalar
 expressions (rank-0 elementwise ops on constants, dims and scalar parameters,
 like `rsqrt(D) * N`) are cloned into every region that reads them instead of
 becoming inputs: they cost nothing to recompute, and a 0-d value never has to
@@ -23,6 +24,8 @@ from collections.abc import Sequence
 from tiledsl import ops
 from tiledsl.ir import Graph, KernelOp, Op, Region, RegionInput, RegionOp
 from tiledsl.passes.fusion.planning import plan_kernel
+from tiledsl.passes.fusion.spec import MergedSpec, Spec, in_region
+from tiledsl.plans import Member
 
 
 def is_by_value(op: Op | KernelOp) -> bool:
@@ -106,11 +109,11 @@ def _leaf(graph: Graph, node: int) -> bool:
 
 def outline(
     graph: Graph, nodes: Sequence[int], outputs: Sequence[int], memo: dict[int, bool] | None = None
-) -> tuple[Region, list[tuple[int, int]]]:
+) -> tuple[Region, list[tuple[int, int]], dict[int, int]]:
     """The region computing `outputs` from `nodes` (in dependency order).
 
-    Returns the region and, for each region input, the (node, result) it
-    reads from outside the group. `memo`: see `is_clonable`.
+    Returns the region, for each region input the (node, result) it reads from outside
+    the group, and the region value of each of `nodes`. `memo`: see `is_clonable`.
     """
     members = set(nodes)
     values: dict[tuple[int, int], int] = {}
@@ -159,27 +162,27 @@ def outline(
         values[(node, 0)] = len(inputs) + len(body)
         body.append(RegionOp(graph.op(node), operands))
     region = Region(tuple(inputs), tuple(body), tuple(values[(n, 0)] for n in outputs))
-    return region, external
+    return region, external, {n: values[(n, 0)] for n in nodes}
 
 
 def replace_with_kernel(graph: Graph, nodes: Sequence[int], outputs: Sequence[int],
-                        template: str, name: str = "k?") -> int:
-    """Replace `nodes` by one kernel node computing `outputs`, planned for `template`
-    (`fusion.planning`); returns the kernel node.
+                        spec: Spec, name: str = "k?") -> int:
+    """Replace `nodes` by one kernel node computing `outputs`, planned from the pass's `spec`
+    (its nodes renumbered as the region's values, `fusion.planning`); returns the kernel node.
 
     Every use of output i moves to result i of the kernel; the grouped nodes
     (and constants only they used) are removed.
     """
     # removing members changes no answer about what they read (only about their users)
     memo: dict[int, bool] = {}
-    region, external = outline(graph, nodes, outputs, memo)
+    region, external, values = outline(graph, nodes, outputs, memo)
     span = None
     for n in nodes:
         s = graph.op(n).span
         if s is not None:
             span = s if span is None else span.to(s)
-    kernel = graph.add(KernelOp(name, template, region, span, plan=plan_kernel(template, region)),
-                       external)
+    plan = plan_kernel(region, in_region(spec, values))
+    kernel = graph.add(KernelOp(name, plan.template, region, span, plan=plan), external)
     for i, out in enumerate(outputs):
         graph.replace_uses(out, kernel, new_res=i)
     members = set(nodes)
@@ -207,42 +210,49 @@ def remove_dead_clonables(graph: Graph, nodes: Sequence[int],
             stack.extend(operands)
 
 
-def merged_region(graph: Graph, nodes: Sequence[int]) -> tuple[Region, list[tuple[int, int]]]:
-    """The region computing the results of independent kernels `nodes`, in order, and the
-    (node, result) each of its inputs reads: inputs they share become one."""
+def merged_region(graph: Graph, nodes: Sequence[int]) -> tuple[Region, list[tuple[int, int]], list[Member]]:
+    """The region computing the results of independent kernels `nodes`, in order, the
+    (node, result) each of its inputs reads (inputs they share become one), and each
+    kernel's place in it: a `Member` with the kernel's own plan (its part of the region,
+    `Region.part`, is the kernel's region)."""
     edges: dict[tuple[int, int], int] = {}
     inputs: list[RegionInput] = []
     body: list[RegionOp] = []
     outputs: list[int] = []
-    regions = [graph.op(n).region for n in nodes]
-    for node, region in zip(nodes, regions, strict=True):
-        for e, inp in zip(graph.operand_edges(node), region.inputs, strict=True):
+    kernels = [graph.op(n) for n in nodes]
+    for node, kernel in zip(nodes, kernels, strict=True):
+        for e, inp in zip(graph.operand_edges(node), kernel.region.inputs, strict=True):
             if e not in edges:
                 edges[e] = len(inputs)
                 inputs.append(inp)
     n_in = len(inputs)
-    for node, region in zip(nodes, regions, strict=True):
+    members = []
+    for node, kernel in zip(nodes, kernels, strict=True):
+        region = kernel.region
         local = [edges[e] for e in graph.operand_edges(node)]
         base = n_in + len(body)
-        local += [base + i for i in range(len(region.ops))]
+        values = tuple(base + i for i in range(len(region.ops)))
+        members.append(Member(tuple(local), values,
+                              tuple(range(len(outputs), len(outputs) + len(region.outputs))), kernel.plan))
+        local += values
         body.extend(RegionOp(r.op, tuple(local[v] for v in r.operands)) for r in region.ops)
         outputs.extend(local[v] for v in region.outputs)
-    return Region(tuple(inputs), tuple(body), tuple(outputs)), list(edges)
+    return Region(tuple(inputs), tuple(body), tuple(outputs)), list(edges), members
 
 
-def merge_kernels(graph: Graph, nodes: Sequence[int], template: str | None = None) -> int:
+def merge_kernels(graph: Graph, nodes: Sequence[int], spec: Spec | None = None) -> int:
     """Replace independent kernels by one kernel computing all their results (horizontal
-    fusion), of `template` (by default the kernels' own, which they share); returns it. The
-    merged region (`merged_region`) is planned again (`fusion.planning`). No kernel may read
-    another's result."""
+    fusion), planned from `spec` (the kernels' shared iteration space, in region values), or,
+    with no spec, a merged launch whose members are the kernels with their own plans
+    (`MergedSpec`). No kernel may read another's result."""
     kernels = [graph.op(n) for n in nodes]
-    region, edges = merged_region(graph, nodes)
+    region, edges, members = merged_region(graph, nodes)
     span = None
     for k in kernels:
         if k.span is not None:
             span = k.span if span is None else span.to(k.span)
-    template = template or kernels[0].template
-    merged = graph.add(KernelOp("k?", template, region, span, plan=plan_kernel(template, region)), edges)
+    plan = plan_kernel(region, spec if spec is not None else MergedSpec(tuple(members)))
+    merged = graph.add(KernelOp("k?", plan.template, region, span, plan=plan), edges)
     offset = 0
     for node, kernel in zip(nodes, kernels, strict=True):
         for r in range(len(kernel.region.outputs)):

@@ -8,18 +8,23 @@ from __future__ import annotations
 import ast
 import io
 import tokenize
+import typing
 from pathlib import Path
 
 import pytest
 
+from tiledsl import ops
 from tiledsl.api import DEFAULT_PIPELINE, NORMALIZING
 from tiledsl.backends.triton.program import EMITTERS
 from tiledsl.explain import REWRITE_PASSES
 from tiledsl.passes.fusion.planning import PLANNERS
+from tiledsl.passes.fusion.spec import Spec
 from tiledsl.passes.lower_kernels import LOWERED
 from tiledsl.passes.pipeline import FUSION, PASSES, Stage
+from tiledsl.parser import parse
 from tiledsl.passes.registry import REGISTRY, parse_pipeline
 from tiledsl.plans import TEMPLATES
+from tiledsl.sema import analyze
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = sorted(p for d in ("tiledsl", "passes", "backends") for p in (ROOT / d).rglob("*.py"))
@@ -36,12 +41,25 @@ def test_every_template_has_a_plan_printer_verifier_planner_and_emitter(name):
     assert plan in PLANNERS, f"no planner for {name}"
     assert plan in EMITTERS, f"no Triton emitter for {name}"
 
+# an op of each category lower-kernels gives a kernel of its own
+LOWERED_PROGRAM = """kernel each(x: f32[M, K], w: f32[K, N]) -> (f32[M, N], f32[M], f32[M, N], f32[M, K]) {
+    y = x @ w
+    return (exp(y), sum(y, axis=1), softmax(y, axis=1), cumsum(x, axis=1))
+}
+"""
+
 
 def test_the_tables_keyed_by_plan_class_hold_only_templates():
     templates = set(TEMPLATES.values())
     assert set(PLANNERS) == templates
     assert set(EMITTERS) == templates
-    assert set(LOWERED.values()) <= templates
+    # every spec a fusion pass (or lower-kernels) hands a planner names one template's plan
+    assert {spec.plan for spec in typing.get_args(Spec)} == templates
+    graph = analyze(parse(LOWERED_PROGRAM, "lowered.tdsl").kernels[0])
+    for node in graph.topo_order():
+        make = LOWERED.get(ops.category(graph.op(node).kind))
+        if make is not None:
+            assert make(graph, node).plan in templates
 
 
 def test_every_registered_pass_is_in_the_ordered_list_once():

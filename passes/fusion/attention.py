@@ -25,38 +25,30 @@ from tiledsl.plans import (
     ScoreReduction,
 )
 
+from .spec import AttentionBackwardSpec, AttentionSpec
 
-def attention_plan(region: Region) -> AttentionPlan:
-    """The roles of an attention kernel's values (the region fuse-attention built). With no
-    softmax, `f(q @ kt) @ v`: p @ v is the matmul whose left operand is computed from the
-    other, and the mask bound is one outside which p and every summed value are 0
-    (`where(causal(s), s, 0)`, a decay `s * where(i >= j, g, 0)`). Sums over the keys
-    accumulate beside p @ v either way."""
+
+def attention_plan(region: Region, spec: AttentionSpec) -> AttentionPlan:
+    """The plan of the roles fuse-attention gave (`AttentionSpec`), with what the region's
+    dataflow says about them: the values each operand of q @ k.T is computed from and the
+    tensor it loads, whether k is read transposed, the clones (index expressions, scalar
+    expressions) the score modification or the epilogue computes, and the key bound of the
+    mask. With no softmax the bound is one outside which p and every summed value are 0
+    (`where(causal(s), s, 0)`, a decay `s * where(i >= j, g, 0)`)."""
     n_in = len(region.inputs)
     ops = {n_in + i: r for i, r in enumerate(region.ops)}
-    matmuls = [v for v, r in ops.items() if r.op.kind == "matmul"]
-    sm = next((v for v, r in ops.items() if r.op.kind == "softmax"), None)
-    casts = [v for v, r in ops.items() if r.op.kind == "cast" and r.operands == (sm,)]
-    if sm is not None:
-        p = casts[0] if casts else sm
-        (pv,) = [v for v in matmuls if ops[v].operands[0] == p]
-        scores = ops[sm].operands[0]
-    else:
-        (pv,) = [v for v in matmuls if any(m in region.depends(ops[v].operands[0])
-                                           for m in matmuls if m != v)]
-        p = scores = ops[pv].operands[0]
-    (qk,) = [v for v in matmuls if v != pv]
+    qk, pv, sm = spec.qk, spec.pv, spec.softmax
+    p = spec.p_cast if spec.p_cast is not None else sm
+    scores = ops[sm].operands[0] if sm is not None else ops[pv].operands[0]
     a, b = ops[qk].operands
     q_chain, k_chain = frozenset(region.depends(a)), frozenset(region.depends(b))
-    lse = tuple(v for v, r in ops.items() if r.op.kind == "logsumexp")
-    widened = tuple(dict.fromkeys(ops[v].operands[0] for v in lse if ops[v].operands[0] != scores))
-    sums = tuple(v for v, r in ops.items() if r.op.kind == "sum")
-    summed = [ops[v].operands[0] for v in sums]
-    before = region.depends(scores).union(*(region.depends(x) for x in summed))
-    score_ops = tuple(v for v in ops if v in before and v not in q_chain | k_chain and v != qk
-                      and ops[v].op.kind != "const")
-    after = set(ops) - before - q_chain - k_chain - {qk, sm, p, pv, *lse, *widened, *sums}
-    epilogue = tuple(v for v in ops if v in after and ops[v].op.kind != "const")
+    summed = [ops[v].operands[0] for v in spec.row_sums]
+    members = {qk, pv, sm, p, *spec.score_ops, *spec.lse, *spec.lse_casts, *spec.row_sums, *spec.epilogue}
+    # the ops cloned into the kernel (not members) run with the role that reads them
+    clones = [v for v in ops if v not in members and v not in q_chain | k_chain and ops[v].op.kind != "const"]
+    before = set().union(*(region.depends(v) for v in spec.score_ops))
+    score_ops = tuple(v for v in ops if v in spec.score_ops or v in clones and v in before)
+    epilogue = tuple(v for v in ops if v in spec.epilogue or v in clones and v not in before)
     transposes = sum(ops[v].op.kind == "transpose" for v in k_chain if v >= n_in)
     if sm is None:
         bound, cond = _vanishing_bound(region, [scores, *summed])
@@ -68,102 +60,75 @@ def attention_plan(region: Region) -> AttentionPlan:
                 bound = None
     return AttentionPlan(qk, pv, sm, scores, q_chain, k_chain, operand_source(region, q_chain),
                          operand_source(region, k_chain), ops[pv].operands[1], transposes % 2 == 1,
-                         score_ops, lse, epilogue, bound, casts[0] if casts else None,
-                         p if sm is not None and p in region.outputs else None, widened, row_sums=sums,
-                         bound_cond=cond)
+                         score_ops, spec.lse, epilogue, bound, spec.p_cast,
+                         p if sm is not None and p in region.outputs else None, spec.lse_casts,
+                         row_sums=spec.row_sums, bound_cond=cond)
 
 
-def attention_backward_plan(region: Region) -> AttentionBackwardPlan:
-    """The roles in a kernel fuse-attention-backward built: the score dots (matmuls of two
-    inputs), the products (the other matmuls: `x.T @ y` through a transpose of x, `y.T @ x`
-    or, summing over the keys, `x @ y`), the score ops they read and the epilogue."""
+def attention_backward_plan(region: Region, spec: AttentionBackwardSpec) -> AttentionBackwardPlan:
+    """The plan of one kernel of an attention backward from the roles fuse-attention-backward
+    gave (`AttentionBackwardSpec`), with what the region's dataflow says about them: the
+    tensor each loaded operand of a score dot or product is read from and its prologue, which
+    operand of a product is the score-space value (`x.T @ y` through a transpose of x,
+    `y.T @ x` or, summing over the keys, `x @ y`), the axes the sums after a product or of a
+    score-space value run over, the score ops and epilogue, and the mask's key bound."""
     n_in = len(region.inputs)
     ops = {n_in + i: r for i, r in enumerate(region.ops)}
+    prologues: set[int] = set()
 
-    def swapped(v: int) -> int | None:  # x of a transpose(x) computed in the region
-        r = ops.get(v)
-        return r.operands[0] if r is not None and r.op.kind == "transpose" and r.operands[0] >= n_in \
-            else None
-
-    def source(v: int) -> int | None:
+    def loaded(v: int) -> int | None:
         """The input `v` is loaded from: itself, or what a prologue on it reads (elementwise
-        ops of one same-shape tensor and scalars); None for a computed value."""
-        while v >= n_in:
-            r = ops[v]
+        ops of one same-shape tensor and scalars), whose ops join `prologues`; None for a
+        computed value."""
+        src = v
+        while src >= n_in:
+            r = ops[src]
             tensors = [o for o in r.operands if region.value_type(o).rank > 0]
             if not ops_module.is_elementwise(r.op.kind) or len(tensors) != 1 \
                     or region.value_type(tensors[0]).shape != r.op.shape:
                 return None
-            v = tensors[0]
-        return v
+            src = tensors[0]
+        prologues.update(p for p in region.depends(v) if p >= n_in and region.value_type(p).rank > 0)
+        return src
 
-    dots, products, prologues = [], [], set()
-    for v, r in ops.items():
-        if r.op.kind != "matmul":
-            continue
-        a, b = r.operands
-        src_a, src_b = source(a), source(b)
-        prologues |= {p for o, src in ((a, src_a), (b, src_b)) if src is not None for p in region.depends(o)
-                      if p >= n_in and region.value_type(p).rank > 0}
-        if src_a is not None and src_b is not None:
-            dots.append(ScoreDot(v, a, b, src_a, src_b))
-        elif swapped(a) is not None and source(swapped(a)) is None:
-            products.append(ScoreProduct(v, swapped(a), b, False, y_source=src_b))
-        elif src_a is not None:
-            products.append(ScoreProduct(v, b, a, True, y_source=src_a))
-        else:
-            products.append(ScoreProduct(v, a, b, False, y_source=src_b))
-    over = "queries" if any(p.y_first or ops[p.matmul].operands[0] != p.x for p in products) else "keys"
-    prods = {p.matmul for p in products}
-    # sums over batch axes of the products (GQA's dk, dv over a group's query heads)
-    batch_sums: list[int] = []
-    for v, r in ops.items():
-        if r.op.kind in ("sum", "reshape") and r.operands[0] in prods | set(batch_sums):
-            batch_sums.append(v)
-    walked: tuple[int, ...] = ()
-    for k, p in enumerate(products):
-        chain = [ops[v].op for v in batch_sums if p.matmul in region.depends(v)]
-        if chain:
-            axes, dims = reduction_axes(ops[p.matmul].op.shape, chain)
+    dots = []
+    for d in sorted(spec.dots):
+        a, b = ops[d].operands
+        a_source, b_source = loaded(a), loaded(b)
+        assert a_source is not None and b_source is not None, "a score dot's operands are loaded"
+        dots.append(ScoreDot(d, a, b, a_source, b_source))
+    products, batch_sums, walked = [], [], ()
+    for p in sorted(spec.products, key=lambda p: p.matmul):
+        a, b = ops[p.matmul].operands
+        y_first = b == p.x and p.view is None  # y.T @ x (y read transposed in place)
+        y = a if y_first else b
+        product = ScoreProduct(p.matmul, p.x, y, y_first, y_source=loaded(y))
+        if p.batch_sums:
+            axes, dims = reduction_axes(ops[p.matmul].op.shape, [ops[v].op for v in p.batch_sums])
             walked = tuple(sorted(axes))
-            products[k] = dataclasses.replace(p, batch=dims[:-2])
-    reductions = _reductions(region, prods)
+            product = dataclasses.replace(product, batch=dims[:-2])
+        products.append(product)
+        batch_sums += p.batch_sums
+    outputs = {v: j for j, v in reversed(list(enumerate(region.outputs)))}
+    reductions = []
+    for x, *chain in sorted(spec.reductions, key=lambda r: outputs[r[-1]]):
+        axes = reduction_axes(region.value_type(x).shape, [ops[v].op for v in chain])
+        assert axes is not None, "fuse-attention-backward checked the chain"
+        reductions.append(ScoreReduction(x, tuple(chain), *axes))
+    stores = tuple(sorted(spec.stores, key=outputs.__getitem__))
     sums = {s for r in reductions for s in r.sums} | set(batch_sums)
-    stores = tuple(v for v in dict.fromkeys(region.outputs)
-                   if not region.depends(v) & prods and v not in sums)
     xs = [p.x for p in products] + [r.x for r in reductions]
     before = set().union(*(region.depends(v) for v in xs + list(stores)))
     matmuls = {d.matmul for d in dots} | {p.matmul for p in products}
-    views = {ops[p.matmul].operands[0] for p in products if not p.y_first and over == "queries"}
+    views = {p.view for p in spec.products if p.view is not None}
     score_ops = tuple(v for v in ops if v in before and v not in matmuls | prologues
                       and ops[v].op.kind != "const")
     epilogue = tuple(v for v in ops if v not in before and v not in matmuls | views | sums | prologues
                      and ops[v].op.kind != "const")
     bound, cond = _vanishing_bound(region, xs + list(stores))
-    return AttentionBackwardPlan(over, tuple(dots), score_ops, tuple(products), epilogue, stores, bound,
-                                 reductions, tuple(sorted(prologues)), walked, tuple(batch_sums), cond)
-
-
-def _reductions(region: Region, products: set[int]) -> tuple[ScoreReduction, ...]:
-    """The chains of sums (and reshapes merging their axes) that end in an output, each
-    from a score-space value (not a product), with the score axes they sum over and those
-    the result keeps (`reduction_axes`)."""
-    n_in = len(region.inputs)
-    found = []
-    for out in dict.fromkeys(region.outputs):
-        if out < n_in or region.ops[out - n_in].op.kind != "sum":
-            continue
-        chain, x = [], out
-        while x >= n_in and region.ops[x - n_in].op.kind in ("sum", "reshape"):
-            chain.append(x)
-            x = region.ops[x - n_in].operands[0]
-        if x in products:
-            continue
-        chain.reverse()
-        axes = reduction_axes(region.value_type(x).shape, [region.ops[v - n_in].op for v in chain])
-        assert axes is not None, "fuse-attention-backward checked the chain"
-        found.append(ScoreReduction(x, tuple(chain), *axes))
-    return tuple(found)
+    return AttentionBackwardPlan(spec.over, tuple(dots), score_ops, tuple(products), epilogue, stores, bound,
+                                 tuple(reductions), tuple(sorted(prologues)), walked,
+                                 tuple(sorted(batch_sums)), cond)
 
 
 def reduction_axes(shape, chain: list[Op]) -> tuple[frozenset[int], tuple[int | None, ...]] | None:

@@ -1,16 +1,18 @@
 """Growing a fusion group: the driver the fusion passes share.
 
-A pass supplies a seed and an `admit(group, candidate)` callback that returns
-None (admit) or a `Refusal` (its rule and why). The driver visits the producers and
-users of the group until nothing new is admitted, checks for cycles itself,
-and records a remark for every refused neighbour. Passes then rewrite the
-planned groups into kernels with `rewrite_groups`.
+A pass supplies a seed and its `Admission`: an `admit(group, candidate)` callback that
+returns None (admit) or a `Refusal` (its rule and why), and the kernel spec of the group
+it grew (`fusion.spec`: what the pass decided each member is for). The driver visits the
+producers and users of the group until nothing new is admitted, checks for cycles itself,
+and records a remark for every refused neighbour. Passes then rewrite the planned groups
+into kernels, each planned from its spec, with `rewrite_groups`.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from typing import NamedTuple
 
 from tiledsl import ops
 from tiledsl.ir import Graph, KernelOp, Op
@@ -18,8 +20,17 @@ from tiledsl.passes.regions import is_clonable, remove_dead_clonables, replace_w
 
 from .legality import Group, GroupPlan
 from .remarks import FusionRemark, Refusal
+from .spec import Spec
 
 Admit = Callable[[set[int], int], "Refusal | None"]
+
+
+class Admission(NamedTuple):
+    """How one seed's group grows: which candidates join (`admit`), and the spec of the
+    group it grew (`spec(members)`, the members in program order)."""
+
+    admit: Admit
+    spec: Callable[[list[int]], Spec]
 
 
 def candidate_kind(graph: Graph, node: int) -> bool:
@@ -86,37 +97,36 @@ def outputs_of(graph: Graph, members: list[int]) -> list[int]:
     return [n for n in members if any(u not in inside for u, _ in graph.users(n))]
 
 
-def fuse_groups(graph: Graph, remarks: list, pass_name: str, template: str,
-                is_seed: Callable[[int], bool], consider: Callable[[int], bool],
-                admit_for: Callable[[GroupPlan, int], Admit]) -> None:
+def fuse_groups(graph: Graph, remarks: list, pass_name: str, is_seed: Callable[[int], bool],
+                consider: Callable[[int], bool], admit_for: Callable[[GroupPlan, int], Admission]) -> None:
     """The driver of a fusion pass: grow a group from every seed not yet grouped
-    (in topological order), then rewrite every group into one `template` kernel.
+    (in topological order), then rewrite every group into one kernel of its spec.
 
     `admit_for(plan, seed)` gives the legality/profitability rule for that
-    seed's group; `consider` says which neighbours are candidates at all.
+    seed's group and its spec; `consider` says which neighbours are candidates at all.
     """
     plan = GroupPlan(graph)
     for seed in graph.topo_order():
         if plan.grouped(seed) or not candidate_kind(graph, seed) or not is_seed(seed):
             continue
-        plan.add_group(grow(plan, seed, admit_for(plan, seed), pass_name, remarks, consider))
-    rewrite_groups(plan, template)
+        admission = admit_for(plan, seed)
+        members = grow(plan, seed, admission.admit, pass_name, remarks, consider)
+        plan.add_group(members, admission.spec(sorted(members, key=plan.order.__getitem__)))
+    rewrite_groups(plan)
 
 
-def rewrite_groups(plan: GroupPlan, template: str, min_size: int = 1) -> list[int]:
-    """Replace every planned group by one kernel node; returns the new kernel nodes.
+def rewrite_groups(plan: GroupPlan) -> list[int]:
+    """Replace every planned group by one kernel node of its spec; returns the new kernel nodes.
 
     A group whose values nothing reads (dead code, in a pipeline without `dce`) is
     removed instead: a kernel with no results computes nothing anyone sees."""
     graph, kernels = plan.graph, []
-    for members in plan.groups:
-        if len(members) < min_size:
-            continue
+    for members, spec in zip(plan.groups, plan.specs, strict=True):
         outputs = outputs_of(graph, members)
         if not outputs:
             operands = {o for m in members for o in graph.operands(m)} - set(members)
             graph.remove_all(members)
             remove_dead_clonables(graph, list(operands))
             continue
-        kernels.append(replace_with_kernel(graph, members, outputs, template))
+        kernels.append(replace_with_kernel(graph, members, outputs, spec))
     return kernels

@@ -36,16 +36,18 @@ class GroupPlan:
         self.order = {n: i for i, n in enumerate(graph.topo_order())}
         self.group_of: dict[int, int] = {}
         self.groups: list[list[int]] = []
+        self.specs: list = []  # each group's kernel spec (`fusion.spec`), None: not rewritten here
         self.first: list[int] = []  # each planned group's earliest position
         self.last: list[int] = []  # ... and its latest
 
     def grouped(self, node: int) -> bool:
         return node in self.group_of
 
-    def add_group(self, members: Iterable[int]) -> None:
+    def add_group(self, members: Iterable[int], spec=None) -> None:
         ordered = sorted(set(members), key=self.order.__getitem__)
         gid = len(self.groups)
         self.groups.append(ordered)
+        self.specs.append(spec)
         self.first.append(self.order[ordered[0]])
         self.last.append(self.order[ordered[-1]])
         for n in ordered:

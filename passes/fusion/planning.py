@@ -1,71 +1,43 @@
-"""Building the plan a kernel carries, from the region a pass has just formed.
+"""Building the plan a kernel carries, from the spec of the pass that formed it.
 
-Every pass that forms kernels (the fusion passes and lower-kernels) goes
-through `regions.replace_with_kernel`, which outlines the group's region and
-asks `plan_kernel` for the plan of its template. The plans themselves, and
-what each field means, are in `tiledsl.plans`.
+Every pass that forms kernels (the fusion passes and lower-kernels) goes through
+`regions.replace_with_kernel`, which outlines the group's region, renumbers the pass's
+spec (`fusion.spec`) as its values and asks `plan_kernel` for the plan. A planner reads
+the roles the spec gives and adds facts of the region's dataflow only; it decides no role
+again. The plans themselves, and what each field means, are in `tiledsl.plans`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from tiledsl import ops
 from tiledsl.ir import Region
-from tiledsl.ops import Category
 from tiledsl.plans import (
-    TEMPLATES,
     AttentionBackwardPlan,
     AttentionPlan,
     DualB,
     GemmPlan,
-    Member,
     MergedPlan,
     Plan,
     PointwisePlan,
     RowPlan,
 )
-from tiledsl.types import broadcast_shapes
 
 from .attention import attention_backward_plan, attention_plan, operand_source
-from .legality import (
-    PASS_OPS,
-    ROW_OPS,
-    RowSpace,
-    continues_reduction,
-    partial_reductions,
-    reduced_axes,
-    row_layouts,
-)
+from .legality import PASS_OPS, ROW_OPS, partial_reductions, row_layouts
+from .spec import GemmSpec, MergedSpec, PointwiseSpec, RowSpec, Spec
 
 
-def pointwise_plan(region: Region) -> PointwisePlan:
-    shape = broadcast_shapes(*(t.shape for t in region.output_types))
-    assert all(t.shape == shape for t in region.output_types), "pointwise outputs share one shape"
-    return PointwisePlan(shape)
+def pointwise_plan(region: Region, spec: PointwiseSpec) -> PointwisePlan:
+    assert all(t.shape == spec.shape for t in region.output_types), "pointwise outputs share one shape"
+    return PointwisePlan(spec.shape)
 
 
-def row_space(region: Region) -> RowSpace:
-    """The space of a row program: the shape of its first reduction's or softmax's operand,
-    and the axes it reduces, with the reductions reducing what it leaves (a reduction over
-    several axes, one op per axis: `legality.continues_reduction`)."""
-    n_in = len(region.inputs)
-    for i, rop in enumerate(region.ops):
-        if rop.op.kind in ROW_OPS:
-            (x,) = rop.operands
-            chain, v = [rop.op], n_in + i
-            while v not in region.outputs and len(readers := [n_in + k for k, r in enumerate(region.ops)
-                                                               if v in r.operands]) == 1 \
-                    and continues_reduction(chain[-1], region.ops[readers[0] - n_in].op):
-                v = readers[0]
-                chain.append(region.ops[v - n_in].op)
-            x_type = region.value_type(x)
-            return RowSpace(x_type.shape, reduced_axes(x_type.rank, chain))
-    raise AssertionError("a row program has at least one reduction or softmax")
-
-
-def row_plan(region: Region) -> RowPlan:
-    space = row_space(region)
+def row_plan(region: Region, spec: RowSpec) -> RowPlan:
+    """How every value maps onto the space fuse-rows admitted the members against, which
+    reductions reduce along it (and which only begin one over several axes, `partial`), and
+    how many passes over the row each value waits for."""
+    space = spec.space
     layouts = row_layouts(region, space)
     assert isinstance(layouts, dict), f"not a row program: {layouts.detail}"
     partial = partial_reductions(region, space, layouts)
@@ -89,10 +61,11 @@ def row_plan(region: Region) -> RowPlan:
                    frozenset(reducing), tuple(phases), partial, tuple(sources))
 
 
-def gemm_plan(region: Region) -> GemmPlan:
-    """The first matmul of the region, and any further ones of the same A (a dual GEMM)."""
+def gemm_plan(region: Region, spec: GemmSpec) -> GemmPlan:
+    """The GEMM of the spec's matmul and duals (one accumulator each, over the same A tiles)
+    and statistics; the operands' prologues are the ops their values are computed from."""
     n_in = len(region.inputs)
-    mm, *more = [n_in + i for i, r in enumerate(region.ops) if ops.category(r.op.kind) is Category.MATMUL]
+    mm, more, stats = spec.matmul, tuple(sorted(spec.duals)), tuple(sorted(spec.stats))
     a, b = region.ops[mm - n_in].operands
     a_chain, b_chain = frozenset(region.depends(a)), frozenset(region.depends(b))
     duals = []
@@ -103,7 +76,6 @@ def gemm_plan(region: Region) -> GemmPlan:
         duals.append(DualB(m, b_m, operand_source(region, chain), chain))
     # statistics of A's rows (`hoist-row-scale`'s norms), accumulated in the K loop from the
     # same loaded tiles; the ops they are computed from run there too
-    stats = tuple(n_in + i for i, r in enumerate(region.ops) if ops.category(r.op.kind) is Category.REDUCTION)
     stat_chain = frozenset().union(*(region.depends(region.ops[v - n_in].operands[0]) for v in stats))
     prologue = a_chain | b_chain | frozenset().union(*(d.b_prologue for d in duals)) | stat_chain
     matmuls = {mm, *more}
@@ -132,53 +104,13 @@ def _prologue_only(region: Region, matmuls: set[int], prologue: frozenset[int]) 
     return frozenset(ops_in - needed)
 
 
-def merged_plan(region: Region) -> MergedPlan:
-    """One member per iteration space: the region's independent parts (ops joined by the
-    values they pass; a shared input joins nothing), grouped by the space each is planned
-    over (a row program's row space and axis, or a pointwise outputs' shape), in the order
-    of their first ops (a row space is its shape and every axis it reduces). fuse-horizontal
-    merges kernels of different spaces only, so each member is one of the kernels it merged."""
-    n_in = len(region.inputs)
-    root = list(range(len(region.ops)))
-
-    def find(k: int) -> int:
-        while root[k] != k:
-            root[k] = root[root[k]]
-            k = root[k]
-        return k
-
-    for k, rop in enumerate(region.ops):
-        for o in rop.operands:
-            if o >= n_in:
-                root[find(k)] = find(o - n_in)
-    parts: dict[int, list[int]] = {}
-    for k in range(len(region.ops)):
-        parts.setdefault(find(k), []).append(k)
-    def part(ks: list[int]) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], Region]:
-        values = tuple(n_in + k for k in sorted(ks))
-        inputs = tuple(sorted({o for v in values for o in region.ops[v - n_in].operands if o < n_in}))
-        outputs = tuple(j for j, v in enumerate(region.outputs) if v in values)
-        return inputs, values, outputs, region.part(inputs, values, outputs)
-
-    spaces: dict[tuple, list[int]] = {}
-    for ks in parts.values():
-        if any(region.ops[k].op.kind in ROW_OPS for k in ks):
-            space = row_space(part(ks)[3])  # its shape and every axis it reduces
-            key = (RowPlan.template, space.shape, space.axes)
-        else:
-            key = (PointwisePlan.template, broadcast_shapes(*(region.value_type(n_in + k).shape for k in ks
-                                                   if n_in + k in region.outputs)))
-        spaces.setdefault(key, []).extend(ks)
-    members = []
-    for key, ks in spaces.items():
-        inputs, values, outputs, region_part = part(ks)
-        members.append(Member(inputs, values, outputs, row_plan(region_part) if key[0] == RowPlan.template
-                              else pointwise_plan(region_part)))
-    return MergedPlan(tuple(members))
+def merged_plan(region: Region, spec: MergedSpec) -> MergedPlan:
+    """The kernels fuse-horizontal merged, each a member with its own plan."""
+    return MergedPlan(spec.members)
 
 
 # each template's planner, by its plan class (`plans.TEMPLATES`)
-PLANNERS: dict[type[Plan], Callable[[Region], Plan]] = {
+PLANNERS: dict[type[Plan], Callable[[Region, Spec], Plan]] = {
     PointwisePlan: pointwise_plan,
     RowPlan: row_plan,
     GemmPlan: gemm_plan,
@@ -188,5 +120,6 @@ PLANNERS: dict[type[Plan], Callable[[Region], Plan]] = {
 }
 
 
-def plan_kernel(template: str, region: Region) -> Plan:
-    return PLANNERS[TEMPLATES[template]](region)
+def plan_kernel(region: Region, spec: Spec) -> Plan:
+    """The plan of `region` from the pass's `spec`, in the region's values (`Spec.in_region`)."""
+    return PLANNERS[spec.plan](region, spec)
