@@ -11,7 +11,8 @@ double transposes are replaced by `x` when that leaves every type unchanged.
 program reduces them as one, `fuse-rows`.)
 Equivalent forms become one: a reduction's dropped dim put back is the
 reduction keeping it, a transposed product is the product of the transposes,
-a gather of a cast is a cast of the gather.
+a gather of a cast is a cast of the gather, a gather along a row of a value its row
+program computes is a sum selecting the element.
 Results that are NaN or that Python cannot compute (`log(0)`) are left for
 run time.
 """
@@ -274,8 +275,77 @@ class GatherBeforeElementwise(Pattern):
         return True
 
 
+class GatherAlongRow(Pattern):
+    """A gather along the axis a row program reduces, of a value that program computes
+    (`gather(x - logsumexp(x, -1, keepdims=true), y)`, `gather(softmax(x), y)`), is a sum
+    over that axis selecting the element: `sum(where(index(v, a) == wrap(y)[:, None], v,
+    0), a)`. The row program reads every element of the row anyway; as a gather, it would
+    store the whole value for another kernel to read one element of each row. Exact: the
+    sum adds zeros to the one element, and an index out of range selects none (0, as a
+    gather reads there); a negative one counts from the end, as a gather's does."""
+
+    def apply(self, graph: Graph, node: int, op: Op, rewriter: Rewriter) -> bool:
+        if op.kind != "take":
+            return False
+        (v, res), *indices = graph.operand_edges(node)
+        shape = graph.result_type(v, res).shape
+        axis = _gathered_axis(graph, [i for i, _ in indices], shape, op.shape)
+        if axis is None or not _computed_along(graph, v, axis):
+            return False
+        b = rewriter.build
+        at = indices[axis]
+        i_type = graph.result_type(*at)
+        span = op.span
+        size = b.size(shape[axis], span)
+        negative = b.op("lt", [at, b.const(0, i_type.dtype, span)], span)
+        wrapped = b.op("where", [negative, b.op("add", [at, size], span), at], span)
+        items = [("range", 0, d, 1, d) for d in op.shape]
+        items.insert(axis, ("new",))
+        wrapped = b.op("slice", [wrapped], span, items=tuple(items))
+        small = tuple(d if k == axis else 1 for k, d in enumerate(shape))
+        hit = b.op("eq", [b.op("index", [], span, axis=axis, shape=small), wrapped], span)
+        zero = b.const(0, graph.result_type(v, res).dtype, span)
+        selected = b.op("where", [hit, (v, res), zero], span)
+        rewriter.replace(node, b.op("sum", [selected], span, axis=axis, keepdims=False))
+        return True
+
+
+def _gathered_axis(graph: Graph, indices: list[int], shape: tuple, out: tuple) -> int | None:
+    """The one axis a gather of a value of `shape` reads at computed indices, every other
+    axis read at its own index (the gather's result is the value without that axis); None
+    for any other gather."""
+    if len(indices) != len(shape) or len(out) != len(shape) - 1:
+        return None
+
+    def own(k: int, at: int) -> bool:  # axis k read at the result's index along `at`
+        i_op = graph.op(indices[k])
+        return isinstance(i_op, Op) and i_op.kind == "index" and i_op.attr("axis") == at \
+            and len(i_op.shape) == len(out) and i_op.shape[at] == shape[k]
+
+    for axis in range(len(shape)):
+        if graph.op(indices[axis]).type.shape == out and all(
+                own(k, k if k < axis else k - 1) for k in range(len(shape)) if k != axis):
+            return axis
+    return None
+
+
+def _computed_along(graph: Graph, node: int, axis: int, depth: int = 8) -> bool:
+    """Is `node` computed by a row program over `axis`: a softmax or scan along it, or an
+    elementwise op of one (or of a reduction along it that kept the axis), within `depth`?"""
+    op = graph.op(node)
+    if not isinstance(op, Op):
+        return False
+    category = ops.category(op.kind)
+    if category in (ops.Category.SOFTMAX, ops.Category.SCAN, ops.Category.REDUCTION):
+        return op.attr("axis") == axis and (category is not ops.Category.REDUCTION or op.attr("keepdims"))
+    if depth == 0 or not ops.is_elementwise(op.kind) or op.kind == "take":
+        return False
+    return any(graph.op(o).type.rank == op.type.rank and _computed_along(graph, o, axis, depth - 1)
+               for o in graph.operands(node))
+
+
 PATTERNS = (FoldConstants(), RemoveIdentity(), RemoveNoOpCast(), CancelInvolution(), KeepReducedDim(),
-            TransposeProduct(), GatherBeforeElementwise())
+            TransposeProduct(), GatherBeforeElementwise(), GatherAlongRow())
 
 
 @register

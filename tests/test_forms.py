@@ -74,15 +74,7 @@ VARIANTS = {
 DIMS = dict(B=2, H=3, KH=1, G=3, M=17, N=33, D=16, V=37, K=19, F=23)
 
 
-# not reached yet, said so rather than skipped: a gather along the row of a value the row
-# program computes (`gather(x - lse, y)`) needs that value stored, since a gather loads its
-# tensor through the indices; sinking the gather through the difference would read 0 - lse,
-# not 0, at an index out of range
-NOT_YET = {"rows/ce_log_softmax"}
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason="see NOT_YET"))
-                                  if n in NOT_YET else n for n in sorted(VARIANTS)])
+@pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_equivalent_forms_fuse_alike(name):
     want, src = VARIANTS[name]
     fn = tiledsl.compile(src)
@@ -107,3 +99,32 @@ def test_a_gather_of_a_cast_of_f8_keeps_the_cast_first():
     report = testing.check(fn, x, y)
     assert report.ok, report
     assert torch.equal(fn(x, y), x.float()[torch.arange(17), y])
+
+
+GATHER_ALONG_ROW = {
+    "log_softmax": "kernel f(x: f32[M, V], y: i64[M]) -> f32[M] {\n"
+                   " return -gather(x - logsumexp(x, axis=-1, keepdims=true), y)\n}",
+    "softmax": "kernel f(x: f32[M, V], y: i64[M]) -> f32[M] {\n return -log(gather(softmax(x, axis=-1), y))\n}",
+    "batched_f16": "kernel f(x: f16[B, M, V], y: i32[B, M]) -> f32[B, M] {\n l = cast(x, f32)\n"
+                   " return -gather(l - logsumexp(l, axis=2, keepdims=true), y)\n}",
+}
+
+
+@pytest.mark.parametrize("form", sorted(GATHER_ALONG_ROW))
+@pytest.mark.parametrize("m, v", [(1, 1), (17, 113), (3, 4099)])
+def test_a_gather_along_the_row_of_a_row_value_is_one_row_kernel(form, m, v):
+    """`gather(x - lse, y)` selects the element inside the row program: one kernel, and the
+    labels keep a gather's meaning (negative from the end, 0 out of range)."""
+    fn = tiledsl.compile(GATHER_ALONG_ROW[form])
+    assert [k.template for k in fn.kernels] == ["rows"], fn.explain()
+    g = torch.Generator().manual_seed(m * v)
+    shape = (2, m, v) if form == "batched_f16" else (m, v)
+    x = torch.randn(shape, generator=g).to(torch.float16 if form == "batched_f16" else torch.float32)
+    y = torch.randint(-v - 2, v + 2, shape[:-1], generator=g)
+    y = y.to(torch.int32 if form == "batched_f16" else torch.int64)
+    report = testing.check(fn, x, y)
+    assert report.ok, report
+    if form != "batched_f16":
+        assert len(fn.backward.kernels) == 1, fn.backward.explain()
+        report = testing.check_grads(fn, x.requires_grad_(), y, generator=g)
+        assert report.ok, report
