@@ -122,6 +122,27 @@ class RemoveIdentity(Pattern):
         return False
 
 
+class DivideByReciprocal(Pattern):
+    """`x * (1 / y)` (either order) is `x / y`, one rounding instead of two, when nothing
+    else reads `1 / y`: softmax written as `e * (1 / sum(e))` is `e / sum(e)`."""
+
+    def apply(self, graph: Graph, node: int, op: Op, rewriter: Rewriter) -> bool:
+        if op.kind != "mul" or not op.dtype.is_float:
+            return False
+        for keep, other in (graph.operand_edges(node), reversed(graph.operand_edges(node))):
+            r_op = graph.op(other[0])
+            if not (isinstance(r_op, Op) and r_op.kind == "div" and len(graph.users(other[0])) == 1):
+                continue
+            one, y = graph.operand_edges(other[0])
+            if const_value(graph, one[0]) != 1 or isinstance(const_value(graph, one[0]), bool):
+                continue
+            if rewriter.build.type_of("div", [keep, y]) != op.type:
+                continue
+            rewriter.replace(node, rewriter.build.op("div", [keep, y], op.span))
+            return True
+        return False
+
+
 class RemoveNoOpCast(Pattern):
     """A cast to the type a value already has is the value, except a cast to f16/bf16 of a
     computed value: kernels hold those in f32, and an explicit cast is where they round
@@ -344,8 +365,8 @@ def _computed_along(graph: Graph, node: int, axis: int, depth: int = 8) -> bool:
                for o in graph.operands(node))
 
 
-PATTERNS = (FoldConstants(), RemoveIdentity(), RemoveNoOpCast(), CancelInvolution(), KeepReducedDim(),
-            TransposeProduct(), GatherBeforeElementwise(), GatherAlongRow())
+PATTERNS = (FoldConstants(), RemoveIdentity(), DivideByReciprocal(), RemoveNoOpCast(), CancelInvolution(),
+            KeepReducedDim(), TransposeProduct(), GatherBeforeElementwise(), GatherAlongRow())
 
 
 @register

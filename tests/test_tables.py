@@ -17,11 +17,11 @@ from tiledsl import ops
 from tiledsl.api import DEFAULT_PIPELINE, NORMALIZING
 from tiledsl.backends.triton.program import EMITTERS
 from tiledsl.explain import REWRITE_PASSES
+from tiledsl.parser import parse
 from tiledsl.passes.fusion.planning import PLANNERS
 from tiledsl.passes.fusion.spec import Spec
 from tiledsl.passes.lower_kernels import LOWERED
 from tiledsl.passes.pipeline import FUSION, PASSES, Stage
-from tiledsl.parser import parse
 from tiledsl.passes.registry import REGISTRY, parse_pipeline
 from tiledsl.plans import TEMPLATES
 from tiledsl.sema import analyze
