@@ -270,30 +270,51 @@ class TransposeProduct(Pattern):
         return True
 
 
-# unary ops that give 0 at 0: a gather reading 0 past its index range reads them as 0 too
-_ZERO_AT_ZERO = frozenset({"cast", "neg", "abs", "relu"})
-
-
 class GatherBeforeElementwise(Pattern):
-    """A gather of an elementwise op of one tensor, `gather(cast(x, f32), y)`, is the op of
-    the gather, `cast(gather(x, y), f32)`: kernels load a gathered tensor through its
-    indices, so `cast(x)` would otherwise be stored whole for the gather (a cross-entropy's
-    second kernel). Only for ops that give 0 at 0, so an index out of range still reads 0."""
+    """A gather of an elementwise op of one tensor (and constants), `gather(cast(x, f32), y)`,
+    `gather(30 * tanh(x / 30), y)`, is the op of the gather, `cast(gather(x, y), f32)`:
+    kernels load a gathered tensor through its indices, so `cast(x)` would otherwise be
+    stored whole for the gather (a cross-entropy's second kernel). Only for ops that give 0
+    at 0 (by their constant fold), so an index out of range still reads 0."""
 
     def apply(self, graph: Graph, node: int, op: Op, rewriter: Rewriter) -> bool:
         if op.kind != "take":
             return False
         x, *indices = graph.operand_edges(node)
         x_op = graph.op(x[0])
-        if not isinstance(x_op, Op) or x_op.kind not in _ZERO_AT_ZERO:
+        if not isinstance(x_op, Op) or not _zero_at_zero(graph, x[0], x_op):
             return False
+        edges = graph.operand_edges(x[0])
+        (slot,) = [k for k, e in enumerate(edges) if graph.result_type(*e).rank > 0]
         b = rewriter.build
         # a gather of the op's operand must type (not one of f8 values, which only a cast reads)
-        if b.type_of("take", [*graph.operand_edges(x[0]), *indices]) is None:
+        if b.type_of("take", [edges[slot], *indices]) is None:
             return False
-        gathered = b.op("take", [*graph.operand_edges(x[0]), *indices], op.span)
-        rewriter.replace(node, b.op(x_op.kind, [gathered], x_op.span, **x_op.attr_map))
+        edges[slot] = b.op("take", [edges[slot], *indices], op.span)
+        rewriter.replace(node, b.op(x_op.kind, edges, x_op.span, **x_op.attr_map))
         return True
+
+
+def _zero_at_zero(graph: Graph, node: int, op: Op) -> bool:
+    """Is `op` an elementwise op of one tensor of its shape and constants that gives 0 where
+    the tensor is 0 (its constant fold says so: `cast`, `neg`, `tanh`, `x * 30`, `x / 30`,
+    not `x + 1` or `exp`)?"""
+    fold = ops.OPS[op.kind].fold if op.kind in ops.OPS else None
+    if fold is None or op.kind == "take" or not ops.is_elementwise(op.kind):
+        return False
+    operands = graph.operands(node)
+    tensors = [k for k, o in enumerate(operands) if graph.op(o).type.rank > 0]
+    if len(tensors) != 1 or graph.op(operands[tensors[0]]).type.shape != op.shape:
+        return False
+    zero = {DType.BOOL: False}.get(graph.op(operands[tensors[0]]).type.dtype, 0)
+    args = [zero if k == tensors[0] else const_value(graph, o) for k, o in enumerate(operands)]
+    if any(a is None for a in args):
+        return False
+    try:
+        value = fold(*args, **op.attr_map)
+    except (ArithmeticError, ValueError, TypeError):
+        return False
+    return not isinstance(value, bool) and value == 0
 
 
 class GatherAlongRow(Pattern):
