@@ -24,12 +24,13 @@ import struct
 from dataclasses import dataclass
 
 from tiledsl import ops
+from tiledsl.builder import Builder
 from tiledsl.ir import Graph, Op
 from tiledsl.ops import Reads
 from tiledsl.passes.fusion.score_space import swaps_last
 from tiledsl.passes.registry import Pass, PassContext, register
 from tiledsl.passes.rewrite import Pattern, Rewriter, apply_patterns
-from tiledsl.types import DType, TensorType, result_dtype
+from tiledsl.types import DType, Shape, TensorType, result_dtype
 
 
 def _round(value: float | int | bool, dtype: DType) -> float | int | bool:
@@ -386,8 +387,124 @@ def _computed_along(graph: Graph, node: int, axis: int, depth: int = 8) -> bool:
                for o in graph.operands(node))
 
 
+class ViewOfGather(Pattern):
+    """A view (transpose, reshape, slice) of a gather read only through views is the
+    gather at the viewed index: each index expression computed at the source position of
+    each element of the view, where the view's transpose swaps two index axes, its reshape
+    splits a merged index (`j` of [L * P] is `j // P` of [L] and `j % P` of [P]) and its
+    slice offsets and strides one. So `reshape(k_cache[block_table], [B, L * P, D])` is
+    `k_cache[block_table[b, j // P], j % P]`, which the kernel reading it (attention's k and
+    v tiles included) loads through the index; the gather is never stored whole. An index
+    tensor that is not an index expression is read at the source position through a gather
+    of its own."""
+
+    def apply(self, graph: Graph, node: int, op: Op, rewriter: Rewriter) -> bool:
+        if op.kind not in ("transpose", "reshape", "slice"):
+            return False
+        (src,) = graph.operands(node)
+        take = graph.op(src)
+        if not isinstance(take, Op) or take.kind != "take" or any(
+                ops.category(graph.op(u).kind) is not ops.Category.LAYOUT for u, _ in graph.users(src)):
+            return False
+        b = rewriter.build
+        coords = _view_coords(b, op, take.shape)
+        memo: dict[int, int] = {}
+
+        def at(v: int) -> int:
+            """`v` (broadcast to the gather's shape) read at each element's source position."""
+            if v not in memo:
+                v_op = graph.op(v)
+                lead = len(take.shape) - len(v_op.shape)
+                if v_op.shape == () or v_op.kind in ("const", "dim"):
+                    memo[v] = v
+                elif v_op.kind == "index":
+                    axis = v_op.attr("axis") % len(v_op.shape)
+                    memo[v] = b.const(0, DType.I32, v_op.span) if v_op.shape[axis] == 1 \
+                        else coords[lead + axis]
+                elif ops.is_elementwise(v_op.kind) and v_op.kind != "param":
+                    memo[v] = b.copy(v_op, [o if ops.gathers_at(v_op.kind, slot) else at(o)
+                                            for slot, o in enumerate(graph.operands(v))])
+                else:  # a stored index tensor: gathered at the source position
+                    memo[v] = b.op("take", [v, *(b.const(0, DType.I32, v_op.span) if d == 1
+                                                 else coords[lead + k] for k, d in enumerate(v_op.shape))],
+                                   v_op.span)
+            return memo[v]
+
+        x, *indices = graph.operands(src)
+        gathered = b.op("take", [x, *(at(i) for i in indices)], take.span)
+        if b.types([gathered])[0] != op.type:
+            return False
+        rewriter.replace(node, gathered)
+        return True
+
+
+def _view_coords(b: Builder, op: Op, source: Shape) -> list[int]:
+    """For each axis of a view's source (of shape `source`), the index expression of the
+    source position each element of the view `op` reads, over the view's own `index`es."""
+    out = op.shape
+
+    def index(axis: int) -> int:
+        return b.op("index", [], op.span, axis=axis, shape=tuple(d if k == axis else 1
+                                                                   for k, d in enumerate(out)))
+
+    def size(dim) -> int:
+        return b.size(dim, op.span)
+
+    if op.kind == "transpose":
+        p, q = (a % len(out) for a in op.attr("dims"))
+        return [index({p: q, q: p}.get(a, a)) for a in range(len(out))]
+    if op.kind == "slice":
+        coords, axis = [], 0
+        for item in op.attr("items"):
+            if item[0] == "range":
+                _, start, _, step, _ = item
+                at = index(axis)
+                at = at if step == 1 else b.op("mul", [at, b.const(step, DType.I32, op.span)], op.span)
+                coords.append(at if start == 0 else b.op("add", [at, size(start)], op.span))
+                axis += 1
+            elif item[0] == "at":  # (indices are counted from 0: sema resolved negative ones)
+                coords.append(size(item[1]))
+            else:
+                axis += 1
+        return coords
+    # a reshape: the axes both shapes begin and end with are read as they are; the flat
+    # index of the middle ones is split by the source's middle dims
+    lo = 0
+    while lo < min(len(out), len(source)) and out[lo] == source[lo]:
+        lo += 1
+    hi = 0
+    while hi < min(len(out), len(source)) - lo and out[-1 - hi] == source[-1 - hi]:
+        hi += 1
+    mid_out, mid_src = list(range(lo, len(out) - hi)), list(range(lo, len(source) - hi))
+    flat = None
+    wide = len(mid_out) > 1 and len(mid_src) > 1  # a flat index of several axes: in i64
+    for k in mid_out:
+        if out[k] == 1:
+            continue
+        term = index(k)
+        term = b.op("cast", [term], op.span, dtype=DType.I64) if wide else term
+        for d in out[k + 1:len(out) - hi]:
+            if d != 1:
+                term = b.op("mul", [term, size(d)], op.span)
+        flat = term if flat is None else b.op("add", [flat, term], op.span)
+    flat = flat if flat is not None else b.const(0, DType.I32, op.span)
+    coords = [index(a) for a in range(lo)]
+    for n, a in enumerate(mid_src):
+        if source[a] == 1:
+            coords.append(b.const(0, DType.I32, op.span))
+            continue
+        at = flat
+        for d in source[a + 1:len(source) - hi]:
+            if d != 1:
+                at = b.op("floordiv", [at, size(d)], op.span)
+        coords.append(at if n == 0 else b.op("mod", [at, size(source[a])], op.span))
+    shift = len(out) - len(source)
+    coords += [index(a + shift) for a in range(len(source) - hi, len(source))]
+    return coords
+
+
 PATTERNS = (FoldConstants(), RemoveIdentity(), DivideByReciprocal(), RemoveNoOpCast(), CancelInvolution(),
-            KeepReducedDim(), TransposeProduct(), GatherBeforeElementwise(), GatherAlongRow())
+            KeepReducedDim(), TransposeProduct(), GatherBeforeElementwise(), GatherAlongRow(), ViewOfGather())
 
 
 @register

@@ -14,7 +14,9 @@ softmax whose result is the left operand of a matmul (`p @ v`):
   params and dims. Side values computed without the scores stay outside
   and are read at the score tile;
 - a cheap elementwise prologue on either matmul operand (`(q * scale) @ k.T`,
-  `q @ (k * scale).T`) is applied to each loaded tile;
+  `q @ (k * scale).T`) is applied to each loaded tile; k and v may be gathers at index
+  expressions (a paged KV cache, `k_cache[block_table[b, j // P], j % P]`), loaded
+  through the index the kernel computes over each tile;
 - `logsumexp` of the same scores over the keys (directly, or of their widening to
   f32: what a training forward saves for the flash backward) is stored by the kernel too;
 - a cast of the probabilities to the dtype of `v` (`cast(softmax(s), f16) @ v`)
@@ -176,6 +178,8 @@ class _Match:
         members = {qk, pv, *chain, *extra}
         for operand in (0, 1):
             members |= self._prologue(qk, operand)
+        if self._gather(graph.operands(pv)[1], pv):  # v read through an index map (a paged cache)
+            members.add(graph.operands(pv)[1])
         if self.plan.creates_cycle(members - {qk}, qk):
             return self.refuse(Rule.CYCLE, qk, pv, "a value the attention needs depends on its result")
         group = Group(self.plan, qk)
@@ -340,6 +344,9 @@ class _Match:
                 nxt = graph.operands(node)[0]
                 if not elementwise_candidate(graph, nxt):
                     break  # a plain `k.T`: read in place through its strides
+            elif self._gather(node, user):
+                out.add(node)  # loaded through its index; what it gathers from is stored
+                break
             elif elementwise_candidate(graph, node) and prologue_op_refusal(graph, node, False) is None:
                 nxt = next(s for s in graph.operands(node) if graph.op(s).type.rank > 0)
             else:
@@ -347,6 +354,15 @@ class _Match:
             out.add(node)
             node, user = nxt, node
         return out
+
+    def _gather(self, node: int, user: int) -> bool:
+        """A gather only `user` reads, at index expressions (`k_cache[block_table[b, j // P],
+        j % P]`): the kernel loads the operand tile through the index it computes over the
+        tile."""
+        graph = self.graph
+        return _is(graph, node, "take") and not self.plan.grouped(node) \
+            and [u for u, _ in graph.users(node)] == [user] \
+            and all(is_clonable(graph, o) for o in graph.operands(node)[1:])
 
     def _epilogue(self, group: Group, pv: int) -> None:
         """Elementwise consumers of the output, element for element, and the producers of

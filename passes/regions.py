@@ -84,7 +84,8 @@ def _index_expression_users(graph: Graph, node: int) -> bool:
 
 
 def feeds_dot(graph: Graph, node: int) -> bool:
-    """Does `node` reach a matmul operand through elementwise ops?"""
+    """Does `node` reach a matmul operand through elementwise ops? Not through the index of
+    a gather: a kernel loading a gathered dot operand computes its index over the tile."""
     memo = graph.memo("feeds-dot")
     stack, seen = [node], set()
     while stack:
@@ -92,11 +93,12 @@ def feeds_dot(graph: Graph, node: int) -> bool:
         if n in seen or memo.get(n) is False:
             continue
         seen.add(n)
-        for user, _ in graph.users(n):
+        for user, slot in graph.users(n):
             op = graph.op(user)
             if isinstance(op, Op) and op.kind == "matmul":
                 return True
-            if isinstance(op, Op) and ops.is_elementwise(op.kind):
+            if isinstance(op, Op) and ops.is_elementwise(op.kind) and not (
+                    op.kind == "take" and not ops.gathers_at(op.kind, slot)):
                 stack.append(user)
     memo.update(dict.fromkeys(seen, False))
     return False

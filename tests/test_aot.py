@@ -86,6 +86,14 @@ def test_attention_example_as_it_runs_on_an_h100():
     assert r.shared_bytes > 0
 
 
+def test_paged_decode_example_as_it_runs_on_an_h100():
+    dims = {"B": 8, "H": 32, "D": 128, "NB": 4096, "P": 16, "L": 128}
+    (r,) = _report("paged_decode.tdsl", dims)
+    assert r.name == "k0" and r.spill_bytes == 0 and 0 < r.registers <= 255
+    assert r.wgmma == ["m64n64k16", "m64n128k16"]  # both dots on tiles loaded through the block table
+    assert r.tma == 0  # k and v are gathered: loaded at the addresses the kernel computes
+
+
 def test_gemm_example_reports_every_candidate():
     default = _report("gemm_multiply_multiply.tdsl", GEMM_DIMS)
     every = _report("gemm_multiply_multiply.tdsl", GEMM_DIMS, every=True)

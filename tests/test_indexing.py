@@ -10,7 +10,7 @@ import torch
 
 import tiledsl
 from helpers import randn, run_checked
-from tiledsl import TileDSLError
+from tiledsl import TileDSLError, testing
 from tiledsl.dims import Lin, evaluate, parse
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
@@ -291,6 +291,70 @@ def test_gqa_with_reshape_into_head_groups_is_one_attention_kernel(h, kh, s):
     expected = torch.nn.functional.scaled_dot_product_attention(
         q.double(), k.double(), v.double(), is_causal=True, enable_gqa=True)
     assert torch.allclose(out.double(), expected, atol=2e-3)
+
+
+PAGED_DECODE = (EXAMPLES / "paged_decode.tdsl").read_text()
+
+
+@pytest.mark.parametrize("b, h, p, l, d", [(1, 1, 1, 1, 16), (3, 2, 17, 3, 64), (3, 1, 16, 3, 16),
+                                           (1, 2, 17, 1, 16), (3, 2, 1, 3, 64), (1, 1, 16, 3, 64)])
+def test_paged_decode_loads_k_and_v_through_the_block_table_in_one_attention_kernel(b, h, p, l, d):
+    g = torch.Generator().manual_seed(b * 1000 + p * 10 + l + d)
+    nb = b * l + 5  # a cache larger than the sequences use, its blocks handed out at random
+    q = randn(b, h, d, dtype=torch.float16)
+    k_cache, v_cache = (randn(nb, p, h, d, dtype=torch.float16) for _ in range(2))
+    table = torch.randperm(nb, generator=g)[:b * l].reshape(b, l).to(torch.int32)
+    lens = torch.randint(1, l * p + 1, (b,), generator=g, dtype=torch.int32)
+    lens[0], lens[-1] = 1, l * p  # one key, and every key of every block
+    fn, out = run_checked(PAGED_DECODE, q, k_cache, v_cache, table, lens)
+    (kernel,) = fn.kernel_ops()  # the gathers are loads of the attention kernel's k and v tiles
+    assert kernel.template == "attention" and kernel.plan.v_chain
+    # it stores the output alone, never the gathered keys or values
+    assert [kernel.region.value_type(o).shape for o in kernel.region.outputs] == [("B", "H", 1, "D")]
+    # torch, sequence by sequence: the keys and values of its blocks, its first lens[i] keys
+    for i in range(b):
+        keys, values = (c[table[i].long()].reshape(l * p, h, d).transpose(0, 1)[:, :lens[i]].double()
+                        for c in (k_cache, v_cache))
+        att = torch.softmax(q[i, :, None].double() @ keys.transpose(1, 2) / math.sqrt(d), -1) @ values
+        assert torch.allclose(out[i].double(), att[:, 0], atol=2e-3)
+
+
+def test_queries_gathered_at_a_selection_are_loaded_through_it_by_the_attention_kernel():
+    src = """
+    kernel f(xs: f32[NS, H, D], sel: i32[M], k: f32[H, N, D], v: f32[H, N, D]) -> f32[H, M, D] {
+        q = transpose(xs[sel], 0, 1)
+        return softmax(q @ k.T) @ v
+    }"""
+    xs, k, v = randn(40, 3, 16), randn(3, 33, 16), randn(3, 33, 16)
+    sel = torch.randperm(40, generator=torch.Generator().manual_seed(3))[:17].to(torch.int32)
+    fn, out = run_checked(src, xs, sel, k, v)
+    assert [k.template for k in fn.kernels] == ["attention"]
+    q = xs[sel.long()].transpose(0, 1).double()
+    assert torch.allclose(out.double(), torch.softmax(q @ k.double().transpose(1, 2), -1) @ v.double(),
+                          atol=1e-5)
+
+
+def test_paged_decode_backward_is_refused_where_it_needs_a_scatter():
+    """Its one query row of the output (a slice) and the gathers of the cache need scatters
+    in the backward, which autodiff says at the op; the forward's index expressions never
+    reach it."""
+    b, h, p, l, d = 2, 2, 17, 3, 16
+    g = torch.Generator().manual_seed(7)
+    args = (randn(b, h, d, dtype=torch.float16), randn(b * l + 1, p, h, d, dtype=torch.float16),
+            randn(b * l + 1, p, h, d, dtype=torch.float16),
+            torch.randperm(b * l + 1, generator=g)[:b * l].reshape(b, l).to(torch.int32),
+            torch.tensor([1, l * p], dtype=torch.int32))
+    every_row = PAGED_DECODE.replace("-> f16[B, H, D]", "-> f16[B, H, 1, D]").replace(
+        "(softmax(s) @ v)[:, :, 0, :]", "softmax(s) @ v")
+    for src, first in [
+        (PAGED_DECODE, "<string>:14:12: error: the gradient of a view that takes part of an axis (x[i], "
+         "x[a:b], x[::s]) needs a scatter, which tiledsl cannot differentiate yet; a view that only adds "
+         "axes (x[:, None]) is differentiable"),
+        (every_row, "<string>:8:19: error: the gradient of a gather (x[i] with index tensors, gather(), "
+         "concat()) is a scatter-add, which tiledsl cannot differentiate yet")]:
+        with pytest.raises(TileDSLError) as err:
+            testing.check_grads(tiledsl.compile(src), *args)
+        assert str(err.value).splitlines()[0] == first
 
 
 def test_group_norm_statistics_over_a_merged_axis():

@@ -229,7 +229,9 @@ class AttentionPlan:
     retention, a chunked scan's intra-chunk part), summed over the keys as it is.
 
     `q_source`, `k_source`, `v`: the region inputs the q, k and v tiles are
-    loaded from; `k_transposed`: the k tensor is [.., N, D] and read as K^T.
+    loaded from (for a gathered q or k, the tensor it gathers from; a gathered v is the
+    gather, computed from `v_chain`); `k_transposed`: the k tensor is [.., N, D] and read
+    as K^T.
     """
 
     template: ClassVar[str] = "attention"
@@ -263,12 +265,17 @@ class AttentionPlan:
     # with no softmax: the mask condition `bound` comes from (everything summed is 0 where
     # it is false), true on the blocks inside an exact bound for every row
     bound_cond: int | None = None
+    # the values v is computed from when it is gathered (a paged cache, loaded through the
+    # index over each tile); empty when v is an input, read through its strides
+    v_chain: frozenset[int] = frozenset()
 
     def role(self, value: int) -> str:
         if value in self.q_chain:
             return "q prologue"
         if value in self.k_chain:
             return "k prologue"
+        if value in self.v_chain:
+            return "v prologue"
         if value in self.score_ops:
             return "score modification" if self.softmax is not None else "score function"
         if value in self.lse or value in self.lse_casts:
@@ -313,7 +320,7 @@ class AttentionPlan:
                 check.fail("its attention plan does not match p @ v")
         for v in self.row_sums:
             check.expect(v, ("sum",), "sum over the keys")
-        for v in (self.q_source, self.k_source, self.v):
+        for v in (self.q_source, self.k_source, *(() if self.v_chain else (self.v,))):
             check.expect(v, (None,), "q, k or v")
         for v in (*self.score_ops, *self.lse, *self.epilogue):
             check.kind(v)

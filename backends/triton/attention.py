@@ -79,6 +79,10 @@ class AttentionProgram:
         self.a_val, self.b_val = region.ops[parts.qk - n_in].operands
         self.v_val = parts.v
         self.q_src, self.k_src = parts.q_source, parts.k_source
+        # operands gathered at index expressions (a paged cache): loaded through the index
+        # the kernel computes over each tile, never through the source's strides
+        self.gathered = {"q": self.has_take(parts.q_chain), "k": self.has_take(parts.k_chain),
+                         "v": bool(parts.v_chain)}
         self.k_flipped = parts.k_transposed  # the k tensor is [.., N, D], read as K^T
         self.score_shape, self.out_shape = self.qk_op.shape, self.pv_op.shape
         self.batch = self.out_shape[:-2]
@@ -98,7 +102,7 @@ class AttentionProgram:
         em.gather_from(region, self.refs, sig.size)
         self.outs = [sig.tensor("out", j, self.value_type(v).shape) for j, v in enumerate(region.outputs)]
         self.M, self.N = sig.size(self.score_shape[-2]), sig.size(self.score_shape[-1])
-        self.D = sig.size(self.value_type(self.q_src).shape[-1])
+        self.D = sig.size(self.value_type(self.a_val).shape[-1])
         self.DV = sig.size(self.out_shape[-1])
         for name in ("BLOCK_M", "BLOCK_N", "BLOCK_D", "BLOCK_DV"):
             sig.constexpr(name)
@@ -129,12 +133,15 @@ class AttentionProgram:
             "q": self.descriptors("q", self.q_src, parts.q_chain, self.qk_op.dtype, ("BLOCK_M", "BLOCK_D")),
             "k": self.descriptors("k", self.k_src, parts.k_chain, self.qk_op.dtype, k_blocks,
                                   flipped=self.k_flipped, swappable=True),
-            "v": self.descriptors("v", self.v_val, {self.v_val}, self.pv_op.dtype, ("BLOCK_N", "BLOCK_DV")),
+            "v": None if self.gathered["v"] else self.descriptors(
+                "v", self.v_val, {self.v_val}, self.pv_op.dtype, ("BLOCK_N", "BLOCK_DV")),
         }
-        body(f"q_ptrs = {self.tile(self.q_src, 'rm[:, None]', 'rd[None, :]', '[BLOCK_M, BLOCK_D]')}")
         with self.tma_or_pointers("q", "q", ("pid_m * BLOCK_M", "0"), self.qk_op.dtype):
-            operand_tile(em, region, "q", "q_ptrs", f"(rm[:, None] < {M}) & (rd[None, :] < {D})",
-                         self.a_val, self.q_src, set(parts.q_chain), self.scalars, self.qk_op.dtype)
+            operand_tile(em, region, "q", self.operand_ptrs("q", self.q_src, "rm[:, None]", "rd[None, :]",
+                                                            "[BLOCK_M, BLOCK_D]"),
+                         f"(rm[:, None] < {M}) & (rd[None, :] < {D})",
+                         self.a_val, self.q_src, set(parts.q_chain), self.scalars, self.qk_op.dtype,
+                         index=self.operand_index("q", "rm[:, None]", "rd[None, :]"))
 
         # values known for the whole program: scalars, rank-0 tensors, inputs that do not
         # vary along the keys
@@ -211,11 +218,11 @@ class AttentionProgram:
         body("rn = n0 + rn_base")
         k_rows, k_cols = ("rn[None, :]", "rd[:, None]") if self.k_flipped else \
             ("rd[:, None]", "rn[None, :]")
-        body(f"k_ptrs = {self.tile(self.k_src, k_rows, k_cols, '[BLOCK_D, BLOCK_N]')}")
+        k_ptrs = self.operand_ptrs("k", self.k_src, k_rows, k_cols, "[BLOCK_D, BLOCK_N]")
         k_mask = f"(rd[:, None] < {D}) & (rn[None, :] < {N})" if masked else f"rd[:, None] < {D}"
         with self.tma_or_pointers("k", "kt", self.k_at, self.qk_op.dtype):
-            operand_tile(em, region, "kt", "k_ptrs", k_mask, self.b_val, self.k_src, set(parts.k_chain),
-                         self.scalars, self.qk_op.dtype)
+            operand_tile(em, region, "kt", k_ptrs, k_mask, self.b_val, self.k_src, set(parts.k_chain),
+                         self.scalars, self.qk_op.dtype, index=self.operand_index("k", k_rows, k_cols))
         body(f"s = tl.dot(q, kt{dot_precision(self.qk_op.dtype, self.allow_tf32)})")
         vals = dict(self.outer)
         vals[parts.qk] = Val("s", Compute.F32)
@@ -296,11 +303,12 @@ class AttentionProgram:
         first by the online softmax)."""
         body, em, region = self.body, self.em, self.region
         N, DV = self.N, self.DV
-        body(f"v_ptrs = {self.tile(self.v_val, 'rn[:, None]', 'rdv[None, :]', '[BLOCK_N, BLOCK_DV]')}")
+        v_ptrs = self.operand_ptrs("v", self.v_val, "rn[:, None]", "rdv[None, :]", "[BLOCK_N, BLOCK_DV]")
         v_mask = f"(rn[:, None] < {N}) & (rdv[None, :] < {DV})" if masked else f"rdv[None, :] < {DV}"
         with self.tma_or_pointers("v", "vt", ("n0", "0"), self.pv_op.dtype):
-            operand_tile(em, region, "vt", "v_ptrs", v_mask, self.v_val, self.v_val, {self.v_val},
-                         self.scalars, self.pv_op.dtype)
+            operand_tile(em, region, "vt", v_ptrs, v_mask, self.v_val, self.v_val,
+                         set(self.parts.v_chain) or {self.v_val}, self.scalars, self.pv_op.dtype,
+                         index=self.operand_index("v", "rn[:, None]", "rdv[None, :]"))
         pv_dtype = self.pv_op.dtype
         body(f"p = {em.narrow('p', pv_dtype)}")
         if pv_dtype is DType.BF16:
@@ -449,6 +457,33 @@ class AttentionProgram:
     def tile(self, i: int, rows: str, cols: str, shape: str) -> str:
         return tile_ptrs(self.refs[i], self.value_type(i).rank, self.bnames, rows, cols, shape)
 
+    def has_take(self, chain) -> bool:
+        return any(v >= self.n_in and self.region.ops[v - self.n_in].op.kind == "take" for v in chain)
+
+    def operand_ptrs(self, role: str, src: int, rows: str, cols: str, shape: str) -> str | None:
+        """`{role}_ptrs`, the pointers of an operand's source tile, assigned; None for a
+        gathered operand (its gather loads the tile)."""
+        if self.gathered[role]:
+            return None
+        self.body(f"{role}_ptrs = {self.tile(src, rows, cols, shape)}")
+        return f"{role}_ptrs"
+
+    def operand_index(self, role: str, rows: str, cols: str):
+        """The `index` ops of a gathered operand's chain at its tile (None when it is not
+        gathered): along the batch dims the program's, along the last two `rows` and `cols`
+        (the tile's indices in the gather's orientation)."""
+        if not self.gathered[role]:
+            return None
+
+        def index(op: Op) -> Val:
+            rank, axis = len(op.shape), op.attr("axis") % len(op.shape)
+            if op.shape[axis] == 1:
+                return self.em.index(None)
+            if axis >= rank - 2:
+                return self.em.index((rows, cols)[axis - (rank - 2)])
+            return self.em.index(self.bnames[len(self.bnames) - (rank - 2) + axis])
+        return index
+
     def run(self, vals: dict[int, Val], values: tuple[int, ...], space: str) -> None:
         """Emit the elementwise ops `values` (and the constants they read) at a tile."""
         wanted = with_scalar_operands(self.region, values, vals)
@@ -502,7 +537,7 @@ class AttentionProgram:
 
     def launch_rules(self):
         user = {n: hint(self.hints, n, 0) for n in (*DOT_HINTS, "num_warps", "num_stages")}
-        dims_of = (self.score_shape[-2], self.score_shape[-1], self.value_type(self.q_src).shape[-1],
+        dims_of = (self.score_shape[-2], self.score_shape[-1], self.value_type(self.a_val).shape[-1],
                    self.out_shape[-1])
         batch = self.batch
         half = self.qk_op.dtype is not DType.F32

@@ -23,7 +23,7 @@ configurations is autotuned per problem size (`candidates`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from tiledsl import ops
 from tiledsl.dims import evaluate
@@ -80,9 +80,10 @@ def tile_ptrs(ref: TensorRef, rank: int, bnames: list[str | None], rows: str, co
     return ptrs
 
 
-def operand_tile(em: Emitter, region: Region, name: str, ptrs: str, mask: str, value: int, src: int,
+def operand_tile(em: Emitter, region: Region, name: str, ptrs: str | None, mask: str, value: int, src: int,
                  chain: set[int], scalars: Mapping[int, str], dot: DType,
-                 vectors: Mapping[int, str] | None = None, keep: dict[int, Val] | None = None) -> str:
+                 vectors: Mapping[int, str] | None = None, keep: dict[int, Val] | None = None,
+                 index: Callable[[Op], Val] | None = None) -> str:
     """Load a dot operand tile of `src` into `name`, apply the prologue `chain` (the values
     `value` is computed from: elementwise ops with scalars, and transposes, which the
     pointers already account for) in f32, and bring it to the dot's dtype. The prologue
@@ -90,15 +91,19 @@ def operand_tile(em: Emitter, region: Region, name: str, ptrs: str, mask: str, v
 
     `vectors`: inputs read along K (an A prologue's `g: [K]`), as source text of their
     loaded value for this step; `keep`: when given, the chain's values are left there, with
-    any values it already names computed too (a GEMM's row statistics of the same tile)."""
+    any values it already names computed too (a GEMM's row statistics of the same tile).
+    `index`: the operand is gathered (`ptrs` None): the chain's `index` ops at the tile, whose
+    gather loads it (masked, at the addresses it computes) from the tensors it gathers from."""
     body, n_in = em.code, len(region.inputs)
-    src_type = region.inputs[src].type
-    body(f"{name} = tl.load({ptrs}, mask={mask}, other=0.0)")
+    if index is None:
+        src_type = region.inputs[src].type
+        body(f"{name} = tl.load({ptrs}, mask={mask}, other=0.0)")
     wanted = set(chain) | (set(keep) if keep else set())
-    if value != src or keep:
-        vals = {src: em.assign(em.widen(name, src_type.dtype), compute_type(src_type.dtype))}
+    if value != src or keep or index is not None:
+        vals = {} if index is not None else \
+            {src: em.assign(em.widen(name, src_type.dtype), compute_type(src_type.dtype))}
         for i in wanted:
-            if i < n_in and i != src:
+            if i < n_in and i != src and not (index is not None and not region.read_whole(i)):
                 if vectors is not None and i in vectors:
                     vals[i] = em.load(vectors[i], region.inputs[i].type)
                 else:
@@ -109,12 +114,14 @@ def operand_tile(em: Emitter, region: Region, name: str, ptrs: str, mask: str, v
                 vals[v] = vals[rop.operands[0]]
             elif rop.op.kind == "const":
                 vals[v] = literal(rop.op.attr("value"), compute_type(rop.op.dtype))
+            elif rop.op.kind == "index":
+                vals[v] = index(rop.op)
             else:
                 types = tuple(region.value_type(o) for o in rop.operands)
-                vals[v] = em.op(rop.op, [vals[o] for o in rop.operands], types)
+                vals[v] = em.op(rop.op, em.operands(rop, vals), types)
         if keep is not None:
             keep.update(vals)
-    if value != src:
+    if value != src or index is not None:
         result = em.tensor(em.convert(vals[value], compute_type(dot)))
         body(f"{name} = tl.where({mask}, {em.narrow(result.text, dot)}, 0.0)")
     elif src_type.dtype is not dot:  # mixed operands meet in the promoted dtype (f32)

@@ -42,13 +42,17 @@ def attention_plan(region: Region, spec: AttentionSpec) -> AttentionPlan:
     scores = ops[sm].operands[0] if sm is not None else ops[pv].operands[0]
     a, b = ops[qk].operands
     q_chain, k_chain = frozenset(region.depends(a)), frozenset(region.depends(b))
-    summed = [ops[v].operands[0] for v in spec.row_sums]
+    v = ops[pv].operands[1]
+    # a computed v is a gather (a paged cache): loaded through the index it computes per tile
+    v_chain = frozenset(region.depends(v)) if v >= n_in else frozenset()
+    summed = [ops[x].operands[0] for x in spec.row_sums]
     members = {qk, pv, sm, p, *spec.score_ops, *spec.lse, *spec.lse_casts, *spec.row_sums, *spec.epilogue}
     # the ops cloned into the kernel (not members) run with the role that reads them
-    clones = [v for v in ops if v not in members and v not in q_chain | k_chain and ops[v].op.kind != "const"]
-    before = set().union(*(region.depends(v) for v in spec.score_ops))
-    score_ops = tuple(v for v in ops if v in spec.score_ops or v in clones and v in before)
-    epilogue = tuple(v for v in ops if v in spec.epilogue or v in clones and v not in before)
+    clones = [x for x in ops if x not in members and x not in q_chain | k_chain | v_chain
+              and ops[x].op.kind != "const"]
+    before = set().union(*(region.depends(x) for x in spec.score_ops))
+    score_ops = tuple(x for x in ops if x in spec.score_ops or x in clones and x in before)
+    epilogue = tuple(x for x in ops if x in spec.epilogue or x in clones and x not in before)
     transposes = sum(ops[v].op.kind == "transpose" for v in k_chain if v >= n_in)
     if sm is None:
         bound, cond = _vanishing_bound(region, [scores, *summed])
@@ -59,10 +63,10 @@ def attention_plan(region: Region, spec: AttentionSpec) -> AttentionPlan:
             if not all(_vanishes(region, mask, x, False, memo) for x in summed):
                 bound = None
     return AttentionPlan(qk, pv, sm, scores, q_chain, k_chain, operand_source(region, q_chain),
-                         operand_source(region, k_chain), ops[pv].operands[1], transposes % 2 == 1,
+                         operand_source(region, k_chain), v, transposes % 2 == 1,
                          score_ops, spec.lse, epilogue, bound, spec.p_cast,
                          p if sm is not None and p in region.outputs else None, spec.lse_casts,
-                         row_sums=spec.row_sums, bound_cond=cond)
+                         row_sums=spec.row_sums, bound_cond=cond, v_chain=v_chain)
 
 
 def attention_backward_plan(region: Region, spec: AttentionBackwardSpec) -> AttentionBackwardPlan:
@@ -227,9 +231,15 @@ def _keeps_neg_inf(region: Region, kind: str, args, neg_inf) -> bool:
 
 def operand_source(region: Region, chain: frozenset[int]) -> int:
     """The one tensor input a dot operand is loaded from (its prologue adds only scalars and,
-    for a GEMM's A, vectors along K: [1, ..., 1, K])."""
-    tensors = [v for v in chain if v < len(region.inputs) and not region.inputs[v].scalar
-               and region.inputs[v].type.rank > 0]
+    for a GEMM's A, vectors along K: [1, ..., 1, K]); for a gathered operand, the tensor it
+    gathers from."""
+    n_in = len(region.inputs)
+    takes = [v for v in chain if v >= n_in and region.ops[v - n_in].op.kind == "take"]
+    indices = set().union(*(region.depends(o) for t in takes for o in region.ops[t - n_in].operands[1:]))
+    tensors = [region.ops[t - n_in].operands[0] for t in takes if t not in indices]
+    if not tensors:
+        tensors = [v for v in chain if v < n_in and not region.inputs[v].scalar
+                   and region.inputs[v].type.rank > 0]
     if len(tensors) > 1:
         tensors = [v for v in tensors if any(d != 1 for d in region.inputs[v].type.shape[:-1])]
     assert len(tensors) == 1, "a dot operand is computed from one tensor"
