@@ -503,8 +503,32 @@ def _view_coords(b: Builder, op: Op, source: Shape) -> list[int]:
     return coords
 
 
+class RemoveIdentityGather(Pattern):
+    """A gather of each element at its own index, `take(x, i0, .., ik)` where `ik` is the
+    index along axis k (0 where x has size 1 there), is `x`: a concat's piece re-indexed
+    through a slice of a normalised row reads the row's statistic so (`rsqrt(mean(x * x))`
+    keeps its one reduction over the whole row)."""
+
+    def apply(self, graph: Graph, node: int, op: Op, rewriter: Rewriter) -> bool:
+        if op.kind != "take":
+            return False
+        x, *indices = graph.operands(node)
+        x_type = graph.op(x).type
+        if x_type != op.type:
+            return False
+        for k, (i, d) in enumerate(zip(indices, x_type.shape, strict=True)):
+            i_op = graph.op(i)
+            own = (isinstance(i_op, Op) and i_op.kind == "index" and i_op.attr("axis") == k
+                   and i_op.type.rank == x_type.rank and i_op.shape[k] == d)
+            if not own and not (d == 1 and const_value(graph, i) == 0):
+                return False
+        rewriter.replace(node, x)
+        return True
+
+
 PATTERNS = (FoldConstants(), RemoveIdentity(), DivideByReciprocal(), RemoveNoOpCast(), CancelInvolution(),
-            KeepReducedDim(), TransposeProduct(), GatherBeforeElementwise(), GatherAlongRow(), ViewOfGather())
+            KeepReducedDim(), TransposeProduct(), GatherBeforeElementwise(), GatherAlongRow(), ViewOfGather(),
+            RemoveIdentityGather())
 
 
 @register

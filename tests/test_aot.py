@@ -168,6 +168,15 @@ def test_short_rows_share_a_program():
     assert r.spill_bytes == 0
 
 
+def test_short_rows_computing_trig_hold_a_pointwise_tile():
+    """QK-norm with RoPE (cos and sin computed in the row program, in f64, whose slow path is
+    a call): 8 elements a thread, not 32, which spilled 87 KB a thread across those calls."""
+    (r, _) = _report("qk_norm_rope_attention.tdsl", {"B": 2, "S": 2048, "H": 32, "KH": 8, "D": 128})
+    assert r.name == "k0"
+    assert [r.config[f"M{i}_{k}"] for i in (0, 1) for k in ("BLOCK_O", "BLOCK_R")] == [8, 128, 8, 128]
+    assert r.config["num_warps"] == 4 and r.spill_bytes == 0, r
+
+
 # --- TMA: descriptors where the call's tensors allow them, pointers elsewhere ---------------------
 
 GEMM = "kernel f(a: {dt}[M, K], b: {dt}[K, N], d: {dt}[M, N]) -> {dt}[M, N] {{ return (a @ b) * d }}"

@@ -305,18 +305,37 @@ def test_mamba2_chunk_example(chunks, length):
 # --- recompute and merge (issue 27) ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("s", [1, 17, 113])
-def test_qk_norm_rope_attention_example(s):
+@pytest.mark.parametrize("b, s, h, kh, d", [(1, 1, 1, 1, 16), (2, 17, 3, 1, 64), (1, 113, 3, 3, 16),
+                                             (2, 113, 6, 2, 32), (2, 17, 1, 1, 64)])
+def test_qk_norm_rope_attention_example(b, s, h, kh, d):
     fn = example("qk_norm_rope_attention")
-    # the norms of q and k (H = 6 and KH = 2 heads) in one launch, their rotations (cos and sin
-    # computed from the positions in each) in another, then attention: the rotation reads the
-    # normalised row at the partner position (j +- D / 2), which a row program does not
-    assert [kern.template for kern in fn.kernels] == ["merged", "merged", "attention"]
+    # the norms and rotations of q and k (H and KH heads) in one launch, cos and sin computed
+    # from the positions in it, the rotation's partner element (j +- D / 2) computed again from
+    # q there and the row's one statistic; then attention
+    assert [kern.template for kern in fn.kernels] == ["merged", "attention"]
     pos = torch.arange(s, dtype=torch.int32) * 2 + 5
-    _, out = run_checked(fn, randn(2, s, 6, 32, dtype=BF16), randn(2, s, 2, 32, dtype=BF16),
-                         randn(2, s, 2, 32, dtype=BF16), randn(32, dtype=BF16), randn(32, dtype=BF16), pos,
-                         eps=1e-6)
-    assert out.shape == (2, 6, s, 32)
+    args = (randn(b, s, h, d, dtype=BF16), randn(b, s, kh, d, dtype=BF16), randn(b, s, kh, d, dtype=BF16),
+            randn(d, dtype=BF16), randn(d, dtype=BF16), pos)
+    _, out = run_checked(fn, *args, eps=1e-6)
+    assert out.shape == (b, h, s, d)
+    # the stored rotated q and k, against torch written as the model writes it, in float64
+    q, k, v, wq, wk = (t.double() for t in args[:5])
+    inv_freq = 10000.0 ** (-2.0 * (torch.arange(d) % (d // 2)).double() / d)
+    ang = pos.double()[:, None] * inv_freq
+    cos, sin = torch.cos(ang)[:, None], torch.sin(ang)[:, None]
+
+    def norm_rope(x, w):
+        x = x * torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-6) * w
+        return x * cos + torch.cat([-x[..., d // 2:], x[..., :d // 2]], -1) * sin
+
+    qr = norm_rope(q, wq).to(BF16).double().transpose(1, 2)
+    kr = norm_rope(k, wk).to(BF16).double().transpose(1, 2).repeat_interleave(h // kh, 1)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(qr, kr, v.transpose(1, 2).repeat_interleave(h // kh, 1),
+                                                             is_causal=True, scale=d**-0.5)
+    assert (out.double() - sdpa).abs().max() < 2e-2
+    # its gradient is refused, as every gather's (concat's pieces are read with `take`)
+    with pytest.raises(tiledsl.TileDSLError, match="the gradient of a gather .* is a scatter-add"):
+        _ = fn.backward
 
 
 @pytest.mark.parametrize("n, c, h, w", [(1, 1, 1, 1), (3, 5, 7, 11), (5, 3, 29, 31)])

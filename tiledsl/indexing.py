@@ -260,14 +260,19 @@ class Indexing:
 
     def _reindex(self, node: int, indices: list[int], span: Span) -> int:
         """`node` read at `indices` (one index value per axis), computed where it is read:
-        elementwise ops are rebuilt over their re-read operands, index ops become the
-        indices, anything else (a parameter, a reduction, a matmul) is gathered with `take`."""
+        elementwise ops are rebuilt over their re-read operands, a slice of one is read
+        through (its source at the indices the slice maps to: a row normalised by its
+        statistic is computed again from slices of its leaves, the statistic read at the
+        row's own index), index ops become the indices, anything else (a parameter, a
+        reduction, a matmul) is gathered with `take`."""
         op = self.graph.op(node)
         if op.type.rank == 0:
             return node
         if op.kind == "index":
             axis = op.attr("axis")
             return self.b.const(0, DType.I32, span) if op.shape[axis] == 1 else indices[axis]
+        if op.kind == "slice" and self._computed(self.graph.operands(node)[0]):
+            return self._reindex(self.graph.operands(node)[0], self._through_slice(op, indices, span), span)
         if ops.is_elementwise(op.kind):
             operands = []
             for slot, o in enumerate(self.graph.operands(node)):
@@ -283,6 +288,30 @@ class Indexing:
         sub = [self.b.const(0, DType.I32, span) if d == 1 else i
                for d, i in zip(op.shape, indices, strict=True)]
         return self.b.user_op("take", [(node, span), *((i, span) for i in sub)], span)
+
+    def _computed(self, node: int) -> bool:
+        """Is `node` an elementwise value computed from others (not a parameter, an index,
+        a reduction or a matmul, which are read through their slices)?"""
+        op = self.graph.op(node)
+        return op.kind != "index" and ops.is_elementwise(op.kind)
+
+    def _through_slice(self, op, indices: list[int], span: Span) -> list[int]:
+        """The indices of a slice's source that its elements at `indices` read."""
+        source, out = [], iter(indices)
+        for item in op.attr("items"):
+            if item[0] == "new":
+                next(out)
+            elif item[0] == "at":
+                source.append(self.b.size(item[1], span))
+            else:
+                _, start, _, step, _ = item
+                i = next(out)
+                if step != 1:
+                    i = self.b.op("mul", [i, self.b.const(step, DType.I32, span)], span)
+                if start != 0:
+                    i = self.b.op("add", [i, self.b.size(start, span)], span)
+                source.append(i)
+        return source
 
     def concat(self, e: ast.Call) -> int:
         """concat(a, b, ..., axis=): each output element reads the piece it falls in, at its

@@ -472,6 +472,9 @@ def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKer
 
     no_identity = [prog.op(v) for v in sorted(prog.plan.reducing)
                    if (r := ops.OPS[prog.op(v).kind].reduction) is not None and not r.empty]
+    # sin, cos and tan are computed in f64, whose libdevice forms call a slow path (a large
+    # argument's reduction) across which the GPU spills every live value of the tile
+    trig = any(o.op.kind in ("sin", "cos", "tan") for o in kernel.region.ops)
 
     def configure(dims: Mapping[str, int], device: str) -> LaunchConfig:
         length = numel([shape[a] for a in axes], dims)
@@ -481,8 +484,11 @@ def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKer
         rows = numel([d for i, d in enumerate(shape) if i not in axes], dims)
         caps = CAPS[device]
         block_r = max(2, min(next_pow2(length), limit if device == "cuda" else caps["row"]))
-        # short rows: several per program, up to a tile of `caps["tile"]` elements
-        block_o = max(1, min(next_pow2(rows), caps["tile"] // block_r))
+        # short rows: several per program, up to a tile of `caps["tile"]` elements, or of a
+        # pointwise program's (`caps["flat"]`, 8 elements a thread) on a GPU where it computes
+        # trig: QK-norm with RoPE at D = 128 spills 87 KB a thread with 32, none with 8
+        tile = caps["flat"] if trig and device == "cuda" else caps["tile"]
+        block_o = max(1, min(next_pow2(rows), tile // block_r))
         # about 32 elements per thread: 4 warps up to 4k elements, 16 from 16k
         warps = max(4, min(16, block_r * block_o // 1024))
         constexprs = {"BLOCK_O": block_o, "BLOCK_R": block_r, "ONE_PASS": length <= block_r}
