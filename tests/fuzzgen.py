@@ -114,6 +114,8 @@ class Generator:
         # one's state without advancing it: every other choice stays what it was (the salt
         # keeps the programs test_fuzz_programs.py pins by seed as they were)
         self.axes_rng = random.Random("axes1:" + str(rng.getstate()[1][:8]))
+        # and so do the index maps an attention's keys and values are read through
+        self.maps_rng = random.Random("maps1:" + str(rng.getstate()[1][:8]))
         self.values: list[Value] = [
             Value("x", ("M", "N")), Value("y", ("N",)), Value("z", ("M", "1")), Value("s", ()),
             Value("mask", ("M", "N"), "bool"), Value("flag", (), "bool")]
@@ -254,7 +256,10 @@ class Generator:
         normaliser), a dual GEMM, a row-normalised A, a plain projection."""
         b, shape = self.weight(a)
         r = self.rng.random()
-        if b == "wb" and r < 0.6:  # two products of data with no softmax (linear attention)
+        batched = b == "wb"
+        if r < 0.4 or batched and r < 0.6:
+            b = self.keys(b)
+        if batched and r < 0.6:  # two products of data with no softmax (linear attention)
             s = f"({a.text} @ {b}.T)"
             c = self.cond(0)
             if broadcast(c.shape, shape) != shape:
@@ -281,6 +286,22 @@ class Generator:
             norm = f"rsqrt(mean({a.text} * {a.text}, axis=-1, keepdims=true) + 1.0)"
             return Value(f"(({a.text} * {norm}) @ {b})", shape)
         return Value(f"({a.text} @ {b})", shape)
+
+    def keys(self, b: str) -> str:
+        """The keys and values of an attention or a chain, `b`, maybe read through an index
+        map, as a paged cache or a shifted window is: a flip, a half rotation, a permutation
+        computed from `index()`, or a gather through the i32 tensor k (along the keys)."""
+        if self.maps_rng.random() >= 0.3:
+            return b
+        lead = "index(wb, 0), " if b == "wb" else ""
+        row, col = ("index(wb, 1)", "index(wb, 2)") if b == "wb" else ("index(w, 0)", "index(w, 1)")
+        colons = ":, " if b == "wb" else ""
+        return self.maps_rng.choice([
+            f"{b}[{lead}N - 1 - {row}, {col}]",
+            f"concat({b}[{colons}N // 2:], {b}[{colons}:N // 2], axis={1 if b == 'wb' else 0})",
+            f"{b}[{lead}({row} * 7 + 3) % N, {col}]",
+            f"{b}[{lead}abs(k[0, :][:, None] + 0 * {row}) % N, {col}]",
+        ])
 
     def indexed(self, a: Value) -> Value:
         """Indexing, views and scans of `a`: a half rotation (concat of two slices), a

@@ -163,6 +163,28 @@ def test_generated_matmuls_have_batch_ranks_up_to_4():
     assert {(4, 2), (4, 3), (2, 3)} <= ranks
 
 
+def test_generated_attention_reads_keys_through_index_maps():
+    """Keys and values read through an index map (a flip, a half rotation, a computed
+    permutation, a gather through an index tensor), as a paged cache is: some of these
+    programs form attention kernels that load k or v through the map, and they run as
+    every generated program does, against the oracle."""
+    import tiledsl
+
+    maps = ("N - 1 - index", "N // 2:]", "* 7 + 3", "abs(k[0, :]")
+    inside = []
+    for i in range(200):
+        program = fuzzgen.generate(random.Random(f"maps:{i}"), seed=i)
+        if "@" not in program.source or not any(m in program.source for m in maps):
+            continue
+        kernels = tiledsl.compile(program.source).ir("fused").split("= kernel @")[1:]
+        if any(k.split("(")[0].endswith("attention") and " take " in k for k in kernels):
+            inside.append(program)
+    assert len(inside) >= 2
+    for program in inside[:2]:
+        outcome = fuzzgen.run(program)
+        assert outcome.status == "pass", f"{outcome.detail}\n{program.source}"
+
+
 def test_a_gradient_miss_at_a_near_tie_is_unstable_not_a_finding():
     """Gradient fuzzer, seed 2801, program 195: `maximum(0.05 * n, log1p(abs(sin(y))))` in
     bf16 meets a tie at n = 6: the float64 golden's left side is 0.30000104, the compiled
