@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from tiledsl import ops
 from tiledsl.builder import Builder
+from tiledsl.indexing import reindex, slice_source
 from tiledsl.ir import Graph, Op
 from tiledsl.ops import Reads
 from tiledsl.passes.fusion.score_space import swaps_last
@@ -408,27 +409,14 @@ class ViewOfGather(Pattern):
             return False
         b = rewriter.build
         coords = _view_coords(b, op, take.shape)
-        memo: dict[int, int] = {}
 
         def at(v: int) -> int:
-            """`v` (broadcast to the gather's shape) read at each element's source position."""
-            if v not in memo:
-                v_op = graph.op(v)
-                lead = len(take.shape) - len(v_op.shape)
-                if v_op.shape == () or v_op.kind in ("const", "dim"):
-                    memo[v] = v
-                elif v_op.kind == "index":
-                    axis = v_op.attr("axis") % len(v_op.shape)
-                    memo[v] = b.const(0, DType.I32, v_op.span) if v_op.shape[axis] == 1 \
-                        else coords[lead + axis]
-                elif ops.is_elementwise(v_op.kind) and v_op.kind != "param":
-                    memo[v] = b.copy(v_op, [o if ops.gathers_at(v_op.kind, slot) else at(o)
-                                            for slot, o in enumerate(graph.operands(v))])
-                else:  # a stored index tensor: gathered at the source position
-                    memo[v] = b.op("take", [v, *(b.const(0, DType.I32, v_op.span) if d == 1
-                                                 else coords[lead + k] for k, d in enumerate(v_op.shape))],
-                                   v_op.span)
-            return memo[v]
+            """Index tensor `v` (broadcast to the gather's shape) read at each element's
+            source position."""
+            v_shape = graph.op(v).shape
+            lead = len(take.shape) - len(v_shape)
+            return reindex(b, v, [None if d == 1 else coords[lead + k] for k, d in enumerate(v_shape)],
+                           op.span)
 
         x, *indices = graph.operands(src)
         gathered = b.op("take", [x, *(at(i) for i in indices)], take.span)
@@ -453,20 +441,10 @@ def _view_coords(b: Builder, op: Op, source: Shape) -> list[int]:
     if op.kind == "transpose":
         p, q = (a % len(out) for a in op.attr("dims"))
         return [index({p: q, q: p}.get(a, a)) for a in range(len(out))]
-    if op.kind == "slice":
-        coords, axis = [], 0
-        for item in op.attr("items"):
-            if item[0] == "range":
-                _, start, _, step, _ = item
-                at = index(axis)
-                at = at if step == 1 else b.op("mul", [at, b.const(step, DType.I32, op.span)], op.span)
-                coords.append(at if start == 0 else b.op("add", [at, size(start)], op.span))
-                axis += 1
-            elif item[0] == "at":  # (indices are counted from 0: sema resolved negative ones)
-                coords.append(size(item[1]))
-            else:
-                axis += 1
-        return coords
+    if op.kind == "slice":  # (a new axis reads no source axis: it needs no index)
+        kept = [item[0] for item in op.attr("items") if item[0] != "at"]
+        return slice_source(b, op, [index(a) if kind == "range" else None for a, kind in enumerate(kept)],
+                            op.span)
     # a reshape: the axes both shapes begin and end with are read as they are; the flat
     # index of the middle ones is split by the source's middle dims
     lo = 0

@@ -218,7 +218,7 @@ class Indexing:
                 rank = self.graph.op(node).type.rank
                 if b0 + len(b) != len(out) and rank:  # B is not right-aligned in the output
                     first = b0 + len(b) - rank
-                    node = self._reindex(node, [self._index_of(out, first + k, span)
+                    node = reindex(self.b, node, [self._index_of(out, first + k, span)
                                                 for k in range(rank)], span)
                 indices.append((node, span))
             else:
@@ -258,64 +258,9 @@ class Indexing:
         small = tuple(d if k == axis else 1 for k, d in enumerate(shape))
         return self.b.user_op("index", [], span, axis=axis, shape=small)
 
-    def _reindex(self, node: int, indices: list[int], span: Span) -> int:
-        """`node` read at `indices` (one index value per axis), computed where it is read:
-        elementwise ops are rebuilt over their re-read operands, a slice of one is read
-        through (its source at the indices the slice maps to: a row normalised by its
-        statistic is computed again from slices of its leaves, the statistic read at the
-        row's own index), index ops become the indices, anything else (a parameter, a
-        reduction, a matmul) is gathered with `take`."""
-        op = self.graph.op(node)
-        if op.type.rank == 0:
-            return node
-        if op.kind == "index":
-            axis = op.attr("axis")
-            return self.b.const(0, DType.I32, span) if op.shape[axis] == 1 else indices[axis]
-        if op.kind == "slice" and self._computed(self.graph.operands(node)[0]):
-            return self._reindex(self.graph.operands(node)[0], self._through_slice(op, indices, span), span)
-        if ops.is_elementwise(op.kind):
-            operands = []
-            for slot, o in enumerate(self.graph.operands(node)):
-                ot = self.graph.op(o).type
-                if ops.gathers_at(op.kind, slot):
-                    operands.append((o, span))
-                    continue
-                lead = op.type.rank - ot.rank
-                sub = [self.b.const(0, DType.I32, span) if d == 1 else indices[lead + k]
-                       for k, d in enumerate(ot.shape)]
-                operands.append((self._reindex(o, sub, span), span))
-            return self.b.user_op(op.kind, operands, op.span or span, **op.attr_map)
-        sub = [self.b.const(0, DType.I32, span) if d == 1 else i
-               for d, i in zip(op.shape, indices, strict=True)]
-        return self.b.user_op("take", [(node, span), *((i, span) for i in sub)], span)
-
-    def _computed(self, node: int) -> bool:
-        """Is `node` an elementwise value computed from others (not a parameter, an index,
-        a reduction or a matmul, which are read through their slices)?"""
-        op = self.graph.op(node)
-        return op.kind != "index" and ops.is_elementwise(op.kind)
-
-    def _through_slice(self, op, indices: list[int], span: Span) -> list[int]:
-        """The indices of a slice's source that its elements at `indices` read."""
-        source, out = [], iter(indices)
-        for item in op.attr("items"):
-            if item[0] == "new":
-                next(out)
-            elif item[0] == "at":
-                source.append(self.b.size(item[1], span))
-            else:
-                _, start, _, step, _ = item
-                i = next(out)
-                if step != 1:
-                    i = self.b.op("mul", [i, self.b.const(step, DType.I32, span)], span)
-                if start != 0:
-                    i = self.b.op("add", [i, self.b.size(start, span)], span)
-                source.append(i)
-        return source
-
     def concat(self, e: ast.Call) -> int:
         """concat(a, b, ..., axis=): each output element reads the piece it falls in, at its
-        index shifted by the piece's offset (`_reindex`), selected with `where`: the pieces
+        index shifted by the piece's offset (`reindex`), selected with `where`: the pieces
         are computed where the concatenation is read, never stored."""
         for kw in e.keywords:
             if kw.name != "axis":
@@ -354,7 +299,7 @@ class Indexing:
                 start = self.b.size(offset.dim(), e.span)
                 shifted = self.b.user_op("sub", [(idx, e.span), (start, e.span)], e.span)
             indices = [shifted if d == axis else self._index_of(out, d, e.span) for d in range(first.rank)]
-            values.append((self._reindex(node, indices, span), span))
+            values.append((reindex(self.b, node, indices, span), span))
         result = values[-1]
         for (value, span), offset in zip(reversed(values[:-1]), reversed(offsets[1:]), strict=True):
             cond = self.b.user_op("lt", [(idx, e.span), (self.b.size(offset.dim(), e.span), e.span)], e.span)
@@ -545,3 +490,64 @@ def const_bool(expr: ast.Expr | None, what: str) -> bool:
     if isinstance(expr, ast.BoolLit):
         return expr.value
     raise diag.ConstantExpected(expr.span, what=what, expected="true or false")
+
+
+def reindex(b: Builder, node: int, indices: list, span: Span | None) -> int:
+    """`node` read at `indices` (one index value per axis; None along an axis of size 1,
+    read at 0), computed where it is read:
+    elementwise ops are rebuilt over their re-read operands, a slice of one is read
+    through (its source at the indices the slice maps to: a row normalised by its
+    statistic is computed again from slices of its leaves, the statistic read at the
+    row's own index), index ops become the indices, anything else (a parameter, a
+    reduction, a matmul) is gathered with `take`. Sema's concat and reshapes read their
+    pieces so, and canonicalize's view of a gather its index tensors."""
+    graph = b.graph
+    op = graph.op(node)
+    if op.type.rank == 0:
+        return node
+    if op.kind == "index":
+        axis = op.attr("axis")
+        return b.const(0, DType.I32, span) if op.shape[axis] == 1 else indices[axis]
+    if op.kind == "slice" and _computed(graph.op(graph.operands(node)[0])):
+        return reindex(b, graph.operands(node)[0], slice_source(b, op, indices, span), span)
+    if ops.is_elementwise(op.kind):
+        operands = []
+        for slot, o in enumerate(graph.operands(node)):
+            ot = graph.op(o).type
+            if ops.gathers_at(op.kind, slot):
+                operands.append((o, span))
+                continue
+            lead = op.type.rank - ot.rank
+            sub = [None if d == 1 else indices[lead + k] for k, d in enumerate(ot.shape)]
+            operands.append((reindex(b, o, sub, span), span))
+        return b.user_op(op.kind, operands, op.span or span, **op.attr_map)
+    sub = [b.const(0, DType.I32, span) if d == 1 else i for d, i in zip(op.shape, indices, strict=True)]
+    return b.user_op("take", [(node, span), *((i, span) for i in sub)], span)
+
+
+def _computed(op) -> bool:
+    """Is `op` an elementwise value computed from others (not a parameter, an index, a
+    reduction or a matmul, which are read through their slices)?"""
+    return op.kind != "index" and ops.is_elementwise(op.kind)
+
+
+def slice_source(b: Builder, op, indices: list, span: Span | None) -> list[int]:
+    """The indices of a slice's source that its elements at `indices` (one per axis of the
+    slice; a new axis's is not read) read."""
+    source, out = [], iter(indices)
+    for item in op.attr("items"):
+        if item[0] == "new":
+            next(out)
+        elif item[0] == "at":
+            source.append(b.size(item[1], span))
+        else:
+            _, start, _, step, _ = item
+            i = next(out)
+            if i is None:  # an axis of size 1
+                i = b.const(0, DType.I32, span)
+            if step != 1:
+                i = b.op("mul", [i, b.const(step, DType.I32, span)], span)
+            if start != 0:
+                i = b.op("add", [i, b.size(start, span)], span)
+            source.append(i)
+    return source

@@ -36,7 +36,8 @@ class GroupPlan:
         self.order = {n: i for i, n in enumerate(graph.topo_order())}
         self.group_of: dict[int, int] = {}
         self.groups: list[list[int]] = []
-        self.specs: list = []  # each group's kernel spec (`fusion.spec`), None: not rewritten here
+        # each group's kernel spec (`fusion.spec`); None where the pass merges kernels itself
+        self.specs: list = []
         self.first: list[int] = []  # each planned group's earliest position
         self.last: list[int] = []  # ... and its latest
 

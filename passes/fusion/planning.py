@@ -121,5 +121,5 @@ PLANNERS: dict[type[Plan], Callable[[Region, Spec], Plan]] = {
 
 
 def plan_kernel(region: Region, spec: Spec) -> Plan:
-    """The plan of `region` from the pass's `spec`, in the region's values (`Spec.in_region`)."""
+    """The plan of `region` from the pass's `spec`, in the region's values (`spec.in_region`)."""
     return PLANNERS[spec.plan](region, spec)

@@ -5,7 +5,7 @@ row program, the matmul of a GEMM and its duals and statistics, the two matmuls 
 attention kernel with its score modification, operand prologues, softmax, stored
 logsumexps, sums over the keys and epilogue. It says so in a spec, in the nodes of the
 graph it is looking at. `regions.replace_with_kernel` outlines the group and renumbers
-the spec's nodes as the values of the region (`Spec.in_region`); the template's planner
+the spec's nodes as the values of the region (`in_region`); the template's planner
 (`fusion.planning`) turns the spec into the plan. A planner adds only facts of the
 region's dataflow (the tensor an operand's prologue reads, how a value maps onto a row
 space, a mask's key bound); it decides no role again.
