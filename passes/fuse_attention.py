@@ -177,8 +177,8 @@ class _Match:
                     return self.refuse(Rule.MATERIALIZE, n, u, self._whole("the scores", u))
         members = {qk, pv, *chain, *extra}
         for operand in (0, 1):
-            members |= self._prologue(qk, operand)
-        if self._gather(graph.operands(pv)[1], pv):  # v read through an index map (a paged cache)
+            members |= self._prologue(qk, operand, pv)
+        if self._gather(graph.operands(pv)[1], {pv, *members}):  # v read through an index map
             members.add(graph.operands(pv)[1])
         if self.plan.creates_cycle(members - {qk}, qk):
             return self.refuse(Rule.CYCLE, qk, pv, "a value the attention needs depends on its result")
@@ -330,23 +330,26 @@ class _Match:
                     changed = True
         return qk, [n for n in order if n in chain]
 
-    def _prologue(self, qk: int, slot: int) -> set[int]:
+    def _prologue(self, qk: int, slot: int, pv: int) -> set[int]:
         """Cheap elementwise ops on one matmul operand, from one tensor plus scalars, that only
-        the matmul uses (through a transpose of the last two dims for k)."""
+        the matmul uses (through a transpose of the last two dims for k); a gather k shares
+        with v (`kv = cache[table]`, `q @ kv.T`, `p @ kv`) loads through its index for both."""
         graph = self.graph
         out: set[int] = set()
         node, user = graph.operands(qk)[slot], qk
-        while not self.plan.grouped(node) and [u for u, _ in graph.users(node)] == [user]:
+        while not self.plan.grouped(node):
             op = graph.op(node)
+            if self._gather(node, {user, pv} if slot == 1 else {user}):
+                out.add(node)  # loaded through its index; what it gathers from is stored
+                break
+            if [u for u, _ in graph.users(node)] != [user]:
+                break
             if isinstance(op, Op) and op.kind == "transpose" and slot == 1 and op.attr("dims") == (
                     op.type.rank - 2, op.type.rank - 1) and not any(
                     graph.op(n).kind == "transpose" for n in out):
                 nxt = graph.operands(node)[0]
                 if not elementwise_candidate(graph, nxt):
                     break  # a plain `k.T`: read in place through its strides
-            elif self._gather(node, user):
-                out.add(node)  # loaded through its index; what it gathers from is stored
-                break
             elif elementwise_candidate(graph, node) and prologue_op_refusal(graph, node, False) is None:
                 nxt = next(s for s in graph.operands(node) if graph.op(s).type.rank > 0)
             else:
@@ -355,13 +358,13 @@ class _Match:
             node, user = nxt, node
         return out
 
-    def _gather(self, node: int, user: int) -> bool:
-        """A gather only `user` reads, at index expressions (`k_cache[block_table[b, j // P],
-        j % P]`): the kernel loads the operand tile through the index it computes over the
-        tile."""
+    def _gather(self, node: int, readers: set[int]) -> bool:
+        """A gather only the operand loads `readers` read, at index expressions
+        (`k_cache[block_table[b, j // P], j % P]`): the kernel loads the operand tile through
+        the index it computes over the tile."""
         graph = self.graph
         return _is(graph, node, "take") and not self.plan.grouped(node) \
-            and [u for u, _ in graph.users(node)] == [user] \
+            and {u for u, _ in graph.users(node)} <= readers \
             and all(is_clonable(graph, o) for o in graph.operands(node)[1:])
 
     def _epilogue(self, group: Group, pv: int) -> None:

@@ -319,6 +319,43 @@ def test_paged_decode_loads_k_and_v_through_the_block_table_in_one_attention_ker
         assert torch.allclose(out[i].double(), att[:, 0], atol=2e-3)
 
 
+SHARED_KV = """
+kernel shared_kv(q: f32[B, H, M, D], kv_cache: f32[NB, P, H, D], block_table: i32[B, L]) -> f32[B, H, M, D] {
+    kv = transpose(kv_cache[block_table], 1, 3)
+    kv = reshape(transpose(kv, 2, 3), [B, H, L * P, D])
+    return softmax(q @ kv.T * rsqrt(D)) @ kv
+}"""
+
+FLIPPED_KV = """
+kernel flipped_kv(q: f32[M, D], w: f32[N, D]) -> f32[M, D] {
+    kv = w[N - 1 - index(w, 0), index(w, 1)]
+    return softmax(q @ kv.T) @ kv
+}"""
+
+
+@pytest.mark.parametrize("b, h, m, p, l, d", [(1, 1, 1, 1, 1, 16), (3, 2, 17, 17, 3, 32), (2, 1, 5, 16, 2, 16)])
+def test_one_gather_read_as_both_keys_and_values_is_loaded_through_its_index_for_both(b, h, m, p, l, d):
+    """One gathered tensor is k and v (a cache holding both, a flipped sequence): the
+    attention kernel loads both tiles through the index, and stores no gather."""
+    g = torch.Generator().manual_seed(b * 100 + m + p)
+    nb = b * l + 3
+    q, cache = randn(b, h, m, d), randn(nb, p, h, d)
+    table = torch.randperm(nb, generator=g)[:b * l].reshape(b, l).to(torch.int32)
+    fn, out = run_checked(SHARED_KV, q, cache, table)
+    (kernel,) = fn.kernel_ops()
+    assert kernel.template == "attention" and kernel.plan.v_chain
+    for i in range(b):
+        kv = cache[table[i].long()].reshape(l * p, h, d).transpose(0, 1).double()
+        att = torch.softmax(q[i].double() @ kv.transpose(1, 2) / math.sqrt(d), -1) @ kv
+        assert torch.allclose(out[i].double(), att, atol=1e-5)
+    q, w = randn(m, d), randn(l * p, d)
+    fn, out = run_checked(FLIPPED_KV, q, w)
+    (kernel,) = fn.kernel_ops()
+    assert kernel.template == "attention" and kernel.plan.v_chain
+    kv = w.flip(0).double()
+    assert torch.allclose(out.double(), torch.softmax(q.double() @ kv.T, -1) @ kv, atol=1e-5)
+
+
 def test_queries_gathered_at_a_selection_are_loaded_through_it_by_the_attention_kernel():
     src = """
     kernel f(xs: f32[NS, H, D], sel: i32[M], k: f32[H, N, D], v: f32[H, N, D]) -> f32[H, M, D] {
