@@ -228,9 +228,9 @@ class AttentionPlan:
     no softmax (`softmax` None), any score function `f(q @ kt) @ v` (linear attention,
     retention, a chunked scan's intra-chunk part), summed over the keys as it is.
 
-    `q_source`, `k_source`, `v`: the region inputs the q, k and v tiles are
-    loaded from (for a gathered q or k, the tensor it gathers from; a gathered v is the
-    gather, computed from `v_chain`); `k_transposed`: the k tensor is [.., N, D] and read
+    `q_source`, `k_source`, `v_source`: the region inputs the q, k and v tiles are
+    loaded from (for a gathered operand, the tensor it gathers from); `v`: the value p @ v
+    reads (an input, or a gather computed from `v_chain`); `k_transposed`: the k tensor is [.., N, D] and read
     as K^T.
     """
 
@@ -268,6 +268,7 @@ class AttentionPlan:
     # the values v is computed from when it is gathered (a paged cache, loaded through the
     # index over each tile); empty when v is an input, read through its strides
     v_chain: frozenset[int] = frozenset()
+    v_source: int | None = None  # None: `v` itself
 
     def role(self, value: int) -> str:
         if value in self.q_chain:
@@ -294,7 +295,7 @@ class AttentionPlan:
                 f"{'' if self.softmax is not None else f'p = {name(self.scores)}, '}"
                 f"pv = {name(self.pv)}, q = {name(self.q_source)}, "
                 f"k = {name(self.k_source)}{' (transposed)' if self.k_transposed else ''}, "
-                f"v = {name(self.v)}, score_mod = {_names(self.score_ops, name)}, "
+                f"v = {name(self.v if self.v_source is None else self.v_source)}, score_mod = {_names(self.score_ops, name)}, "
                 f"lse = {_names(self.lse, name)}, epilogue = {_names(self.epilogue, name)}, "
                 f"key_bound = {_bound(self.bound, name)}"
                 + ("" if self.p_out is None else f", stores_p = {name(self.p_out)}")
@@ -320,7 +321,7 @@ class AttentionPlan:
                 check.fail("its attention plan does not match p @ v")
         for v in self.row_sums:
             check.expect(v, ("sum",), "sum over the keys")
-        for v in (self.q_source, self.k_source, *(() if self.v_chain else (self.v,))):
+        for v in (self.q_source, self.k_source, self.v if self.v_source is None else self.v_source):
             check.expect(v, (None,), "q, k or v")
         for v in (*self.score_ops, *self.lse, *self.epilogue):
             check.kind(v)

@@ -66,7 +66,8 @@ def attention_plan(region: Region, spec: AttentionSpec) -> AttentionPlan:
                          operand_source(region, k_chain), v, transposes % 2 == 1,
                          score_ops, spec.lse, epilogue, bound, spec.p_cast,
                          p if sm is not None and p in region.outputs else None, spec.lse_casts,
-                         row_sums=spec.row_sums, bound_cond=cond, v_chain=v_chain)
+                         row_sums=spec.row_sums, bound_cond=cond, v_chain=v_chain,
+                         v_source=operand_source(region, v_chain) if v_chain else None)
 
 
 def attention_backward_plan(region: Region, spec: AttentionBackwardSpec) -> AttentionBackwardPlan:
