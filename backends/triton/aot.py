@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from .launch import PINNED_OPTIONS
 from .cache import load
 from .program import Launch
 
@@ -60,7 +61,7 @@ def compile_launch(launch: Launch, target: tuple[str, int, int] = SM90, config: 
         elif arg.aligned:
             attrs[(i,)] = [["tt.divisibility", 16]]
     source = ASTSource(fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    options = {"num_warps": cfg.num_warps or 4, "num_stages": cfg.num_stages or 3}
+    options = {"num_warps": cfg.num_warps or 4, "num_stages": cfg.num_stages or 3, **PINNED_OPTIONS}
     return triton.compile(source, target=GPUTarget(*target), options=options)
 
 
