@@ -564,7 +564,9 @@ class AttentionProgram:
             m, n, d, dv = sizes(dims)
             if device == "cuda":
                 bm, bn, warps, stages = hopper(d, dv)[0]
-                bm = min(bm, max(64, next_pow2(m)))
+                # a warpgroup's wgmma is 64 rows; a decode's few query rows take a 16-row
+                # tile (mma.sync) instead of wasting most of each dot and its registers
+                bm = min(bm, 16 if m <= 16 else max(64, next_pow2(m)))
                 return config(dims, bm, bn if half else min(bn, 32), warps, stages)
             # the interpreter: few, large programs
             return config(dims, max(16, min(next_pow2(m), 128)), max(16, min(next_pow2(n), 128)), 4, 1)
