@@ -295,7 +295,8 @@ class AttentionPlan:
                 f"{'' if self.softmax is not None else f'p = {name(self.scores)}, '}"
                 f"pv = {name(self.pv)}, q = {name(self.q_source)}, "
                 f"k = {name(self.k_source)}{' (transposed)' if self.k_transposed else ''}, "
-                f"v = {name(self.v if self.v_source is None else self.v_source)}, score_mod = {_names(self.score_ops, name)}, "
+                f"v = {name(self.v if self.v_source is None else self.v_source)}, "
+                f"score_mod = {_names(self.score_ops, name)}, "
                 f"lse = {_names(self.lse, name)}, epilogue = {_names(self.epilogue, name)}, "
                 f"key_bound = {_bound(self.bound, name)}"
                 + ("" if self.p_out is None else f", stores_p = {name(self.p_out)}")

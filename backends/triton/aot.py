@@ -23,8 +23,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .launch import PINNED_OPTIONS
 from .cache import load
+from .launch import PINNED_OPTIONS
 from .program import Launch
 
 SM90 = ("cuda", 90, 32)
