@@ -41,6 +41,11 @@ BUILTINS: dict[str, Builtin] = {
 # torch's pairs: `values, indices = max(x, axis)` is the max and the argmax along one axis
 for _kind in ("max", "min"):
     BUILTINS[_kind] = Builtin(_kind, BUILTINS[_kind].params, results=("values", "indices"))
+# random numbers at each element's position in x (tiledsl/ops/random.py); dropout keeps an
+# element with probability 1 - p and scales it by 1 / (1 - p)
+BUILTINS["rand"] = Builtin("rand", (BParam("x"), BParam("seed")))
+BUILTINS["randn"] = Builtin("randn", (BParam("x"), BParam("seed")))
+BUILTINS["dropout"] = Builtin("dropout", (BParam("x"), BParam("p"), BParam("seed")))
 # macros: causal(x) is index(x, -2) >= index(x, -1)
 BUILTINS["causal"] = Builtin("causal", (BParam("x"),))
 # concat(*values, axis=-1) takes any number of values (sema binds it itself)

@@ -426,6 +426,53 @@ class _KernelBuilder:
         axis = axis_arg(e, args, "axis", len(shape), None)
         return self.b.user_op("index", [], e.span, axis=axis, shape=shape)
 
+    def _call_random(self, e: ast.Call, b: Builtin, args: dict[str, ast.Expr]) -> int:
+        """`rand(x, seed)` and `randn(x, seed)`: f32 numbers of x's shape, uniform in [0, 1)
+        or standard normal, each a function of the seed and its position in x alone."""
+        return self._random(self._value(args, "x")[0], self._value(args, "seed"), e.span,
+                            "uniform" if e.func == "rand" else "normal")
+
+    def _call_dropout(self, e: ast.Call, b: Builtin, args: dict[str, ast.Expr]) -> int:
+        """`dropout(x, p, seed)`: x * where(rand(x, seed) >= p, 1 / (1 - p), 0) in x's dtype,
+        torch's scaling; the mask factor reads no x, so its gradient is g times it."""
+        x, xspan = self._value(args, "x")
+        t = self.graph.op(x).type
+        if not t.dtype.is_float:
+            raise diag.DTypeError(xspan, message=f"dropout needs a float value, got {t}")
+        p, pspan = self._value(args, "p")
+        given = self.graph.op(p)
+        if given.kind == "const" and not 0.0 <= given.attr("value") <= 1.0:
+            raise diag.ConstantExpected(pspan, what="the probability of dropout",
+                                        expected=f"between 0 and 1, got {given.attr('value')}")
+        u = self._random(x, self._value(args, "seed"), e.span, "uniform")
+        keep = self.b.user_op("ge", [(u, e.span), (p, pspan)], e.span)
+        one = self.b.const(1.0, DType.F32, e.span)
+        kept = self.b.user_op("sub", [(one, e.span), (p, pspan)], e.span)
+        scale = self.b.user_op("div", [(one, e.span), (kept, pspan)], e.span)
+        zero = self.b.const(0.0, DType.F32, e.span)
+        factor = self.b.user_op("where", [(keep, e.span), (scale, e.span), (zero, e.span)], e.span)
+        out = self.b.user_op("mul", [(x, xspan), (factor, e.span)], e.span)
+        if self.graph.op(out).dtype is not t.dtype:  # a p given as an f32 parameter
+            out = self.b.user_op("cast", [(out, e.span)], e.span, dtype=t.dtype)
+        return out
+
+    def _random(self, x: int, seed: tuple[int, Span], span: Span, dist: str) -> int:
+        """`random` at each element's flat (row-major) position in x, an i64."""
+        shape = self.graph.op(x).shape
+        position = self.b.const(0, DType.I64, span)
+        stride = None
+        for axis in reversed(range(len(shape))):
+            if shape[axis] == 1:
+                continue
+            at = self.b.user_op("cast", [(self.b.user_op("index", [], span, axis=axis, shape=shape), span)],
+                                span, dtype=DType.I64)
+            if stride is not None:
+                at = self.b.user_op("mul", [(at, span), (stride, span)], span)
+            position = self.b.user_op("add", [(position, span), (at, span)], span)
+            size = self.b.user_op("cast", [(self.b.size(shape[axis], span), span)], span, dtype=DType.I64)
+            stride = size if stride is None else self.b.user_op("mul", [(stride, span), (size, span)], span)
+        return self.b.user_op("random", [(position, span), seed], span, dist=dist)
+
     def _call_causal(self, e: ast.Call, b: Builtin, args: dict[str, ast.Expr]) -> int:
         x, xspan = self._value(args, "x")
         t = self.graph.op(x).type
@@ -444,6 +491,7 @@ _HANDLERS = {
     **{kind: "reduce" for kind, d in ops.OPS.items() if d.reduction is not None},
     "softmax": "along", "cumsum": "along", "transpose": "transpose", "index": "index", "causal": "causal",
     "gather": "gather", "reshape": "reshape", "squeeze": "squeeze", "expand": "expand",
+    "rand": "random", "randn": "random", "dropout": "dropout",
 }
 
 
