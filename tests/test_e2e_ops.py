@@ -32,7 +32,7 @@ COMPARISONS = ["<", "<=", ">", ">=", "==", "!="]
 # ops with tests of their own below (take: gathers, advanced indexing and concat in
 # tests/test_indexing.py)
 OWN_TESTS = ["neg", "and", "or", "where", "cast", "index", "not", "isnan", "isinf", "clamp", "take",
-             "expand"]
+             "expand", "random"]
 
 
 @pytest.mark.parametrize("dt", DTYPES)

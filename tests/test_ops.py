@@ -30,6 +30,8 @@ NO_DERIVATIVE = {"eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "isnan"
                  "argmax", "argmin"}
 # ops built by subscripts (x[i, a:b], gather, concat) rather than called by name
 SUBSCRIPT_OPS = {"take": -1, "slice": 1}
+# ops only sema's builtins build: rand, randn and dropout are `random` at each position
+BUILT_BY_SEMA = {"random"}
 
 
 @pytest.mark.parametrize("kind", sorted(OPS))
@@ -43,7 +45,7 @@ def test_every_op_is_declared_whole(kind):
         assert d.params is None and d.symbol is None, "sources and return are not written by users"
         return
     assert d.reference is not None, f"{kind} has no torch reference"
-    assert d.params is not None or d.symbol is not None or kind in SUBSCRIPT_OPS, \
+    assert d.params is not None or d.symbol is not None or kind in SUBSCRIPT_OPS or kind in BUILT_BY_SEMA, \
         f"{kind} cannot be written in the DSL"
     if kind == "take":
         assert d.triton is not None and d.gathers == 0
@@ -98,6 +100,8 @@ POINTS = (-1.75, -0.5, 0.37, 1.0, 2.25)
 def _attr_choices(kind):
     """Every combination of an op's constant parameters worth checking."""
     d = OPS[kind]
+    if kind == "random":
+        return [{"dist": "uniform"}, {"dist": "normal"}]
     constants = [p for p in (d.params or ()) if p.kind != "value"]
     if not constants:
         return [{}]
@@ -115,6 +119,8 @@ def _operand_sets(kind):
         return [(c, a, b) for c in (True, False) for a, b in ((2.5, -1.0), (0.37, 7.0))]
     if d.arity == 3:  # clamp
         return [(x, lo, hi) for x in POINTS for lo, hi in ((-1.0, 1.0), (0.5, 3.0), (2, 1))]
+    if kind == "random":  # (position, seed)
+        return [(p, seed) for p in (0, 1, 5, 2**33 + 1) for seed in (0, -3, 2**40 + 5)]
     if d.arity == 2:
         if kind in ("and", "or"):
             return [(a, b) for a in (0, 1, 6) for b in (0, 3)]

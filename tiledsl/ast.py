@@ -146,12 +146,21 @@ class Assign:
 
 
 @dataclass(frozen=True, slots=True)
+class Unpack:
+    """`a, b = topk(x, 2)` (a builtin with several results) or `a, b = b, a` (a tuple)."""
+    targets: tuple[str, ...]
+    target_spans: tuple[Span, ...]
+    values: tuple[Expr, ...]
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
 class Return:
     values: tuple[Expr, ...]
     span: Span
 
 
-Stmt = Assign | Return
+Stmt = Assign | Unpack | Return
 
 
 @dataclass(frozen=True, slots=True)

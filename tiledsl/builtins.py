@@ -20,6 +20,10 @@ __all__ = ["BUILTINS", "REQUIRED", "TILE_HINTS", "TORCH_SPELLINGS", "BParam", "B
 class Builtin:
     name: str
     params: tuple[BParam, ...]
+    # the names of its results when it has several, unpacked `values, indices = max(x, -1)`;
+    # `alone`: a call used as one value means its first result (max(x, -1) is the values)
+    results: tuple[str, ...] = ()
+    alone: bool = True
 
     @property
     def min_args(self) -> int:
@@ -34,6 +38,14 @@ class Builtin:
 BUILTINS: dict[str, Builtin] = {
     kind: Builtin(kind, d.params) for kind, d in OPS.items() if d.params is not None
 }
+# torch's pairs: `values, indices = max(x, axis)` is the max and the argmax along one axis
+for _kind in ("max", "min"):
+    BUILTINS[_kind] = Builtin(_kind, BUILTINS[_kind].params, results=("values", "indices"))
+# random numbers at each element's position in x (tiledsl/ops/random.py); dropout keeps an
+# element with probability 1 - p and scales it by 1 / (1 - p)
+BUILTINS["rand"] = Builtin("rand", (BParam("x"), BParam("seed")))
+BUILTINS["randn"] = Builtin("randn", (BParam("x"), BParam("seed")))
+BUILTINS["dropout"] = Builtin("dropout", (BParam("x"), BParam("p"), BParam("seed")))
 # macros: causal(x) is index(x, -2) >= index(x, -1)
 BUILTINS["causal"] = Builtin("causal", (BParam("x"),))
 # concat(*values, axis=-1) takes any number of values (sema binds it itself)

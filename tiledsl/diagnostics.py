@@ -198,6 +198,10 @@ class ReturnError(TileDSLError):
     template = "{message}"
 
 
+class UnpackError(TileDSLError):
+    template = "{message}"
+
+
 class ConstantExpected(TileDSLError):
     template = "{what} must be {expected}"
 

@@ -225,6 +225,13 @@ class _Builder(lark.visitors.Transformer_NonRecursive):
         return ast.Assign(str(name), self._tok(name), value, self._span(meta))
 
     @lark.v_args(meta=True)
+    def unpack(self, meta, children):
+        names = [c for c in children if isinstance(c, lark.Token) and c.type == "NAME"]
+        values = [c for c in children if c is not None and c not in names]
+        return ast.Unpack(tuple(str(n) for n in names), tuple(self._tok(n) for n in names),
+                          tuple(values), self._span(meta))
+
+    @lark.v_args(meta=True)
     def return_(self, meta, values):
         return ast.Return(tuple(values), self._span(meta))
 

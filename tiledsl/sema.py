@@ -95,12 +95,42 @@ class _KernelBuilder:
                 raise diag.ReturnError(stmt.span, message="statement after 'return' is unreachable")
             if isinstance(stmt, ast.Assign):
                 self.scope[stmt.target] = (self.expr(stmt.value), stmt.target_span)
+            elif isinstance(stmt, ast.Unpack):
+                values = self._unpacked(stmt)
+                for name, span, value in zip(stmt.targets, stmt.target_spans, values, strict=True):
+                    self.scope[name] = (value, span)
             else:
                 self._return(stmt)
                 returned = True
         if not returned:
             raise diag.ReturnError(k.name_span, message=f"kernel '{k.name}' has no 'return' statement")
         return self.graph
+
+    def _unpacked(self, stmt: ast.Unpack) -> tuple[int, ...]:
+        """The values `a, b = ...` binds: a builtin's several results, or a tuple's values,
+        every one computed before any name is bound (`a, b = b, a` swaps)."""
+        for i, name in enumerate(stmt.targets):
+            if name in stmt.targets[:i]:
+                first = stmt.target_spans[stmt.targets.index(name)]
+                raise diag.UnpackError(stmt.target_spans[i], [diag.Note("first here", first)],
+                                       message=f"'{name}' is assigned twice in one statement")
+        n = len(stmt.targets)
+        if len(stmt.values) == 1:
+            (e,) = stmt.values
+            builtin = BUILTINS.get(e.func) if isinstance(e, ast.Call) and e.func not in self.scope else None
+            if builtin is None or not builtin.results:
+                several = ", ".join(k for k, b in BUILTINS.items() if b.results)
+                raise diag.UnpackError(e.span, message=(
+                    f"cannot unpack one value into {n} names: only a builtin with several results "
+                    f"({several}) or a tuple (`a, b = x, y`) unpacks"))
+            if len(builtin.results) != n:
+                raise diag.UnpackError(stmt.span, message=(
+                    f"'{e.func}' gives {len(builtin.results)} results ({', '.join(builtin.results)}), "
+                    f"not {n}"))
+            return getattr(self, "_results_" + _RESULTS[e.func])(e, builtin, _bind(builtin, e))
+        if len(stmt.values) != n:
+            raise diag.UnpackError(stmt.span, message=f"{n} names but {len(stmt.values)} values")
+        return tuple(self.expr(v) for v in stmt.values)
 
     def _hints(self, decorators: Sequence[ast.Decorator]) -> dict[str, tuple[int, Span]]:
         hints: dict[str, tuple[int, Span]] = {}
@@ -291,6 +321,11 @@ class _KernelBuilder:
                     f"; tiledsl writes {TORCH_SPELLINGS[e.func].format(x='x')}"))
             raise diag.UnknownFunctionError(e.func_span, name=e.func,
                                             hint=diag.did_you_mean(e.func, BUILTINS))
+        if not builtin.alone:
+            names = ", ".join(builtin.results)
+            raise diag.UnpackError(e.span, message=(
+                f"'{e.func}' gives {len(builtin.results)} results ({names}): unpack them, "
+                f"`{names} = {e.func}(...)`"))
         args = _bind(builtin, e)
         handler = _HANDLERS.get(e.func, "op")
         if handler in Indexing.CALLS:
@@ -333,6 +368,20 @@ class _KernelBuilder:
             raise
         keepdims = const_bool(args.get("keepdims"), f"'keepdims' of '{e.func}'")
         return self.b.user_op(e.func, [x], e.span, axis=axis, keepdims=keepdims)
+
+    def _results_extremum(self, e: ast.Call, b: Builtin, args: dict[str, ast.Expr]) -> tuple[int, int]:
+        """`values, indices = max(x, axis)`, torch's pair: the max along one axis and the
+        position of its first occurrence (argmax, i64)."""
+        given = args.get("axis")
+        if isinstance(given, ast.TupleLit | ast.NoneLit):
+            raise diag.ConstantExpected(given.span, what=f"'axis' of '{e.func}' unpacked", expected=(
+                "one integer: the indices are positions along one axis"))
+        values = self._call_reduce(e, b, args)
+        op = self.graph.op(values)
+        (x,) = self.graph.operands(values)
+        indices = self.b.user_op("arg" + e.func, [(x, args["x"].span)], e.span, axis=op.attr("axis"),
+                                 keepdims=op.attr("keepdims"))
+        return values, indices
 
     def _reduce_axes(self, e: ast.Call, x: tuple[int, Span], given: ast.Expr, rank: int,
                      args: dict[str, ast.Expr]) -> int:
@@ -377,6 +426,53 @@ class _KernelBuilder:
         axis = axis_arg(e, args, "axis", len(shape), None)
         return self.b.user_op("index", [], e.span, axis=axis, shape=shape)
 
+    def _call_random(self, e: ast.Call, b: Builtin, args: dict[str, ast.Expr]) -> int:
+        """`rand(x, seed)` and `randn(x, seed)`: f32 numbers of x's shape, uniform in [0, 1)
+        or standard normal, each a function of the seed and its position in x alone."""
+        return self._random(self._value(args, "x")[0], self._value(args, "seed"), e.span,
+                            "uniform" if e.func == "rand" else "normal")
+
+    def _call_dropout(self, e: ast.Call, b: Builtin, args: dict[str, ast.Expr]) -> int:
+        """`dropout(x, p, seed)`: x * where(rand(x, seed) >= p, 1 / (1 - p), 0) in x's dtype,
+        torch's scaling; the mask factor reads no x, so its gradient is g times it."""
+        x, xspan = self._value(args, "x")
+        t = self.graph.op(x).type
+        if not t.dtype.is_float:
+            raise diag.DTypeError(xspan, message=f"dropout needs a float value, got {t}")
+        p, pspan = self._value(args, "p")
+        given = self.graph.op(p)
+        if given.kind == "const" and not 0.0 <= given.attr("value") <= 1.0:
+            raise diag.ConstantExpected(pspan, what="the probability of dropout",
+                                        expected=f"between 0 and 1, got {given.attr('value')}")
+        u = self._random(x, self._value(args, "seed"), e.span, "uniform")
+        keep = self.b.user_op("ge", [(u, e.span), (p, pspan)], e.span)
+        one = self.b.const(1.0, DType.F32, e.span)
+        kept = self.b.user_op("sub", [(one, e.span), (p, pspan)], e.span)
+        scale = self.b.user_op("div", [(one, e.span), (kept, pspan)], e.span)
+        zero = self.b.const(0.0, DType.F32, e.span)
+        factor = self.b.user_op("where", [(keep, e.span), (scale, e.span), (zero, e.span)], e.span)
+        out = self.b.user_op("mul", [(x, xspan), (factor, e.span)], e.span)
+        if self.graph.op(out).dtype is not t.dtype:  # a p given as an f32 parameter
+            out = self.b.user_op("cast", [(out, e.span)], e.span, dtype=t.dtype)
+        return out
+
+    def _random(self, x: int, seed: tuple[int, Span], span: Span, dist: str) -> int:
+        """`random` at each element's flat (row-major) position in x, an i64."""
+        shape = self.graph.op(x).shape
+        position = self.b.const(0, DType.I64, span)
+        stride = None
+        for axis in reversed(range(len(shape))):
+            if shape[axis] == 1:
+                continue
+            at = self.b.user_op("cast", [(self.b.user_op("index", [], span, axis=axis, shape=shape), span)],
+                                span, dtype=DType.I64)
+            if stride is not None:
+                at = self.b.user_op("mul", [(at, span), (stride, span)], span)
+            position = self.b.user_op("add", [(position, span), (at, span)], span)
+            size = self.b.user_op("cast", [(self.b.size(shape[axis], span), span)], span, dtype=DType.I64)
+            stride = size if stride is None else self.b.user_op("mul", [(stride, span), (size, span)], span)
+        return self.b.user_op("random", [(position, span), seed], span, dist=dist)
+
     def _call_causal(self, e: ast.Call, b: Builtin, args: dict[str, ast.Expr]) -> int:
         x, xspan = self._value(args, "x")
         t = self.graph.op(x).type
@@ -395,7 +491,12 @@ _HANDLERS = {
     **{kind: "reduce" for kind, d in ops.OPS.items() if d.reduction is not None},
     "softmax": "along", "cumsum": "along", "transpose": "transpose", "index": "index", "causal": "causal",
     "gather": "gather", "reshape": "reshape", "squeeze": "squeeze", "expand": "expand",
+    "rand": "random", "randn": "random", "dropout": "dropout",
 }
+
+
+# builtins with several results (`values, indices = max(x, -1)`): how each is unpacked
+_RESULTS = {"max": "extremum", "min": "extremum"}
 
 
 def _bind(b: Builtin, call: ast.Call) -> dict[str, ast.Expr]:

@@ -56,6 +56,23 @@ def f32_to_bf16(x, INTERPRETER: tl.constexpr):
 """
 
 # a product along an axis (prod's collapse): tl.reduce's combine must be a jit function
+# tiledsl/ops/random.py: Philox (tl.randint4x) at an i64 position; a normal is Box-Muller of
+# its first two words in f64, rounded once (the reference computes the same)
+HELPERS["random"] = """\
+@triton.jit
+def uniform_at(seed, position):
+    w0, _, _, _ = tl.randint4x(seed, position)
+    return tl.uint_to_uniform_float(w0)
+
+
+@triton.jit
+def normal_at(seed, position):
+    w0, w1, _, _ = tl.randint4x(seed, position)
+    u1 = tl.maximum(tl.uint_to_uniform_float(w0), 1.0e-7).to(tl.float64)
+    u2 = tl.uint_to_uniform_float(w1).to(tl.float64)
+    return (tl.sqrt(-2.0 * tl.log(u1)) * tl.cos(6.283185307179586 * u2)).to(tl.float32)
+
+"""
 HELPERS["mul_combine"] = """\
 @triton.jit
 def mul_combine(a, b):

@@ -15,7 +15,7 @@ error.
 
 from __future__ import annotations
 
-from . import binary, structure, unary  # noqa: F401 - each module defines its ops
+from . import binary, random, structure, unary  # noqa: F401 - each module defines its ops
 from .core import (
     OPS,
     REQUIRED,
