@@ -42,6 +42,11 @@ SAFE_UNARY = {"log": "log(abs({}) + 1.0)", "sqrt": "sqrt(abs({}) + 0.25)", "rsqr
               "log2": "log2(abs({}) + 0.5)", "exp2": "exp2(tanh({}))", "div": "({} / (abs({}) + 1.0))",
               "log1p": "log1p(abs({}))", "expm1": "expm1(tanh({}))", "pow": "((abs({}) + 0.5) ** 1.5)",
               "square": "({} ** 2)", "clamp": "clamp({}, -1.0, 1.5)", "tan": "tan(tanh({}))"}
+# activations, drawn from a stream of their own in place of a UNARY op now and then
+ACTIVATIONS = ["softplus({})", "softplus({}, beta=2.0, threshold=5.0)", "logsigmoid({})", "elu({})",
+               "selu({})", "celu({}, alpha=1.5)", "leaky_relu({}, slope=0.1)", "hardtanh({})",
+               "hardtanh({}, min_val=-2.0, max_val=0.5)", "hardsigmoid({})", "hardswish({})", "mish({})",
+               "softsign({})"]
 BINARY = ["+", "-", "*", "maximum", "minimum"]
 REDUCE = ["sum", "max", "min", "mean", "logsumexp", "prod"]
 # prod of factors near 1, so a product along a row stays finite in f16 (argmax and argmin
@@ -116,6 +121,9 @@ class Generator:
         self.axes_rng = random.Random("axes1:" + str(rng.getstate()[1][:8]))
         # and so do the index maps an attention's keys and values are read through
         self.maps_rng = random.Random("maps1:" + str(rng.getstate()[1][:8]))
+        # and so do the activations that stand in for a UNARY op (salt 8: the first that keeps
+        # the pinned programs)
+        self.acts_rng = random.Random("acts8:" + str(rng.getstate()[1][:8]))
         self.values: list[Value] = [
             Value("x", ("M", "N")), Value("y", ("N",)), Value("z", ("M", "1")), Value("s", ()),
             Value("mask", ("M", "N"), "bool"), Value("flag", (), "bool")]
@@ -170,6 +178,8 @@ class Generator:
         if r < 0.22:
             a = self.expr(depth - 1)
             op = self.rng.choice(UNARY)
+            if self.acts_rng.random() < 0.25:
+                return Value(self.acts_rng.choice(ACTIVATIONS).format(a.text), a.shape)
             return Value(f"-({a.text})" if op == "-" else f"{op}({a.text})", a.shape)
         if r < 0.32:
             a = self.expr(depth - 1)

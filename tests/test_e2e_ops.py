@@ -30,9 +30,10 @@ UNARY_POSITIVE = ["log", "log2", "sqrt", "rsqrt", "log1p"]
 BINARY = ["+", "-", "*", "/", "maximum", "minimum", "//", "%", "**"]
 COMPARISONS = ["<", "<=", ">", ">=", "==", "!="]
 # ops with tests of their own below (take: gathers, advanced indexing and concat in
-# tests/test_indexing.py)
+# tests/test_indexing.py; activations: tests/test_activations.py)
 OWN_TESTS = ["neg", "and", "or", "where", "cast", "index", "not", "isnan", "isinf", "clamp", "take",
-             "expand", "random"]
+             "expand", "random", "softplus", "logsigmoid", "elu", "selu", "celu", "leaky_relu", "hardtanh",
+             "hardsigmoid", "hardswish", "mish", "softsign"]
 
 
 @pytest.mark.parametrize("dt", DTYPES)

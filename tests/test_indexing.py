@@ -176,6 +176,21 @@ def test_concat_of_three_pieces_along_a_middle_axis():
     assert torch.allclose(out, torch.cat((a, b.exp(), c * 2), dim=1))
 
 
+@pytest.mark.parametrize("n", [1, 17, 113])
+def test_concat_of_expanded_pieces(n):
+    """An expanded piece is its operand read at the concat's indices (it used to be rebuilt
+    at its own shape over an operand read at the concat's full width: a RankError)."""
+    src = """
+    kernel f(a: f32[N, D], b: f32[N, 1], c: f32[K]) -> f32[N, D + 3 + K] {
+        return concat(a, expand(b, [N, 3]), expand(c * 2.0, [N, -1]), axis=-1)
+    }"""
+    a, b, c = randn(n, 5), randn(n, 1), randn(7)
+    fn, out = run_checked(src, a, b, c)
+    assert len(fn.kernels) == 1
+    expected = torch.cat((a.double(), b.double().expand(n, 3), (c.double() * 2).expand(n, 7)), dim=-1)
+    assert torch.allclose(out.double(), expected, atol=1e-6)
+
+
 # --- attention ------------------------------------------------------------------------------
 
 DOC_ATTENTION = (EXAMPLES / "document_mask_attention.tdsl").read_text()

@@ -105,6 +105,8 @@ def _attr_choices(kind):
     constants = [p for p in (d.params or ()) if p.kind != "value"]
     if not constants:
         return [{}]
+    if all(p.kind == "float" for p in constants):  # the defaults, and all of them halved
+        return [{p.name: p.default for p in constants}, {p.name: p.default / 2 for p in constants}]
     (p,) = constants
     if p.kind == "dtype":
         return [{p.name: DType.F32}]

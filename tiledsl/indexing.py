@@ -520,6 +520,10 @@ def reindex(b: Builder, node: int, indices: list, span: Span | None) -> int:
             lead = op.type.rank - ot.rank
             sub = [None if d == 1 else indices[lead + k] for k, d in enumerate(ot.shape)]
             operands.append((reindex(b, o, sub, span), span))
+        if op.kind == "expand":
+            # the indices do the broadcast; its `shape` is the unread value's, which the
+            # operand read at them no longer has
+            return operands[0][0]
         return b.user_op(op.kind, operands, op.span or span, **op.attr_map)
     sub = [b.const(0, DType.I32, span) if d == 1 else i for d, i in zip(op.shape, indices, strict=True)]
     return b.user_op("take", [(node, span), *((i, span) for i in sub)], span)

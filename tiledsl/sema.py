@@ -538,7 +538,18 @@ def _constant(expr: ast.Expr | None, param: BParam, func: str) -> object:
         return param.default
     if param.kind == "bool":
         return const_bool(expr, f"'{param.name}' of '{func}'")
+    if param.kind == "float":
+        return _const_float(expr, f"'{param.name}' of '{func}'")
     return const_int(expr, f"'{param.name}' of '{func}'")
+
+
+def _const_float(expr: ast.Expr, what: str) -> float:
+    """A number literal, or one negated (an int one too: `beta=2`)."""
+    negated = isinstance(expr, ast.Unary) and expr.op == "-"
+    value = expr.operand if negated else expr
+    if not isinstance(value, ast.IntLit | ast.FloatLit):
+        raise diag.ConstantExpected(expr.span, what=what, expected="a number constant")
+    return -float(value.value) if negated else float(value.value)
 
 
 def _unknown_dtype(span: Span, name: str) -> diag.UnknownDTypeError:

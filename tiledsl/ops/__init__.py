@@ -4,8 +4,8 @@ An op's `OpDef` (see `core.py`) holds its arity, category, type rule, DSL
 signature, how it reads its operands, its constant fold, its torch reference
 and its Triton rendering. Sema, the verifier, canonicalize, the reference
 backend and the Triton emitter all read these entries; none has a table of
-its own. Adding an elementwise builtin is one `define(...)` in `unary.py` or
-`binary.py` plus tests (`tests/test_ops.py` checks that every op has every
+its own. Adding an elementwise builtin is one `define(...)` in `unary.py`,
+`activations.py` or `binary.py` plus tests (`tests/test_ops.py` checks that every op has every
 part).
 
 A type rule that rejects its operands raises `RuleError`, which names the
@@ -15,7 +15,7 @@ error.
 
 from __future__ import annotations
 
-from . import binary, random, structure, unary  # noqa: F401 - each module defines its ops
+from . import activations, binary, random, structure, unary  # noqa: F401 - each module defines its ops
 from .core import (
     OPS,
     REQUIRED,

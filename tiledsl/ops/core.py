@@ -65,11 +65,11 @@ REQUIRED = object()
 @dataclass(frozen=True, slots=True)
 class BParam:
     """A parameter of a DSL builtin. `kind` says what the argument must be: a tensor
-    expression ("value": an operand) or a compile-time constant ("int", "bool", "dtype",
-    "str", "shape": an attribute of the same name)."""
+    expression ("value": an operand) or a compile-time constant ("int", "float", "bool",
+    "dtype", "str", "shape": an attribute of the same name)."""
 
     name: str
-    kind: str = "value"  # value | int | bool | dtype | str | shape
+    kind: str = "value"  # value | int | float | bool | dtype | str | shape
     default: object = REQUIRED
     choices: tuple[str, ...] = ()
 

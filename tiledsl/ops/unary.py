@@ -125,25 +125,33 @@ _math("tan", math.tan, torch.tan, _render_tan,
 INF = 'float("inf")'
 
 
-def _render_log1p(em, op, args, out):
+def log1p_of(em, x: str, cat: Compute):
     """log(u) * x / (u - 1) with u = 1 + x (Goldberg): the rounding of u cancels, so small x
-    keep full precision without libdevice; f32 ops compute it in f64."""
-    cat, x = in_wide_type(em, op, out, args[0])
+    keep full precision without libdevice. `x`: a tensor's text in `cat`."""
     u = em.assign(f"1.0 + {x}", cat).text
     special = any_of(f"{u} == 1.0", f"{u} == {INF}")
-    v = em.assign(f"tl.where({special}, {x}, "
-                  f"tl.log({u}) * ({x} / ({u} - 1.0)))", cat)
-    return em.convert(v, out)
+    return em.assign(f"tl.where({special}, {x}, tl.log({u}) * ({x} / ({u} - 1.0)))", cat)
+
+
+def expm1_of(em, x: str, cat: Compute):
+    """(u - 1) * x / log(u) with u = exp(x) (Kahan): exact enough for small x. `x`: a
+    tensor's text in `cat`."""
+    u = em.assign(f"tl.exp({x})", cat).text
+    saturated = any_of(f"{u} - 1.0 == -1.0", f"{u} == {INF}")
+    return em.assign(f"tl.where({u} == 1.0, {x}, tl.where({saturated}, "
+                     f"{u} - 1.0, ({u} - 1.0) * ({x} / tl.log({u}))))", cat)
+
+
+def _render_log1p(em, op, args, out):
+    """f32 ops compute it in f64."""
+    cat, x = in_wide_type(em, op, out, args[0])
+    return em.convert(log1p_of(em, x, cat), out)
 
 
 def _render_expm1(em, op, args, out):
-    """(u - 1) * x / log(u) with u = exp(x) (Kahan): exact enough for small x; f32 ops in f64."""
+    """f32 ops compute it in f64."""
     cat, x = in_wide_type(em, op, out, args[0])
-    u = em.assign(f"tl.exp({x})", cat).text
-    saturated = any_of(f"{u} - 1.0 == -1.0", f"{u} == {INF}")
-    v = em.assign(f"tl.where({u} == 1.0, {x}, tl.where({saturated}, "
-                  f"{u} - 1.0, ({u} - 1.0) * ({x} / tl.log({u}))))", cat)
-    return em.convert(v, out)
+    return em.convert(expm1_of(em, x, cat), out)
 
 
 _math("log1p", math.log1p, torch.log1p, _render_log1p,
@@ -152,14 +160,14 @@ _math("expm1", math.expm1, torch.expm1, _render_expm1,
       lambda d, w: (d.mul(d.g, d.add(d.y, d.c(1.0))),))
 
 
-def _tanh(em, x):
+def tanh_of(em, x):
     # tanh(x) = sign(x) * (1 - e) / (1 + e), e = exp(-2|x|): no overflow for any x.
     e = em.assign(f"tl.exp(-2.0 * tl.abs({x.text}))", x.cat)
     return em.assign(f"tl.where({x.text} < 0, -1.0, 1.0) * (1.0 - {e.text}) / (1.0 + {e.text})",
                      x.cat)
 
 
-_math("tanh", math.tanh, torch.tanh, lambda em, op, args, out: _tanh(em, em.tensor(args[0])),
+_math("tanh", math.tanh, torch.tanh, lambda em, op, args, out: tanh_of(em, em.tensor(args[0])),
       lambda d, w: (d.mul(d.g, d.sub(d.c(1.0), d.mul(d.y, d.y))),))
 
 
@@ -167,7 +175,7 @@ def _render_gelu(em, op, args, out):
     x = em.tensor(args[0]).text
     if op.attr("approximate") == "tanh":
         inner = em.assign(f"0.7978845608028654 * ({x} + 0.044715 * {x} * {x} * {x})", out)
-        return em.assign(f"0.5 * {x} * (1.0 + {_tanh(em, inner).text})", out)
+        return em.assign(f"0.5 * {x} * (1.0 + {tanh_of(em, inner).text})", out)
     return em.assign(f"0.5 * {x} * (1.0 + tl.erf({x} * 0.7071067811865476))", out)
 
 

@@ -1,0 +1,254 @@
+"""Activation functions, as torch.nn.functional defines them and torch's derivatives.yaml
+differentiates them (the convention at each kink is torch's).
+
+Integer and bool inputs compute in f32, f16/bf16 ones in f32, and f32 ones with a
+transcendental in f64 (their error then stays below an f32 ulp), like the math builtins in
+`unary.py`. Each is one elementwise op, so it fuses wherever one does (a GEMM epilogue).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch.nn.functional as F
+
+from tiledsl import diagnostics as diag
+from tiledsl.types import TensorType
+
+from .core import BParam, Category, RuleError, define
+from .render import in_wide_type
+from .rules import float_of
+from .unary import expm1_of, log1p_of, tanh_of
+
+X = BParam("x")
+# torch's SELU constants (torch/csrc/api/include/torch/nn/options/activation.h)
+SELU_ALPHA = 1.6732632423543772848170429916717
+SELU_SCALE = 1.0507009873554804934193349852946
+
+
+def _float_result(types, attrs):
+    (x,) = types
+    return TensorType(float_of(x.dtype), x.shape, x.weak)
+
+
+def _activation(kind, fold, reference, triton, vjp, *params: BParam, infer=_float_result,
+                cheap: bool = False) -> None:
+    define(kind, 1, Category.ELEMENTWISE, infer, params=(X, *params), fold=fold,
+           reference=reference, triton=triton, vjp=vjp, cheap=cheap)
+
+
+def _scaled(d, g, *factors: float):
+    """`g` times the constants that are not 1."""
+    return d.mul(g, *(d.c(f) for f in factors if f != 1.0))
+
+
+def _lit(em, value: float, cat) -> str:
+    return em.literal(value, cat).text
+
+
+# --- softplus, logsigmoid, mish: log1p(exp(.)) ------------------------------------------------
+
+
+def _softplus(a, beta=1.0, threshold=20.0):
+    return a if a * beta > threshold else math.log1p(math.exp(a * beta)) / beta
+
+
+def _render_softplus(em, op, args, out):
+    """torch's: x where x * beta > threshold, else log1p(exp(x * beta)) / beta."""
+    cat, x = in_wide_type(em, op, out, args[0])
+    beta, threshold = _lit(em, op.attr("beta"), cat), _lit(em, op.attr("threshold"), cat)
+    bx = em.assign(f"{x} * {beta}", cat).text
+    soft = log1p_of(em, em.assign(f"tl.exp({bx})", cat).text, cat).text
+    return em.convert(em.assign(f"tl.where({bx} > {threshold}, {x}, {soft} / {beta})", cat), out)
+
+
+def _d_softplus(d, wanted):
+    bx = _scaled(d, d.x(0), d.attr("beta"))
+    below = d.mul(d.g, d.call("sigmoid", bx))  # exp(bx) / (exp(bx) + 1)
+    return (d.where(d.call("gt", bx, d.c(d.attr("threshold"))), d.g, below),)
+
+
+_activation("softplus", _softplus, F.softplus, _render_softplus, _d_softplus,
+            BParam("beta", "float", 1.0), BParam("threshold", "float", 20.0))
+
+
+def _render_logsigmoid(em, op, args, out):
+    """min(x, 0) - log1p(exp(-|x|)): exp never overflows (NaN stays NaN)."""
+    cat, x = in_wide_type(em, op, out, args[0])
+    soft = log1p_of(em, em.assign(f"tl.exp(-tl.abs({x}))", cat).text, cat).text
+    return em.convert(em.assign(f"tl.where({x} < 0, {x}, 0.0) - {soft}", cat), out)
+
+
+_activation("logsigmoid", lambda a: min(a, 0) - math.log1p(math.exp(-abs(a))), F.logsigmoid,
+            _render_logsigmoid, lambda d, w: (d.mul(d.g, d.call("sigmoid", d.neg(d.x(0)))),))
+
+
+def _render_mish(em, op, args, out):
+    """x * tanh(softplus(x)); softplus is x past 20, where tanh of either is 1."""
+    cat, x = in_wide_type(em, op, out, args[0])
+    soft = log1p_of(em, em.assign(f"tl.exp({x})", cat).text, cat).text
+    soft = em.assign(f"tl.where({x} > 20.0, {x}, {soft})", cat)
+    return em.convert(em.assign(f"{x} * {tanh_of(em, soft).text}", cat), out)
+
+
+def _d_mish(d, wanted):
+    x = d.x(0)
+    t = d.call("tanh", d.call("softplus", x, beta=1.0, threshold=20.0))
+    slope = d.mul(x, d.call("sigmoid", x), d.sub(d.c(1.0), d.mul(t, t)))
+    return (d.mul(d.g, d.add(t, slope)),)
+
+
+_activation("mish", lambda a: a * math.tanh(_softplus(a)), F.mish, _render_mish, _d_mish)
+
+
+# --- elu, selu, celu: scale * (x > 0 ? x : alpha * expm1(x * input_scale)) -------------------
+
+
+def _elu_fold(alpha: float, scale: float, input_scale: float):
+    return lambda a: scale * (a if a > 0 else alpha * math.expm1(a * input_scale))
+
+
+def _elu_render(alpha, scale: float, input_scale):
+    """`alpha`, `input_scale`: the constants from the op's attributes."""
+
+    def render(em, op, args, out):
+        cat, x = in_wide_type(em, op, out, args[0])
+        a, s = alpha(op), input_scale(op)
+        inner = x if s == 1.0 else em.assign(f"{x} * {_lit(em, s, cat)}", cat).text
+        neg = expm1_of(em, inner, cat).text
+        pos = x if scale == 1.0 else f"{x} * {_lit(em, scale, cat)}"
+        return em.convert(em.assign(
+            f"tl.where({x} > 0, {pos}, {neg} * {_lit(em, a * scale, cat)})", cat), out)
+
+    return render
+
+
+def _elu_vjp(alpha, scale: float, input_scale):
+    """torch's elu_backward of the input: g * scale above 0, g * alpha * scale * input_scale
+    * exp(x * input_scale) at and below."""
+
+    def vjp(d, wanted):
+        x, a, s = d.x(0), alpha(d), input_scale(d)
+        below = _scaled(d, d.call("exp", _scaled(d, x, s)), a * scale * s)
+        return (d.where(d.call("gt", x, d.c(0.0)), _scaled(d, d.g, scale), d.mul(d.g, below)),)
+
+    return vjp
+
+
+def _alpha(op) -> float:
+    return op.attr("alpha")
+
+
+def _one(op) -> float:
+    return 1.0
+
+
+def _celu_infer(types, attrs):
+    if attrs["alpha"] == 0:
+        raise RuleError(diag.ConstantExpected, what="'alpha' of 'celu'", expected="nonzero")
+    return _float_result(types, attrs)
+
+
+_activation("elu", lambda a, alpha: _elu_fold(alpha, 1.0, 1.0)(a), F.elu,
+            _elu_render(_alpha, 1.0, _one), _elu_vjp(_alpha, 1.0, _one),
+            BParam("alpha", "float", 1.0))
+_activation("selu", _elu_fold(SELU_ALPHA, SELU_SCALE, 1.0), F.selu,
+            _elu_render(lambda op: SELU_ALPHA, SELU_SCALE, _one),
+            _elu_vjp(lambda d: SELU_ALPHA, SELU_SCALE, _one))
+_activation("celu", lambda a, alpha: _elu_fold(alpha, 1.0, 1.0 / alpha)(a), F.celu,
+            _elu_render(_alpha, 1.0, lambda op: 1.0 / op.attr("alpha")),
+            _elu_vjp(_alpha, 1.0, lambda d: 1.0 / d.attr("alpha")),
+            BParam("alpha", "float", 1.0), infer=_celu_infer)
+
+
+# --- piecewise linear: leaky_relu, hardtanh, hardsigmoid, hardswish; softsign --------------
+
+
+def _render_leaky_relu(em, op, args, out):
+    x = em.tensor(args[0]).text
+    return em.assign(f"tl.where({x} > 0, {x}, {x} * {_lit(em, op.attr('slope'), out)})", out)
+
+
+# torch's leaky_relu_backward: the slope's side at 0
+_activation("leaky_relu", lambda a, slope: a if a > 0 else a * slope,
+            lambda x, slope: F.leaky_relu(x, slope), _render_leaky_relu,
+            lambda d, w: (d.where(d.call("gt", d.x(0), d.c(0.0)), d.g, _scaled(d, d.g, d.attr("slope"))),),
+            BParam("slope", "float", 0.01), cheap=True)
+
+
+def _hardtanh_infer(types, attrs):
+    if attrs["min_val"] > attrs["max_val"]:
+        raise RuleError(diag.ConstantExpected, what="'max_val' of 'hardtanh'",
+                        expected=f"at least its min_val ({attrs['min_val']})")
+    return _float_result(types, attrs)
+
+
+def _render_hardtanh(em, op, args, out):
+    """A clamp that keeps NaN."""
+    x = em.tensor(args[0]).text
+    lo, hi = _lit(em, op.attr("min_val"), out), _lit(em, op.attr("max_val"), out)
+    return em.assign(f"tl.where({x} < {lo}, {lo}, tl.where({x} > {hi}, {hi}, {x}))", out)
+
+
+def _d_hardtanh(d, wanted):
+    """torch's hardtanh_backward: 0 at and outside the bounds."""
+    x, zero = d.x(0), d.c(0.0)
+    inside = d.where(d.call("ge", x, d.c(d.attr("max_val"))), zero, d.g)
+    return (d.where(d.call("le", x, d.c(d.attr("min_val"))), zero, inside),)
+
+
+_activation("hardtanh", lambda a, min_val, max_val: min(max(a, min_val), max_val), F.hardtanh,
+            _render_hardtanh, _d_hardtanh, BParam("min_val", "float", -1.0),
+            BParam("max_val", "float", 1.0), infer=_hardtanh_infer, cheap=True)
+
+
+def _relu6_of(em, x: str, out) -> str:
+    """min(max(x + 3, 0), 6), NaN kept."""
+    v = em.assign(f"{x} + 3.0", out).text
+    return em.assign(f"tl.where({v} < 0.0, 0.0, tl.where({v} > 6.0, 6.0, {v}))", out).text
+
+
+def _render_hardsigmoid(em, op, args, out):
+    return em.assign(f"{_relu6_of(em, em.tensor(args[0]).text, out)} / 6.0", out)
+
+
+def _render_hardswish(em, op, args, out):
+    x = em.tensor(args[0]).text
+    return em.assign(f"{x} * {_relu6_of(em, x, out)} / 6.0", out)
+
+
+def _d_hardsigmoid(d, wanted):
+    """torch's hardsigmoid_backward: g / 6 strictly inside (-3, 3), else 0."""
+    x, zero = d.x(0), d.c(0.0)
+    inside = d.where(d.call("ge", x, d.c(3.0)), zero, d.div(d.g, d.c(6.0)))
+    return (d.where(d.call("le", x, d.c(-3.0)), zero, inside),)
+
+
+def _d_hardswish(d, wanted):
+    """torch's hardswish_backward: 0 at and below -3, g * (x / 3 + 1/2) up to 3, g from 3."""
+    x = d.x(0)
+    ramp = d.mul(d.g, d.add(d.div(x, d.c(3.0)), d.c(0.5)))
+    inside = d.where(d.call("lt", x, d.c(3.0)), ramp, d.g)
+    return (d.where(d.call("le", x, d.c(-3.0)), d.c(0.0), inside),)
+
+
+def _relu6(a):
+    return min(max(a + 3, 0), 6)
+
+
+_activation("hardsigmoid", lambda a: _relu6(a) / 6, F.hardsigmoid, _render_hardsigmoid,
+            _d_hardsigmoid)
+_activation("hardswish", lambda a: a * _relu6(a) / 6, F.hardswish, _render_hardswish, _d_hardswish)
+
+
+def _render_softsign(em, op, args, out):
+    x = em.tensor(args[0]).text
+    return em.assign(f"{x} / (1.0 + tl.abs({x}))", out)
+
+
+def _d_softsign(d, wanted):
+    s = d.add(d.c(1.0), d.call("abs", d.x(0)))
+    return (d.div(d.g, d.mul(s, s)),)
+
+
+_activation("softsign", lambda a: a / (1 + abs(a)), F.softsign, _render_softsign, _d_softsign)
