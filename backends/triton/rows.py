@@ -194,18 +194,21 @@ class RowProgram:
             elif self.scanned(v):
                 if all(x in vals for x in self.operands(v)):
                     vals[v] = self.scan(v, [vals[x] for x in self.operands(v)])
+            elif (scan := ops.OPS[op.kind].scan) is not None and not self.is_row_op(v):
+                if all(x in vals for x in self.operands(v)):  # along a size-1 axis: one element
+                    xs = [vals[x] for x in self.operands(v)]
+                    vals[v] = self.finalized_scan(scan, self.lifted(scan, xs, self.reduce_cat(v)),
+                                                  self.reduce_cat(v))
             elif op.kind in ops.ROW_KINDS and not self.is_row_op(v):
-                scan = ops.OPS[op.kind].scan
-                x = self.operands(v)[scan.result if scan is not None else 0]
-                if x in vals:
-                    vals[v] = self.trivial_reduce(op, vals[x])
+                if self.operands(v)[0] in vals:
+                    vals[v] = self.trivial_reduce(op, vals[self.operands(v)[0]])
             elif not self.is_row_op(v) and (args := em.operands(self.region.ops[v - self.n_in], vals)):
                 types = tuple(self.region.value_type(o) for o in self.operands(v))
                 vals[v] = em.op(op, args, types)
 
     def trivial_reduce(self, op: Op, x: Val) -> Val:
-        """A reduction or scan over a size-1 axis: the value itself (softmax: 1, or 0 at
-        -inf; argmax: position 0; linear_scan: b)."""
+        """A reduction over a size-1 axis: the value itself (softmax: 1, or 0 at -inf;
+        argmax: position 0)."""
         if op.kind == "softmax":
             x = self.em.tensor(self.em.convert(x, F32))
             return self.em.assign(f"tl.where({x.text} == {NEG_INF}, 0.0, tl.exp({x.text} - {x.text}))", F32)
@@ -225,12 +228,11 @@ class RowProgram:
         `tl.associative_scan` (or Triton's own scan), each partial then combined with the
         chunks before it (`carries[v]`, per row, when the row takes several chunks), which
         then become the chunk's last partials (no tl.reduce: its combine must commute).
-        f32 cumsum, cumprod and logcumsumexp accumulate in f64, like a sum."""
+        f32 cumsum and cumprod accumulate in f64, like a sum."""
         em, cat, kind = self.em, self.reduce_cat(v), self.op(v).kind
         scan = ops.OPS[kind].scan
         parts = []
-        for x, identity in zip(xs, scan.identity, strict=True):
-            x = em.convert(x, cat)
+        for x, identity in zip(self.lifted(scan, xs, cat), scan.identity, strict=True):
             if self.wide(v):
                 x = em.assign(f"{em.tensor(x).text}.to(tl.float64)", F32)
             parts.append(self.masked(x, self.identity(identity, cat)))
@@ -252,7 +254,20 @@ class RowProgram:
                 last = "0" if self.op(v).attr("reverse") else "BLOCK_R - 1"
                 self.body(", ".join(carry) + " = " + ", ".join(
                     f"tl.sum(tl.where(r_base[None, :] == {last}, {n}, 0), axis=1)[:, None]" for n in names))
-        return em.assign(names[scan.result] + (".to(tl.float32)" if self.wide(v) else ""), cat)
+        return self.finalized_scan(scan, [Val(n, cat) for n in names], cat, self.wide(v))
+
+    def lifted(self, scan: Scan, xs: list[Val], cat: Compute) -> list[Val]:
+        """An element's partials from its operands (in the scan's compute type)."""
+        xs = [self.em.convert(x, cat) for x in xs]
+        if scan.lift is None:
+            return xs
+        fields = {f"x{i}": self.em.tensor(x).text for i, x in enumerate(xs)}
+        return [self.em.assign(p.format(**fields), cat) for p in scan.lift]
+
+    def finalized_scan(self, scan: Scan, parts: list[Val], cat: Compute, wide: bool = False) -> Val:
+        narrow = ".to(tl.float32)" if wide else ""
+        text = scan.finalize.format(**{f"p{i}": f"{p.text}{narrow}" for i, p in enumerate(parts)})
+        return self.em.assign(text, cat)
 
     @staticmethod
     def packed(parts: list[str]) -> str:
@@ -516,16 +531,30 @@ class RowProgram:
             self.body(f"tl.store({ptr}, {text}, mask={mask})")
 
 
-def one_pass_limit(plan: RowPlan, inputs) -> int:
+def one_pass_limit(plan: RowPlan, region) -> int:
     """The longest row a CUDA program holds in registers (read once), by what the build that
     really runs shows (`tiledsl ptx`, sm_90): 32k elements of a 16-bit input or 16k of a
     32-bit one with 16 warps and no spills, halved per further dependent reduction (each
-    keeps another row-sized value live: layernorm's centred row). Longer rows loop, reading
-    the row once per phase with online softmax and logsumexp."""
-    wide = any(inp.type.dtype.itemsize >= 4 for i, inp in enumerate(inputs)
+    keeps another row-sized value live: layernorm's centred row), and 32k words of a scan's
+    partials (a linear_scan's two f32 ones: 16k elements). Longer rows loop, reading the
+    row once per phase with online softmax and logsumexp."""
+    wide = any(inp.type.dtype.itemsize >= 4 for i, inp in enumerate(region.inputs)
                if plan.full(i))
     phases = max(plan.phases, default=0)
-    return (1 << 14 if wide else 1 << 15) >> max(0, phases - 1)
+    limit = (1 << 14 if wide else 1 << 15) >> max(0, phases - 1)
+    return min([limit] + [(1 << 15) // words for words in scan_words(plan, region)])
+
+
+def scan_words(plan: RowPlan, region) -> list[int]:
+    """The 32-bit words of partials each scan of a row program holds per element."""
+    n_in = len(region.inputs)
+    out = []
+    for v in plan.reducing:
+        op = region.ops[v - n_in].op
+        scan = ops.OPS[op.kind].scan
+        if scan is not None:
+            out.append(len(scan.identity) * (2 if scan.wide and op.dtype is DType.F32 else 1))
+    return out
 
 
 def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKernel:
@@ -533,7 +562,8 @@ def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKer
     prog = RowProgram(kernel)
     prog.emit()
     shape, axes = prog.plan.shape, prog.plan.axes
-    limit = one_pass_limit(prog.plan, kernel.region.inputs)
+    limit = one_pass_limit(prog.plan, kernel.region)
+    scans = bool(scan_words(prog.plan, kernel.region))
 
     no_identity = [prog.op(v) for v in sorted(prog.plan.reducing)
                    if (r := ops.OPS[prog.op(v).kind].reduction) is not None and not r.empty]
@@ -549,6 +579,8 @@ def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKer
         rows = numel([d for i, d in enumerate(shape) if i not in axes], dims)
         caps = CAPS[device]
         block_r = max(2, min(next_pow2(length), limit if device == "cuda" else caps["row"]))
+        if scans and length > block_r and device == "cuda":
+            block_r //= 2  # a loop's carries and chunk totals keep more live (280 bytes spilled)
         # short rows: several per program, up to a tile of `caps["tile"]` elements, or of a
         # pointwise program's (`caps["flat"]`, 8 elements a thread) on a GPU where it computes
         # trig: QK-norm with RoPE at D = 128 spills 87 KB a thread with 32, none with 8

@@ -122,12 +122,12 @@ ADD = "{a} + {b}"
 class Scan:
     """How a scan computes, which the rows template reads instead of its name.
 
-    Element t of the result combines elements 0..t of the row (t..n-1 with `reverse=true`)
-    by `combine`, an associative function of two tuples of partials, one partial per
-    operand ((a, b) for linear_scan): the left one covers the elements before the right
-    one's. A chunk of a row is scanned by Triton's `tl.associative_scan` with it, and a
-    row longer than a chunk carries the combination of the chunks before (a running
-    total). The result is the partial `result` of the combination."""
+    Each element of the row is lifted to a tuple of partials; element t of the result is
+    `finalize`d from the combination of the partials of elements 0..t (t..n-1 with
+    `reverse=true`) by `combine`, an associative function of two tuples of partials whose
+    left one covers the elements before the right one's. A chunk of a row is scanned by
+    Triton's `tl.associative_scan` with it, and a row longer than a chunk carries the
+    combination of the chunks before (a running total)."""
 
     # per partial, Triton: its combination from the left partials {a0} {a1} ... and the
     # right ones {b0} {b1} ...
@@ -135,11 +135,13 @@ class Scan:
     # per partial: the one that changes nothing, what masked lanes hold (0, 1, -inf or inf:
     # an integer's lowest or highest)
     identity: tuple[float, ...]
-    result: int = 0
+    # per partial, Triton: an element's from the operands {x0} {x1} ... (None: the operands)
+    lift: tuple[str, ...] | None = None
+    # Triton: the result from the partials {p0} {p1} ...
+    finalize: str = "{p0}"
     # Triton's own scan with this combine (tl.cumsum), called instead of associative_scan
     builtin: str | None = None
-    # Triton: a chunk's combination along the row from its tile {x}, when not tl.reduce
-    # with `combine`
+    # Triton: a chunk's combination along the row from its tile {x}, when not its last partial
     collapse: str | None = None
     # an f32 result accumulates in f64, as a sum does
     wide: bool = False

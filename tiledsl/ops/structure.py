@@ -317,7 +317,8 @@ def _d_cumprod(d, wanted):
     """g_i = y_{i-1} * sum_{j >= i} g_j * x_{i+1} ... x_j (zeros included, no division): the
     sum is a linear scan the other way, s_i = g_i + x_{i+1} * s_{i+1}."""
     k = _step(d)
-    s = d.call("linear_scan", _shifted(d, d.x(0), k, 0.0), d.g, reverse=not d.attr("reverse"))
+    s = d.call("linear_scan", _shifted(d, d.x(0), k, 0.0), d.g, axis=d.attr("axis"),
+               reverse=not d.attr("reverse"))
     return (d.mul(_shifted(d, d.y, -k, 1.0), s),)
 
 
@@ -340,8 +341,7 @@ def _d_logcumsumexp(d, wanted):
     y, k = d.y, _step(d)
     y_next = _shifted(d, y, k, 0.0)
     decay = d.where(d.call("eq", y, d.c(-math.inf)), d.c(0.0), d.call("exp", d.sub(y, y_next)))
-    s = d.call("linear_scan", _shifted(d, decay, k, 0.0), d.g, axis=d.attr("axis"),
-               reverse=not d.attr("reverse"))
+    s = d.call("linear_scan", decay, d.g, axis=d.attr("axis"), reverse=not d.attr("reverse"))
     x = d.x(0)
     return (d.where(d.call("eq", x, d.c(-math.inf)), d.c(0.0),
                     d.mul(d.call("exp", d.sub(x, y)), s)),)
@@ -384,20 +384,18 @@ _scan("cummax", 1, _cumulative_extremum, lambda x, dim: torch.cummax(x, dim).val
 _scan("cummin", 1, _cumulative_extremum, lambda x, dim: torch.cummin(x, dim).values,
       _d_cumulative_extremum, Scan(("tl.minimum({a0}, {b0}, propagate_nan=tl.PropagateNan.ALL)",),
                                    (math.inf,)))
-# log(exp(a) + exp(b)) as max + log(1 + exp(min - max)); max where min is -inf or max is inf.
-# Wide: in f32, log(1 + e) loses e's low bits at every step (9e-5 over 4k elements)
-_LOG_ADD_EXP = (
-    "tl.where((tl.minimum({a0}, {b0}, propagate_nan=tl.PropagateNan.ALL) == float('-inf')) | "
-    "(tl.maximum({a0}, {b0}, propagate_nan=tl.PropagateNan.ALL) == float('inf')), "
-    "tl.maximum({a0}, {b0}, propagate_nan=tl.PropagateNan.ALL), "
-    "tl.maximum({a0}, {b0}, propagate_nan=tl.PropagateNan.ALL) + tl.log(1.0 + tl.exp("
-    "tl.minimum({a0}, {b0}) - tl.maximum({a0}, {b0}))))")
-_scan("logcumsumexp", 1, _logcumsumexp, torch.logcumsumexp, _d_logcumsumexp,
-      Scan((_LOG_ADD_EXP,), (-math.inf,), wide=True))
+# logcumsumexp's partials are a running max m and the sum of exp(x - m), as online
+# logsumexp's (log(1 + e) in one partial loses e's low bits at every step: 9e-5 over 4k
+# elements); a rescale is 1 where the maxima are equal (two -inf or two inf)
+_M = "tl.maximum({a0}, {b0}, propagate_nan=tl.PropagateNan.ALL)"
+_LOG_ADD_EXP = (_M, f"tl.where({{a0}} == {_M}, 1.0, tl.exp({{a0}} - {_M})) * {{a1}} + "
+                    f"tl.where({{b0}} == {_M}, 1.0, tl.exp({{b0}} - {_M})) * {{b1}}")
+_scan("logcumsumexp", 1, _logcumsumexp, torch.logcumsumexp, _d_logcumsumexp, Scan(
+    _LOG_ADD_EXP, (-math.inf, 0.0), lift=("{x0}", "1.0"), finalize="{p0} + tl.log({p1})"))
 # linear_scan(a, b): h[t] = a[t] * h[t-1] + b[t], h[-1] = 0; its partials are (the product
 # of a, h) over a stretch of the row
 _scan("linear_scan", 2, _linear_scan, _linear_scan_reference, _d_linear_scan, Scan(
-    ("{a0} * {b0}", "{b0} * {a1} + {b1}"), (1.0, 0.0), result=1))
+    ("{a0} * {b0}", "{b0} * {a1} + {b1}"), (1.0, 0.0), finalize="{p1}"))
 
 
 # --- matmul, layout, return ------------------------------------------------------
