@@ -397,7 +397,7 @@ _HANDLERS = {
     **{kind: "reduce" for kind, d in ops.OPS.items() if d.reduction is not None},
     **{kind: "along" for kind, d in ops.OPS.items() if d.scan is not None},
     "softmax": "along", "transpose": "transpose", "index": "index", "causal": "causal",
-    "gather": "gather", "reshape": "reshape", "squeeze": "squeeze", "expand": "expand",
+    "gather": "gather", "reshape": "reshape", "squeeze": "squeeze", "expand": "expand", "flip": "flip",
 }
 
 
