@@ -210,3 +210,25 @@ def test_selective_scan_example(b, l, d, n):
     (remark,) = [r for r in fn.remarks if isinstance(r, FusionRemark) and not r.fused]
     assert str(remark) == ("[fuse-rows] refused: mul (line 10) -> sum (line 10): sum runs along another "
                            "axis than the row program [rule: tile]")
+
+
+def test_the_fuzzer_generates_every_scan_and_flip():
+    import random
+
+    import fuzzgen
+
+    sources = " ".join(fuzzgen.generate(random.Random(f"cover:{i}")).source for i in range(2000))
+    for name in UNARY + ["linear_scan(", "reverse=true", "flip("]:
+        assert name in sources, name
+
+
+@pytest.mark.parametrize("op", UNARY)
+def test_a_scan_along_a_size_1_axis_is_its_operand(op):
+    """(found by the fuzzer: the row program asked for the source of a scan it never runs)"""
+    z = scan_input(op, (17, 1))
+    _, out = run_checked(f"kernel f(z: f32[M, 1]) -> f32[M, 1] {{ return {op}(z, axis=1) * 2.0 }}", z)
+    torch.testing.assert_close(out, z * 2.0)
+    a, b = randn(17, 1, seed=1), randn(17, 1, seed=2)
+    _, out = run_checked("kernel f(a: f32[M, 1], b: f32[M, 1]) -> f32[M, 1] { return linear_scan(a, b, axis=1) }",
+                         a, b)
+    torch.testing.assert_close(out, b)

@@ -308,7 +308,7 @@ class RowProgram:
 
     def reduce_cat(self, v: int) -> Compute:
         """f32 when the operand or the result is a float, else the operand's integer type."""
-        x_type = self.region.value_type(self.plan.source(v))
+        x_type = self.region.value_type(self.plan.source(v) if self.is_row_op(v) else self.operands(v)[0])
         if self.op(v).dtype.is_float or x_type.dtype.is_float:
             return F32
         return I64 if x_type.dtype is DType.I64 else I32
