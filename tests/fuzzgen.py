@@ -5,7 +5,8 @@ then returns one to three of its values. Expressions mix elementwise builtins,
 operators, comparisons and `where`, reductions, softmax, logsumexp, matmul (A operands of
 batch rank 0 to 2, so ranks 2 to 4, against a 2-D or a batched weight, in the shapes model
 code writes: attention, a dual GEMM, a row-normalised A, a projection), indexing
-(slices, concat, gather, computed indices), reshape, cumsum,
+(slices, concat, gather, computed indices, flip), reshape, scans (cumsum, cumprod, cummax,
+cummin, logcumsumexp, linear_scan, reversed),
 casts and transposes, and integer and bitwise arithmetic on an i32 tensor;
 leaves include constants, dims, scalar parameters, `index` values and
 scalar-only subexpressions (`rsqrt(N) * s`), so constants shared between
@@ -124,6 +125,8 @@ class Generator:
         # and so do the activations that stand in for a UNARY op (salt 8: the first that keeps
         # the pinned programs)
         self.acts_rng = random.Random("acts8:" + str(rng.getstate()[1][:8]))
+        # and so do the scan a cumsum's place draws, its direction, and flip
+        self.scans_rng = random.Random("scans1:" + str(rng.getstate()[1][:8]))
         self.values: list[Value] = [
             Value("x", ("M", "N")), Value("y", ("N",)), Value("z", ("M", "1")), Value("s", ()),
             Value("mask", ("M", "N"), "bool"), Value("flag", (), "bool")]
@@ -330,7 +333,20 @@ class Generator:
         if choice == 3:
             return Value(f"reshape(reshape({a.text}, [-1]), [N, M])", ("N", "M"))
         axis = self.rng.randrange(len(a.shape))
-        return Value(f"cumsum({a.text}, axis={axis})", a.shape)
+        return Value(self.scan(a, axis), a.shape)
+
+    def scan(self, a: Value, axis: int) -> str:
+        """A scan of `a` along `axis` (a cumsum half the time; the others' operands bounded, so
+        a product over a row stays in range), or a flip."""
+        rng = self.scans_rng
+        kind, reverse = rng.randrange(9), rng.random() < 0.3
+        if kind < 4 or a.kind != "float":
+            return f"cumsum({a.text}, axis={axis}" + (", reverse=true)" if reverse else ")")
+        if kind == 8:
+            return f"flip({a.text}, axis={axis})"
+        call = {4: f"cumprod(1.0 + 0.1 * tanh({a.text})", 5: f"cummax({a.text}", 6: f"cummin({a.text}",
+                7: rng.choice([f"logcumsumexp({a.text}", f"linear_scan(sigmoid({a.text}), {a.text} * 0.5"])}
+        return call[kind] + f", axis={axis}" + (", reverse=true)" if reverse else ")")
 
     def statement(self, i: int) -> str:
         v = self.expr(self.rng.randint(1, 3))

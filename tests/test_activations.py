@@ -9,9 +9,9 @@ import torch.nn.functional as F
 
 import tiledsl
 from helpers import randn, run_checked
+from tiledsl import diagnostics as diag
 from tiledsl import testing
 from tiledsl.backends.triton import aot
-from tiledsl import diagnostics as diag
 
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 

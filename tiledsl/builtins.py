@@ -54,6 +54,8 @@ BUILTINS["concat"] = Builtin("concat", (BParam("values"), BParam("axis", "int", 
 BUILTINS["gather"] = Builtin("gather", (BParam("x"), BParam("index"), BParam("axis", "int", -1)))
 # squeeze(x, axis) is a `slice` taking index 0 of size-1 axes
 BUILTINS["squeeze"] = Builtin("squeeze", (BParam("x"), BParam("axis", "int")))
+# flip(x, axis) reads x at n - 1 - i along the axis (a gather through an index expression)
+BUILTINS["flip"] = Builtin("flip", (BParam("x"), BParam("axis", "int", -1)))
 
 # torch names of builtins tiledsl spells otherwise, and how tiledsl writes them ({x}: the value)
 TORCH_SPELLINGS = {

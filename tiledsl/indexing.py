@@ -34,7 +34,7 @@ class Indexing:
     `name` stand for a dim symbol there (not shadowed by a value)?"""
 
     # the builtins lowered here (a method each), by the name sema's handler table gives them
-    CALLS = ("gather", "reshape", "expand", "squeeze")
+    CALLS = ("gather", "reshape", "expand", "squeeze", "flip")
 
     def __init__(self, build: Builder, expr: Callable[[ast.Expr], int], is_dim: Callable[[str], bool],
                  check_bounds: bool) -> None:
@@ -412,6 +412,22 @@ class Indexing:
             axes[norm] = item
         out = tuple(("at", 0) if k in axes else ("range", 0, d, 1, d) for k, d in enumerate(t.shape))
         return self.b.user_op("slice", [(x, xspan)], e.span, items=out)
+
+    def flip(self, e: ast.Call, args: dict[str, ast.Expr]) -> int:
+        """flip(x, axis): x read at n - 1 - i along `axis` (torch.flip of one axis), computed
+        where it is read (`reindex`), like concat's pieces: never stored."""
+        x, xspan = self._value(args, "x")
+        t = self.graph.op(x).type
+        if t.rank == 0:
+            raise diag.RankError(e.span, message="'flip' needs a value of rank 1 or more")
+        axis = axis_arg(e, args, "axis", t.rank)
+        if t.shape[axis] == 1:
+            return x
+        indices = [self._index_of(t.shape, d, e.span) for d in range(t.rank)]
+        last = self.b.user_op("sub", [(self.b.size(t.shape[axis], e.span), e.span),
+                                      (self.b.const(1, DType.I32, e.span), e.span)], e.span)
+        indices[axis] = self.b.user_op("sub", [(last, e.span), (indices[axis], e.span)], e.span)
+        return reindex(self.b, x, indices, xspan)
 
 
 def _shape_list(given: ast.Expr, func: str, example: str) -> ast.ListLit | ast.TupleLit:

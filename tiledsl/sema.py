@@ -406,12 +406,14 @@ class _KernelBuilder:
         return x[0]
 
     def _call_along(self, e: ast.Call, b: Builtin, args: dict[str, ast.Expr]) -> int:
-        """softmax, cumsum: one value per element, computed along one axis."""
-        x = self._value(args, "x")
-        rank = self.graph.op(x[0]).type.rank
+        """softmax and the scans: one value per element, computed along one axis."""
+        operands = [self._value(args, p.name) for p in b.params if p.kind == "value"]
+        rank = self.graph.op(operands[0][0]).type.rank
         if rank == 0:
             raise diag.RankError(e.span, message=f"'{e.func}' needs a value of rank 1 or more")
-        return self.b.user_op(e.func, [x], e.span, axis=axis_arg(e, args, "axis", rank))
+        attrs = {p.name: _constant(args.get(p.name), p, e.func)
+                 for p in b.params if p.kind != "value" and p.name != "axis"}
+        return self.b.user_op(e.func, operands, e.span, axis=axis_arg(e, args, "axis", rank), **attrs)
 
     def _call_transpose(self, e: ast.Call, b: Builtin, args: dict[str, ast.Expr]) -> int:
         x = self._value(args, "x")
@@ -489,8 +491,9 @@ _ELEMENTWISE_SPELLING = {"max": "maximum", "min": "minimum"}
 # builtins that need more than `_call_op` (axes checked against the operand's rank, macros)
 _HANDLERS = {
     **{kind: "reduce" for kind, d in ops.OPS.items() if d.reduction is not None},
-    "softmax": "along", "cumsum": "along", "transpose": "transpose", "index": "index", "causal": "causal",
-    "gather": "gather", "reshape": "reshape", "squeeze": "squeeze", "expand": "expand",
+    **{kind: "along" for kind, d in ops.OPS.items() if d.scan is not None},
+    "softmax": "along", "transpose": "transpose", "index": "index", "causal": "causal",
+    "gather": "gather", "reshape": "reshape", "squeeze": "squeeze", "expand": "expand", "flip": "flip",
     "rand": "random", "randn": "random", "dropout": "dropout",
 }
 

@@ -41,20 +41,36 @@ from tiledsl import ops
 from tiledsl.diagnostics import EmptyReductionError
 from tiledsl.dims import evaluate
 from tiledsl.ir import KernelOp, Op
-from tiledsl.ops import Reduction
+from tiledsl.ops import Reduction, Scan
 from tiledsl.plans import RowPlan
 from tiledsl.types import Compute, DType, compute_type
 
 from . import online
 from .base import CAPS, PROGRAM_ID, EmittedKernel, Hints, LaunchConfig, cdiv, decompose, finish, numel
 from .codegen import Code, Signature, TensorRef, next_pow2
-from .expr import TRITON_TYPE, Emitter, Val, literal
+from .expr import HELPERS, TRITON_TYPE, Emitter, Val, literal
 from .online import NEG_INF
 
 F32, I32, I64 = Compute.F32, Compute.I32, Compute.I64
 
-# row ops computed inside the loops from their operand (not accumulated in a phase of their own)
-_IN_LOOP = ("softmax", "cumsum")
+
+def in_loop(kind: str) -> bool:
+    """Is a row op computed inside the loops from its operands (softmax, a scan), not
+    accumulated in a phase of its own?"""
+    return kind == "softmax" or ops.OPS[kind].scan is not None
+
+
+def combine_helper(kind: str, scan: Scan) -> str:
+    """A scan's `combine` as the jit function tl.associative_scan and tl.reduce call."""
+    n = len(scan.combine)
+    a, b = [f"a{i}" for i in range(n)], [f"b{i}" for i in range(n)]
+    parts = ", ".join(c.format(**dict(zip(a + b, a + b, strict=True))) for c in scan.combine)
+    return f"@triton.jit\ndef {kind}_combine({', '.join(a + b)}):\n    return {parts}\n\n"
+
+
+for _kind, _d in ops.OPS.items():
+    if _d.scan is not None:
+        HELPERS[f"{_kind}_combine"] = combine_helper(_kind, _d.scan)
 # argmax/argmin: a position larger than any in a row (positions are i32 in the kernel)
 _NO_POSITION = str(2**31 - 1)
 
@@ -83,7 +99,7 @@ class RowProgram:
         self.length = (self.sig.size(shape[axes[0]]) if len(axes) == 1
                        else self.sig.numel(tuple(shape[a] for a in axes), "n_cols"))
         self.softmax_stats: dict[int, tuple[str, str]] = {}  # softmax value -> (m, 1/z) names
-        self.carries: dict[int, str] = {}  # cumsum value -> its running total in this loop
+        self.carries: dict[int, list[str]] = {}  # scan value -> its partials of the chunks before
 
     # --- analysis --------------------------------------------------------------------------
 
@@ -114,7 +130,7 @@ class RowProgram:
                 continue
             need.add(v)
             op = self.op(v)
-            if op is not None and (op.kind in _IN_LOOP or not self.is_row_op(v)):
+            if op is not None and (in_loop(op.kind) or not self.is_row_op(v)):
                 stack.extend(o for o in self.operands(v) if self.full(o) or o < self.n_in)
         return need
 
@@ -175,10 +191,14 @@ class RowProgram:
                     ms, inv = self.softmax_stats[v]
                     xt = em.tensor(em.convert(vals[x], F32))
                     vals[v] = em.assign(f"tl.exp({xt.text} - {ms}) * {inv}", F32)
-            elif op.kind == "cumsum" and self.is_row_op(v):
-                (x,) = self.operands(v)
-                if x in vals:
-                    vals[v] = self.scan(v, vals[x])
+            elif self.scanned(v):
+                if all(x in vals for x in self.operands(v)):
+                    vals[v] = self.scan(v, [vals[x] for x in self.operands(v)])
+            elif (scan := ops.OPS[op.kind].scan) is not None and not self.is_row_op(v):
+                if all(x in vals for x in self.operands(v)):  # along a size-1 axis: one element
+                    xs = [vals[x] for x in self.operands(v)]
+                    vals[v] = self.finalized_scan(scan, self.lifted(scan, xs, self.reduce_cat(v)),
+                                                  self.reduce_cat(v))
             elif op.kind in ops.ROW_KINDS and not self.is_row_op(v):
                 if self.operands(v)[0] in vals:
                     vals[v] = self.trivial_reduce(op, vals[self.operands(v)[0]])
@@ -199,31 +219,82 @@ class RowProgram:
             return self.em.convert(x, F32)
         return self.em.convert(x, x.cat if x.cat in (F32, I64) else I32)
 
-    def scan(self, v: int, x: Val) -> Val:
-        """cumsum along the row: within this chunk, plus the chunks before it (`carries[v]`,
-        a running per-row total, when the row takes several chunks). f32 accumulates in
-        f64, like a sum."""
-        em, cat = self.em, self.reduce_cat(v)
-        x = em.convert(x, cat)
-        if self.wide(v):
-            x = em.assign(f"{em.tensor(x).text}.to(tl.float64)", F32)
-        xm = self.masked(x, "0")
-        total = em.fresh("cs")
-        self.body(f"{total} = tl.cumsum({xm}, axis=1)")
+    def scanned(self, v: int) -> bool:
+        """Is `v` a scan along the row?"""
+        return self.is_row_op(v) and ops.OPS[self.op(v).kind].scan is not None
+
+    def scan(self, v: int, xs: list[Val]) -> Val:
+        """A scan along the row (`Scan` in tiledsl/ops): the chunk's tile scanned by
+        `tl.associative_scan` (or Triton's own scan), each partial then combined with the
+        chunks before it (`carries[v]`, per row, when the row takes several chunks), which
+        then become the chunk's last partials (no tl.reduce: its combine must commute).
+        f32 cumsum and cumprod accumulate in f64, like a sum."""
+        em, cat, kind = self.em, self.reduce_cat(v), self.op(v).kind
+        scan = ops.OPS[kind].scan
+        parts = []
+        for x, identity in zip(self.lifted(scan, xs, cat), scan.identity, strict=True):
+            if self.wide(v):
+                x = em.assign(f"{em.tensor(x).text}.to(tl.float64)", F32)
+            parts.append(self.masked(x, self.identity(identity, cat)))
+        names = [em.fresh("cs") for _ in parts]
+        reverse = ", reverse=True" if self.op(v).attr("reverse") else ""
+        if scan.builtin is not None:
+            self.body(f"{names[0]} = {scan.builtin}({parts[0]}, axis=1{reverse})")
+        else:
+            em.helpers.add(f"{kind}_combine")
+            self.body(f"{', '.join(names)} = tl.associative_scan({self.packed(parts)}, 1, "
+                      f"{kind}_combine{reverse})")
         carry = self.carries.get(v)
         if carry is not None:
-            self.body(f"{total} = {total} + {carry}")
-            self.body(f"{carry} = {carry} + tl.sum({xm}, axis=1)[:, None]")
-        return em.assign(total + (".to(tl.float32)" if self.wide(v) else ""), cat)
+            self.body(f"{', '.join(names)} = {', '.join(self.combined(scan, carry, names))}")
+            if scan.collapse is not None:
+                total = scan.collapse.format(x=parts[0])
+                self.body(f"{carry[0]} = {self.combined(scan, carry, [f'{total}[:, None]'])[0]}")
+            else:  # the chunk's last partial (its first in reverse) combines it all
+                last = "0" if self.op(v).attr("reverse") else "BLOCK_R - 1"
+                self.body(", ".join(carry) + " = " + ", ".join(
+                    f"tl.sum(tl.where(r_base[None, :] == {last}, {n}, 0), axis=1)[:, None]" for n in names))
+        return self.finalized_scan(scan, [Val(n, cat) for n in names], cat, self.wide(v))
+
+    def lifted(self, scan: Scan, xs: list[Val], cat: Compute) -> list[Val]:
+        """An element's partials from its operands (in the scan's compute type)."""
+        xs = [self.em.convert(x, cat) for x in xs]
+        if scan.lift is None:
+            return xs
+        fields = {f"x{i}": self.em.tensor(x).text for i, x in enumerate(xs)}
+        return [self.em.assign(p.format(**fields), cat) for p in scan.lift]
+
+    def finalized_scan(self, scan: Scan, parts: list[Val], cat: Compute, wide: bool = False) -> Val:
+        narrow = ".to(tl.float32)" if wide else ""
+        text = scan.finalize.format(**{f"p{i}": f"{p.text}{narrow}" for i, p in enumerate(parts)})
+        return self.em.assign(text, cat)
+
+    @staticmethod
+    def packed(parts: list[str]) -> str:
+        return parts[0] if len(parts) == 1 else f"({', '.join(parts)})"
+
+    @staticmethod
+    def combined(scan: Scan, left: list[str], right: list[str]) -> list[str]:
+        """`scan`'s combination of the partials `left` (the elements before) and `right`."""
+        fields = {f"a{i}": a for i, a in enumerate(left)} | {f"b{i}": b for i, b in enumerate(right)}
+        return [c.format(**fields) for c in scan.combine]
 
     def start_scans(self, need: set[int]) -> None:
-        """Before a loop over the row: a zero carry for every scan the loop computes."""
+        """Before a loop over the row: carries that change nothing for every scan the loop
+        computes."""
         self.carries = {}
         for v in sorted(need):
-            if self.is_row_op(v) and self.op(v).kind == "cumsum":
-                name = self.carries[v] = self.em.fresh("carry")
-                compute = "tl.float64" if self.wide(v) else TRITON_TYPE[self.reduce_cat(v)]
-                self.body(f"{name} = tl.zeros([BLOCK_O, 1], {compute})")
+            if self.scanned(v):
+                scan, cat = ops.OPS[self.op(v).kind].scan, self.reduce_cat(v)
+                compute = "tl.float64" if self.wide(v) else TRITON_TYPE[cat]
+                names = self.carries[v] = [self.em.fresh("carry") for _ in scan.identity]
+                for name, identity in zip(names, scan.identity, strict=True):
+                    self.body(f"{name} = tl.full([BLOCK_O, 1], {self.identity(identity, cat)}, {compute})")
+
+    def runs_backward(self, need: set[int]) -> bool:
+        """Does a loop computing `need` run from the end of the row (its scans are reverse;
+        fuse-rows keeps a row program's scans to one direction)?"""
+        return any(self.scanned(v) and self.op(v).attr("reverse") for v in need)
 
     def masked(self, x: Val, fill: str) -> str:
         x = self.em.tensor(x)
@@ -232,30 +303,32 @@ class RowProgram:
         return name
 
     def reduction(self, v: int) -> Reduction | None:
-        """The declaration of a reduction (None: softmax, cumsum)."""
+        """The declaration of a reduction (None: softmax, a scan)."""
         return ops.OPS[self.op(v).kind].reduction
 
     def reduce_cat(self, v: int) -> Compute:
         """f32 when the operand or the result is a float, else the operand's integer type."""
-        x_type = self.region.value_type(self.plan.source(v))
+        x_type = self.region.value_type(self.plan.source(v) if self.is_row_op(v) else self.operands(v)[0])
         if self.op(v).dtype.is_float or x_type.dtype.is_float:
             return F32
         return I64 if x_type.dtype is DType.I64 else I32
 
     @staticmethod
-    def identity(red: Reduction, cat: Compute) -> str:
-        """The declared identity as a literal: an integer's extremes stand for -inf and inf."""
-        if not math.isinf(red.identity):
-            return repr(red.identity) if cat is F32 else str(int(red.identity))
+    def identity(identity: float, cat: Compute) -> str:
+        """A declared identity as a literal: an integer's extremes stand for -inf and inf."""
+        if not math.isinf(identity):
+            return repr(identity) if cat is F32 else str(int(identity))
         if cat is F32:
-            return NEG_INF if red.identity < 0 else 'float("inf")'
+            return NEG_INF if identity < 0 else 'float("inf")'
         bits = 64 if cat is I64 else 32
-        return str(-(2 ** (bits - 1))) if red.identity < 0 else str(2 ** (bits - 1) - 1)
+        return str(-(2 ** (bits - 1))) if identity < 0 else str(2 ** (bits - 1) - 1)
 
     def wide(self, v: int) -> bool:
-        """Accumulate in f64: an f32 cumsum, or a reduction declared `wide` (sum, mean, prod)."""
-        op, red = self.op(v), self.reduction(v)
-        return (op.kind == "cumsum" or (red is not None and red.wide)) and op.dtype is DType.F32
+        """Accumulate in f64: an f32 reduction or scan declared `wide` (sum, mean, prod,
+        cumsum, cumprod)."""
+        op = self.op(v)
+        declared = ops.OPS[op.kind].reduction or ops.OPS[op.kind].scan
+        return declared is not None and declared.wide and op.dtype is DType.F32
 
     def finalized(self, total: Val, red: Reduction) -> Val:
         if red.finalize is None:
@@ -301,7 +374,7 @@ class RowProgram:
         self.carries = {}  # one chunk: scans need no carry
         for v in self.values:
             self.emit_values(vals, None)
-            if self.is_row_op(v) and v not in vals and self.op(v).kind != "cumsum":
+            if self.is_row_op(v) and v not in vals and not self.scanned(v):
                 vals[v] = self.one_pass_reduce(v, vals[self.plan.source(v)])
         self.emit_values(vals, None)
         self.store(vals, full=True)
@@ -311,11 +384,11 @@ class RowProgram:
         red, cat, em = self.reduction(v), self.reduce_cat(v), self.em
         x = em.convert(x, cat)
         if red is not None and red.index:
-            return self.position(red, cat, self.masked(x, self.identity(red, cat)), "r[None, :]")
+            return self.position(red, cat, self.masked(x, self.identity(red.identity, cat)), "r[None, :]")
         if red is not None and not red.online:
             if self.wide(v):
                 x = em.assign(f"{em.tensor(x).text}.to(tl.float64)", F32)
-            xm = self.masked(x, self.identity(red, cat))
+            xm = self.masked(x, self.identity(red.identity, cat))
             total = self.collapse(red, cat, xm)
             return self.finalized(em.assign(total + (".to(tl.float32)" if self.wide(v) else ""), cat), red)
         # softmax and logsumexp: the online recurrence in one step
@@ -356,7 +429,7 @@ class RowProgram:
         body = self.body
         row_vals: dict[int, Val] = {}
         self.emit_row_values(row_vals)
-        reductions = [v for v in self.values if self.is_row_op(v) and self.op(v).kind != "cumsum"]
+        reductions = [v for v in self.values if self.is_row_op(v) and not self.scanned(v)]
         for p in range(1, max((self.plan.phases[v] for v in reductions), default=0) + 1):
             current = [v for v in reductions if self.plan.phases[v] == p]
             state = {v: self.init_state(v) for v in current}
@@ -364,7 +437,7 @@ class RowProgram:
             self.start_scans(need)
             body(f"for r0 in range(0, {self.length}, BLOCK_R):")
             with body.indent():
-                body("r = r0 + r_base")
+                body(self.chunk(need))
                 self.tile_mask()
                 vals = dict(row_vals)
                 self.emit_values(vals, need)
@@ -378,7 +451,7 @@ class RowProgram:
             self.start_scans(self.needed(full_outputs))
             body(f"for r0 in range(0, {self.length}, BLOCK_R):")
             with body.indent():
-                body("r = r0 + r_base")
+                body(self.chunk(self.needed(full_outputs)))
                 self.tile_mask()
                 vals = dict(row_vals)
                 self.emit_values(vals, self.needed(full_outputs))
@@ -388,7 +461,14 @@ class RowProgram:
     def emit_row_values(self, row_vals: dict[int, Val]) -> None:
         """Per-row values whose inputs are known: computed once, outside the loops."""
         self.emit_values(row_vals, {v for v in self.values if not self.full(v)
-                                    and (not self.is_row_op(v) or self.op(v).kind in _IN_LOOP)})
+                                    and (not self.is_row_op(v) or in_loop(self.op(v).kind))})
+
+    def chunk(self, need: set[int]) -> str:
+        """The positions of the loop's chunk r0: from the start of the row, or from its end
+        when the loop computes reverse scans."""
+        if self.runs_backward(need):
+            return f"r = ({self.length} - 1) // BLOCK_R * BLOCK_R - r0 + r_base"
+        return "r = r0 + r_base"
 
 
     def init_state(self, v: int) -> dict[str, str]:
@@ -398,7 +478,7 @@ class RowProgram:
             m, z = online.init(self.body, name)
             return {"m": m, "z": z, "cat": cat}
         compute = "tl.float64" if self.wide(v) else TRITON_TYPE[cat]
-        self.body(f"{name} = tl.full([BLOCK_O, BLOCK_R], {self.identity(red, cat)}, {compute})")
+        self.body(f"{name} = tl.full([BLOCK_O, BLOCK_R], {self.identity(red.identity, cat)}, {compute})")
         if red.index:  # each lane's position so far: the first, until a later one wins
             self.body(f"{name}_i = tl.zeros([BLOCK_O, BLOCK_R], tl.int32) + r_base[None, :]")
         return {"acc": name, "cat": cat}
@@ -411,7 +491,7 @@ class RowProgram:
             return
         if self.wide(v):
             x = self.em.assign(f"{self.em.tensor(x).text}.to(tl.float64)", F32)
-        xm = self.masked(x, self.identity(red, state["cat"]))
+        xm = self.masked(x, self.identity(red.identity, state["cat"]))
         acc = state["acc"]
         nan = ", propagate_nan=tl.PropagateNan.ALL" if red.nan and state["cat"] is F32 else ""
         combined = red.combine.format(a=acc, b=xm, nan=nan)
@@ -451,16 +531,30 @@ class RowProgram:
             self.body(f"tl.store({ptr}, {text}, mask={mask})")
 
 
-def one_pass_limit(plan: RowPlan, inputs) -> int:
+def one_pass_limit(plan: RowPlan, region) -> int:
     """The longest row a CUDA program holds in registers (read once), by what the build that
     really runs shows (`tiledsl ptx`, sm_90): 32k elements of a 16-bit input or 16k of a
     32-bit one with 16 warps and no spills, halved per further dependent reduction (each
-    keeps another row-sized value live: layernorm's centred row). Longer rows loop, reading
-    the row once per phase with online softmax and logsumexp."""
-    wide = any(inp.type.dtype.itemsize >= 4 for i, inp in enumerate(inputs)
+    keeps another row-sized value live: layernorm's centred row), and 32k words of a scan's
+    partials (a linear_scan's two f32 ones: 16k elements). Longer rows loop, reading the
+    row once per phase with online softmax and logsumexp."""
+    wide = any(inp.type.dtype.itemsize >= 4 for i, inp in enumerate(region.inputs)
                if plan.full(i))
     phases = max(plan.phases, default=0)
-    return (1 << 14 if wide else 1 << 15) >> max(0, phases - 1)
+    limit = (1 << 14 if wide else 1 << 15) >> max(0, phases - 1)
+    return min([limit] + [(1 << 15) // words for words in scan_words(plan, region)])
+
+
+def scan_words(plan: RowPlan, region) -> list[int]:
+    """The 32-bit words of partials each scan of a row program holds per element."""
+    n_in = len(region.inputs)
+    out = []
+    for v in plan.reducing:
+        op = region.ops[v - n_in].op
+        scan = ops.OPS[op.kind].scan
+        if scan is not None:
+            out.append(len(scan.identity) * (2 if scan.wide and op.dtype is DType.F32 else 1))
+    return out
 
 
 def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKernel:
@@ -468,7 +562,8 @@ def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKer
     prog = RowProgram(kernel)
     prog.emit()
     shape, axes = prog.plan.shape, prog.plan.axes
-    limit = one_pass_limit(prog.plan, kernel.region.inputs)
+    limit = one_pass_limit(prog.plan, kernel.region)
+    scans = bool(scan_words(prog.plan, kernel.region))
 
     no_identity = [prog.op(v) for v in sorted(prog.plan.reducing)
                    if (r := ops.OPS[prog.op(v).kind].reduction) is not None and not r.empty]
@@ -484,6 +579,8 @@ def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKer
         rows = numel([d for i, d in enumerate(shape) if i not in axes], dims)
         caps = CAPS[device]
         block_r = max(2, min(next_pow2(length), limit if device == "cuda" else caps["row"]))
+        if scans and length > block_r and device == "cuda":
+            block_r //= 2  # a loop's carries and chunk totals keep more live (280 bytes spilled)
         # short rows: several per program, up to a tile of `caps["tile"]` elements, or of a
         # pointwise program's (`caps["flat"]`, 8 elements a thread) on a GPU where it computes
         # trig: QK-norm with RoPE at D = 128 spills 87 KB a thread with 32, none with 8

@@ -287,6 +287,8 @@ def row_layouts(region: Region, space: RowSpace) -> dict[int, Layout] | Refusal:
     n_in = len(region.inputs)
     layouts: dict[int, Layout] = {}
     partial = set()  # reductions that leave some of the row's axes to the ones reading them
+    if refusal := scan_directions(region):
+        return refusal
 
     def fit(v: int, layout: Layout) -> Refusal | None:
         if v in layouts and layouts[v] != layout:
@@ -300,7 +302,7 @@ def row_layouts(region: Region, space: RowSpace) -> dict[int, Layout] | Refusal:
             layouts[vid] = ()
             continue
         if op.kind in ROW_OPS:
-            (x,) = rop.operands
+            x = rop.operands[0]  # (linear_scan's b has a's shape, so its layout)
             xt = region.value_type(x)
             lx = layouts.get(x) or space.default_layout(xt.shape)
             axis = op.attr("axis")
@@ -318,6 +320,9 @@ def row_layouts(region: Region, space: RowSpace) -> dict[int, Layout] | Refusal:
                 return Refusal(Rule.TILE, f"{op.kind} runs along one of the row program's axes only")
             if x not in layouts and (err := fit(x, lx)):
                 return err
+            for other in rop.operands[1:]:
+                if err := fit(other, lx):
+                    return err
             if ops.category(op.kind) is not ops.Category.REDUCTION:  # softmax, cumsum
                 layouts[vid] = lx
             elif op.attr("keepdims"):
@@ -365,6 +370,22 @@ def row_layouts(region: Region, space: RowSpace) -> dict[int, Layout] | Refusal:
                 if err := fit(v, want):
                     return err
     return layouts
+
+
+def scan_directions(region: Region) -> Refusal | None:
+    """A row longer than a chunk is walked from its end when a program scans in reverse, so
+    its scans all run one way, and it has no argmax/argmin (whose chunks keep the first
+    position of equal values by walking from the start)."""
+    scans = [r.op for r in region.ops if r.op.kind in ops.OPS and ops.OPS[r.op.kind].scan is not None]
+    if not any(op.attr("reverse") for op in scans):
+        return None
+    if not all(op.attr("reverse") for op in scans):
+        return Refusal(Rule.TILE, "scans run both ways along the row")
+    for r in region.ops:
+        red = ops.OPS[r.op.kind].reduction if r.op.kind in ops.OPS else None
+        if red is not None and red.index:
+            return Refusal(Rule.TILE, f"{r.op.kind} reads a row that a reverse scan walks from its end")
+    return None
 
 
 def partial_reductions(region: Region, space: RowSpace, layouts: dict[int, Layout]) -> frozenset[int]:

@@ -26,6 +26,7 @@ from .core import (
     Reads,
     Reduction,
     RuleError,
+    Scan,
     category,
     gathers_at,
     infer,
@@ -40,5 +41,5 @@ BINARY_KINDS = {d.symbol: k for k, d in OPS.items()
                 if d.symbol and d.arity == 2 and d.reads is Reads.PROMOTED}
 
 __all__ = ["BINARY_KINDS", "COMPARE_KINDS", "OPS", "REQUIRED", "ROW_KINDS", "BParam", "Category",
-           "NotDifferentiable", "OpDef", "Reads", "Reduction", "RuleError", "category", "gathers_at", "infer",
-           "is_elementwise"]
+           "NotDifferentiable", "OpDef", "Reads", "Reduction", "RuleError", "Scan", "category", "gathers_at",
+           "infer", "is_elementwise"]

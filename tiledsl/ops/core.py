@@ -25,7 +25,7 @@ class Category(str, enum.Enum):
     ELEMENTWISE = "elementwise"
     REDUCTION = "reduction"
     SOFTMAX = "softmax"
-    SCAN = "scan"  # a running total along one axis (cumsum): no extra pass over the row
+    SCAN = "scan"  # a running combination along one axis (cumsum): no extra pass over the row
     MATMUL = "matmul"
     LAYOUT = "layout"  # a view: consumers read it through permuted strides
     RETURN = "return"
@@ -118,6 +118,35 @@ class Reduction:
 ADD = "{a} + {b}"
 
 
+@dataclass(frozen=True, slots=True)
+class Scan:
+    """How a scan computes, which the rows template reads instead of its name.
+
+    Each element of the row is lifted to a tuple of partials; element t of the result is
+    `finalize`d from the combination of the partials of elements 0..t (t..n-1 with
+    `reverse=true`) by `combine`, an associative function of two tuples of partials whose
+    left one covers the elements before the right one's. A chunk of a row is scanned by
+    Triton's `tl.associative_scan` with it, and a row longer than a chunk carries the
+    combination of the chunks before (a running total)."""
+
+    # per partial, Triton: its combination from the left partials {a0} {a1} ... and the
+    # right ones {b0} {b1} ...
+    combine: tuple[str, ...]
+    # per partial: the one that changes nothing, what masked lanes hold (0, 1, -inf or inf:
+    # an integer's lowest or highest)
+    identity: tuple[float, ...]
+    # per partial, Triton: an element's from the operands {x0} {x1} ... (None: the operands)
+    lift: tuple[str, ...] | None = None
+    # Triton: the result from the partials {p0} {p1} ...
+    finalize: str = "{p0}"
+    # Triton's own scan with this combine (tl.cumsum), called instead of associative_scan
+    builtin: str | None = None
+    # Triton: a chunk's combination along the row from its tile {x}, when not its last partial
+    collapse: str | None = None
+    # an f32 result accumulates in f64, as a sum does
+    wide: bool = False
+
+
 Infer = Callable[[tuple[TensorType, ...], Mapping[str, Any]], TensorType]
 # (emitter, op, operands read as `reads` says, the result's compute type) -> value
 Render = Callable[..., Any]
@@ -143,6 +172,8 @@ class OpDef:
     gathers: int | None = None
     # a reduction's declaration (Category.REDUCTION ops have one, no other op does)
     reduction: Reduction | None = None
+    # a scan's declaration (Category.SCAN ops have one, no other op does)
+    scan: Scan | None = None
     # the vector-Jacobian product, vjp(adjoint, wanted) -> a contribution per operand or None
     # (`tiledsl.autodiff`); None here: the op has no derivative (differentiating through it
     # is an error naming it)

@@ -24,7 +24,7 @@ from tiledsl.types import (
     result_dtype,
 )
 
-from .core import ADD, BParam, Category, NotDifferentiable, Reads, Reduction, RuleError, define
+from .core import ADD, BParam, Category, NotDifferentiable, Reads, Reduction, RuleError, Scan, define
 from .render import take as _take_render
 from .rules import axis, float_of, reduced_shape
 
@@ -240,22 +240,162 @@ define("softmax", 1, Category.SOFTMAX, _softmax, params=(X, AXIS), reference=_so
        vjp=_d_softmax)
 
 
+# --- scans ----------------------------------------------------------------------------
+# A scan's result has its operand's shape: element t combines elements 0..t along `axis`
+# (t..n-1 with reverse=true) as its `Scan` declaration says (the rows template computes
+# it); the reference is torch's along the axis, flipped for reverse=true.
+
+REVERSE = BParam("reverse", "bool", False)
+
+
 def _cumsum(types, attrs):
     (x,) = types
     axis(attrs, x.rank)
     return TensorType(_sum(types, {"axis": attrs["axis"], "keepdims": True}).dtype, x.shape)
 
 
-# cumsum keeps sum's dtypes (i32 for bool and i32; torch's integer cumsum is i64)
+def _cumulative_extremum(types, attrs):
+    (x,) = types
+    axis(attrs, x.rank)
+    return x
+
+
+def _logcumsumexp(types, attrs):
+    (x,) = types
+    axis(attrs, x.rank)
+    return TensorType(float_of(x.dtype), x.shape)
+
+
+def _linear_scan(types, attrs):
+    a, b = types
+    for i, t in enumerate(types):
+        if not t.dtype.is_float:
+            raise RuleError(diag.DTypeError, (i,), message=(
+                f"'linear_scan' needs floating-point operands, got {t.dtype}"))
+    if a.shape != b.shape:
+        raise RuleError(diag.RankError, (0, 1), message=(
+            f"'linear_scan' needs a and b of one shape, got {format_shape(a.shape)} and "
+            f"{format_shape(b.shape)}; expand(a, [...]) broadcasts one"))
+    axis(attrs, a.rank)
+    return TensorType(result_dtype(types), a.shape)
+
+
+def _linear_scan_reference(a: torch.Tensor, b: torch.Tensor, axis: int) -> torch.Tensor:
+    """h[t] = a[t] * h[t - 1] + b[t] along `axis`, h[-1] = 0: the loop itself."""
+    a, b = a.movedim(axis, 0), b.movedim(axis, 0)
+    h, out = torch.zeros_like(b[0]), []
+    for t in range(b.shape[0]):
+        h = a[t] * h + b[t]
+        out.append(h)
+    return (torch.stack(out) if out else torch.zeros_like(b)).movedim(0, axis)
+
+
+def _shifted(d, v: int, k: int, fill: float) -> int:
+    """`v` (of the scan's shape) read k places on along the scan's axis, `fill` past either
+    end: a gather at the shifted index."""
+    shape = d.x_type(0).shape
+    ax = d.attr("axis") % len(shape)
+    index = [d.call("index", axis=a, shape=tuple(n if j == a else 1 for j, n in enumerate(shape)))
+             for a in range(len(shape))]
+    at = index[ax] = d.add(index[ax], d.c(k))
+    inside = d.call("and", d.call("ge", at, d.c(0)), d.call("lt", at, d.axis_size()))
+    return d.where(inside, d.call("take", v, *index), d.c(fill))
+
+
+def _step(d) -> int:
+    """+1 for a scan that runs forward (its adjoint runs backward, reading the next
+    element), -1 for a reverse one."""
+    return -1 if d.attr("reverse") else 1
+
+
 def _d_cumsum(d, wanted):
-    """The reversed cumulative sum of g: its total, less the running sum before each."""
-    axis = d.attr("axis")
-    total = d.call("sum", d.g, axis=axis, keepdims=True)
-    return (d.add(d.sub(total, d.call("cumsum", d.g, axis=axis)), d.g),)
+    """The cumulative sum of g the other way."""
+    return (d.call("cumsum", d.g, axis=d.attr("axis"), reverse=not d.attr("reverse")),)
 
 
-define("cumsum", 1, Category.SCAN, _cumsum, params=(X, AXIS),
-       reference=lambda x, axis: torch.cumsum(x, dim=axis), vjp=_d_cumsum)
+def _d_cumprod(d, wanted):
+    """g_i = y_{i-1} * sum_{j >= i} g_j * x_{i+1} ... x_j (zeros included, no division): the
+    sum is a linear scan the other way, s_i = g_i + x_{i+1} * s_{i+1}."""
+    k = _step(d)
+    s = d.call("linear_scan", _shifted(d, d.x(0), k, 0.0), d.g, axis=d.attr("axis"),
+               reverse=not d.attr("reverse"))
+    return (d.mul(_shifted(d, d.y, -k, 1.0), s),)
+
+
+def _d_cumulative_extremum(d, wanted):
+    """torch's: each g_j goes to the position of the extremum at j, the latest of equal ones
+    (a NaN is one): where x_i is the running extremum, the sum of g over the positions up to
+    the next such one, a linear scan the other way that restarts at each."""
+    x, k = d.x(0), _step(d)
+    new = d.call("or", d.call("eq", x, d.y), d.call("isnan", x))
+    keep = d.call("cast", d.call("not", new), dtype=d.op.dtype)
+    s = d.call("linear_scan", _shifted(d, keep, k, 0.0), d.g, axis=d.attr("axis"),
+               reverse=not d.attr("reverse"))
+    return (d.where(new, s, d.c(0.0)),)
+
+
+def _d_logcumsumexp(d, wanted):
+    """g_i = sum_{j >= i} g_j * exp(x_i - y_j) = exp(x_i - y_i) * s_i, with the linear scan
+    the other way s_i = g_i + exp(y_i - y_{i+1}) * s_{i+1} (factors <= 1); 0 where x is
+    -inf."""
+    y, k = d.y, _step(d)
+    y_next = _shifted(d, y, k, 0.0)
+    decay = d.where(d.call("eq", y, d.c(-math.inf)), d.c(0.0), d.call("exp", d.sub(y, y_next)))
+    s = d.call("linear_scan", decay, d.g, axis=d.attr("axis"), reverse=not d.attr("reverse"))
+    x = d.x(0)
+    return (d.where(d.call("eq", x, d.c(-math.inf)), d.c(0.0),
+                    d.mul(d.call("exp", d.sub(x, y)), s)),)
+
+
+def _d_linear_scan(d, wanted):
+    """The adjoint runs the recurrence the other way: dh_t = g_t + a_{t+1} * dh_{t+1};
+    db = dh, da_t = dh_t * h_{t-1} (h_{-1} = 0)."""
+    k = _step(d)
+    dh = d.call("linear_scan", _shifted(d, d.x(0), k, 0.0), d.g, axis=d.attr("axis"),
+                reverse=not d.attr("reverse"))
+    return (d.mul(dh, _shifted(d, d.y, -k, 0.0)) if wanted[0] else None, dh)
+
+
+def _along(function):
+    """torch's scan `function(x, dim)` along `axis`, run over the flipped axis for reverse."""
+    def reference(*operands, axis, reverse):
+        if reverse:
+            operands = [o.flip(axis) for o in operands]
+        out = function(*operands, axis)
+        return out.flip(axis) if reverse else out
+    return reference
+
+
+def _scan(kind, arity, infer, function, vjp, scan: Scan) -> None:
+    params = (X, AXIS, REVERSE) if arity == 1 else (BParam("a"), BParam("b"), AXIS, REVERSE)
+    define(kind, arity, Category.SCAN, infer, params=params, reference=_along(function), vjp=vjp,
+           scan=scan)
+
+
+# cumsum and cumprod keep sum's dtypes (i32 for bool and i32; torch's integer ones are i64)
+_scan("cumsum", 1, _cumsum, torch.cumsum, _d_cumsum, Scan(
+    ("{a0} + {b0}",), (0.0,), builtin="tl.cumsum", collapse="tl.sum({x}, axis=1)", wide=True))
+_scan("cumprod", 1, _cumsum, torch.cumprod, _d_cumprod, Scan(
+    ("{a0} * {b0}",), (1.0,), builtin="tl.cumprod", wide=True))
+# cummax/cummin: the values of torch's (values, indices); a NaN stays, as torch's
+_scan("cummax", 1, _cumulative_extremum, lambda x, dim: torch.cummax(x, dim).values,
+      _d_cumulative_extremum, Scan(("tl.maximum({a0}, {b0}, propagate_nan=tl.PropagateNan.ALL)",),
+                                   (-math.inf,)))
+_scan("cummin", 1, _cumulative_extremum, lambda x, dim: torch.cummin(x, dim).values,
+      _d_cumulative_extremum, Scan(("tl.minimum({a0}, {b0}, propagate_nan=tl.PropagateNan.ALL)",),
+                                   (math.inf,)))
+# logcumsumexp's partials are a running max m and the sum of exp(x - m), as online
+# logsumexp's (log(1 + e) in one partial loses e's low bits at every step: 9e-5 over 4k
+# elements); a rescale is 1 where the maxima are equal (two -inf or two inf)
+_M = "tl.maximum({a0}, {b0}, propagate_nan=tl.PropagateNan.ALL)"
+_LOG_ADD_EXP = (_M, f"tl.where({{a0}} == {_M}, 1.0, tl.exp({{a0}} - {_M})) * {{a1}} + "
+                    f"tl.where({{b0}} == {_M}, 1.0, tl.exp({{b0}} - {_M})) * {{b1}}")
+_scan("logcumsumexp", 1, _logcumsumexp, torch.logcumsumexp, _d_logcumsumexp, Scan(
+    _LOG_ADD_EXP, (-math.inf, 0.0), lift=("{x0}", "1.0"), finalize="{p0} + tl.log({p1})"))
+# linear_scan(a, b): h[t] = a[t] * h[t-1] + b[t], h[-1] = 0; its partials are (the product
+# of a, h) over a stretch of the row
+_scan("linear_scan", 2, _linear_scan, _linear_scan_reference, _d_linear_scan, Scan(
+    ("{a0} * {b0}", "{b0} * {a1} + {b1}"), (1.0, 0.0), finalize="{p1}"))
 
 
 # --- matmul, layout, return ------------------------------------------------------

@@ -1,0 +1,234 @@
+"""Scans (cumsum, cumprod, cummax, cummin, logcumsumexp, linear_scan, reverse=) and flip:
+against torch in float64 along different axes at awkward sizes, their gradients, kernel
+counts, sm_90 builds without spills, and the selective scan example."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import tiledsl
+from helpers import SIZES, gen, randn, run_checked
+from tiledsl import testing
+from tiledsl.backends.triton import aot
+from tiledsl.passes.fusion.remarks import FusionRemark
+
+DTYPES = {"f32": torch.float32, "f16": torch.float16}
+EXAMPLES = Path(__file__).parent.parent / "examples"
+UNARY = ["cumsum", "cumprod", "cummax", "cummin", "logcumsumexp"]
+
+
+def scan_input(op, shape, dtype=torch.float32, seed=0):
+    x = randn(*shape, seed=seed)
+    if op == "cumprod":  # factors near 1, so long products stay in range
+        x = 1.0 + 0.05 * x
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("reverse", ["false", "true"])
+@pytest.mark.parametrize("axis", [0, 1])
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("op", UNARY)
+def test_scan_matches_torch(op, n, axis, reverse):
+    x = scan_input(op, (5, n) if axis == 1 else (n, 5), seed=n)
+    fn, out = run_checked(f"kernel f(x: f32[M, N]) -> f32[M, N] {{ return {op}(x, axis={axis}, "
+                          f"reverse={reverse}) }}", x)
+    flip = reverse == "true"
+    xt = (x.flip(axis) if flip else x).double()
+    want = {"cumsum": torch.cumsum, "cumprod": torch.cumprod, "logcumsumexp": torch.logcumsumexp,
+            "cummax": lambda v, d: torch.cummax(v, d).values,
+            "cummin": lambda v, d: torch.cummin(v, d).values}[op](xt, axis)
+    torch.testing.assert_close(out.double(), want.flip(axis) if flip else want, rtol=1e-5, atol=1e-5)
+    assert [k.template for k in fn.kernels] == ["rows"]
+
+
+@pytest.mark.parametrize("op", UNARY)
+def test_f16_scans_compute_in_f32(op):
+    run_checked(f"kernel f(x: f16[M, N]) -> f16[M, N] {{ return {op}(x, axis=-1) }}",
+                scan_input(op, (17, 113), torch.float16))
+
+
+@pytest.mark.parametrize("reverse", ["false", "true"])
+@pytest.mark.parametrize("op", UNARY + ["linear_scan"])
+def test_rows_longer_than_a_block_carry_the_chunks_before(op, reverse):
+    """4099 > the interpreter's 4096-element row block: two chunks, the second continuing
+    (or, reversed, the first continuing) the first's partials."""
+    x = scan_input(op, (3, 4099), seed=7)
+    if op == "linear_scan":
+        src = (f"kernel f(a: f32[M, N], b: f32[M, N]) -> f32[M, N] {{ return linear_scan(sigmoid(a), "
+               f"b, axis=1, reverse={reverse}) }}")
+        run_checked(src, x, randn(3, 4099, seed=8), sm90=False)
+    else:
+        run_checked(f"kernel f(x: f32[M, N]) -> f32[M, N] {{ return {op}(x * 2.0, axis=1, "
+                    f"reverse={reverse}) }}", x, sm90=False)
+
+
+def test_integer_scans_are_exact():
+    x = torch.randint(-3, 4, (7, 113), dtype=torch.int32)
+    fn, (p, hi, lo) = run_checked("""kernel f(x: i32[M, N]) -> (i32[M, N], i32[M, N], i32[M, N]) {
+        return cumprod(x, axis=0), cummax(x, axis=1, reverse=true), cummin(x)
+    }""", x)
+    assert torch.equal(p, torch.cumprod(x, 0).int())
+    assert torch.equal(hi, torch.cummax(x.flip(1), 1).values.flip(1))
+    assert torch.equal(lo, torch.cummin(x, 1).values)
+
+
+def test_cummax_propagates_nan_as_torch():
+    x = randn(4, 17)
+    x[1, 5] = float("nan")
+    _, out = run_checked("kernel f(x: f32[M, N]) -> f32[M, N] { return cummax(x) }", x)
+    assert out[1, 5:].isnan().all() and not out[1, :5].isnan().any()
+
+
+def linear_scan_loop(a, b, axis):
+    """h[t] = a[t] * h[t - 1] + b[t] in float64, the loop a model writes."""
+    a, b = a.double().movedim(axis, 0), b.double().movedim(axis, 0)
+    h, out = torch.zeros_like(b[0]), []
+    for t in range(b.shape[0]):
+        h = a[t] * h + b[t]
+        out.append(h)
+    return torch.stack(out).movedim(0, axis)
+
+
+@pytest.mark.parametrize("axis", [0, 1, 2])
+@pytest.mark.parametrize("n", SIZES)
+def test_linear_scan_is_the_recurrence(n, axis):
+    shape = [3, 4, 5]
+    shape[axis] = n
+    a, b = torch.sigmoid(randn(*shape, seed=1)), randn(*shape, seed=2)
+    fn, out = run_checked(f"""kernel f(a: f32[P, Q, R], b: f32[P, Q, R]) -> f32[P, Q, R] {{
+        return linear_scan(a, b, axis={axis})
+    }}""", a, b)
+    torch.testing.assert_close(out.double(), linear_scan_loop(a, b, axis), rtol=1e-5, atol=1e-5)
+    fn, out = run_checked(f"""kernel f(a: f32[P, Q, R], b: f32[P, Q, R]) -> f32[P, Q, R] {{
+        return linear_scan(a, b, axis={axis}, reverse=true)
+    }}""", a, b)
+    torch.testing.assert_close(out.double(), linear_scan_loop(a.flip(axis), b.flip(axis), axis).flip(axis),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_linear_scan_needs_operands_of_one_shape():
+    with pytest.raises(tiledsl.TileDSLError) as err:
+        tiledsl.compile("kernel f(a: f32[M, N], b: f32[N]) -> f32[M, N] { return linear_scan(a, b, axis=0) }")
+    assert "'linear_scan' needs a and b of one shape, got [M, N] and [N]; expand(a, [...]) broadcasts one" \
+        in str(err.value)
+
+
+@pytest.mark.parametrize("reverse", ["false", "true"])
+@pytest.mark.parametrize("op", UNARY)
+def test_scan_gradients(op, reverse):
+    x = scan_input(op, (17, 13), seed=3)
+    if op == "cumprod":  # zeros: one in a row, two in another (no division by x)
+        x[3, 4] = x[5, 2] = x[5, 7] = 0.0
+    if op in ("cummax", "cummin"):
+        x = x.round()  # ties: the gradient goes to the latest, as torch's
+    for axis in (0, 1):
+        fn = tiledsl.compile(f"kernel f(x: f32[M, N]) -> f32[M, N] {{ return {op}(x, axis={axis}, "
+                             f"reverse={reverse}) }}")
+        report = testing.check_grads(fn, x, generator=gen(0))
+        assert report.ok, report
+
+
+@pytest.mark.parametrize("reverse", ["false", "true"])
+def test_linear_scan_gradients(reverse):
+    a, b = torch.sigmoid(randn(17, 13, seed=4)), randn(17, 13, seed=5)
+    fn = tiledsl.compile(f"""kernel f(a: f32[M, N], b: f32[M, N]) -> f32[M, N] {{
+        return linear_scan(a, b * 2.0, axis=0, reverse={reverse})
+    }}""")
+    report = testing.check_grads(fn, a, b, generator=gen(0))
+    assert report.ok, report
+
+
+def test_scan_fuses_with_its_producers_and_consumers():
+    x, w = randn(17, 113), randn(113)
+    fn, _ = run_checked("""kernel f(x: f32[M, N], w: f32[N]) -> (f32[M, N], f32[M]) {
+        c = logcumsumexp(x * w, axis=1) - 1.0
+        return sigmoid(c), sum(cumprod(1.0 + 0.01 * c, axis=1), axis=1)
+    }""", x, w)
+    assert [k.template for k in fn.kernels] == ["rows"]
+
+
+def test_scans_both_ways_along_a_row_are_two_kernels():
+    fn, _ = run_checked("kernel f(x: f32[M, N]) -> f32[M, N] { return cumsum(x) + cummax(x, reverse=true) }",
+                        randn(5, 113))
+    assert len(fn.kernels) == 2
+    assert "[fuse-rows] refused: cummax (line 1) -> add (line 1): scans run both ways along the row " \
+        "[rule: tile]" in [str(r) for r in fn.remarks]
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_flip_reads_in_place(n):
+    x = randn(n, 7)
+    for axis in (0, 1):
+        fn, out = run_checked(f"kernel f(x: f32[M, N]) -> f32[M, N] {{ return flip(exp(x), axis={axis}) * 2.0 }}", x)
+        torch.testing.assert_close(out, torch.flip(torch.exp(x), [axis]) * 2.0)
+        assert [k.template for k in fn.kernels] == ["pointwise"]
+
+
+def test_flip_of_a_parameter_has_no_gradient_yet():
+    fn = tiledsl.compile("kernel f(x: f32[M, N]) -> f32[M, N] { return flip(x, axis=0) }")
+    with pytest.raises(tiledsl.TileDSLError, match="is a scatter-add, which tiledsl cannot differentiate yet"):
+        testing.check_grads(fn, randn(5, 7), generator=gen(0))
+
+
+@pytest.mark.parametrize("op, dt, n, one_pass", [
+    ("cumsum", "f32", 16384, True), ("cumsum", "f32", 40000, False), ("cumprod", "f16", 32768, True),
+    ("cummax", "f32", 40000, False), ("logcumsumexp", "f32", 16384, True),
+    ("logcumsumexp", "f16", 32768, False), ("linear_scan", "f32", 16384, True),
+    ("linear_scan", "f16", 32768, False), ("linear_scan", "f32", 128, True),
+])
+def test_scans_build_for_sm90_without_spills(op, dt, n, one_pass):
+    if op == "linear_scan":
+        src = f"kernel f(a: {dt}[M, N], x: {dt}[M, N]) -> {dt}[M, N] {{ return linear_scan(sigmoid(a), x) }}"
+    else:
+        src = f"kernel f(x: {dt}[M, N]) -> {dt}[M, N] {{ return {op}(x * 0.5, axis=-1) }}"
+    (r,) = aot.inspect_program(tiledsl.compile(src), {"M": 4096, "N": n})
+    assert r.config["ONE_PASS"] is one_pass and r.spill_bytes == 0, r
+
+
+def selective_scan_loop(x, delta, A, Bm, C):
+    """Mamba-1's selective_scan_ref (no D, no z) in float64: the state [B, D, N] stepped over L."""
+    x, delta, A, Bm, C = (t.double() for t in (x, delta, A, Bm, C))
+    h = torch.zeros(x.shape[0], x.shape[2], A.shape[1], dtype=torch.float64)
+    ys = []
+    for t in range(x.shape[1]):
+        h = torch.exp(delta[:, t, :, None] * A) * h + delta[:, t, :, None] * Bm[:, t, None, :] * x[:, t, :, None]
+        ys.append((h * C[:, t, None, :]).sum(-1))
+    return torch.stack(ys, dim=1)
+
+
+@pytest.mark.parametrize("b, l, d, n", [(1, 1, 1, 1), (2, 17, 5, 16), (1, 113, 3, 4)], ids=str)
+def test_selective_scan_example(b, l, d, n):
+    fn = tiledsl.compile((EXAMPLES / "selective_scan.tdsl").read_text())
+    x, delta = randn(b, l, d, seed=1), torch.nn.functional.softplus(randn(b, l, d, seed=2))
+    A, Bm, C = -torch.exp(randn(d, n, seed=3)), randn(b, l, n, seed=4), randn(b, l, n, seed=5)
+    _, y = run_checked(fn, x, delta, A, Bm, C)
+    torch.testing.assert_close(y.double(), selective_scan_loop(x, delta, A, Bm, C), rtol=1e-4, atol=1e-4)
+    # two kernels: the scan along L and the sum over N, which the rows template cannot hold
+    # in one program (a row runs along one set of axes)
+    assert [k.template for k in fn.kernels] == ["rows", "rows"]
+    (remark,) = [r for r in fn.remarks if isinstance(r, FusionRemark) and not r.fused]
+    assert str(remark) == ("[fuse-rows] refused: mul (line 10) -> sum (line 10): sum runs along another "
+                           "axis than the row program [rule: tile]")
+
+
+def test_the_fuzzer_generates_every_scan_and_flip():
+    import random
+
+    import fuzzgen
+
+    sources = " ".join(fuzzgen.generate(random.Random(f"cover:{i}")).source for i in range(2000))
+    for name in UNARY + ["linear_scan(", "reverse=true", "flip("]:
+        assert name in sources, name
+
+
+@pytest.mark.parametrize("op", UNARY)
+def test_a_scan_along_a_size_1_axis_is_its_operand(op):
+    """(found by the fuzzer: the row program asked for the source of a scan it never runs)"""
+    z = scan_input(op, (17, 1))
+    _, out = run_checked(f"kernel f(z: f32[M, 1]) -> f32[M, 1] {{ return {op}(z, axis=1) * 2.0 }}", z)
+    torch.testing.assert_close(out, z * 2.0)
+    a, b = randn(17, 1, seed=1), randn(17, 1, seed=2)
+    _, out = run_checked("kernel f(a: f32[M, 1], b: f32[M, 1]) -> f32[M, 1] { return linear_scan(a, b, axis=1) }",
+                         a, b)
+    torch.testing.assert_close(out, b)
