@@ -147,7 +147,7 @@ class Assign:
 
 @dataclass(frozen=True, slots=True)
 class Unpack:
-    """`a, b = topk(x, 2)` (a builtin with several results) or `a, b = b, a` (a tuple)."""
+    """`v, i = max(x, -1)` (a builtin with several results) or `a, b = b, a` (a tuple)."""
     targets: tuple[str, ...]
     target_spans: tuple[Span, ...]
     values: tuple[Expr, ...]

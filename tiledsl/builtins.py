@@ -21,9 +21,8 @@ class Builtin:
     name: str
     params: tuple[BParam, ...]
     # the names of its results when it has several, unpacked `values, indices = max(x, -1)`;
-    # `alone`: a call used as one value means its first result (max(x, -1) is the values)
+    # a call used as one value is its first result (max(x, -1) is the values)
     results: tuple[str, ...] = ()
-    alone: bool = True
 
     @property
     def min_args(self) -> int:

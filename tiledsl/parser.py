@@ -226,8 +226,8 @@ class _Builder(lark.visitors.Transformer_NonRecursive):
 
     @lark.v_args(meta=True)
     def unpack(self, meta, children):
-        names = [c for c in children if isinstance(c, lark.Token) and c.type == "NAME"]
-        values = [c for c in children if c is not None and c not in names]
+        n = next(i for i, c in enumerate(children) if not isinstance(c, lark.Token))  # NAME, NAME, ... =
+        names, values = children[:n], [c for c in children[n:] if c is not None]
         return ast.Unpack(tuple(str(n) for n in names), tuple(self._tok(n) for n in names),
                           tuple(values), self._span(meta))
 

@@ -321,11 +321,6 @@ class _KernelBuilder:
                     f"; tiledsl writes {TORCH_SPELLINGS[e.func].format(x='x')}"))
             raise diag.UnknownFunctionError(e.func_span, name=e.func,
                                             hint=diag.did_you_mean(e.func, BUILTINS))
-        if not builtin.alone:
-            names = ", ".join(builtin.results)
-            raise diag.UnpackError(e.span, message=(
-                f"'{e.func}' gives {len(builtin.results)} results ({names}): unpack them, "
-                f"`{names} = {e.func}(...)`"))
         args = _bind(builtin, e)
         handler = _HANDLERS.get(e.func, "op")
         if handler in Indexing.CALLS:
