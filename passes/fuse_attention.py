@@ -175,10 +175,10 @@ class _Match:
             for u, _ in graph.users(n):
                 if u not in inside:
                     return self.refuse(Rule.MATERIALIZE, n, u, self._whole("the scores", u))
-        members = {qk, pv, *chain, *extra}
-        for operand in (0, 1):
-            members |= self._prologue(qk, operand, pv)
-        if self._gather(graph.operands(pv)[1], {pv, *members}):  # v read through an index map
+        prologues = self._prologue(qk, 0, pv) | self._prologue(qk, 1, pv)
+        members = {qk, pv, *chain, *extra, *prologues}
+        # v read through an index map (a paged cache), by p @ v and the operand loads alone
+        if self._gather(graph.operands(pv)[1], {pv, *prologues}):
             members.add(graph.operands(pv)[1])
         if self.plan.creates_cycle(members - {qk}, qk):
             return self.refuse(Rule.CYCLE, qk, pv, "a value the attention needs depends on its result")
