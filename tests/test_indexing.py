@@ -76,6 +76,53 @@ def test_a_slice_past_its_axis_is_refused_at_the_call():
         "(D=50, N=3) it is not (D - 64 = -14)")
 
 
+EVEN_ODD = """
+kernel f(x: f32[R, D]) -> f32[(R + 1) // 2, D] {
+    return x[0::2, :] + x[1::2, :]
+}"""
+
+
+@pytest.mark.parametrize("r, d", [(2, 1), (18, 17), (114, 113)])
+def test_dims_only_sizes_make_equal_meet_as_one(r, d):
+    """(R + 1) // 2 and R // 2 are equal at even R: one kernel, checked at the call."""
+    x = randn(r, d)
+    fn, out = run_checked(EVEN_ODD, x)
+    assert len(fn.kernels) == 1
+    assert torch.equal(out, x[0::2] + x[1::2])
+
+
+def test_dims_only_sizes_make_equal_are_checked_at_the_call():
+    fn = tiledsl.compile(EVEN_ODD)
+    with pytest.raises(TileDSLError) as err:
+        fn(randn(17, 3))
+    assert str(err.value).splitlines()[0] == (
+        "<string>:3:25: error: shapes [(R + 1) // 2, D] and [R // 2, D] must agree in dim 0 "
+        "((R + 1) // 2 in one, R // 2 in the other); at these sizes (D=3, R=17) it is not "
+        "(-((R + 1) // 2) + (R // 2) = -1)")
+    ret = tiledsl.compile("kernel f(x: f32[R, D]) -> f32[(R + 1) // 2, D] { return x[1::2, :] * 2.0 }")
+    x = randn(6, 5)
+    assert torch.equal(ret(x), x[1::2] * 2.0)
+    with pytest.raises(TileDSLError) as err:
+        ret(randn(7, 5))
+    assert str(err.value).splitlines()[0] == (
+        "<string>:1:57: error: the returned value has shape [R // 2, D] but the kernel declares "
+        "[(R + 1) // 2, D]; at these sizes (D=5, R=7) it is not (-((R + 1) // 2) + (R // 2) = -1)")
+
+
+@pytest.mark.parametrize("src, message", [
+    ("kernel f(x: f32[R, D], y: f32[N, D]) -> f32[R, D] { return x + y }",
+     "shapes [R, D] and [N, D] cannot be broadcast: dim 0 is R in one and N in the other"),
+    ("kernel f(x: f32[R, D]) -> f32[R - 1, D] { return x[1:, :] + x[:, :] }",
+     "shapes [R - 1, D] and [R, D] cannot be broadcast: dim 0 is R - 1 in one and R in the other"),
+    ("kernel f(x: f32[R, D]) -> f32[R, D] { return x[1:, :] }",
+     "the returned value has shape [R - 1, D] but the kernel declares [R, D]"),
+])
+def test_dims_that_differ_at_every_size_are_refused(src, message):
+    with pytest.raises(TileDSLError) as err:
+        tiledsl.compile(src)
+    assert str(err.value).splitlines()[0].split(" error: ")[1] == message
+
+
 def test_slices_of_matmul_operands_read_in_place():
     src = """
     kernel f(q: f32[M, D], k: f32[N, D]) -> f32[M, N] {

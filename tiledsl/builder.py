@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from tiledsl import diagnostics as diag
 from tiledsl import ops
+from tiledsl.dims import Lin, sizes_decide
 from tiledsl.dims import build as build_dim
 from tiledsl.ir import Edge, Graph, Op, make_attrs
 from tiledsl.source import Span
@@ -71,10 +72,47 @@ class Builder:
         try:
             t = ops.infer(kind, types, attrs)
         except ops.RuleError as err:
+            if err.cls is diag.BroadcastError:
+                agreed = self._agree_dim(operands, types, err.fields)
+                if agreed is not None:
+                    return self.user_op(kind, agreed, span, **attrs)
             notes = [diag.Note(f"this operand is {types[i]}", operands[i][1])
                      for i in err.operands if i < len(operands)]
             raise err.cls(span, notes, **err.fields) from None
         return self._add(kind, t, [n for n, _ in operands], span, attrs)
+
+    def _agree_dim(self, operands: Sequence[tuple[int, Span]], types: Sequence[TensorType],
+                   fields: dict[str, Any]) -> list[tuple[int, Span]] | None:
+        """Operands that disagree in one dim of a broadcast, `a` in some and `b` in others,
+        where only the sizes decide: those with `b` read as `a`, checked at every call."""
+        a, b = fields["a"], fields["b"]
+        if not sizes_decide(a, b):
+            return None
+        rank = max(t.rank for t in types)
+        message = (f"shapes {fields['lhs']} and {fields['rhs']} must agree in dim {fields['dim']} "
+                   f"({a} in one, {b} in the other)")
+        out = []
+        for (node, span), t in zip(operands, types, strict=True):
+            at = fields["dim"] - (rank - t.rank)
+            if at >= 0 and t.shape[at] == b:
+                node = self.agree_shape(node, span, t.shape[:at] + (a,) + t.shape[at + 1:], message)
+            out.append((node, span))
+        return out
+
+    def agree_shape(self, node: int, span: Span | None, shape: tuple, message: str) -> int | None:
+        """`node` read at `shape`, which differs from its own only in dims the sizes of a call
+        decide (`sizes_decide`): a reshape, each such pair checked equal at every call
+        (`Graph.requires`: both differences at least 0). None where a dim is never equal."""
+        t = self.graph.op(node).type
+        if t.rank != len(shape):
+            return None
+        pairs = [(want, got) for want, got in zip(shape, t.shape, strict=True) if want != got]
+        if not all(sizes_decide(want, got) for want, got in pairs):
+            return None
+        for want, got in pairs:
+            diff = Lin.of(want) - Lin.of(got)
+            self.graph.requires += ((diff.dim(), span, message), ((-diff).dim(), span, message))
+        return self.user_op("reshape", [(node, span)], span, shape=tuple(shape), copy=False)
 
     def copy(self, op: Op, operands: Sequence[Value]) -> int:
         """`op` again (kind, attributes, span) over `operands`, typed by them."""

@@ -133,9 +133,24 @@ def text(x: Lin) -> str:
     return out
 
 
+def never_zero(x: Lin) -> bool:
+    """Is a difference of element counts nonzero at every size? Its atoms are products of
+    dims, each at least 1 at any call, so terms of one sign never cancel."""
+    signs = {c > 0 for _, c in x.terms} | ({x.const > 0} if x.const else set())
+    return len(signs) == 1
+
+
 def is_symbol(dim: Dim) -> bool:
     """A dim a parameter binds (not an expression of them)."""
     return isinstance(dim, str) and dim.isidentifier()
+
+
+def sizes_decide(a: Dim, b: Dim) -> bool:
+    """Are two dims that differ as written equal at some sizes and not at others, an
+    expression among them (`(R + 1) // 2` and `R // 2`; `4` and `D // 2`)? Then a call checks
+    them. Two symbols or numbers are refused where they meet: a typo more often than not."""
+    plain = (is_symbol(a) or isinstance(a, int)) and (is_symbol(b) or isinstance(b, int))
+    return not plain and not never_zero(Lin.of(a) - Lin.of(b))
 
 
 @functools.lru_cache(maxsize=4096)

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from tiledsl import ast, ops
 from tiledsl import diagnostics as diag
 from tiledsl.builder import Builder
-from tiledsl.dims import Lin, factors
+from tiledsl.dims import Lin, factors, never_zero
 from tiledsl.ops.structure import index_dtype_message
 from tiledsl.source import Span
 from tiledsl.types import (
@@ -362,7 +362,7 @@ class Indexing:
         note = [diag.Note(f"this value is {t}", xspan)]
         message = (f"reshape from {format_shape(t.shape)} to {format_shape(new)} changes the "
                    "number of elements")
-        if _never_zero(diff):
+        if never_zero(diff):
             raise diag.IndexingError(given.span, note, message=message)
         if not diff.is_const:
             requires = list(self.graph.requires)
@@ -438,13 +438,6 @@ def _shape_list(given: ast.Expr, func: str, example: str) -> ast.ListLit | ast.T
     if len(given.items) > MAX_RANK:
         raise diag.LimitError(given.span, what=f"rank {len(given.items)}", limit=MAX_RANK)
     return given
-
-
-def _never_zero(x: Lin) -> bool:
-    """Is a difference of element counts nonzero at every size? Its atoms are products of
-    dims, each at least 1 at any call, so terms of one sign never cancel."""
-    signs = {c > 0 for _, c in x.terms} | ({x.const > 0} if x.const else set())
-    return len(signs) == 1
 
 
 def _product(dims) -> Lin:

@@ -218,9 +218,12 @@ class _KernelBuilder:
                         raise diag.ReturnTypeError(texpr.span, message=(
                             f"the declared return type uses dim '{sym}', which no parameter defines"))
             if got.shape != want.shape:
-                raise diag.ReturnTypeError(value.span, note, message=(
-                    f"{which} has shape {format_shape(got.shape)} but the kernel declares "
-                    f"{format_shape(want.shape)}"))
+                message = (f"{which} has shape {format_shape(got.shape)} but the kernel declares "
+                           f"{format_shape(want.shape)}")
+                agreed = self.b.agree_shape(node, value.span, want.shape, message)
+                if agreed is None:
+                    raise diag.ReturnTypeError(value.span, note, message=message)
+                node = agreed
             if got.dtype != want.dtype:
                 if not (got.dtype.is_float and want.dtype.is_float):
                     raise diag.ReturnTypeError(value.span, note, message=(
