@@ -180,6 +180,23 @@ class CancelInvolution(Pattern):
         return True
 
 
+class ViewOfFill(Pattern):
+    """A view (`reshape`, `transpose`, `slice`) of one number broadcast (`full(x, v)`, read
+    at a shape only the sizes make equal) is that number broadcast to the view's shape: a
+    fill computed where it is read, never a stored tensor viewed."""
+
+    def apply(self, graph: Graph, node: int, op: Op, rewriter: Rewriter) -> bool:
+        if op.kind not in ("reshape", "transpose", "slice"):
+            return False
+        (x,) = graph.operands(node)
+        x_op = graph.op(x)
+        if not (isinstance(x_op, Op) and x_op.kind == "expand"
+                and graph.op(graph.operands(x)[0]).type.rank == 0):
+            return False
+        rewriter.replace(node, rewriter.build.op("expand", graph.operand_edges(x), op.span, shape=op.shape))
+        return True
+
+
 class KeepReducedDim(Pattern):
     """`r[:, None]` (or a reshape giving back the size-1 dim) of a reduction that dropped its
     axis is the reduction keeping it: `exp(x - max(x, -1)[:, None])` reads the row max as
@@ -505,8 +522,8 @@ class RemoveIdentityGather(Pattern):
 
 
 PATTERNS = (FoldConstants(), RemoveIdentity(), DivideByReciprocal(), RemoveNoOpCast(), CancelInvolution(),
-            KeepReducedDim(), TransposeProduct(), GatherBeforeElementwise(), GatherAlongRow(), ViewOfGather(),
-            RemoveIdentityGather())
+            ViewOfFill(), KeepReducedDim(), TransposeProduct(), GatherBeforeElementwise(), GatherAlongRow(),
+            ViewOfGather(), RemoveIdentityGather())
 
 
 @register

@@ -154,6 +154,6 @@ class LowerKernels(Pass):
         op = graph.op(node)
         if not (isinstance(op, Op) and op.kind == "reshape") or outputs.count((node, 0)) != 1:
             return False
-        (src, _), = graph.operand_edges(node)
-        return (isinstance(graph.op(src), KernelOp) and len(graph.users(src)) == 1
-                and len(graph.users(node)) == 1)
+        (src, res), = graph.operand_edges(node)
+        readers = [u for u, slot in graph.users(src) if graph.operand_edges(u)[slot] == (src, res)]
+        return isinstance(graph.op(src), KernelOp) and readers == [node] and len(graph.users(node)) == 1

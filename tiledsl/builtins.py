@@ -56,6 +56,13 @@ BUILTINS["squeeze"] = Builtin("squeeze", (BParam("x"), BParam("axis", "int")))
 # flip(x, axis) reads x at n - 1 - i along the axis (a gather through an index expression)
 BUILTINS["flip"] = Builtin("flip", (BParam("x"), BParam("axis", "int", -1)))
 
+# pad(x, (before, after), axis=-1, value=0) reads x at i - before, `value` outside it
+BUILTINS["pad"] = Builtin("pad", (BParam("x"), BParam("pad"), BParam("axis", "int", -1),
+                                  BParam("value", default=0)))
+# full(x, value) and zeros(x): x's shape and dtype, x's values never read
+BUILTINS["full"] = Builtin("full", (BParam("x"), BParam("value")))
+BUILTINS["zeros"] = Builtin("zeros", (BParam("x"),))
+
 # torch names of builtins tiledsl spells otherwise, and how tiledsl writes them ({x}: the value)
 TORCH_SPELLINGS = {
     "cat": "concat(a, b, axis=...)", "view": "reshape({x}, [...])", "flatten": "reshape({x}, [-1])",

@@ -34,7 +34,7 @@ class Indexing:
     `name` stand for a dim symbol there (not shadowed by a value)?"""
 
     # the builtins lowered here (a method each), by the name sema's handler table gives them
-    CALLS = ("gather", "reshape", "expand", "squeeze", "flip")
+    CALLS = ("gather", "reshape", "expand", "squeeze", "flip", "pad")
 
     def __init__(self, build: Builder, expr: Callable[[ast.Expr], int], is_dim: Callable[[str], bool],
                  check_bounds: bool) -> None:
@@ -428,6 +428,48 @@ class Indexing:
                                       (self.b.const(1, DType.I32, e.span), e.span)], e.span)
         indices[axis] = self.b.user_op("sub", [(last, e.span), (indices[axis], e.span)], e.span)
         return reindex(self.b, x, indices, xspan)
+
+
+    def pad(self, e: ast.Call, args: dict[str, ast.Expr]) -> int:
+        """pad(x, (before, after), axis=-1, value=0): x read at i - before along `axis`, `value`
+        outside it (torch.nn.functional.pad of one axis, constant mode), computed where it is
+        read like flip's and concat's pieces: never stored. The widths are dims or literals,
+        at least 0 (checked at the call when only the sizes decide)."""
+        x, xspan = self._value(args, "x")
+        t = self.graph.op(x).type
+        if t.rank == 0:
+            raise diag.RankError(e.span, message="'pad' needs a value of rank 1 or more")
+        axis = axis_arg(e, args, "axis", t.rank)
+        given = args["pad"]
+        if not isinstance(given, ast.TupleLit | ast.ListLit) or len(given.items) != 2:
+            raise diag.ConstantExpected(given.span, what="the widths of 'pad'",
+                                        expected="two dims (before, after), like (1, 0) or (0, D - N)")
+        requires = list(self.graph.requires)
+        before, after = (self._dim_expr(item, "pad widths") for item in given.items)
+        for width, item in zip((before, after), given.items, strict=True):
+            self._require(width, item.span, f"a pad width must be at least 0 (it is {width.dim()})", requires)
+        self.graph.requires = tuple(requires)
+        value = args.get("value")
+        fill = (self.b.const(0, DType.I32, e.span), e.span) if value is None else self._value(args, "value")
+        if self.graph.op(fill[0]).type.rank != 0:
+            raise diag.RankError(fill[1], message=(
+                f"the value of 'pad' is one number, got {self.graph.op(fill[0]).type}"))
+        if before == Lin() and after == Lin():
+            return x
+        n = Lin.of(t.shape[axis])
+        out = t.shape[:axis] + ((n + before + after).dim(),) + t.shape[axis + 1:]
+        indices = [self._index_of(out, d, e.span) for d in range(t.rank)]
+        at = indices[axis]
+        if before != Lin():
+            at = self.b.user_op("sub", [(at, e.span), (self.b.size(before.dim(), e.span), e.span)], e.span)
+        indices[axis] = at
+        zero, n = self.b.const(0, DType.I32, e.span), self.b.size(t.shape[axis], e.span)
+        inside = self.b.user_op("and", [
+            (self.b.user_op("ge", [(at, e.span), (zero, e.span)], e.span), e.span),
+            (self.b.user_op("lt", [(at, e.span), (n, e.span)], e.span), e.span)], e.span)
+        fill = (self.b.user_op("cast", [fill], e.span, dtype=t.dtype), fill[1])
+        return self.b.user_op("where", [(inside, e.span), (reindex(self.b, x, indices, xspan), xspan), fill],
+                              e.span)
 
 
 def _shape_list(given: ast.Expr, func: str, example: str) -> ast.ListLit | ast.TupleLit:

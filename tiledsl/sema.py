@@ -473,6 +473,18 @@ class _KernelBuilder:
             stride = size if stride is None else self.b.user_op("mul", [(stride, span), (size, span)], span)
         return self.b.user_op("random", [(position, span), seed], span, dist=dist)
 
+    def _call_fill(self, e: ast.Call, b: Builtin, args: dict[str, ast.Expr]) -> int:
+        """`full(x, value)` and `zeros(x)`: one number (a literal or a 0-d value) at x's shape
+        in x's dtype, like torch.full_like; x's values are never read (no gradient flows)."""
+        t = self.graph.op(self._value(args, "x")[0]).type
+        zero = (self.b.const(0, DType.I32, e.span), e.span)
+        value = self._value(args, "value") if "value" in args else zero
+        if self.graph.op(value[0]).type.rank != 0:
+            raise diag.RankError(value[1], message=(
+                f"the value of '{e.func}' is one number, got {self.graph.op(value[0]).type}"))
+        cast = self.b.user_op("cast", [value], e.span, dtype=t.dtype)
+        return self.b.user_op("expand", [(cast, e.span)], e.span, shape=t.shape) if t.rank else cast
+
     def _call_causal(self, e: ast.Call, b: Builtin, args: dict[str, ast.Expr]) -> int:
         x, xspan = self._value(args, "x")
         t = self.graph.op(x).type
@@ -492,6 +504,7 @@ _HANDLERS = {
     **{kind: "along" for kind, d in ops.OPS.items() if d.scan is not None},
     "softmax": "along", "transpose": "transpose", "index": "index", "causal": "causal",
     "gather": "gather", "reshape": "reshape", "squeeze": "squeeze", "expand": "expand", "flip": "flip",
+    "pad": "pad", "full": "fill", "zeros": "fill",
     "rand": "random", "randn": "random", "dropout": "dropout",
 }
 
