@@ -91,7 +91,8 @@ def _unmatched(graph: Graph, plan: GroupPlan, remarks: list) -> None:
             seen.add(n)
             if op.kind == "softmax" and not plan.grouped(n) and n != a:
                 refusal = Refusal(Rule.OP, f"attention is softmax(scores) @ v, the softmax along the "
-                                  f"keys read by the matmul directly (or through one cast); here it "
+                                  f"keys read by the matmul directly or through ops linear in it (casts, "
+                                  f"products, where(c, p, 0)); here it "
                                   f"reaches the matmul through {describe_node(graph, via)}, which is not "
                                   "distributed over the product")
                 remarks.append(FusionRemark.refused(NAME, refusal, op, graph.op(mm)))
@@ -99,6 +100,11 @@ def _unmatched(graph: Graph, plan: GroupPlan, remarks: list) -> None:
             if ops.is_elementwise(op.kind):
                 via = via if via is not None else n
                 stack.extend(graph.operands(n))
+
+
+def _zero(graph: Graph, node: int) -> bool:
+    op = graph.op(node)
+    return isinstance(op, Op) and op.kind == "const" and op.attr("value") == 0
 
 
 def _is(graph: Graph, node: int, kind: str) -> bool:
@@ -119,7 +125,7 @@ class _Match:
 
     def members(self) -> tuple[list[int], AttentionSpec] | None:
         graph, sm = self.graph, self.seed
-        p = self._cast_of(sm)
+        p, p_ops = self._probabilities(sm)
         pv = [u for u, slot in graph.users(p) if slot == 0 and _is(graph, u, "matmul")]
         if not pv:
             return None  # not attention: fuse-rows takes the softmax
@@ -142,7 +148,9 @@ class _Match:
         qk, chain = found
         lse = self._logsumexps(x, len(op.shape) - 1)
         sums = self._key_sums([qk, *chain], len(op.shape) - 1)
-        return self._group(qk, chain, pv, sm, p, lse, sums, "flash attention", "score modification")
+        if p_ops:
+            p_ops = p_ops + self._p_side(p_ops, {qk, sm, *chain})
+        return self._group(qk, chain, pv, sm, p, lse, sums, "flash attention", "score modification", p_ops)
 
     def chain(self) -> tuple[list[int], AttentionSpec] | None:
         """With no softmax: `f(q @ k.T) @ v` for any elementwise score function `f` (a
@@ -162,14 +170,15 @@ class _Match:
         return self._group(qk, chain, pv, None, None, [], sums, "chained matmuls", "score function")
 
     def _group(self, qk: int, chain: list[int], pv: int, sm: int | None, p: int | None, lse: list[int],
-               sums: list[int], what: str, mod: str) -> tuple[list[int], AttentionSpec] | None:
+               sums: list[int], what: str, mod: str,
+               p_ops: list[int] = ()) -> tuple[list[int], AttentionSpec] | None:
         """The kernel's members and their roles: the scores' matmul and chain, what else reads
         the scores inside it (the softmax `sm` and its cast `p`, the logsumexps `lse` and the
         widenings they read, the sums over the keys and the side ops they read), p @ v, the
         operand prologues and the epilogue; or a refusal when something outside needs the
         scores."""
         graph = self.graph
-        extra = {n for n in (sm, p) if n is not None} | set(lse) | set(sums)
+        extra = {n for n in (sm, p) if n is not None} | set(lse) | set(sums) | set(p_ops)
         inside = set(chain) | extra | {pv}
         for n in [qk, *chain]:
             for u, _ in graph.users(n):
@@ -187,19 +196,22 @@ class _Match:
             group.add(n)
         self._epilogue(group, pv)
         n_mod = len(chain) + len(self._index_expressions(chain))
-        plural = "s" if n_mod != 1 else ""
-        detail = what + (f" ({mod}: {n_mod} op{plural})" if chain else "")
+        mods = [f"{mod}: {n_mod} op{'s' if n_mod != 1 else ''}"] if chain else []
+        if p_ops:
+            mods.append(f"probability modification: {len(p_ops)} op{'s' if len(p_ops) != 1 else ''}")
+        detail = what + (f" ({'; '.join(mods)})" if mods else "")
         self.remarks.append(FusionRemark(NAME, True, None, graph.op(qk), graph.op(pv), detail))
 
         def ordered(nodes) -> tuple[int, ...]:
             return tuple(sorted(nodes, key=self.plan.order.__getitem__))
 
         side = [n for n in sums if not _is(graph, n, "sum")]
-        spec = AttentionSpec(qk, pv, sm, p if p != sm else None, ordered([*chain, *side]),
+        p_cast = p if p != sm and not p_ops else None
+        spec = AttentionSpec(qk, pv, sm, p_cast, ordered([*chain, *side]),
                              ordered(n for n in lse if _is(graph, n, "logsumexp")),
                              ordered(n for n in lse if _is(graph, n, "cast")),
                              ordered(n for n in sums if _is(graph, n, "sum")),
-                             ordered(n for n in group if n not in members))
+                             ordered(n for n in group if n not in members), ordered(p_ops))
         return list(group), spec
 
     def _key_sums(self, values: list[int], axis: int) -> list[int]:
@@ -254,13 +266,50 @@ class _Match:
                 found += [c, *readers]
         return found
 
-    def _cast_of(self, sm: int) -> int:
+    def _probabilities(self, sm: int) -> tuple[int, list[int]]:
         """The probabilities as p @ v reads them: the softmax, or its one cast (p, cast to the
-        dtype of v, is what a flash kernel feeds the second dot anyway)."""
-        users = self.graph.users(sm)
-        if len(users) == 1 and _is(self.graph, users[0][0], "cast") and not self.plan.grouped(users[0][0]):
-            return users[0][0]
-        return sm
+        dtype of v, is what a flash kernel feeds the second dot anyway); or the end of a chain
+        of ops linear in p, each the only reader of the last (dropout's `p * where(rand(p,
+        seed) >= r, 1 / (1 - r), 0)`, a mask `where(c, p, 0)`, casts), and those ops with the
+        side values only they read (the dropout mask, computed from positions and the seed).
+        A kernel applies them to each key block's p once its sum is in the normaliser."""
+        graph, shape = self.graph, self.graph.op(sm).shape
+        p, chain = sm, []
+        while len(graph.users(p)) == 1:
+            (u, slot), = graph.users(p)
+            op = graph.op(u)
+            if not isinstance(op, Op) or self.plan.grouped(u) or op.shape != shape:
+                break
+            others = [o for k, o in enumerate(graph.operands(u)) if k != slot]
+            linear = (op.kind == "cast" and op.dtype.is_float or op.kind == "mul"
+                      or op.kind == "where" and slot > 0 and _zero(graph, others[1]))
+            if not linear:
+                break
+            chain.append(u)
+            p = u
+        if len(chain) == 1 and _is(graph, p, "cast"):
+            return p, []  # the one cast the kernel's narrowing of P is
+        return p, chain
+
+    def _p_side(self, p_ops: list[int], members: set[int]) -> list[int]:
+        """The side values of the ops on the probabilities that only the kernel reads (a
+        dropout mask from the positions and a seed; an index the score modification reads
+        too, which the kernel then computes with the scores)."""
+        graph = self.graph
+        inside = set(p_ops) | members
+        work = deque(o for n in p_ops for o in graph.operands(n) if o not in inside)
+        side: list[int] = []
+        while work:
+            n = work.popleft()
+            op = graph.op(n)
+            if n in inside or not isinstance(op, Op) or op.shape == () or self.plan.grouped(n) \
+                    or not (op.kind == "index" or elementwise_candidate(graph, n)) \
+                    or any(u not in inside for u, _ in graph.users(n)):
+                continue
+            inside.add(n)
+            side.append(n)
+            work.extend(graph.operands(n))
+        return side
 
     def _index_expressions(self, chain: list[int]) -> set[int]:
         """The index expressions (`causal`'s comparison) the chain reads: cloned into the

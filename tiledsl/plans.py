@@ -269,6 +269,11 @@ class AttentionPlan:
     # index over each tile); empty when v is an input, read through its strides
     v_chain: frozenset[int] = frozenset()
     v_source: int | None = None  # None: `v` itself
+    # ops between the softmax and p @ v that are linear in p (dropout's `p * where(rand(p,
+    # seed) >= r, 1 / (1 - r), 0)`), with the side values they read: applied to each key
+    # block's p after its sum joins the normaliser, so the softmax is normalised by every
+    # probability and p @ v multiplies the modified ones
+    p_ops: tuple[int, ...] = ()
 
     def role(self, value: int) -> str:
         if value in self.q_chain:
@@ -279,6 +284,8 @@ class AttentionPlan:
             return "v prologue"
         if value in self.score_ops:
             return "score modification" if self.softmax is not None else "score function"
+        if value in self.p_ops:
+            return "probability modification"
         if value in self.lse or value in self.lse_casts:
             return "logsumexp"
         if value in self.row_sums:
@@ -297,6 +304,7 @@ class AttentionPlan:
                 f"k = {name(self.k_source)}{' (transposed)' if self.k_transposed else ''}, "
                 f"v = {name(self.v if self.v_source is None else self.v_source)}, "
                 f"score_mod = {_names(self.score_ops, name)}, "
+                f"{f'p_mod = {_names(self.p_ops, name)}, ' if self.p_ops else ''}"
                 f"lse = {_names(self.lse, name)}, epilogue = {_names(self.epilogue, name)}, "
                 f"key_bound = {_bound(self.bound, name)}"
                 + ("" if self.p_out is None else f", stores_p = {name(self.p_out)}")
@@ -314,6 +322,10 @@ class AttentionPlan:
         else:
             check.expect(self.softmax, ("softmax",), "softmax")
             p = self.softmax if self.p_cast is None else self.p_cast
+            if self.p_ops:  # p @ v reads the last of them
+                p = check.operands(self.pv)[0]
+                if p not in self.p_ops:
+                    check.fail("its attention plan's p @ v does not read the modified probabilities")
             if self.p_cast is not None:
                 check.expect(self.p_cast, ("cast",), "the cast of p")
                 if check.operands(self.p_cast) != (self.softmax,):
@@ -324,7 +336,7 @@ class AttentionPlan:
             check.expect(v, ("sum",), "sum over the keys")
         for v in (self.q_source, self.k_source, self.v if self.v_source is None else self.v_source):
             check.expect(v, (None,), "q, k or v")
-        for v in (*self.score_ops, *self.lse, *self.epilogue):
+        for v in (*self.score_ops, *self.p_ops, *self.lse, *self.epilogue):
             check.kind(v)
         for v in self.lse_casts:
             check.expect(v, ("cast",), "widening of the scores")

@@ -270,6 +270,14 @@ class AttentionProgram:
             if phase == "stats":
                 body("m_i = m_new")
                 return
+            if parts.p_ops:  # linear in p: on the block's p, its sum already in the normaliser
+                vals[parts.softmax] = Val("p", Compute.F32)
+                needed = set().union(*(region.depends(x) for x in parts.p_ops))
+                # with the score ops they read that this block skipped (an exact mask's index)
+                todo = (*parts.score_ops, *parts.p_ops)
+                self.run(vals, tuple(v for v in todo if v in needed and v not in vals), "score")
+                modified = vals[region.ops[parts.pv - self.n_in].operands[0]]
+                body(f"p = {em.tensor(em.convert(modified, Compute.F32)).text}")
         self.pv_step(masked, phase)
 
     def sum_step(self, vals: dict[int, Val], masked: bool) -> None:

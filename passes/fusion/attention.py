@@ -46,13 +46,21 @@ def attention_plan(region: Region, spec: AttentionSpec) -> AttentionPlan:
     # a computed v is a gather (a paged cache): loaded through the index it computes per tile
     v_chain = frozenset(region.depends(v)) if v >= n_in else frozenset()
     summed = [ops[x].operands[0] for x in spec.row_sums]
-    members = {qk, pv, sm, p, *spec.score_ops, *spec.lse, *spec.lse_casts, *spec.row_sums, *spec.epilogue}
+    if spec.p_ops:
+        p = ops[pv].operands[0]
+    members = {qk, pv, sm, p, *spec.score_ops, *spec.lse, *spec.lse_casts, *spec.row_sums, *spec.epilogue,
+               *spec.p_ops}
     # the ops cloned into the kernel (not members) run with the role that reads them
     clones = [x for x in ops if x not in members and x not in q_chain | k_chain | v_chain
               and ops[x].op.kind != "const"]
     before = set().union(*(region.depends(x) for x in spec.score_ops))
-    score_ops = tuple(x for x in ops if x in spec.score_ops or x in clones and x in before)
-    epilogue = tuple(x for x in ops if x in spec.epilogue or x in clones and x not in before)
+    # what the probabilities' ops compute that the score modification reads too (an index)
+    # runs with the scores
+    score_ops = tuple(x for x in ops
+                      if x in spec.score_ops or (x in clones or x in spec.p_ops) and x in before)
+    after_p = set().union(*(region.depends(x) for x in spec.p_ops)) - before
+    p_ops = tuple(x for x in ops if x in after_p and (x in spec.p_ops or x in clones))
+    epilogue = tuple(x for x in ops if x in spec.epilogue or x in clones and x not in before | after_p)
     transposes = sum(ops[v].op.kind == "transpose" for v in k_chain if v >= n_in)
     if sm is None:
         bound, cond = _vanishing_bound(region, [scores, *summed])
@@ -67,7 +75,7 @@ def attention_plan(region: Region, spec: AttentionSpec) -> AttentionPlan:
                          score_ops, spec.lse, epilogue, bound, spec.p_cast,
                          p if sm is not None and p in region.outputs else None, spec.lse_casts,
                          row_sums=spec.row_sums, bound_cond=cond, v_chain=v_chain,
-                         v_source=operand_source(region, v_chain) if v_chain else None)
+                         v_source=operand_source(region, v_chain) if v_chain else None, p_ops=p_ops)
 
 
 def attention_backward_plan(region: Region, spec: AttentionBackwardSpec) -> AttentionBackwardPlan:

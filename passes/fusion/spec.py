@@ -89,7 +89,8 @@ class GemmSpec:
 class AttentionSpec:
     """An attention kernel as fuse-attention matched it: q @ k.T (`qk`), the score
     modification (`score_ops`, with the side ops the key sums read), the softmax (None: the
-    chain is summed as it is) and its cast p, p @ v, the logsumexps stored and the widenings
+    chain is summed as it is) and its cast p or the ops linear in p after it (`p_ops`: dropout),
+    p @ v, the logsumexps stored and the widenings
     they read, the sums over the keys, and the epilogue (with the values per query row
     computed from the logsumexps and sums). The other members are the operands' prologues."""
 
@@ -103,6 +104,7 @@ class AttentionSpec:
     lse_casts: tuple[int, ...] = nodes()
     row_sums: tuple[int, ...] = nodes()
     epilogue: tuple[int, ...] = nodes()
+    p_ops: tuple[int, ...] = nodes(default=())
 
 
 @dataclass(frozen=True)
