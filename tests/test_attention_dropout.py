@@ -73,9 +73,20 @@ def test_gradients_regenerate_the_mask(dt):
     fn = program(dt, causal=True)
     report = testing.check_grads(fn, *qkv(2, 2, 17, 33, 16, dt), 99, generator=gen(0))
     assert report.ok, report
-    # the backward draws the mask again from the seed: the forward stores only its output
-    assert [k.template for k in fn.kernels] == ["attention"]
-    assert any(op.kind == "random" for k in fn.backward.kernels for op in k.ops)
+    # FlashAttention-2's backward with the mask drawn again from the seed: the training
+    # forward stores its output and the logsumexp, nothing [M, N]
+    training = fn.training(fn.differentiable)
+    assert [k.template for k in training.forward.kernels] == ["attention"]
+    assert [k.template for k in training.backward.kernels] == ["rows", "attention_backward", "attention_backward"]
+    assert all(any(op.kind == "random" for op in k.ops) for k in training.backward.kernels[1:])
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_dropout_attention_backward_compiles_for_sm90_without_spills(d):
+    fn = tiledsl.compile(EXAMPLE).backward
+    dims = {"B": 4, "H": 16, "M": 4096, "N": 4096, "D": d}
+    reports = aot.inspect_program(fn, dims, {"seed": 3})
+    assert len(reports) == 3 and all(r.spill_bytes == 0 for r in reports)
 
 
 def test_a_mask_after_the_softmax_is_a_probability_modification():

@@ -269,10 +269,10 @@ class _Backward:
                 # a broadcast gradient (a sum's, [M, 1]) in full for the rules that contract
                 # or rearrange it (matmul, reshape, transpose); elementwise ones broadcast it
                 g = self.emit("expand", [g], op.span, shape=op.shape)
-            flash = self._flash(node)
+            flash = self._flash(node, active)
             if flash is not None:
-                for o, c in zip((fwd.operands(flash)[0], fwd.operands(node)[1]),
-                                self._flash_vjp(node, flash, g, active), strict=True):
+                for o, c in zip((fwd.operands(flash[0])[0], fwd.operands(node)[1]),
+                                self._flash_vjp(node, *flash, g, active), strict=True):
                     if c is not None:  # (None: that operand needs no gradient)
                         adjoints.setdefault(o, []).append(self._fit(c, fwd.op(o), op.span))
                 continue
@@ -310,34 +310,52 @@ class _Backward:
         sources = self._order_params()
         return Derivation(forward, bwd, self.wrt, sources, n_outputs, tuple(self.saved))
 
-    def _flash(self, node: int) -> int | None:
-        """The softmax of `softmax(scores) @ v` (through one cast of the probabilities), when
-        the product is their one use, the softmax runs along the keys (the last axis) and the
-        scores are computed from a matmul: attention, which is differentiated the way
-        FlashAttention does it (`_flash_vjp`)."""
+    def _flash(self, node: int, active: set[int]) -> tuple[int, list[tuple[int, int]]] | None:
+        """The softmax of `softmax(scores) @ v`, when the product is its one use (through ops
+        linear in the probabilities, each the only use of the one before: casts, dropout's
+        product with a mask, `where(c, p, 0)`, whose other operands need no gradient), the
+        softmax runs along the keys (the last axis) and the scores are computed from a matmul:
+        attention, which is differentiated the way FlashAttention does it (`_flash_vjp`).
+        With the softmax, the linear ops from the product's operand down to it, each as
+        (node, the slot the probabilities come in at)."""
         fwd = self.fwd
         if fwd.op(node).kind != "matmul":
             return None
-        p = fwd.operands(node)[0]
-        sm = p
-        if fwd.op(p).kind == "cast":
-            (sm,) = fwd.operands(p)
-        op = fwd.op(sm)
         outputs = {n for n, _ in fwd.outputs}
-        if op.kind != "softmax" or op.attr("axis") % len(op.shape) != len(op.shape) - 1 \
-                or any(n in outputs or len(fwd.users(n)) != 1 for n in {sm, p}):
+        n, chain = fwd.operands(node)[0], []
+        while fwd.op(n).kind != "softmax":
+            op = fwd.op(n)
+            slots = {"cast": (0,), "mul": (0, 1)}.get(op.kind, ())
+            if op.kind == "where":
+                operands = fwd.operands(n)
+                slots = tuple(k for k, z in ((1, 2), (2, 1)) if _is_zero(fwd, operands[z]))
+            inner = [k for k in slots if _reaches_softmax(fwd, fwd.operands(n)[k])]
+            if op.kind == "cast" and not op.dtype.is_float or len(inner) != 1 or n in outputs \
+                    or len(fwd.users(n)) != 1:
+                return None
+            others = [o for k, o in enumerate(fwd.operands(n)) if k != inner[0]]
+            if any(o in active and fwd.op(o).dtype.is_float for o in others):
+                return None  # a factor that needs a gradient of its own
+            chain.append((n, inner[0]))
+            n = fwd.operands(n)[inner[0]]
+        sm, op = n, fwd.op(n)
+        if op.attr("axis") % len(op.shape) != len(op.shape) - 1 \
+                or sm in outputs or len(fwd.users(sm)) != 1:
             return None
         (x,) = fwd.operands(sm)
         if not _runs_matmul(fwd, x):
             return None
-        return sm
+        return sm, chain
 
-    def _flash_vjp(self, pv: int, sm: int, g: int, active: set[int]) -> tuple[int | None, int | None]:
-        """Contributions of `o = softmax(x) @ v` to x and to v from the output's gradient g:
-        dv = p.T @ g, dx = p * (g @ v.T - delta) with delta = rowsum(g * o) in f32 (the
-        softmax's rowsum(dp * p), by associativity; FlashAttention-2's pre-pass). The
+    def _flash_vjp(self, pv: int, sm: int, chain: list[tuple[int, int]], g: int,
+                   active: set[int]) -> tuple[int | None, int | None]:
+        """Contributions of `o = L(softmax(x)) @ v` to x and to v from the output's gradient g,
+        L the linear ops `chain` (none, a cast, dropout's mask): dv = L(p).T @ g,
+        dx = p * (L'(g @ v.T) - delta) with delta = rowsum(g * o) in f32 (the softmax's
+        rowsum(dp * p), by associativity: L is diagonal; FlashAttention-2's pre-pass). The
         probabilities are recomputed in the backward from the scores and their saved
-        logsumexp, and the scores from q and k: nothing [M, N] is saved."""
+        logsumexp, and the scores from q and k: nothing [M, N] is saved (a dropout mask is
+        drawn again from its seed)."""
         fwd = self.fwd
         span = fwd.op(pv).span
         p_node, v_node = fwd.operands(pv)
@@ -349,6 +367,14 @@ class _Backward:
         if x not in active:
             return None, dv
         dp = self.emit("matmul", [g, self.transpose(self.primal(v_node), span)], span)
+        for n, slot in chain:  # L is diagonal: its adjoint is L itself, on dp
+            op, operands = fwd.op(n), fwd.operands(n)
+            if op.kind == "mul":
+                dp = self.emit("mul", [dp, self.primal(operands[1 - slot])], op.span)
+            elif op.kind == "where":
+                zero = self.const(0.0, op.span)
+                branches = [dp, zero] if slot == 1 else [zero, dp]
+                dp = self.emit("where", [self.primal(operands[0]), *branches], op.span)
         wide = [self.cast(v, DType.F32, span) for v in (g, self.primal(pv))]
         delta = self.emit("sum", [self.emit("mul", wide, span)], span, axis=fwd.op(pv).type.rank - 1,
                           keepdims=True)
@@ -538,6 +564,28 @@ class _Backward:
         types = tuple(TensorType(fwd.op(n).dtype, fwd.op(n).shape) for n in self.saved)
         fwd.returns = fwd.returns[:n_outputs] + types + fwd.returns[n_outputs:]
         return fwd
+
+
+def _is_zero(graph: Graph, node: int) -> bool:
+    op = graph.op(node)
+    return op.kind == "const" and op.attr("value") == 0
+
+
+def _reaches_softmax(graph: Graph, node: int) -> bool:
+    """Is `node` a softmax, or computed from one through casts, products and selects (the
+    ops `Derive._flash` takes as linear in the probabilities)?"""
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        kind = graph.op(n).kind
+        if kind == "softmax":
+            return True
+        if kind in ("cast", "mul", "where"):
+            stack.extend(graph.operands(n))
+    return False
 
 
 def _runs_matmul(graph: Graph, node: int) -> bool:
