@@ -76,7 +76,7 @@ class FuseAttention(Pass):
 
 def _unmatched(graph: Graph, plan: GroupPlan, remarks: list) -> None:
     """Say why a matmul whose left operand is computed from a softmax is not attention: the
-    pattern looked for is `softmax(scores) @ v` (through one cast), and the probabilities
+    pattern looked for is `softmax(scores) @ v` (through ops linear in p), and the probabilities
     reach this matmul through other ops."""
     for mm in graph.topo_order():
         if not _is(graph, mm, "matmul") or plan.grouped(mm):
