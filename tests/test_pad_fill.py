@@ -99,3 +99,21 @@ def test_a_pad_width_only_the_sizes_decide_is_checked_at_the_call():
     assert str(err.value).splitlines()[0] == (
         "<string>:1:62: error: a pad width must be at least 0 (it is M - N); at these sizes "
         "(M=5, N=9) it is not (M - N = -4)")
+
+
+@pytest.mark.parametrize("b, d, l", [(1, 1, 1), (2, 5, 17), (1, 33, 113)])
+def test_mamba_causal_conv1d_is_one_kernel(b, d, l):
+    """Mamba's depthwise causal conv1d (kernel 4) as its reference writes it: a left pad of
+    K - 1 and K shifted slices of the padded value, each read through the pad's index map."""
+    src = """
+    kernel causal_conv1d(x: f32[B, D, L], w: f32[D, 4], b: f32[D]) -> f32[B, D, L] {
+        xp = pad(x, (3, 0), axis=-1)
+        y = (xp[:, :, 0:L] * w[:, 0:1] + xp[:, :, 1:L + 1] * w[:, 1:2] + xp[:, :, 2:L + 2] * w[:, 2:3]
+             + xp[:, :, 3:L + 3] * w[:, 3:4])
+        return silu(y + b[:, None])
+    }"""
+    x, w, bias = randn(b, d, l), randn(d, 4, seed=1), randn(d, seed=2)
+    fn, out = run_checked(src, x, w, bias)
+    assert len(fn.kernels) == 1
+    ref = F.silu(F.conv1d(x.double(), w.double()[:, None, :], bias.double(), padding=3, groups=d)[..., :l])
+    assert torch.allclose(out.double(), ref, atol=1e-5)

@@ -71,7 +71,7 @@ class Indexing:
                 advanced[axis] = (node, item.span)
             axis += 1
         if not advanced:
-            return self._view(e, value, t, items)
+            return self._read_positional(self._view(e, value, t, items), e.span)
         if any(isinstance(i, ast.NoneLit) for i in items):
             raise diag.IndexingError(e.span, message=(
                 "None (a new axis) cannot be mixed with tensor indices; add the axis in a "
@@ -87,6 +87,17 @@ class Indexing:
             value = self._view(e, value, t, basic)
             t = self.graph.op(value).type
         return self._gather(e, value, t, advanced)
+
+    def _read_positional(self, view: int, span: Span) -> int:
+        """A slice of a value computed from positions (a pad, a concat, a flip, a gather: an
+        index map) read through: the map computed again at the slice's elements (`reindex`),
+        as a stored tensor's slice is read through its strides. `pad(x, (3, 0))[..., 1:L + 1]`
+        is x read at i - 2, never a padded tensor stored."""
+        op = self.graph.op(view)
+        if op.kind != "slice" or not _computed(self.graph.op(self.graph.operands(view)[0])) \
+                or not _positional(self.graph, self.graph.operands(view)[0]):
+            return view
+        return reindex(self.b, view, [self._index_of(op.shape, d, span) for d in range(op.type.rank)], span)
 
     def _expand_ellipsis(self, e: ast.Subscript, rank: int) -> list[ast.Expr]:
         items = list(e.items)
@@ -578,6 +589,21 @@ def reindex(b: Builder, node: int, indices: list, span: Span | None) -> int:
         return b.user_op(op.kind, operands, op.span or span, **op.attr_map)
     sub = [b.const(0, DType.I32, span) if d == 1 else i for d, i in zip(op.shape, indices, strict=True)]
     return b.user_op("take", [(node, span), *((i, span) for i in sub)], span)
+
+
+def _positional(graph, node: int) -> bool:
+    """Is `node` computed elementwise from an `index` or a gather (`take`)?"""
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        op = graph.op(n)
+        if n in seen or not ops.is_elementwise(op.kind):
+            continue
+        if op.kind in ("index", "take"):
+            return True
+        seen.add(n)
+        stack.extend(graph.operands(n))
+    return False
 
 
 def _computed(op) -> bool:
