@@ -489,6 +489,7 @@ _HANDLERS = {
     **{kind: "along" for kind, d in ops.OPS.items() if d.scan is not None},
     "softmax": "along", "transpose": "transpose", "index": "index", "causal": "causal",
     "gather": "gather", "reshape": "reshape", "squeeze": "squeeze", "expand": "expand", "flip": "flip",
+    "scatter": "scatter", "scatter_add": "scatter_add", "index_add": "index_add",
     "rand": "random", "randn": "random", "dropout": "dropout",
 }
 
