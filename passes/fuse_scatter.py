@@ -64,7 +64,8 @@ def _admit(graph: Graph, group: set[int], cand: int, space) -> Refusal | None:
     if reads:
         return Refusal(Rule.OP, f"it reads {describe_node(graph, reads[0])}'s result, which the "
                        "scatter kernel completes only when it ends")
-    outside = [u for u, _ in graph.users(cand) if u not in group]
+    outside = [u for u, _ in graph.users(cand) if u not in group and not (
+        graph.op(u).kind == "put" and _space(graph, u) == space)]  # (such a put joins next)
     if outside:
         return Refusal(Rule.MATERIALIZE, f"{describe_node(graph, outside[0])} outside the scatter "
                        "reads it too")

@@ -56,22 +56,22 @@ class ScatterPlan:
     written values over their space, elementwise ops before them included, and stores or
     atomically adds each at its indices into a result that starts at 0."""
 
-    template: ClassVar[str] = "scatter"
+    template: ClassVar[str] = "indexed"
     strided_stores: ClassVar[bool] = False  # it stores at the indices, into contiguous results
 
     shape: Shape  # the space: the written values' shape
     puts: tuple[int, ...]  # the `put` ops, the region's outputs in order
 
     def format(self, name: Name) -> str:
-        return f"plan scatter {{space = {format_shape(self.shape)}, puts = {_names(self.puts, name)}}}"
+        return f"plan indexed {{space = {format_shape(self.shape)}, puts = {_names(self.puts, name)}}}"
 
     def verify(self, check: PlanCheck) -> None:
         if tuple(check.region.outputs) != self.puts:
-            check.fail("its scatter plan's puts are not its outputs")
+            check.fail("its indexed plan's puts are not its outputs")
         for v in self.puts:
             check.expect(v, ("put",), "put")
             if check.region.value_type(check.operands(v)[0]).shape != self.shape:
-                check.fail("a put of its scatter plan writes values outside the plan's space")
+                check.fail("a put of its indexed plan writes values outside the plan's space")
 
 
 @dataclass(frozen=True, slots=True)

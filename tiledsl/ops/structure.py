@@ -171,7 +171,7 @@ def _d_put(d, wanted):
 # put(src, i0, ..., i{r-1}, shape, accumulate) is `take`'s inverse: a tensor of `shape`, 0 but
 # where src[p] is written (or added, accumulate=true) at (i0[p], ..., i{r-1}[p]); the index
 # arrays broadcast to src's shape. What scatter, scatter_add, index_add and a gather's
-# gradient build; a kernel of its own (Category.SCATTER: the scatter template), whose
+# gradient build; a kernel of its own (Category.SCATTER: the indexed template), whose
 # programs store or add atomically into a result that starts at 0.
 define("put", -1, Category.SCATTER, _put, reads=Reads.OPERAND, reference=put_reference, vjp=_d_put)
 
