@@ -25,7 +25,7 @@ from tiledsl import ops
 from tiledsl.ir import Graph, KernelOp, Op, Region, RegionInput, RegionOp
 from tiledsl.ops import Category
 from tiledsl.passes.fusion.legality import RowSpace, reduced_axes
-from tiledsl.passes.fusion.spec import GemmSpec, PointwiseSpec, RowSpec, Spec
+from tiledsl.passes.fusion.spec import GemmSpec, PointwiseSpec, RowSpec, ScatterSpec, Spec
 from tiledsl.passes.regions import is_by_value, is_clonable, remove_dead_clonables, replace_with_kernel
 from tiledsl.passes.registry import Pass, PassContext, register
 from tiledsl.plans import TEMPLATES, PointwisePlan
@@ -40,7 +40,8 @@ def _row(graph: Graph, node: int) -> RowSpec:
 LOWERED: dict[Category, Callable[[Graph, int], Spec]] = {
     Category.ELEMENTWISE: lambda graph, node: PointwiseSpec(graph.op(node).shape),
     Category.REDUCTION: _row, Category.SOFTMAX: _row, Category.SCAN: _row,
-    Category.MATMUL: lambda graph, node: GemmSpec(node)}
+    Category.MATMUL: lambda graph, node: GemmSpec(node),
+    Category.SCATTER: lambda graph, node: ScatterSpec(graph.result_type(*graph.operand_edges(node)[0]).shape)}
 
 
 @register

@@ -20,6 +20,7 @@ from tiledsl.passes.fuse_elementwise import FuseElementwise
 from tiledsl.passes.fuse_epilogue import FuseEpilogue
 from tiledsl.passes.fuse_horizontal import FuseHorizontal
 from tiledsl.passes.fuse_rows import FuseRows
+from tiledsl.passes.fuse_scatter import FuseScatter
 from tiledsl.passes.hoist_row_scale import HoistRowScale
 from tiledsl.passes.lower_kernels import LowerKernels
 from tiledsl.passes.online_softmax import OnlineSoftmax
@@ -61,6 +62,7 @@ PASSES: tuple[tuple[type[Pass], Stage], ...] = (
     (FuseAttentionBackward, Stage.FUSION),
     (FuseEpilogue, Stage.FUSION),
     (FuseRows, Stage.FUSION),
+    (FuseScatter, Stage.FUSION),
     (FuseElementwise, Stage.FUSION),
     (FuseHorizontal, Stage.FUSION),
     (LowerKernels, Stage.LOWERING),

@@ -5,7 +5,7 @@ then returns one to three of its values. Expressions mix elementwise builtins,
 operators, comparisons and `where`, reductions, softmax, logsumexp, matmul (A operands of
 batch rank 0 to 2, so ranks 2 to 4, against a 2-D or a batched weight, in the shapes model
 code writes: attention, a dual GEMM, a row-normalised A, a projection), indexing
-(slices, concat, gather, computed indices, flip), reshape, scans (cumsum, cumprod, cummax,
+(slices, concat, gather, scatter_add, index_add, computed indices, flip), reshape, scans (cumsum, cumprod, cummax,
 cummin, logcumsumexp, linear_scan, reversed),
 casts and transposes, and integer and bitwise arithmetic on an i32 tensor;
 leaves include constants, dims, scalar parameters, `index` values and
@@ -127,6 +127,8 @@ class Generator:
         self.acts_rng = random.Random("acts8:" + str(rng.getstate()[1][:8]))
         # and so do the scan a cumsum's place draws, its direction, and flip
         self.scans_rng = random.Random("scans1:" + str(rng.getstate()[1][:8]))
+        # and so do the scatter-adds that now and then stand in for a gather
+        self.scatters_rng = random.Random("scatters1:" + str(rng.getstate()[1][:8]))
         self.values: list[Value] = [
             Value("x", ("M", "N")), Value("y", ("N",)), Value("z", ("M", "1")), Value("s", ()),
             Value("mask", ("M", "N"), "bool"), Value("flag", (), "bool")]
@@ -327,6 +329,11 @@ class Generator:
         if choice == 0 and a.shape[-1] == "N":
             return Value(f"concat({a.text}[..., N // 2:], {a.text}[..., :N // 2], axis=-1)", a.shape)
         if choice == 1:
+            kind = self.scatters_rng.randrange(4)
+            if kind == 0 and a.kind == "float":
+                return Value(f"scatter_add({a.text}, abs(k) % M, {a.text} * 0.5, 0)", a.shape)
+            if kind == 1 and a.kind == "float":
+                return Value(f"index_add({a.text}, 1, abs(k[0, :]) % N, {a.text})", a.shape)
             return Value(f"gather({a.text}, abs(k) % N, axis=-1)", a.shape)
         if choice == 2:
             return Value(f"{a.text}[M - 1 - index({a.text}, 0), index({a.text}, 1)]", a.shape)

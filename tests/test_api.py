@@ -55,7 +55,7 @@ def test_ir_stages(attention):
                                 "hoist-row-scale",
                                 "recompute", "fuse-attention", "widen-score-sums", "own-prologues", "sink-transposes",
                                 "fuse-attention-backward",
-                                "fuse-epilogue", "fuse-rows", "fuse-elementwise", "fuse-horizontal", "lower-kernels",
+                                "fuse-epilogue", "fuse-rows", "fuse-scatter", "fuse-elementwise", "fuse-horizontal", "lower-kernels",
                                 "fused"]
     assert "%7 = neg %6 : weak f32" in attention.ir("graph")
     assert "const -inf" in attention.ir("canonicalize")
@@ -72,7 +72,7 @@ def test_explain_reports_kernels_traffic_and_fusions_not_made(attention):
     assert text.splitlines()[:5] == [
         "fusion report for @attention",
         "  pipeline: canonicalize,sink-reshape,cse,dce,online-softmax,distribute-matmul,hoist-row-scale,recompute,"
-        "fuse-attention,widen-score-sums,own-prologues,sink-transposes,fuse-attention-backward,fuse-epilogue,fuse-rows,fuse-elementwise,fuse-horizontal,lower-kernels",
+        "fuse-attention,widen-score-sums,own-prologues,sink-transposes,fuse-attention-backward,fuse-epilogue,fuse-rows,fuse-scatter,fuse-elementwise,fuse-horizontal,lower-kernels",
         "  1 kernel for 8 ops",
         "  modeled HBM traffic: 4·B·D·H·M + 4·B·D·H·N B fused; "
         "4·B·D·H·M + 4·B·D·H·N + 34·B·H·M·N B op by op",

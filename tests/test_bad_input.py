@@ -158,7 +158,7 @@ RUN = ("--dims", "M=3,N=4", "--repeat", "0")
      "--print-ir-after fuse-bogus: no such stage in this pipeline; did you mean 'fuse-rows'? (stages: graph, "
      "canonicalize, sink-reshape, cse, dce, online-softmax, distribute-matmul, hoist-row-scale, recompute, "
      "fuse-attention, widen-score-sums, own-prologues, sink-transposes, fuse-attention-backward, "
-     "fuse-epilogue, fuse-rows, fuse-elementwise, "
+     "fuse-epilogue, fuse-rows, fuse-scatter, fuse-elementwise, "
      "fuse-horizontal, lower-kernels)"),
     (["check", "kernel"], "cannot read kernel: No such file or directory"),
     (["check", "missing.tdsl"], "cannot read missing.tdsl: No such file or directory"),

@@ -103,7 +103,7 @@ def test_check_and_passes():
     code, out, _ = cli("passes")
     assert [line.split()[0] for line in out.splitlines()] == [
         "canonicalize", "cse", "dce", "distribute-matmul", "fuse-attention", "fuse-attention-backward", "fuse-elementwise", "fuse-epilogue", "fuse-horizontal",
-        "fuse-rows",
+        "fuse-rows", "fuse-scatter",
         "hoist-row-scale", "lower-kernels", "online-softmax", "own-prologues", "recompute", "sink-reshape",
         "sink-transposes", "widen-score-sums"]
 

@@ -64,7 +64,7 @@ def test_generated_programs_are_mostly_valid_and_cover_every_template():
         valid += 1
         templates |= {k.template for k in fn.kernels}
     assert valid >= 190
-    assert templates == {"pointwise", "rows", "matmul", "attention", "merged"}
+    assert templates == {"pointwise", "rows", "matmul", "attention", "merged", "indexed"}
 
 
 @pytest.mark.parametrize("chunk", range(4))

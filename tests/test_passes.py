@@ -32,7 +32,7 @@ def test_pipeline_strings_round_trip():
 
 @pytest.mark.parametrize("text, message", [
     ("canonicalise", "unknown pass 'canonicalise'; did you mean 'canonicalize'? (passes: canonicalize, "
-                     "cse, dce, distribute-matmul, fuse-attention, fuse-attention-backward, fuse-elementwise, fuse-epilogue, fuse-horizontal, fuse-rows, "
+                     "cse, dce, distribute-matmul, fuse-attention, fuse-attention-backward, fuse-elementwise, fuse-epilogue, fuse-horizontal, fuse-rows, fuse-scatter, "
                      "hoist-row-scale, lower-kernels, online-softmax, own-prologues, recompute, sink-reshape, "
                      "sink-transposes, widen-score-sums)"),
     ("cse{foo=1}", "pass 'cse' has no option 'foo' (options: none)"),

@@ -165,10 +165,14 @@ def test_flip_reads_in_place(n):
         assert [k.template for k in fn.kernels] == ["pointwise"]
 
 
-def test_flip_of_a_parameter_has_no_gradient_yet():
-    fn = tiledsl.compile("kernel f(x: f32[M, N]) -> f32[M, N] { return flip(x, axis=0) }")
-    with pytest.raises(tiledsl.TileDSLError, match="is a scatter-add, which tiledsl cannot differentiate yet"):
-        testing.check_grads(fn, randn(5, 7), generator=gen(0))
+@pytest.mark.parametrize("axis", [0, 1])
+def test_flip_of_a_parameter_has_a_gradient(axis):
+    """flip reads x through a gather, so its gradient is a scatter-add of g at the flipped
+    positions: g flipped, in one indexed kernel."""
+    fn = tiledsl.compile(f"kernel f(x: f32[M, N]) -> f32[M, N] {{ return flip(x, axis={axis}) * 3.0 }}")
+    report = testing.check_grads(fn, randn(17, 113), generator=gen(0))
+    assert report.ok, str(report)
+    assert [k.template for k in fn.backward.kernels] == ["indexed"]
 
 
 @pytest.mark.parametrize("op, dt, n, one_pass", [

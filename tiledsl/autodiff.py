@@ -96,6 +96,10 @@ class Adjoint:
     def attr(self, name: str) -> Any:
         return self.op.attr(name)
 
+    def shape(self, v: int) -> tuple:
+        """The shape of a backward value (`g` may be broadcast: smaller than the result)."""
+        return self._b.bwd.op(v).shape
+
     def call(self, kind: str, *operands: int, **attrs: Any) -> int:
         return self._b.emit(kind, operands, self.op.span, **attrs)
 

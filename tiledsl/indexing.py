@@ -34,7 +34,7 @@ class Indexing:
     `name` stand for a dim symbol there (not shadowed by a value)?"""
 
     # the builtins lowered here (a method each), by the name sema's handler table gives them
-    CALLS = ("gather", "reshape", "expand", "squeeze", "flip", "pad")
+    CALLS = ("gather", "reshape", "expand", "squeeze", "flip", "pad", "scatter", "scatter_add", "index_add")
 
     def __init__(self, build: Builder, expr: Callable[[ast.Expr], int], is_dim: Callable[[str], bool],
                  check_bounds: bool) -> None:
@@ -340,6 +340,105 @@ class Indexing:
         self._check_index(x, xt, axis, idx, ispan, e.span)
         return self.b.user_op("take", [(x, xspan), *indices], e.span)
 
+    def scatter(self, e: ast.Call, args: dict[str, ast.Expr]) -> int:
+        """torch.scatter, out of place: x with `out[.., idx[.., j, ..], ..] = src[.., j, ..]`
+        along `axis` (idx of x's rank, src of idx's shape or a scalar); where idx repeats an
+        element, which write wins is unspecified (as torch's)."""
+        return self._scatter(e, args, accumulate=False)
+
+    def scatter_add(self, e: ast.Call, args: dict[str, ast.Expr]) -> int:
+        """torch.scatter_add, out of place: src added into x at idx along `axis`."""
+        return self._scatter(e, args, accumulate=True)
+
+    def _scatter(self, e: ast.Call, args: dict[str, ast.Expr], accumulate: bool) -> int:
+        x, xspan = self._value(args, "x")
+        idx, ispan = self._value(args, "index")
+        src, sspan = self._value(args, "src")
+        xt, it = self.graph.op(x).type, self.graph.op(idx).type
+        if xt.rank == 0:
+            raise diag.RankError(xspan, message=f"'{e.func}' needs a value of rank 1 or more, got {xt}")
+        axis = axis_arg(e, args, "axis", xt.rank)
+        self._index_type(it, ispan)
+        if it.rank != xt.rank:
+            raise diag.IndexingError(ispan, [diag.Note(f"this value is {xt}", xspan)], message=(
+                f"'{e.func}' needs an index of x's rank {xt.rank}, got rank {it.rank}"))
+        st = self.graph.op(src).type
+        if st.rank == 0:
+            src = self.b.user_op("expand", [(src, sspan)], sspan, shape=it.shape)
+        elif st.shape != it.shape:
+            raise diag.IndexingError(sspan, [diag.Note(f"the index is {it}", ispan)], message=(
+                f"'{e.func}' needs src of the index's shape {format_shape(it.shape)}, got "
+                f"{format_shape(st.shape)}"))
+        indices = [(idx, ispan) if k == axis else (self._index_of(it.shape, k, e.span), e.span)
+                   for k in range(xt.rank)]
+        self._check_index(x, xt, axis, idx, ispan, e.span)
+        return self._put(e, x, src, sspan, indices, accumulate)
+
+    def index_add(self, e: ast.Call, args: dict[str, ast.Expr]) -> int:
+        """torch.index_add, out of place: `out[.., idx[j], ..] += src[.., j, ..]` along `axis`
+        (idx 1-d, src of x's shape but along the axis, where it has idx's length)."""
+        x, xspan = self._value(args, "x")
+        idx, ispan = self._value(args, "index")
+        src, sspan = self._value(args, "src")
+        xt, it, st = self.graph.op(x).type, self.graph.op(idx).type, self.graph.op(src).type
+        if xt.rank == 0:
+            raise diag.RankError(xspan, message=f"'index_add' needs a value of rank 1 or more, got {xt}")
+        axis = axis_arg(e, args, "axis", xt.rank)
+        self._index_type(it, ispan)
+        if it.rank != 1:
+            raise diag.IndexingError(ispan, message=f"'index_add' needs a 1-d index, got {it}")
+        note = [diag.Note(f"this value is {xt}", xspan)]
+        if st.rank != xt.rank:
+            raise diag.RankError(sspan, note, message=(
+                f"'index_add' needs src of x's rank {xt.rank}, got {st}"))
+        for d in range(xt.rank):
+            if d != axis and st.shape[d] != xt.shape[d]:
+                raise diag.IndexingError(sspan, note, message=(
+                    f"'index_add' needs src of x's sizes but along axis {axis}; dim {d} is "
+                    f"{st.shape[d]} here and {xt.shape[d]} in x"))
+        if st.shape[axis] != it.shape[0]:
+            raise diag.IndexingError(sspan, [diag.Note(f"the index is {it}", ispan)], message=(
+                f"'index_add' needs src of the index's length {it.shape[0]} along axis {axis}, "
+                f"got {st.shape[axis]}"))
+        n = it.shape[0]
+        items = tuple(("range", 0, n, 1, n) if k == axis else ("new",) for k in range(xt.rank))
+        placed = self.b.user_op("slice", [(idx, ispan)], ispan, items=items)
+        indices = [(placed, ispan) if k == axis else (self._index_of(st.shape, k, e.span), e.span)
+                   for k in range(xt.rank)]
+        self._check_index(x, xt, axis, idx, ispan, e.span)
+        return self._put(e, x, src, sspan, indices, accumulate=True)
+
+    @staticmethod
+    def _index_type(it: TensorType, span: Span) -> None:
+        if not it.dtype.is_int:
+            raise diag.IndexingError(span, [diag.Note(f"this index is {it}", span)],
+                                     message=index_dtype_message(it.dtype))
+
+    def _put(self, e: ast.Call, x: int, src: int, sspan: Span, indices: list, accumulate: bool) -> int:
+        """x with src written (or added) at `indices`: a `put` into zeros, then added to x, or
+        selected over x where a second `put` marks the written elements. src is cast to x's
+        dtype (a literal x, expand(0.0, [..]), takes src's); x = 0 is not added."""
+        xt, st = self.graph.op(x).type, self.graph.op(src).type
+        dtype = st.dtype if xt.weak else xt.dtype
+        if st.dtype is not dtype:
+            src = self.b.user_op("cast", [(src, sspan)], sspan, dtype=dtype)
+        span = e.span
+        put = self.b.user_op("put", [(src, sspan), *indices], span, shape=xt.shape, accumulate=accumulate)
+        zero = _is_zero(self.graph, x)
+        if accumulate:
+            out = put if zero else self.b.user_op("add", [(x, span), (put, span)], span)
+        elif zero:
+            out = put
+        else:
+            true = self.b.user_op("expand", [(self.b.const(True, DType.BOOL, span), span)], span,
+                                  shape=self.graph.op(src).type.shape)
+            written = self.b.user_op("put", [(true, span), *indices], span, shape=xt.shape,
+                                     accumulate=False)
+            out = self.b.user_op("where", [(written, span), (put, span), (x, span)], span)
+        if self.graph.op(out).type.dtype is not dtype:
+            out = self.b.user_op("cast", [(out, span)], span, dtype=dtype)
+        return out
+
     def reshape(self, e: ast.Call, args: dict[str, ast.Expr]) -> int:
         """reshape(x, [d0, ...], copy=false): the dims are integer expressions of dims and
         literals, one of them may be -1 (what is left); element counts that only the call
@@ -481,6 +580,15 @@ class Indexing:
         fill = (self.b.user_op("cast", [fill], e.span, dtype=t.dtype), fill[1])
         return self.b.user_op("where", [(inside, e.span), (reindex(self.b, x, indices, xspan), xspan), fill],
                               e.span)
+
+
+def _is_zero(graph, node: int) -> bool:
+    """Is `node` the literal 0, broadcast or cast or not (expand(0.0, [B, D]), zeros(x))?"""
+    op = graph.op(node)
+    while op.kind in ("expand", "cast"):
+        node = graph.operands(node)[0]
+        op = graph.op(node)
+    return op.kind == "const" and op.attr("value") == 0
 
 
 def _shape_list(given: ast.Expr, func: str, example: str) -> ast.ListLit | ast.TupleLit:

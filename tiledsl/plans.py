@@ -51,6 +51,30 @@ class PointwisePlan:
 
 
 @dataclass(frozen=True, slots=True)
+class ScatterPlan:
+    """Values written or added at indices (`put`): each program computes a block of the
+    written values over their space, elementwise ops before them included, and stores or
+    atomically adds each at its indices into a result that starts at 0."""
+
+    template: ClassVar[str] = "indexed"
+    strided_stores: ClassVar[bool] = False  # it stores at the indices, into contiguous results
+
+    shape: Shape  # the space: the written values' shape
+    puts: tuple[int, ...]  # the `put` ops, the region's outputs in order
+
+    def format(self, name: Name) -> str:
+        return f"plan indexed {{space = {format_shape(self.shape)}, puts = {_names(self.puts, name)}}}"
+
+    def verify(self, check: PlanCheck) -> None:
+        if tuple(check.region.outputs) != self.puts:
+            check.fail("its indexed plan's puts are not its outputs")
+        for v in self.puts:
+            check.expect(v, ("put",), "put")
+            if check.region.value_type(check.operands(v)[0]).shape != self.shape:
+                check.fail("a put of its indexed plan writes values outside the plan's space")
+
+
+@dataclass(frozen=True, slots=True)
 class RowPlan:
     """Reductions along the `axes` of the space `shape`, with the elementwise ops around them.
 
@@ -526,7 +550,7 @@ class MergedPlan:
             m.plan.verify(check.part(region.part(m.inputs, m.values, m.outputs)))
 
 
-Plan = PointwisePlan | RowPlan | GemmPlan | AttentionPlan | AttentionBackwardPlan | MergedPlan
+Plan = PointwisePlan | RowPlan | GemmPlan | AttentionPlan | AttentionBackwardPlan | MergedPlan | ScatterPlan
 
 
 def zero_filled(plan: Plan | None) -> frozenset[int]:
@@ -535,6 +559,8 @@ def zero_filled(plan: Plan | None) -> frozenset[int]:
     if isinstance(plan, AttentionBackwardPlan):
         skipped = plan.stores if plan.bound is not None else ()
         return frozenset(r.result for r in plan.reductions) | frozenset(skipped)
+    if isinstance(plan, ScatterPlan):
+        return frozenset(plan.puts)
     return frozenset()
 
 # the code templates by name: each plan class is its template's entry

@@ -505,6 +505,7 @@ _HANDLERS = {
     "softmax": "along", "transpose": "transpose", "index": "index", "causal": "causal",
     "gather": "gather", "reshape": "reshape", "squeeze": "squeeze", "expand": "expand", "flip": "flip",
     "pad": "pad", "full": "fill", "zeros": "fill",
+    "scatter": "scatter", "scatter_add": "scatter_add", "index_add": "index_add",
     "rand": "random", "randn": "random", "dropout": "dropout",
 }
 

@@ -29,9 +29,10 @@ from tiledsl.plans import (
     Plan,
     PointwisePlan,
     RowPlan,
+    ScatterPlan,
 )
 
-from . import attention, attention_backward, matmul, merged, pointwise, rows
+from . import attention, attention_backward, matmul, merged, pointwise, rows, scatter
 from .base import EmittedKernel, Hints
 from .cache import load
 from .codegen import FLAGS
@@ -63,6 +64,7 @@ EMITTERS: dict[type[Plan], Callable[[KernelOp, Hints, bool], EmittedKernel]] = {
     AttentionPlan: attention.emit,
     AttentionBackwardPlan: attention_backward.emit,
     MergedPlan: merged.emit,
+    ScatterPlan: scatter.emit,
 }
 
 

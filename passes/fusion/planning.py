@@ -21,16 +21,22 @@ from tiledsl.plans import (
     Plan,
     PointwisePlan,
     RowPlan,
+    ScatterPlan,
 )
 
 from .attention import attention_backward_plan, attention_plan, operand_source
 from .legality import PASS_OPS, ROW_OPS, partial_reductions, row_layouts
-from .spec import GemmSpec, MergedSpec, PointwiseSpec, RowSpec, Spec
+from .spec import GemmSpec, MergedSpec, PointwiseSpec, RowSpec, ScatterSpec, Spec
 
 
 def pointwise_plan(region: Region, spec: PointwiseSpec) -> PointwisePlan:
     assert all(t.shape == spec.shape for t in region.output_types), "pointwise outputs share one shape"
     return PointwisePlan(spec.shape)
+
+
+def scatter_plan(region: Region, spec: ScatterSpec) -> ScatterPlan:
+    """The puts are the region's outputs (nothing in the kernel reads what they write)."""
+    return ScatterPlan(spec.shape, tuple(region.outputs))
 
 
 def row_plan(region: Region, spec: RowSpec) -> RowPlan:
@@ -117,6 +123,7 @@ PLANNERS: dict[type[Plan], Callable[[Region, Spec], Plan]] = {
     AttentionPlan: attention_plan,
     AttentionBackwardPlan: attention_backward_plan,
     MergedPlan: merged_plan,
+    ScatterPlan: scatter_plan,
 }
 
 

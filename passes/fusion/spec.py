@@ -28,6 +28,7 @@ from tiledsl.plans import (
     MergedPlan,
     PointwisePlan,
     RowPlan,
+    ScatterPlan,
 )
 from tiledsl.types import Shape
 
@@ -61,6 +62,15 @@ class PointwiseSpec:
     """Elementwise ops over one shape (fuse-elementwise's group, lower-kernels' one op)."""
 
     plan: ClassVar = PointwisePlan
+    shape: Shape
+
+
+@dataclass(frozen=True)
+class ScatterSpec:
+    """`put` ops over one space (the values they write), with the elementwise ops that compute
+    those values and their indices (fuse-scatter's group, lower-kernels' one put)."""
+
+    plan: ClassVar = ScatterPlan
     shape: Shape
 
 
@@ -143,4 +153,4 @@ class MergedSpec:
     members: tuple[Member, ...]
 
 
-Spec = PointwiseSpec | RowSpec | GemmSpec | AttentionSpec | AttentionBackwardSpec | MergedSpec
+Spec = PointwiseSpec | RowSpec | GemmSpec | AttentionSpec | AttentionBackwardSpec | MergedSpec | ScatterSpec

@@ -27,6 +27,7 @@ class Category(str, enum.Enum):
     SOFTMAX = "softmax"
     SCAN = "scan"  # a running combination along one axis (cumsum): no extra pass over the row
     MATMUL = "matmul"
+    SCATTER = "scatter"  # writes or adds its operand at indices: a kernel of its own (put)
     LAYOUT = "layout"  # a view: consumers read it through permuted strides
     RETURN = "return"
 

@@ -109,15 +109,71 @@ def _take_reference(x: torch.Tensor, *indices: torch.Tensor) -> torch.Tensor:
 # advanced indexing and gather() build. Kernels load x through the indices (masked: an
 # out-of-range index reads 0), so x is never loaded, or fused, element for element.
 def _d_take(d, wanted):
-    if wanted[0]:
-        raise NotDifferentiable(
-            "the gradient of a gather (x[i] with index tensors, gather(), concat()) is a "
-            "scatter-add, which tiledsl cannot differentiate yet")
-    return (None,)  # the indices are integers
+    """A gather's gradient is g added at the indices it read (a scatter-add, `put`): x's
+    elements read twice get both, those never read 0, those read out of range nothing."""
+    if not wanted[0]:
+        return (None,)  # the indices are integers
+    g = d.g if d.shape(d.g) == d.op.shape else d.call("expand", d.g, shape=d.op.shape)
+    indices = [d.x(k) for k in range(1, d.x_type(0).rank + 1)]
+    return (d.call("put", g, *indices, shape=d.x_type(0).shape, accumulate=True),)
 
 
 define("take", -1, Category.ELEMENTWISE, _take, reads=Reads.OPERAND, reference=_take_reference,
        triton=_take_render, gathers=0, vjp=_d_take)
+
+
+def _put(types, attrs):
+    src, *indices = types
+    shape = tuple(attrs["shape"])
+    if len(indices) != len(shape):
+        raise RuleError(diag.IndexingError, (0,), message=(
+            f"writing into a rank-{len(shape)} value needs {len(shape)} indices, got {len(indices)}"))
+    for k, t in enumerate(indices, start=1):
+        if not t.dtype.is_int:
+            raise RuleError(diag.IndexingError, (k,), message=index_dtype_message(t.dtype))
+        if not broadcasts_to(t.shape, src.shape):
+            raise RuleError(diag.IndexingError, (k,), message=(
+                f"an index of shape {format_shape(t.shape)} does not broadcast to the written "
+                f"values' {format_shape(src.shape)}"))
+    dtype = src.dtype
+    if attrs["accumulate"]:
+        if dtype is DType.BOOL:
+            raise RuleError(diag.DTypeError, (0,), message="a scatter-add needs numbers, got bool")
+        if dtype in (DType.F16, DType.BF16):
+            dtype = DType.F32  # added atomically in f32
+    return TensorType(dtype, shape)
+
+
+def put_reference(src: torch.Tensor, *indices: torch.Tensor, shape, accumulate: bool) -> torch.Tensor:
+    """A tensor of `shape`, 0 but where src is written (added, with `accumulate`) at the
+    indices; a negative index counts from the end, an out-of-range one writes nothing."""
+    dtype = src.dtype
+    if accumulate and dtype in (torch.float16, torch.bfloat16):
+        dtype = torch.float32
+    out = torch.zeros(shape, dtype=dtype)
+    valid = torch.ones(src.shape, dtype=torch.bool)
+    wrapped = []
+    for n, i in zip(shape, indices, strict=True):
+        i = i.to(torch.int64).expand(src.shape)
+        i = torch.where(i < 0, i + n, i)
+        inside = (i >= 0) & (i < n)
+        valid &= inside
+        wrapped.append(i)
+    return out.index_put_(tuple(i[valid] for i in wrapped), src[valid].to(dtype), accumulate=accumulate)
+
+
+def _d_put(d, wanted):
+    """Each written element's gradient is g where it went (a gather: `take`)."""
+    indices = [d.x(k) for k in range(1, len(d.attr("shape")) + 1)]
+    return (d.call("take", d.g, *indices),)
+
+
+# put(src, i0, ..., i{r-1}, shape, accumulate) is `take`'s inverse: a tensor of `shape`, 0 but
+# where src[p] is written (or added, accumulate=true) at (i0[p], ..., i{r-1}[p]); the index
+# arrays broadcast to src's shape. What scatter, scatter_add, index_add and a gather's
+# gradient build; a kernel of its own (Category.SCATTER: the indexed template), whose
+# programs store or add atomically into a result that starts at 0.
+define("put", -1, Category.SCATTER, _put, reads=Reads.OPERAND, reference=put_reference, vjp=_d_put)
 
 
 # --- reductions, softmax -------------------------------------------------------

@@ -1,0 +1,76 @@
+"""fuse-scatter: a scatter (`put`) and the elementwise ops computing what it writes.
+
+Before: each `put` (what scatter, scatter_add, index_add and a gather's gradient
+build) is a kernel of its own, reading values that pointwise kernels stored.
+After: one `scatter` kernel per `put`, with the elementwise producers of its
+values and indices that nothing else reads (an embedding bag's gathered rows
+times their weights; the index expressions), computed over the written values'
+space in registers and stored or added at the indices; `put`s over that space
+that read one of its values join it (scatter's written-mask and its values).
+The result of a `put` is a kernel boundary: what reads it (x + the sum) is
+another kernel.
+
+Refused, with a recorded rule: a producer some op outside the kernel reads too
+("materialize": it would have to be stored over the space of another kernel), a
+producer the kernel would read through a view or broadcast ("other-index"), a
+reader of a `put`'s result ("op"). Runs before fuse-elementwise, which would
+otherwise store the producers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tiledsl.ir import Graph
+from tiledsl.passes.fusion.grow import Admission, elementwise_candidate, fuse_groups
+from tiledsl.passes.fusion.legality import GroupPlan, describe_node, reads_other_index
+from tiledsl.passes.fusion.remarks import Refusal, Rule
+from tiledsl.passes.fusion.spec import ScatterSpec
+from tiledsl.passes.registry import Pass, PassContext, register
+from tiledsl.types import broadcasts_to, format_shape
+
+
+@register
+@dataclass(frozen=True)
+class FuseScatter(Pass):
+    name = "fuse-scatter"
+
+    def run(self, graph: Graph, ctx: PassContext) -> None:
+        def is_put(node: int) -> bool:
+            return graph.op(node).kind == "put"
+
+        def consider(node: int) -> bool:
+            return is_put(node) or elementwise_candidate(graph, node)
+
+        def admit_for(plan: GroupPlan, seed: int) -> Admission:
+            space = _space(graph, seed)
+            return Admission(lambda group, cand: _admit(graph, group, cand, space),
+                             lambda members: ScatterSpec(space))
+
+        fuse_groups(graph, ctx.remarks, self.name, is_put, consider, admit_for)
+
+
+def _space(graph: Graph, put: int) -> tuple:
+    return graph.result_type(*graph.operand_edges(put)[0]).shape
+
+
+def _admit(graph: Graph, group: set[int], cand: int, space) -> Refusal | None:
+    if graph.op(cand).kind == "put":
+        if _space(graph, cand) != space:
+            return Refusal(Rule.TILE, f"it writes values of shape {format_shape(_space(graph, cand))}, "
+                           f"not the kernel's {format_shape(space)}")
+        return None
+    reads = [o for o in graph.operands(cand) if o in group]
+    if reads:
+        return Refusal(Rule.OP, f"it reads {describe_node(graph, reads[0])}'s result, which the "
+                       "scatter kernel completes only when it ends")
+    outside = [u for u, _ in graph.users(cand) if u not in group and not (
+        graph.op(u).kind == "put" and _space(graph, u) == space)]  # (such a put joins next)
+    if outside:
+        return Refusal(Rule.MATERIALIZE, f"{describe_node(graph, outside[0])} outside the scatter "
+                       "reads it too")
+    if not broadcasts_to(graph.op(cand).shape, space):
+        return Refusal(Rule.TILE, f"its shape {format_shape(graph.op(cand).shape)} does not "
+                       f"broadcast to the scatter's {format_shape(space)}")
+    why = reads_other_index(graph, cand, group)
+    return Refusal(Rule.OTHER_INDEX, why) if why else None
