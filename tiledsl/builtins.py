@@ -53,7 +53,8 @@ BUILTINS["concat"] = Builtin("concat", (BParam("values"), BParam("axis", "int", 
 BUILTINS["gather"] = Builtin("gather", (BParam("x"), BParam("index"), BParam("axis", "int", -1)))
 # torch's scatters, out of place: x with src written (scatter) or added (scatter_add,
 # index_add) at the indices, a `put` each (tiledsl/indexing.py)
-BUILTINS["scatter"] = Builtin("scatter", (BParam("x"), BParam("index"), BParam("src"), BParam("axis", "int", -1)))
+BUILTINS["scatter"] = Builtin("scatter", (BParam("x"), BParam("index"), BParam("src"),
+                                          BParam("axis", "int", -1)))
 BUILTINS["scatter_add"] = Builtin("scatter_add", (BParam("x"), BParam("index"), BParam("src"),
                                                   BParam("axis", "int", -1)))
 BUILTINS["index_add"] = Builtin("index_add", (BParam("x"), BParam("axis", "int"), BParam("index"),
