@@ -195,6 +195,17 @@ def test_views_transpose_reshape_and_new_axes():
     }""", x, w)
 
 
+@pytest.mark.parametrize("n, d", [(1, 4), (17, 8), (113, 33)])
+@pytest.mark.parametrize("src", [
+    "kernel f(x: f32[N, D]) -> f32[N, D - 3] { return exp(x[:, 1:D - 2]) * 2.0 }",
+    "kernel f(x: f32[N, D]) -> f32[(N + 1) // 2, D] { return sin(x[::2, :]) + x[N - 1, :] }",
+    "kernel f(x: f32[N, D]) -> f32[N, D] { return x * 2.0 + concat(-x[:, D // 2:], x[:, :D // 2], axis=-1) }",
+], ids=["range", "step-and-index", "rotate-half"])
+def test_views_that_take_part_of_an_axis(src, n, d):
+    """A partial view's gradient is g read back where the view read it, 0 elsewhere."""
+    grads_ok(src, randn(n, d))
+
+
 def test_rmsnorm_gradients_and_backward_kernels():
     src = """kernel rms(x: {dt}[N, D], w: {dt}[D], eps: f32) -> {dt}[N, D] {{
         xf = cast(x, f32)

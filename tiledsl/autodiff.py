@@ -136,6 +136,10 @@ class Adjoint:
         axis = self.op.attr("axis") % rank
         return self._b.unsqueeze(v, axis, self.op.span)
 
+    def size(self, dim: Any) -> int:
+        """A dim (an int or a dim expression) as a value."""
+        return self._b.size(dim, self.op.span)
+
     def axis_size(self) -> int:
         """The size of the reduced axis, as a value."""
         t = self.x_type(0)

@@ -435,8 +435,11 @@ class AttentionProgram:
                 idx = [None if d == 1 else rows[len(rows) - len(shape) + k] for k, d in enumerate(shape)]
                 offset = ref.offset(idx + [None] * (t.rank - len(shape)))
                 mask = f"(rm < {M})[:, None]" if column else f"rm < {M}"
-                if column and "rm[:, None]" not in idx:
-                    text = f"tl.broadcast_to({text}, [BLOCK_M, 1])"
+                row = "rm[:, None]" if column else "rm"
+                if row not in idx:  # one query row (a literal 1): row 0's lane stores it, by a pointer tile
+                    offset = f"{offset} + 0 * {row}"
+                    if column:
+                        text = f"tl.broadcast_to({text}, [BLOCK_M, 1])"
                 body(f"tl.store({ref.ptr} + {offset}, {text}, mask={mask})")
             else:
                 ptrs = tile_ptrs(ref, t.rank, self.bnames, "rm[:, None]", "rdv[None, :]",

@@ -24,7 +24,7 @@ from tiledsl.types import (
     result_dtype,
 )
 
-from .core import ADD, BParam, Category, NotDifferentiable, Reads, Reduction, RuleError, Scan, define
+from .core import ADD, BParam, Category, Reads, Reduction, RuleError, Scan, define
 from .render import take as _take_render
 from .rules import axis, float_of, reduced_shape
 
@@ -591,18 +591,38 @@ def _d_matmul(d, wanted):
 
 def _d_slice(d, wanted):
     """A view's gradient is g placed back where the view read: for views that keep whole
-    axes, drop the new ones (and re-insert none); others have no rule yet."""
+    axes, drop the new ones; otherwise each element of x reads g where the view read it and
+    is 0 elsewhere (an index map, like `pad`: never a stored scatter)."""
     items = d.attr("items")
     sizes = iter(d.x_type(0).shape)
     whole = [i[0] == "new" or (i[0] == "range" and i[1:] == (0, (n := next(sizes)), 1, n))
              for i in items]
-    if not all(whole):
-        raise NotDifferentiable(
-            "the gradient of a view that takes part of an axis (x[i], x[a:b], x[::s]) needs a "
-            "scatter, which tiledsl cannot differentiate yet; a view that only adds axes "
-            "(x[:, None]) is differentiable")
-    back = [("at", 0) if i[0] == "new" else ("range", 0, i[4], 1, i[4]) for i in items]
-    return (d.call("slice", d.g, items=tuple(back)),)
+    if all(whole):
+        back = [("at", 0) if i[0] == "new" else ("range", 0, i[4], 1, i[4]) for i in items]
+        return (d.call("slice", d.g, items=tuple(back)),)
+    shape = d.x_type(0).shape
+    g = d.g if d.shape(d.g) == d.op.shape else d.call("expand", d.g, shape=d.op.shape)
+    at, inside, axis = [], [], 0
+    for item in items:
+        if item[0] == "new":
+            at.append(d.c(0))
+            continue
+        i = d.call("index", axis=axis, shape=tuple(n if k == axis else 1 for k, n in enumerate(shape)))
+        axis += 1
+        if item[0] == "at":
+            inside.append(d.call("eq", i, d.size(item[1])))
+            continue
+        _, start, _, step, length = item
+        rel = i if start == 0 else d.sub(i, d.size(start))
+        inside += [d.call("ge", rel, d.c(0)), d.call("lt", rel, d.mul(d.size(length), d.c(step)))]
+        if step != 1:
+            inside.append(d.call("eq", d.call("mod", rel, d.c(step)), d.c(0)))
+            rel = d.call("floordiv", rel, d.c(step))
+        at.append(rel)
+    cond = inside[0]
+    for c in inside[1:]:
+        cond = d.call("and", cond, c)
+    return (d.where(cond, d.call("take", g, *at), d.c(0.0)),)
 
 
 define("matmul", 2, Category.MATMUL, _matmul, symbol="@", reference=torch.matmul, vjp=_d_matmul)
