@@ -205,3 +205,15 @@ def test_gptq_int4_gemm_example(m, k, n):
     _, out = run_checked(fn, x, wq, zeros, scales)
     want = x.double() @ gptq_weight(wq, zeros, scales)
     assert (out.double() - want).abs().max() < 1e-2 * want.abs().max()
+
+
+@pytest.mark.parametrize("k, n", [(2, 1), (18, 17), (226, 113)])
+def test_u8_two_nibble_unpack(k, n):
+    src = """
+    kernel f(w: f32[K, N], wq: u8[KP, N]) -> i32[K, N] {
+        r = index(w, 0)
+        return (wq[r // 2, index(w, 1)] >> (4 * (r % 2))) & 0xF
+    }"""
+    wq = full_range("u8", k // 2 * n, 26).reshape(k // 2, n)
+    want = torch.stack([wq & 0xF, wq >> 4], dim=1).reshape(k, n).int()
+    exact(tiledsl.compile(src), (randn(k, n, seed=27), wq), (want,))
