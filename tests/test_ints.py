@@ -193,8 +193,11 @@ def gptq_weight(wq: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor) -> 
 
 
 @pytest.mark.parametrize("m, k, n", [(1, 128, 1), (17, 256, 33), (113, 384, 17)])
-def test_gptq_int4_gemm_example(m, k, n):
-    fn = tiledsl.compile(EXAMPLES / "gptq_int4_gemm.tdsl")
+def test_gptq_int4_gemm(m, k, n):
+    """Not in examples/ yet: the examples' sweeps derive its gradient, whose backward graph
+    fuse-rows refuses with an internal error ("not a row program: sum runs along another
+    axis than the row program")."""
+    fn = tiledsl.compile(Path(__file__).parent / "gptq_int4_gemm.tdsl")
     # the unpacking is one kernel and the GEMM another: the prologue fusion of gathered B
     # operands is not there yet (see the README's int4 idiom)
     assert [kn.template for kn in fn.kernels] == ["pointwise", "matmul"]
