@@ -1,4 +1,4 @@
-"""The GEMM template: batched C = A @ B with f32 accumulation, an operand
+"""The GEMM template: batched C = A @ B with f32 accumulation (i32 for i8 operands), an operand
 prologue and a multi-D epilogue.
 
 One program per (batch index, BLOCK_M x BLOCK_N tile); tiles are visited in
@@ -123,7 +123,7 @@ def operand_tile(em: Emitter, region: Region, name: str, ptrs: str | None, mask:
             keep.update(vals)
     if value != src or index is not None:
         result = em.tensor(em.convert(vals[value], compute_type(dot)))
-        body(f"{name} = tl.where({mask}, {em.narrow(result.text, dot)}, 0.0)")
+        body(f"{name} = tl.where({mask}, {em.narrow(result.text, dot)}, {'0' if dot.is_int else '0.0'})")
     elif src_type.dtype is not dot:  # mixed operands meet in the promoted dtype (f32)
         body(f"{name} = {em.widen(name, src_type.dtype)}")
     if dot is DType.BF16 or dot.is_f8:
@@ -151,9 +151,10 @@ class GemmProgram:
         self.matmuls = [self.mm, *(d.matmul for d in plan.duals)]  # one accumulator each
         self.stats = plan.row_stats  # sums and means of A's rows, accumulated in the K loop
         # what each operand enters the dot as: the product's dtype, or an f8 operand as it is
-        # (f8 products accumulate in f32, their result dtype)
-        self.dots = [region.inputs[s].type.dtype if region.inputs[s].type.dtype.is_f8 else self.op.dtype
-                     for s in self.sources]
+        # (f8 products accumulate in f32, their result dtype), or i8 (i8 products give i32)
+        self.integer = self.op.dtype is DType.I32
+        self.dots = [DType.I8 if self.integer else region.inputs[s].type.dtype
+                     if region.inputs[s].type.dtype.is_f8 else self.op.dtype for s in self.sources]
         self.shape = self.op.shape
         self.batch = self.shape[:-2]
         self.sig, self.body = Signature(), Code()
@@ -218,8 +219,9 @@ class GemmProgram:
                                "rn[None, :]", "[BLOCK_K, BLOCK_N]")
             body(f"{names[which]}_ptrs = {b_tile}")
         accs = self.accumulators()
+        acc_type = "tl.int32" if self.integer else "tl.float32"
         for acc in accs:
-            body(f"{acc} = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)")
+            body(f"{acc} = tl.zeros((BLOCK_M, BLOCK_N), dtype={acc_type})")
         for j in range(len(self.stats)):
             body(f"stat{j} = tl.zeros([BLOCK_M], dtype=tl.float32)")
         body(f"for k0 in range(0, {K}, BLOCK_K):")
@@ -324,7 +326,8 @@ class GemmProgram:
         em, region, body = self.em, self.region, self.body
         rank = len(self.shape)
         M, N = self.M, self.N
-        vals: dict[int, Val] = {mm: Val(acc, Compute.F32) for mm, acc in zip(self.matmuls, accs, strict=True)}
+        cat = Compute.I32 if self.integer else Compute.F32
+        vals: dict[int, Val] = {mm: Val(acc, cat) for mm, acc in zip(self.matmuls, accs, strict=True)}
         vals.update({v: Val(f"stat{j}[:, None]", Compute.F32) for j, v in enumerate(self.stats)})
         # prologue ops are done inside the K loop; an input may feed both an operand and the
         # epilogue, and so may a constant or scalar op, which the epilogue computes again
@@ -414,8 +417,8 @@ class GemmProgram:
                 big, bk_cap = 128, 128
             bm = user["BLOCK_M"] or max(16, min(next_pow2(m), big))
             bn = user["BLOCK_N"] or max(16, min(next_pow2(n), big))
-            # an f8 dot takes 32 values of K at a time
-            bk = user["BLOCK_K"] or max(32 if dot.is_f8 else 16, min(next_pow2(k), bk_cap))
+            # an f8 or i8 dot takes 32 values of K at a time
+            bk = user["BLOCK_K"] or max(32 if dot.itemsize == 1 else 16, min(next_pow2(k), bk_cap))
             warps = user["num_warps"] or (8 if bm * bn >= 128 * 128 else 4)
             return config(dims, bm, bn, bk, warps, user["num_stages"] or 3)
 
