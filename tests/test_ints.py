@@ -194,13 +194,10 @@ def gptq_weight(wq: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor) -> 
 
 @pytest.mark.parametrize("m, k, n", [(1, 128, 1), (17, 256, 33), (113, 384, 17)])
 def test_gptq_int4_gemm(m, k, n):
-    """Not in examples/ yet: the examples' sweeps derive its gradient, whose backward graph
-    fuse-rows refuses with an internal error ("not a row program: sum runs along another
-    axis than the row program")."""
-    fn = tiledsl.compile(Path(__file__).parent / "gptq_int4_gemm.tdsl")
-    # the unpacking is one kernel and the GEMM another: the prologue fusion of gathered B
-    # operands is not there yet (see the README's int4 idiom)
-    assert [kn.template for kn in fn.kernels] == ["pointwise", "matmul"]
+    """The weight is unpacked, shifted by its zero point and scaled as each B tile is loaded
+    (fuse-epilogue's gathered prologue): one kernel, the f16 weight never stored."""
+    fn = tiledsl.compile(EXAMPLES / "gptq_int4_gemm.tdsl")
+    assert [kn.template for kn in fn.kernels] == ["matmul"]
     x = randn(m, k, dtype=torch.float16, seed=22)
     wq = torch.randint(-2**31, 2**31, (k // 8, n), generator=gen(23), dtype=torch.int64).to(torch.int32)
     zeros = torch.randint(0, 16, (k // 128, n), generator=gen(24)).half()
@@ -208,6 +205,14 @@ def test_gptq_int4_gemm(m, k, n):
     _, out = run_checked(fn, x, wq, zeros, scales)
     want = x.double() @ gptq_weight(wq, zeros, scales)
     assert (out.double() - want).abs().max() < 1e-2 * want.abs().max()
+
+
+@pytest.mark.parametrize("m, wgmma", [(16, []), (4096, ["m64n128k16"])])
+def test_gptq_int4_gemm_compiles_for_sm90_without_spills(m, wgmma):
+    """A decode's 16 rows and a prefill's 4096, at LLaMA-7B's 4096 x 4096 projection."""
+    fn = tiledsl.compile(EXAMPLES / "gptq_int4_gemm.tdsl")
+    (r,) = aot.inspect_program(fn, {"M": m, "K": 4096, "N": 4096, "KP": 512, "G": 32})
+    assert r.spill_bytes == 0 and r.wgmma == wgmma, r
 
 
 @pytest.mark.parametrize("k, n", [(2, 1), (18, 17), (226, 113)])

@@ -215,6 +215,8 @@ class GemmProgram:
         names = self.operand_names()
         for which in range(1, len(self.sources)):
             src = self.sources[which]
+            if self.gathered(which):  # loaded through the indices it computes per tile
+                continue
             b_tile = self.tile(self.refs[src], self.region.inputs[src].type.rank, "rk[:, None]",
                                "rn[None, :]", "[BLOCK_K, BLOCK_N]")
             body(f"{names[which]}_ptrs = {b_tile}")
@@ -238,7 +240,7 @@ class GemmProgram:
                 body(f"{acc} = tl.dot(a, {name}, {acc}{self.precision()})")
             for which, (name, src) in enumerate(zip(names, self.sources, strict=True)):
                 step = self.refs[src].strides[-1 if which == 0 else -2]
-                if step is not None:
+                if step is not None and not self.gathered(which):
                     body(f"{name}_ptrs += BLOCK_K * {step}")
         for j, v in enumerate(self.stats):
             finalize = ops.OPS[self.region.ops[v - self.n_in].op.kind].reduction.finalize
@@ -280,6 +282,20 @@ class GemmProgram:
     def operand(self, name: str, which: int, mask: str) -> str:
         """Load one operand tile, apply its prologue, and bring it to the dot's dtype."""
         value = self.values[which]
+        if which != 0 and self.gathered(which):
+            # tensors its prologue reads element for element (an index another kernel stores
+            # too: a bounds check's), at the tile's indices
+            tiles = {}
+            for i in self.prologues[which]:
+                inp = self.region.inputs[i] if i < self.n_in else None
+                if inp is not None and not inp.scalar and inp.type.rank > 0 and self.region.read_whole(i):
+                    names = self.b_names(inp.type.rank)
+                    idx = [None if d == 1 else names[k] for k, d in enumerate(inp.type.shape)]
+                    ref = self.refs[i]
+                    tiles[i] = f"tl.load({ref.ptr} + {ref.offset(idx)}, mask={mask}, other=0)"
+            return operand_tile(self.em, self.region, name, None, mask, value, self.sources[which],
+                                self.prologues[which], self.scalars, self.dots[which], tiles,
+                                index=self.b_index)
         if which != 0:
             return operand_tile(self.em, self.region, name, f"{name}_ptrs", mask, value,
                                 self.sources[which], self.prologues[which], self.scalars, self.dots[which])
@@ -308,6 +324,24 @@ class GemmProgram:
             term = self.em.tensor(self.em.convert(keep[x], Compute.F32)).text
             self.body(f"stat{j} += tl.sum(tl.where({mask}, {term}, 0.0), 1)")
         return name
+
+    def gathered(self, which: int) -> bool:
+        """Is B operand `which` loaded through gathers its prologue computes (a packed int4
+        weight read at k // 8)?"""
+        n_in = self.n_in
+        return which > 0 and any(v >= n_in and self.region.ops[v - n_in].op.kind == "take"
+                                 for v in self.prologues[which])
+
+    def b_names(self, rank: int) -> list[str | None]:
+        """The index of each dim of a B tile of rank `rank`: its rows k0 + rk, its columns rn,
+        its batch dims the program's."""
+        return [*self.bnames[len(self.bnames) - (rank - 2):], "(k0 + rk)[:, None]", "rn[None, :]"] \
+            if rank > 2 else ["(k0 + rk)[:, None]", "rn[None, :]"]
+
+    def b_index(self, op: Op) -> Val:
+        """An `index` op of a gathered B operand at the tile."""
+        axis = op.attr("axis")
+        return self.em.index(None if op.shape[axis] == 1 else self.b_names(len(op.shape))[axis])
 
     def out_index(self, dim: int) -> str | None:
         """Index of an output dim at the tile: batch scalars, rows, columns."""
