@@ -180,6 +180,31 @@ class CancelInvolution(Pattern):
         return True
 
 
+class ReduceAlongOne(Pattern):
+    """A reduction along an axis of size 1 that gives its one element back (sum, mean, max,
+    min, prod, logsumexp) is its operand in the result's dtype, the axis dropped unless kept
+    (a view): nothing is reduced, so no row program runs along it (a bounds check's count of
+    a `[K, 1]` index)."""
+
+    KINDS = ("sum", "mean", "max", "min", "prod", "logsumexp")
+
+    def apply(self, graph: Graph, node: int, op: Op, rewriter: Rewriter) -> bool:
+        if op.kind not in self.KINDS:
+            return False
+        (x,) = graph.operands(node)
+        shape = graph.op(x).shape
+        axis = op.attr("axis") % len(shape)
+        if shape[axis] != 1:
+            return False
+        b = rewriter.build
+        value = x if graph.op(x).dtype is op.dtype else b.op("cast", [x], op.span, dtype=op.dtype)
+        if not op.attr("keepdims"):
+            items = tuple(("at", 0) if k == axis else ("range", 0, d, 1, d) for k, d in enumerate(shape))
+            value = b.op("slice", [value], op.span, items=items)
+        rewriter.replace(node, value)
+        return True
+
+
 class ViewOfFill(Pattern):
     """A view (`reshape`, `transpose`, `slice`) of one number broadcast (`full(x, v)`, read
     at a shape only the sizes make equal) is that number broadcast to the view's shape: a
@@ -522,8 +547,8 @@ class RemoveIdentityGather(Pattern):
 
 
 PATTERNS = (FoldConstants(), RemoveIdentity(), DivideByReciprocal(), RemoveNoOpCast(), CancelInvolution(),
-            ViewOfFill(), KeepReducedDim(), TransposeProduct(), GatherBeforeElementwise(), GatherAlongRow(),
-            ViewOfGather(), RemoveIdentityGather())
+            ReduceAlongOne(), ViewOfFill(), KeepReducedDim(), TransposeProduct(), GatherBeforeElementwise(),
+            GatherAlongRow(), ViewOfGather(), RemoveIdentityGather())
 
 
 @register

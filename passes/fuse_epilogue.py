@@ -13,7 +13,9 @@ After: one `matmul` kernel per matmul whose region holds
   later kernel) is stored as well: the kernel has several outputs.
 - the prologue: cheap elementwise ops that feed one GEMM operand element for
   element from a single tensor (a cast or scale of A), applied right after
-  the operand tile is loaded;
+  the operand tile is loaded; or, for B, the ops that compute it from gathers at
+  index expressions of its tile (a packed int4 weight unpacked with shifts and masks,
+  its zero points and scales read per group: GPTQ), loaded through the indices;
 - dual GEMMs: a further matmul of the same A whose product the epilogue reads
   (LLaMA's MLP `silu(x @ w1.T) * (x @ w3.T)`), with its own B operand and
   accumulator: each A tile is loaded once for both (`MAX_ACCUMULATORS`).
@@ -30,7 +32,12 @@ from dataclasses import dataclass
 
 from tiledsl import ops
 from tiledsl.ir import Graph, KernelOp, Op
-from tiledsl.passes.fusion.admission import epilogue_refusal, prologue_op_refusal
+from tiledsl.passes.fusion.admission import (
+    epilogue_refusal,
+    gathered_operand,
+    gathered_prologue_refusal,
+    prologue_op_refusal,
+)
 from tiledsl.passes.fusion.grow import Admission, elementwise_candidate, fuse_groups
 from tiledsl.passes.fusion.legality import GroupPlan, describe_node
 from tiledsl.passes.fusion.profitability import MAX_ACCUMULATORS
@@ -89,6 +96,9 @@ class _Kernel:
         self.a_edge = graph.operand_edges(seed)[0]
         self.a = self.a_edge[0]
         self.a_shape = graph.result_type(*self.a_edge).shape
+        # a B operand loaded through gathers at index expressions of its tile (a packed int4
+        # weight): the ops computing it, each tile's prologue
+        self.gathered = gathered_operand(graph, graph.operand_edges(seed)[1])
 
     def joins(self, node: int) -> bool:
         """Ops besides elementwise ones an epilogue producer may be computed from."""
@@ -110,6 +120,11 @@ class _Kernel:
             if reason is None:
                 self.stats.add(cand)
                 self.a_side.add(cand)
+            return reason
+        if cand in self.gathered:
+            reason = gathered_prologue_refusal(graph, cand, self.gathered, self.seed)
+            if reason is None:
+                self.prologue.add(cand)
             return reason
         users = [(u, slot) for u, slot in graph.users(cand)]
         consumers = self.matmuls | self.prologue | self.stats

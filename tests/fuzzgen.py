@@ -97,6 +97,9 @@ PARAMS = ("x: {dt}[M, N], y: {dt}[N], z: {dt}[M, 1], w: {dt}[N, N], mask: bool[M
           "k: i32[M, N], q: {dt}[B, H, M, N], u: {dt}[H, M, N], wb: {dt}[H, N, N]")
 INT_EXPRS = ["(k & 7)", "((k & 12) | 1)", "(k - 3)", "(k * 2)", "maximum(k, 0)", "abs(k)", "(k // 3)",
              "(k % -5)", "(k // (k & 7))", "(k ** 2)", "clamp(k, -9, 9)", "sign(k)", "(~k & 15)"]
+# small integers and bits: k in a narrow dtype, an operator, an operand (shifts by 0 .. width - 1)
+SMALL_INTS = {"i8": 8, "u8": 8, "i16": 16}
+SMALL_INT_OPS = ["^", "&", "|", "<<", ">>", "+", "*", "//"]
 
 
 def broadcast(a: Shape, b: Shape) -> Shape | None:
@@ -129,6 +132,8 @@ class Generator:
         self.scans_rng = random.Random("scans1:" + str(rng.getstate()[1][:8]))
         # and so do the scatter-adds that now and then stand in for a gather
         self.scatters_rng = random.Random("scatters1:" + str(rng.getstate()[1][:8]))
+        # and so do the small-integer expressions that stand in for an INT_EXPRS one
+        self.ints_rng = random.Random("ints1:" + str(rng.getstate()[1][:8]))
         self.values: list[Value] = [
             Value("x", ("M", "N")), Value("y", ("N",)), Value("z", ("M", "1")), Value("s", ()),
             Value("mask", ("M", "N"), "bool"), Value("flag", (), "bool")]
@@ -144,9 +149,26 @@ class Generator:
             axis = self.rng.randrange(len(a.shape))
             return Value(f"(index({a.text}, {axis}) * 0.01)", a.shape)
         if r < 0.35:  # integer arithmetic and bitwise ops on an i32 tensor, then a float
-            return Value(f"(cast({self.rng.choice(INT_EXPRS)}, f32) * 0.05)", ("M", "N"))
+            expr = self.rng.choice(INT_EXPRS)
+            if self.ints_rng.random() < 0.4:
+                expr = self.small_int()
+            return Value(f"(cast({expr}, f32) * 0.05)", ("M", "N"))
         floats = [v for v in self.values if v.kind == "float"]
         return self.rng.choice(floats)
+
+    def small_int(self) -> str:
+        """k in an i8, u8 or i16 (wrapping), an operator, and k again in a narrow dtype (the
+        two promote like torch's: i8 with u8 gives i16), a hex mask or a shift in range."""
+        rng = self.ints_rng
+        dt = rng.choice(sorted(SMALL_INTS))
+        op = rng.choice(SMALL_INT_OPS)
+        a = f"cast(k, {dt})"
+        if op in ("<<", ">>"):
+            return f"({a} {op} {rng.randrange(SMALL_INTS[dt])})"
+        if op == "//":
+            return f"({a} // {rng.choice([3, -7, 16])})"
+        b = rng.choice([f"cast(k * 3, {rng.choice(sorted(SMALL_INTS))})", "0xF", "0x5A", f"(~{a})"])
+        return f"({a} {op} {b})"
 
     def cond(self, depth: int) -> Value:
         r = self.rng.random()

@@ -31,7 +31,8 @@ BINARY = ["+", "-", "*", "/", "maximum", "minimum", "//", "%", "**"]
 COMPARISONS = ["<", "<=", ">", ">=", "==", "!="]
 # ops with tests of their own below (take: gathers, advanced indexing and concat in
 # tests/test_indexing.py; activations: tests/test_activations.py)
-OWN_TESTS = ["neg", "and", "or", "where", "cast", "index", "not", "isnan", "isinf", "clamp", "take",
+OWN_TESTS = ["neg", "and", "or", "xor", "shl", "shr",  # xor, shl, shr: test_ints.py
+             "where", "cast", "index", "not", "isnan", "isinf", "clamp", "take",
              "expand", "random", "softplus", "logsigmoid", "elu", "selu", "celu", "leaky_relu", "hardtanh",
              "hardsigmoid", "hardswish", "mish", "softsign"]
 

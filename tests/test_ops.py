@@ -26,7 +26,7 @@ SPECIAL_BUILTINS = {"index", "transpose", "sum", "max", "min", "mean", "logsumex
                     "argmax", "argmin", "softmax",
                     "cumsum", "reshape", "expand"}
 # ops whose results are never differentiated: bool or integer results, index positions
-NO_DERIVATIVE = {"eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "isnan", "isinf", "index",
+NO_DERIVATIVE = {"eq", "ne", "lt", "le", "gt", "ge", "and", "or", "xor", "shl", "shr", "not", "isnan", "isinf", "index",
                  "argmax", "argmin"}
 # ops built by subscripts (x[i, a:b], gather, concat) and scatters (scatter, scatter_add,
 # index_add: `put`) rather than called by name
@@ -79,7 +79,8 @@ def test_every_op_with_a_float_result_has_a_derivative_rule(kind):
 
 def test_operators_map_to_ops():
     assert ops.BINARY_KINDS == {"+": "add", "-": "sub", "*": "mul", "/": "div", "&": "and",
-                                "|": "or", "//": "floordiv", "%": "mod", "**": "pow"}
+                                "|": "or", "^": "xor", "<<": "shl", ">>": "shr", "//": "floordiv",
+                                "%": "mod", "**": "pow"}
     assert ops.COMPARE_KINDS == {"<": "lt", "<=": "le", ">": "gt", ">=": "ge", "==": "eq",
                                  "!=": "ne"}
     assert OPS["neg"].symbol == "-" and OPS["matmul"].symbol == "@" and OPS["not"].symbol == "~"
@@ -125,8 +126,10 @@ def _operand_sets(kind):
     if kind == "random":  # (position, seed)
         return [(p, seed) for p in (0, 1, 5, 2**33 + 1) for seed in (0, -3, 2**40 + 5)]
     if d.arity == 2:
-        if kind in ("and", "or"):
-            return [(a, b) for a in (0, 1, 6) for b in (0, 3)]
+        if kind in ("and", "or", "xor"):
+            return [(a, b) for a in (0, 1, 6, -7) for b in (0, 3, -2)] + [(True, False), (True, True)]
+        if kind in ("shl", "shr"):
+            return [(a, b) for a in (-100, -7, 0, 1, 5, 100) for b in (0, 1, 3, 7)]
         integers = [(a, b) for a in (-7, 0, 1, 5, -1) for b in (-3, -1, 0, 2, 3)]
         if kind in ("floordiv", "mod", "pow"):  # integer semantics (x // 0, 2 ** -1) too
             return integers + [(a, b) for a in POINTS for b in (-1.25, 0.37, 2.0, 3.0)]

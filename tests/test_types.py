@@ -18,7 +18,8 @@ from tiledsl.types import (
 )
 
 TORCH = {DType.F16: torch.float16, DType.BF16: torch.bfloat16, DType.F32: torch.float32,
-         DType.I32: torch.int32, DType.I64: torch.int64, DType.BOOL: torch.bool}
+         DType.I8: torch.int8, DType.U8: torch.uint8, DType.I16: torch.int16, DType.I32: torch.int32,
+         DType.I64: torch.int64, DType.BOOL: torch.bool}
 FROM_TORCH = {v: k for k, v in TORCH.items()}
 PY_SCALAR = {DType.F32: 0.5, DType.I32: 3, DType.BOOL: True}
 

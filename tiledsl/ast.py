@@ -97,7 +97,7 @@ class Unary(Expr):
 
 @dataclass(frozen=True, slots=True)
 class Binary(Expr):
-    op: str  # "+", "-", "*", "/", "//", "%", "**", "@", "&", "|"
+    op: str  # "+", "-", "*", "/", "//", "%", "**", "@", "&", "|", "^", "<<", ">>"
     lhs: Expr
     rhs: Expr
     op_span: Span

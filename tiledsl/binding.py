@@ -23,6 +23,7 @@ def torch_dtype(dtype: DType):
     import torch
 
     return {DType.F16: torch.float16, DType.BF16: torch.bfloat16, DType.F32: torch.float32,
+            DType.I8: torch.int8, DType.U8: torch.uint8, DType.I16: torch.int16,
             DType.I32: torch.int32, DType.I64: torch.int64, DType.BOOL: torch.bool,
             DType.F8E4M3: torch.float8_e4m3fn, DType.F8E5M2: torch.float8_e5m2}[dtype]
 

@@ -112,11 +112,13 @@ class _Builder(lark.visitors.Transformer_NonRecursive):
         return Span(self.src, tok.start_pos, tok.end_pos)
 
     def _int(self, tok: Token) -> int:
-        digits = len(str(tok).lstrip("0"))
+        text = str(tok)
+        hexadecimal = text[:2] in ("0x", "0X")
+        digits = len(text[2:].lstrip("0") if hexadecimal else text.lstrip("0"))
         if digits > MAX_INT_DIGITS:
             raise LimitError(self._tok(tok), what=f"the length of an integer literal ({digits} digits)",
                              limit=f"{MAX_INT_DIGITS} digits")
-        return int(tok)
+        return int(text, 16) if hexadecimal else int(text)
 
     def _nested(self, span: Span, *children: ast.Expr) -> int:
         d = 1 + max((ast.depth(c) for c in children), default=0)
@@ -249,8 +251,20 @@ class _Builder(lark.visitors.Transformer_NonRecursive):
         return self._binary(meta, c, "|")
 
     @lark.v_args(meta=True)
+    def xor(self, meta, c):
+        return self._binary(meta, c, "^")
+
+    @lark.v_args(meta=True)
     def and_(self, meta, c):
         return self._binary(meta, c, "&")
+
+    @lark.v_args(meta=True)
+    def shl(self, meta, c):
+        return self._binary(meta, c, "<<")
+
+    @lark.v_args(meta=True)
+    def shr(self, meta, c):
+        return self._binary(meta, c, ">>")
 
     @lark.v_args(meta=True)
     def add(self, meta, c):
@@ -440,7 +454,7 @@ def parse(text: str, name: str = "<string>") -> ast.Program:
     return program
 
 
-_OPERATOR_TEXTS = {"&", "|", "+", "-", "*", "/", "//", "%", "**", "@", "."}
+_OPERATOR_TEXTS = {"&", "|", "^", "<<", ">>", "+", "-", "*", "/", "//", "%", "**", "@", "."}
 
 
 @functools.cache
@@ -510,9 +524,6 @@ def _habit_notes(source: Source, start: int, token: str) -> list[Note]:
     before = source.text[:start].rstrip()
     words = before.split()
     last = words[-1] if words else ""
-    if token == "^":
-        return [Note("'^' is not an operator: write x ** y for a power, a != b for the "
-                     "exclusive or of bools")]
     word = token if token in _PYTHON_WORDS else last
     if word in _PYTHON_WORDS:
         return [Note(f"tiledsl has no '{word}' keyword: write {_PYTHON_WORDS[word]}")]

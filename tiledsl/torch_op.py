@@ -58,8 +58,8 @@ if TYPE_CHECKING:
 
 NAMESPACE = "tiledsl"
 MAX_SCHEMA_ARGS = 64  # torch's FunctionSchema limit: "this PyTorch build only supports 64"
-_SCALAR_TYPES = {DType.F32: "float", DType.F16: "float", DType.BF16: "float", DType.I32: "int",
-                 DType.I64: "int", DType.BOOL: "bool"}
+_SCALAR_TYPES = {DType.F32: "float", DType.F16: "float", DType.BF16: "float", DType.I8: "int",
+                 DType.U8: "int", DType.I16: "int", DType.I32: "int", DType.I64: "int", DType.BOOL: "bool"}
 # names a schema argument may not have (its type names, and `self`/`out`, which torch's op
 # machinery treats specially); Python keywords are refused too, and anything else the schema
 # parser does not read back as the same name (`_schema_safe`)

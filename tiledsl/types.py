@@ -27,6 +27,9 @@ class DType(enum.Enum):
     F16 = "f16"
     BF16 = "bf16"
     F32 = "f32"
+    I8 = "i8"
+    U8 = "u8"
+    I16 = "i16"
     I32 = "i32"
     I64 = "i64"
     BOOL = "bool"
@@ -43,7 +46,7 @@ class DType(enum.Enum):
 
     @property
     def is_int(self) -> bool:
-        return self in (DType.I32, DType.I64)
+        return self in (DType.I8, DType.U8, DType.I16, DType.I32, DType.I64)
 
     @property
     def category(self) -> int:
@@ -64,23 +67,26 @@ class DType(enum.Enum):
 
 
 DTYPES = {d.value: d for d in DType}
-PARAM_DTYPES = ("f16", "bf16", "f32", "i32", "i64", "bool", "f8e4m3", "f8e5m2")
-_ITEMSIZE = {DType.F16: 2, DType.BF16: 2, DType.F32: 4, DType.I32: 4, DType.I64: 8, DType.BOOL: 1,
-             DType.F8E4M3: 1, DType.F8E5M2: 1}
+PARAM_DTYPES = ("f16", "bf16", "f32", "i8", "u8", "i16", "i32", "i64", "bool", "f8e4m3", "f8e5m2")
+_ITEMSIZE = {DType.F16: 2, DType.BF16: 2, DType.F32: 4, DType.I8: 1, DType.U8: 1, DType.I16: 2,
+             DType.I32: 4, DType.I64: 8, DType.BOOL: 1, DType.F8E4M3: 1, DType.F8E5M2: 1}
 _INT_RANGE = {d: (-(2 ** (8 * _ITEMSIZE[d] - 1)), 2 ** (8 * _ITEMSIZE[d] - 1) - 1)
-              for d in (DType.I32, DType.I64)}
+              for d in (DType.I8, DType.I16, DType.I32, DType.I64)} | {DType.U8: (0, 255)}
 
 # The join of two dtypes (torch.promote_types restricted to ours; f8 values only meet in
-# matmuls, whose type rule decides).
-_ORDER = {DType.BOOL: 0, DType.I32: 1, DType.I64: 2, DType.F8E4M3: 3, DType.F8E5M2: 3, DType.F16: 3,
-          DType.BF16: 3, DType.F32: 4}
+# matmuls, whose type rule decides). Integers join by width, except that u8 and i8 meet
+# in i16 (the narrowest type holding both).
+_ORDER = {DType.BOOL: 0, DType.I8: 1, DType.U8: 1, DType.I16: 2, DType.I32: 3, DType.I64: 4,
+          DType.F8E4M3: 5, DType.F8E5M2: 5, DType.F16: 5, DType.BF16: 5, DType.F32: 6}
 
 
 def promote_types(a: DType, b: DType) -> DType:
     if a is b:
         return a
-    if _ORDER[a] == _ORDER[b] == 3:  # two different 16- or 8-bit floats
+    if _ORDER[a] == _ORDER[b] == 5:  # two different 16- or 8-bit floats
         return DType.F32
+    if _ORDER[a] == _ORDER[b] == 1:  # i8 and u8
+        return DType.I16
     return a if _ORDER[a] > _ORDER[b] else b
 
 
@@ -133,10 +139,14 @@ def result_dtype(types: Sequence[TensorType]) -> DType:
 class Compute(enum.Enum):
     """The type a value computes in inside a kernel (the numerics contract, design section 5):
     floats in f32, weak floats in f64 like the Python arithmetic they stand for, integers in
-    their own width (i32, i64), bools in i1. Values round to their dtype only when stored."""
+    their own width and signedness (i8, u8, i16, i32, i64: they wrap as torch's do), bools in
+    i1. Values round to their dtype only when stored."""
 
     F32 = "f32"
     F64 = "f64"
+    I8 = "i8"
+    U8 = "u8"
+    I16 = "i16"
     I32 = "i32"
     I64 = "i64"
     BOOL = "i1"
@@ -145,12 +155,21 @@ class Compute(enum.Enum):
     def is_float(self) -> bool:
         return self in (Compute.F32, Compute.F64)
 
+    @property
+    def is_int(self) -> bool:
+        return not self.is_float and self is not Compute.BOOL
+
+
+# integers narrower than i32: Triton refuses literals outside their range, where torch wraps
+NARROW = (Compute.I8, Compute.U8, Compute.I16)
+
 
 def compute_type(dtype: DType) -> Compute:
     """The compute type of a stored (non-weak) value of `dtype`."""
     if dtype.is_float:
         return Compute.F32
-    return {DType.I32: Compute.I32, DType.I64: Compute.I64}.get(dtype, Compute.BOOL)
+    return {DType.I8: Compute.I8, DType.U8: Compute.U8, DType.I16: Compute.I16, DType.I32: Compute.I32,
+            DType.I64: Compute.I64}.get(dtype, Compute.BOOL)
 
 
 def value_compute(t: TensorType) -> Compute:

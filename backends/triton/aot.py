@@ -151,7 +151,7 @@ def meta_launches(fn: Any, dims: Mapping[str, int], scalars: Mapping[str, Any] |
         raise diag.OptionError(message="only the Triton backend's kernels can be inspected")
 
     # a scalar that the launcher does not specialize (not 1, not a multiple of 16)
-    stand_in = {DType.BOOL: True, DType.I32: 3, DType.I64: 3}
+    stand_in = {DType.BOOL: True, DType.I8: 3, DType.U8: 3, DType.I16: 3, DType.I32: 3, DType.I64: 3}
     graph = fn.fused_graph()
     args: dict[str, Any] = {}
     scalars = dict(scalars or {})

@@ -20,13 +20,13 @@ from dataclasses import dataclass
 from tiledsl import ops
 from tiledsl.ir import Op, Region, RegionOp
 from tiledsl.ops import Reads
-from tiledsl.types import Compute, DType, TensorType, compute_type, result_dtype, value_compute
+from tiledsl.types import NARROW, Compute, DType, TensorType, compute_type, result_dtype, value_compute
 
 from .codegen import Code, TensorRef
 
-TRITON_TYPE = {Compute.F32: "tl.float32", Compute.F64: "tl.float64", Compute.I32: "tl.int32",
-               Compute.I64: "tl.int64",
-               Compute.BOOL: "tl.int1"}
+TRITON_TYPE = {Compute.F32: "tl.float32", Compute.F64: "tl.float64", Compute.I8: "tl.int8",
+               Compute.U8: "tl.uint8", Compute.I16: "tl.int16", Compute.I32: "tl.int32",
+               Compute.I64: "tl.int64", Compute.BOOL: "tl.int1"}
 
 # Helper functions added to modules that convert these dtypes, keyed by dtype name.
 # bf16: Triton's interpreter truncates f32 -> bf16
@@ -199,8 +199,11 @@ def literal(value: object, cat: Compute) -> Val:
     if cat is Compute.BOOL:
         v: object = bool(value)
         text = "True" if v else "False"
-    elif cat in (Compute.I32, Compute.I64):
+    elif cat.is_int:
         v = int(value)
+        if cat in NARROW:  # torch wraps a scalar into a narrow tensor's type
+            lo, hi = DType(cat.value).int_range
+            v = (v - lo) % (hi - lo + 1) + lo
         text = str(v) if v >= 0 else f"({v})"
     else:
         v = float(value)
@@ -250,6 +253,8 @@ class Emitter:
             return self.assign(f"tl.full([], 0.0, tl.float32) + {name}", Compute.F32)
         cat = compute_type(dtype) if dtype.is_int else Compute.I32
         value = self.assign(f"tl.full([], 0, {TRITON_TYPE[cat]}) + {name}", cat)
+        if cat in NARROW:  # the argument arrives as an i32, which the sum promotes to
+            value = self.assign(f"{value.text}.to({TRITON_TYPE[cat]})", cat)
         return self.convert(value, Compute.BOOL) if dtype is DType.BOOL else value
 
     def load(self, text: str, t: TensorType) -> Val:

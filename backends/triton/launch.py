@@ -35,6 +35,7 @@ from .codegen import DimSize, Numel, Ptr, Scalar, Stride, TmaReady, Wide
 Read = tuple[int, "tuple[int, ...] | None"]
 
 POINTER_TYPES = {"float16": "*fp16", "bfloat16": "*bf16", "float32": "*fp32", "int32": "*i32",
+                 "int8": "*i8", "uint8": "*u8", "int16": "*i16",
                  "bool": "*u1", "float64": "*fp64", "int64": "*i64", "float8_e4m3fn": "*fp8e4nv",
                  "float8_e5m2": "*fp8e5"}
 

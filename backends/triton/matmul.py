@@ -1,4 +1,4 @@
-"""The GEMM template: batched C = A @ B with f32 accumulation, an operand
+"""The GEMM template: batched C = A @ B with f32 accumulation (i32 for i8 operands), an operand
 prologue and a multi-D epilogue.
 
 One program per (batch index, BLOCK_M x BLOCK_N tile); tiles are visited in
@@ -123,7 +123,7 @@ def operand_tile(em: Emitter, region: Region, name: str, ptrs: str | None, mask:
             keep.update(vals)
     if value != src or index is not None:
         result = em.tensor(em.convert(vals[value], compute_type(dot)))
-        body(f"{name} = tl.where({mask}, {em.narrow(result.text, dot)}, 0.0)")
+        body(f"{name} = tl.where({mask}, {em.narrow(result.text, dot)}, {'0' if dot.is_int else '0.0'})")
     elif src_type.dtype is not dot:  # mixed operands meet in the promoted dtype (f32)
         body(f"{name} = {em.widen(name, src_type.dtype)}")
     if dot is DType.BF16 or dot.is_f8:
@@ -151,9 +151,10 @@ class GemmProgram:
         self.matmuls = [self.mm, *(d.matmul for d in plan.duals)]  # one accumulator each
         self.stats = plan.row_stats  # sums and means of A's rows, accumulated in the K loop
         # what each operand enters the dot as: the product's dtype, or an f8 operand as it is
-        # (f8 products accumulate in f32, their result dtype)
-        self.dots = [region.inputs[s].type.dtype if region.inputs[s].type.dtype.is_f8 else self.op.dtype
-                     for s in self.sources]
+        # (f8 products accumulate in f32, their result dtype), or i8 (i8 products give i32)
+        self.integer = self.op.dtype is DType.I32
+        self.dots = [DType.I8 if self.integer else region.inputs[s].type.dtype
+                     if region.inputs[s].type.dtype.is_f8 else self.op.dtype for s in self.sources]
         self.shape = self.op.shape
         self.batch = self.shape[:-2]
         self.sig, self.body = Signature(), Code()
@@ -214,12 +215,15 @@ class GemmProgram:
         names = self.operand_names()
         for which in range(1, len(self.sources)):
             src = self.sources[which]
+            if self.gathered(which):  # loaded through the indices it computes per tile
+                continue
             b_tile = self.tile(self.refs[src], self.region.inputs[src].type.rank, "rk[:, None]",
                                "rn[None, :]", "[BLOCK_K, BLOCK_N]")
             body(f"{names[which]}_ptrs = {b_tile}")
         accs = self.accumulators()
+        acc_type = "tl.int32" if self.integer else "tl.float32"
         for acc in accs:
-            body(f"{acc} = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)")
+            body(f"{acc} = tl.zeros((BLOCK_M, BLOCK_N), dtype={acc_type})")
         for j in range(len(self.stats)):
             body(f"stat{j} = tl.zeros([BLOCK_M], dtype=tl.float32)")
         body(f"for k0 in range(0, {K}, BLOCK_K):")
@@ -236,7 +240,7 @@ class GemmProgram:
                 body(f"{acc} = tl.dot(a, {name}, {acc}{self.precision()})")
             for which, (name, src) in enumerate(zip(names, self.sources, strict=True)):
                 step = self.refs[src].strides[-1 if which == 0 else -2]
-                if step is not None:
+                if step is not None and not self.gathered(which):
                     body(f"{name}_ptrs += BLOCK_K * {step}")
         for j, v in enumerate(self.stats):
             finalize = ops.OPS[self.region.ops[v - self.n_in].op.kind].reduction.finalize
@@ -278,6 +282,20 @@ class GemmProgram:
     def operand(self, name: str, which: int, mask: str) -> str:
         """Load one operand tile, apply its prologue, and bring it to the dot's dtype."""
         value = self.values[which]
+        if which != 0 and self.gathered(which):
+            # tensors its prologue reads element for element (an index another kernel stores
+            # too: a bounds check's), at the tile's indices
+            tiles = {}
+            for i in self.prologues[which]:
+                inp = self.region.inputs[i] if i < self.n_in else None
+                if inp is not None and not inp.scalar and inp.type.rank > 0 and self.region.read_whole(i):
+                    names = self.b_names(inp.type.rank)
+                    idx = [None if d == 1 else names[k] for k, d in enumerate(inp.type.shape)]
+                    ref = self.refs[i]
+                    tiles[i] = f"tl.load({ref.ptr} + {ref.offset(idx)}, mask={mask}, other=0)"
+            return operand_tile(self.em, self.region, name, None, mask, value, self.sources[which],
+                                self.prologues[which], self.scalars, self.dots[which], tiles,
+                                index=self.b_index)
         if which != 0:
             return operand_tile(self.em, self.region, name, f"{name}_ptrs", mask, value,
                                 self.sources[which], self.prologues[which], self.scalars, self.dots[which])
@@ -307,6 +325,24 @@ class GemmProgram:
             self.body(f"stat{j} += tl.sum(tl.where({mask}, {term}, 0.0), 1)")
         return name
 
+    def gathered(self, which: int) -> bool:
+        """Is B operand `which` loaded through gathers its prologue computes (a packed int4
+        weight read at k // 8)?"""
+        n_in = self.n_in
+        return which > 0 and any(v >= n_in and self.region.ops[v - n_in].op.kind == "take"
+                                 for v in self.prologues[which])
+
+    def b_names(self, rank: int) -> list[str | None]:
+        """The index of each dim of a B tile of rank `rank`: its rows k0 + rk, its columns rn,
+        its batch dims the program's."""
+        return [*self.bnames[len(self.bnames) - (rank - 2):], "(k0 + rk)[:, None]", "rn[None, :]"] \
+            if rank > 2 else ["(k0 + rk)[:, None]", "rn[None, :]"]
+
+    def b_index(self, op: Op) -> Val:
+        """An `index` op of a gathered B operand at the tile."""
+        axis = op.attr("axis")
+        return self.em.index(None if op.shape[axis] == 1 else self.b_names(len(op.shape))[axis])
+
     def out_index(self, dim: int) -> str | None:
         """Index of an output dim at the tile: batch scalars, rows, columns."""
         rank = len(self.shape)
@@ -324,7 +360,8 @@ class GemmProgram:
         em, region, body = self.em, self.region, self.body
         rank = len(self.shape)
         M, N = self.M, self.N
-        vals: dict[int, Val] = {mm: Val(acc, Compute.F32) for mm, acc in zip(self.matmuls, accs, strict=True)}
+        cat = Compute.I32 if self.integer else Compute.F32
+        vals: dict[int, Val] = {mm: Val(acc, cat) for mm, acc in zip(self.matmuls, accs, strict=True)}
         vals.update({v: Val(f"stat{j}[:, None]", Compute.F32) for j, v in enumerate(self.stats)})
         # prologue ops are done inside the K loop; an input may feed both an operand and the
         # epilogue, and so may a constant or scalar op, which the epilogue computes again
@@ -414,8 +451,8 @@ class GemmProgram:
                 big, bk_cap = 128, 128
             bm = user["BLOCK_M"] or max(16, min(next_pow2(m), big))
             bn = user["BLOCK_N"] or max(16, min(next_pow2(n), big))
-            # an f8 dot takes 32 values of K at a time
-            bk = user["BLOCK_K"] or max(32 if dot.is_f8 else 16, min(next_pow2(k), bk_cap))
+            # an f8 or i8 dot takes 32 values of K at a time
+            bk = user["BLOCK_K"] or max(32 if dot.itemsize == 1 else 16, min(next_pow2(k), bk_cap))
             warps = user["num_warps"] or (8 if bm * bn >= 128 * 128 else 4)
             return config(dims, bm, bn, bk, warps, user["num_stages"] or 3)
 

@@ -18,11 +18,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from tiledsl import ops
-from tiledsl.ir import Graph, KernelOp
-from tiledsl.types import Shape, TensorType, format_shape
+from tiledsl.ir import Graph, KernelOp, Op
+from tiledsl.types import Shape, TensorType, broadcasts_to, format_shape
 
 from .legality import describe_node, reads_other_index
-from .profitability import MAX_EPILOGUE_INPUTS, prologue_refusal
+from .profitability import GATHERED_PROLOGUE_KINDS, MAX_EPILOGUE_INPUTS, prologue_refusal
 from .remarks import Refusal, Rule
 
 
@@ -85,6 +85,48 @@ def prologue_op_refusal(graph: Graph, cand: int, users_outside: bool,
     if len(tensors) != 1 or graph.result_type(*tensors[0]).shape != op.shape:
         return Refusal(Rule.OTHER_INDEX,
                        "a prologue reads one operand tensor element for element (plus scalars)")
+    return None
+
+
+def gathered_operand(graph: Graph, edge: tuple[int, int]) -> frozenset[int]:
+    """The ops a dot operand is computed from when it is loaded through gathers at index
+    expressions of its tile (GPTQ's `(wq[k // 8, n] >> (4 * (k % 8))) & 0xF` times the
+    scales at `[k // G, n]`): elementwise ops of values broadcast to its shape, walked back to
+    `take`s of parameters (their index operands walked too), `index` ops, scalars and
+    constants. Empty when the operand is anything else (a tensor read element for element,
+    a view, a reduction, a kernel's result) or gathers nothing."""
+    node, res = edge
+    if res != 0 or not isinstance(graph.op(node), Op):
+        return frozenset()
+    shape = graph.op(node).shape
+    out: set[int] = set()
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        op = graph.op(n)
+        if n in out or isinstance(op, Op) and (op.kind in ("const", "dim") or op.shape == ()):
+            continue
+        if not isinstance(op, Op) or not ops.is_elementwise(op.kind) or not broadcasts_to(op.shape, shape):
+            return frozenset()
+        out.add(n)
+        operands = graph.operands(n)
+        if op.kind == "take":
+            if graph.op(operands[0]).kind != "param":
+                return frozenset()
+            operands = operands[1:]
+        stack.extend(operands)
+    return frozenset(out) if any(graph.op(n).kind == "take" for n in out) else frozenset()
+
+
+def gathered_prologue_refusal(graph: Graph, cand: int, inside: frozenset[int], matmul: int) -> Refusal | None:
+    """Why `cand`, one of the ops of a gathered operand (`gathered_operand`: `inside`), cannot
+    be computed on each tile the matmul loads."""
+    if any(u not in inside and u != matmul for u, _ in graph.users(cand)):
+        return Refusal(Rule.PROFIT, "its value is also used elsewhere, so it is stored anyway")
+    kind = graph.op(cand).kind
+    if kind not in GATHERED_PROLOGUE_KINDS:
+        return Refusal(Rule.PROFIT, f"{kind} would be recomputed for every tile of the gathered operand; "
+                       f"only {', '.join(sorted(GATHERED_PROLOGUE_KINDS))} are cheap enough")
     return None
 
 

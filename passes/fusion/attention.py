@@ -241,11 +241,14 @@ def _keeps_neg_inf(region: Region, kind: str, args, neg_inf) -> bool:
 def operand_source(region: Region, chain: frozenset[int]) -> int:
     """The one tensor input a dot operand is loaded from (its prologue adds only scalars and,
     for a GEMM's A, vectors along K: [1, ..., 1, K]); for a gathered operand, the tensor it
-    gathers from."""
+    gathers from (the first, for a GEMM's B gathered from several: a packed weight, its
+    scales and zero points)."""
     n_in = len(region.inputs)
-    takes = [v for v in chain if v >= n_in and region.ops[v - n_in].op.kind == "take"]
+    takes = sorted(v for v in chain if v >= n_in and region.ops[v - n_in].op.kind == "take")
     indices = set().union(*(region.depends(o) for t in takes for o in region.ops[t - n_in].operands[1:]))
     tensors = [region.ops[t - n_in].operands[0] for t in takes if t not in indices]
+    if len(set(tensors)) > 1:
+        return tensors[0]
     if not tensors:
         tensors = [v for v in chain if v < n_in and not region.inputs[v].scalar
                    and region.inputs[v].type.rank > 0]

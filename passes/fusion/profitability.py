@@ -38,6 +38,12 @@ from __future__ import annotations
 from tiledsl import ops
 
 PROLOGUE_KINDS = frozenset(kind for kind, d in ops.OPS.items() if d.cheap)
+# a B operand loaded through gathers (a packed int4 weight, its zero points and scales read at
+# k // 8, k // G) unpacks each tile with integer ops too: a few per element against a stored
+# f16 weight's 4 bytes of traffic per element (GPTQ's, AWQ's dequantizing kernels)
+GATHERED_PROLOGUE_KINDS = PROLOGUE_KINDS | frozenset(
+    ("take", "index", "and", "or", "xor", "shl", "shr", "floordiv", "mod", "where", "not",
+     *ops.COMPARE_KINDS.values()))
 MAX_EPILOGUE_INPUTS = 8
 # a dual GEMM keeps one f32 accumulator tile per matmul in registers: two of 128 x 128 fill
 # a Hopper warpgroup pair's budget

@@ -1,6 +1,6 @@
-"""Elementwise ops of two or three operands: arithmetic, comparisons, logic, `where`.
+"""Elementwise ops of two or three operands: arithmetic, comparisons, logic and bits, `where`.
 
-The infix operators (`+ - * / & |` and comparisons) promote like torch's, with
+The infix operators (`+ - * / & | ^ << >>` and comparisons) promote like torch's, with
 literals and dims as weak Python scalars; the reference backend calls Python's
 `operator` functions on them, so a scalar on either side means what it means
 in torch code.
@@ -14,7 +14,7 @@ import operator
 import torch
 
 from tiledsl import diagnostics as diag
-from tiledsl.types import Compute, DType, TensorType, all_weak, result_dtype
+from tiledsl.types import NARROW, Compute, DType, TensorType, all_weak, result_dtype
 
 from .core import BParam, Category, Infer, Reads, RuleError, define
 from .render import NAN_ALL, all_of, any_of, binary, compare, in_wide_type, is_precise, nan_propagating
@@ -35,14 +35,24 @@ def _compare(types, attrs):
     return TensorType(DType.BOOL, broadcast(types), all_weak(types))
 
 
-def _logical(symbol: str) -> Infer:
+def _logical(symbol: str, hint: str = "compare first, e.g. (x > 0)") -> Infer:
     def infer(types, attrs):
         for i, t in enumerate(types):
             if t.dtype.is_float:
                 raise RuleError(diag.DTypeError, (i,), message=(
-                    f"'{symbol}' needs bool (or i32) operands, got {t.dtype}; "
-                    "compare first, e.g. (x > 0)"))
+                    f"'{symbol}' needs bool or integer operands, got {t.dtype}; {hint}"))
         return TensorType(result_dtype(types), broadcast(types), all_weak(types))
+
+    return infer
+
+
+def _shift(symbol: str) -> Infer:
+    def infer(types, attrs):
+        for i, t in enumerate(types):
+            if not t.dtype.is_int:
+                raise RuleError(diag.DTypeError, (i,), message=(
+                    f"'{symbol}' shifts integers, got {t.dtype}"))
+        return _arith(types, attrs)
 
     return infer
 
@@ -104,6 +114,9 @@ def _render_division(remainder: bool):
     def render(em, op, args, out):
         if out.is_float:
             return _float_division(em, args, out, remainder)
+        if out in NARROW:  # in i32, where a - r cannot wrap; the result fits the narrow type
+            wide = [em.convert(x, Compute.I32) for x in args]
+            return em.convert(_int_division_render(em, wide, Compute.I32, remainder), out)
         return _int_division_render(em, args, out, remainder)
 
     return render
@@ -270,6 +283,17 @@ def _logic(function: str, bitwise: str):
 
 _operator("and", "&", _logical("&"), operator.and_, _logic("and", "{a} & {b}"))
 _operator("or", "|", _logical("|"), operator.or_, _logic("or", "{a} | {b}"))
+# on bools a != b (the exclusive or); on integers bitwise, in the promoted type
+def _render_xor(em, op, args, out):
+    a, b = (em.tensor(x).text for x in args)
+    return em.assign(f"{a} != {b}" if out is Compute.BOOL else f"{a} ^ {b}", out)
+
+
+_operator("xor", "^", _logical("^", "write x ** y for a power"), operator.xor, _render_xor)
+# shifts in the promoted type: `>>` is arithmetic on signed integers and logical on u8, as
+# torch's (a shift by the type's width or more is undefined in Triton: torch gives 0 or -1)
+_operator("shl", "<<", _shift("<<"), operator.lshift, binary("{a} << {b}"))
+_operator("shr", ">>", _shift(">>"), operator.rshift, binary("{a} >> {b}"))
 
 for _kind, _symbol, _function in (("lt", "<", operator.lt), ("le", "<=", operator.le),
                                   ("gt", ">", operator.gt), ("ge", ">=", operator.ge),

@@ -464,9 +464,9 @@ def _matmul(types, attrs):
             raise RuleError(diag.RankError, (i,), message=(
                 f"matmul operands need rank 2 or more; the {'left' if i == 0 else 'right'} "
                 f"operand has shape {format_shape(t.shape)}"))
-        if not t.dtype.is_float:
+        if not t.dtype.is_float and t.dtype is not DType.I8:
             raise RuleError(diag.DTypeError, (i,), message=(
-                f"matmul needs floating-point operands, got {t.dtype}"))
+                f"matmul needs floating-point or i8 operands, got {t.dtype}"))
     if a.shape[-1] != b.shape[-2]:
         hint = ""
         if b.shape[-1] == a.shape[-1]:
@@ -488,6 +488,13 @@ def _matmul(types, attrs):
                 f"an f8 matmul needs both operands in f8, got {a.dtype} @ {b.dtype}; "
                 f"cast the {t.dtype} operand"))
         dtype = DType.F32  # f8 products accumulate, and are returned, in f32
+    elif a.dtype is DType.I8 or b.dtype is DType.I8:
+        if a.dtype is not b.dtype:
+            i, t = (1, b) if a.dtype is DType.I8 else (0, a)
+            raise RuleError(diag.DTypeError, (i,), message=(
+                f"an i8 matmul needs both operands in i8, got {a.dtype} @ {b.dtype}; "
+                f"cast the {t.dtype} operand"))
+        dtype = DType.I32  # i8 products accumulate, and are returned, in i32 (torch._int_mm)
     else:
         dtype = result_dtype((TensorType(a.dtype, a.shape), TensorType(b.dtype, b.shape)))
     return TensorType(dtype, batch + (a.shape[-2], b.shape[-1]))
@@ -625,7 +632,14 @@ def _d_slice(d, wanted):
     return (d.where(cond, d.call("take", g, *at), d.c(0.0)),)
 
 
-define("matmul", 2, Category.MATMUL, _matmul, symbol="@", reference=torch.matmul, vjp=_d_matmul)
+def _matmul_reference(a, b):
+    """i8 products exactly, in i64 (the result is i32, as torch._int_mm's)."""
+    if a.dtype is torch.int32:  # i8 operands read in the result's type
+        return torch.matmul(a.to(torch.int64), b.to(torch.int64))
+    return torch.matmul(a, b)
+
+
+define("matmul", 2, Category.MATMUL, _matmul, symbol="@", reference=_matmul_reference, vjp=_d_matmul)
 define("transpose", 1, Category.LAYOUT, _transpose, params=(X, BParam("a", "int"), BParam("b", "int")),
        reference=lambda x, dims: x.transpose(*dims),
        vjp=lambda d, w: (d.call("transpose", d.g, dims=d.attr("dims")),))

@@ -311,7 +311,7 @@ def _not(types, attrs):
     (x,) = types
     if x.dtype.is_float:
         raise RuleError(diag.DTypeError, (0,), message=(
-            f"'~' needs a bool (or i32) operand, got {x.dtype}; compare first, e.g. ~(x > 0)"))
+            f"'~' needs a bool or integer operand, got {x.dtype}; compare first, e.g. ~(x > 0)"))
     return x
 
 
