@@ -107,6 +107,8 @@ def eval_op(op: Op, args: list[Any], dims: Mapping[str, int], float64: bool) -> 
     attrs = op.attr_map
     if "shape" in attrs:  # index: its shape with the dims bound
         attrs["shape"] = tuple(evaluate(d, dims) for d in attrs["shape"])
+    if "k" in attrs:  # topk: how many, bound
+        attrs["k"] = evaluate(attrs["k"], dims)
     if op.kind == "slice":
         attrs["dims"] = dims
     if opdef.reads in (Reads.PROMOTED, Reads.COMPARE):

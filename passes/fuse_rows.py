@@ -39,6 +39,7 @@ from tiledsl.passes.fusion.legality import (
     partial_reductions,
     reduced_axes,
     row_layouts,
+    selected,
 )
 from tiledsl.passes.fusion.profitability import MAX_ROW_OPS, MAX_ROW_PHASES
 from tiledsl.passes.fusion.remarks import Refusal, Rule
@@ -129,9 +130,11 @@ def _phases(region: Region) -> int:
     reductions of one over several axes count once."""
     n_in = len(region.inputs)
     phase = [0] * (n_in + len(region.ops))
+    chosen = selected(region)  # a reduction of a selection reads no row
     for i, rop in enumerate(region.ops):
         p = max((phase[o] for o in rop.operands), default=0)
         continued = len(rop.operands) == 1 and rop.operands[0] >= n_in and continues_reduction(
             region.ops[rop.operands[0] - n_in].op, rop.op)
-        phase[n_in + i] = p + 1 if rop.op.kind in PASS_OPS and not continued else p
+        own = rop.op.kind in PASS_OPS and not continued and rop.operands[0] not in chosen
+        phase[n_in + i] = p + 1 if own else p
     return max(phase, default=0)

@@ -39,7 +39,7 @@ def _row(graph: Graph, node: int) -> RowSpec:
 # the kernel an op no fusion pass took runs in, by the op's category: its spec
 LOWERED: dict[Category, Callable[[Graph, int], Spec]] = {
     Category.ELEMENTWISE: lambda graph, node: PointwiseSpec(graph.op(node).shape),
-    Category.REDUCTION: _row, Category.SOFTMAX: _row, Category.SCAN: _row,
+    Category.REDUCTION: _row, Category.SOFTMAX: _row, Category.SCAN: _row, Category.SELECT: _row,
     Category.MATMUL: lambda graph, node: GemmSpec(node),
     Category.SCATTER: lambda graph, node: ScatterSpec(graph.result_type(*graph.operand_edges(node)[0]).shape)}
 

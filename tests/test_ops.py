@@ -24,15 +24,15 @@ COMPUTING = sorted(k for k, d in OPS.items()
 # ops whose builtin does more than bind operands and attributes (sema's special handlers)
 SPECIAL_BUILTINS = {"index", "transpose", "sum", "max", "min", "mean", "logsumexp", "prod",
                     "argmax", "argmin", "softmax",
-                    "cumsum", "reshape", "expand"}
+                    "cumsum", "reshape", "expand", "topk"}
 # ops whose results are never differentiated: bool or integer results, index positions
 NO_DERIVATIVE = {"eq", "ne", "lt", "le", "gt", "ge", "and", "or", "xor", "shl", "shr", "not", "isnan", "isinf", "index",
-                 "argmax", "argmin"}
+                 "argmax", "argmin", "argtopk"}
 # ops built by subscripts (x[i, a:b], gather, concat) and scatters (scatter, scatter_add,
 # index_add: `put`) rather than called by name
 SUBSCRIPT_OPS = {"take": -1, "slice": 1, "put": -1}
 # ops only sema's builtins build: rand, randn and dropout are `random` at each position
-BUILT_BY_SEMA = {"random"}
+BUILT_BY_SEMA = {"random", "argtopk"}  # argtopk: the indices of topk, sort and argsort
 
 
 @pytest.mark.parametrize("kind", sorted(OPS))

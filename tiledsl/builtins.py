@@ -40,6 +40,11 @@ BUILTINS: dict[str, Builtin] = {
 # torch's pairs: `values, indices = max(x, axis)` is the max and the argmax along one axis
 for _kind in ("max", "min"):
     BUILTINS[_kind] = Builtin(_kind, BUILTINS[_kind].params, results=("values", "indices"))
+# topk's pair; sort(x, axis, descending) is topk of every element, argsort its indices
+BUILTINS["topk"] = Builtin("topk", BUILTINS["topk"].params, results=("values", "indices"))
+BUILTINS["sort"] = Builtin("sort", (BParam("x"), BParam("axis", "int", -1),
+                                    BParam("descending", "bool", False)), results=("values", "indices"))
+BUILTINS["argsort"] = Builtin("argsort", BUILTINS["sort"].params)
 # random numbers at each element's position in x (tiledsl/ops/random.py); dropout keeps an
 # element with probability 1 - p and scales it by 1 / (1 - p)
 BUILTINS["rand"] = Builtin("rand", (BParam("x"), BParam("seed")))

@@ -88,6 +88,8 @@ class RowPlan:
     `sources`: (v, the value v reduces) for every reducing v: its operand, or the first
     operand of the partial reductions before it.
     `phases[v]`: how many dependent reductions v needs (layernorm's output: 2).
+    `selected`: the values along the k elements a topk or sort selected from the row (and
+    the elementwise ops reading them): per-row tiles of k, not along the row.
     """
 
     template: ClassVar[str] = "rows"
@@ -100,11 +102,12 @@ class RowPlan:
     phases: tuple[int, ...]
     partial: frozenset[int]
     sources: tuple[tuple[int, int], ...]
+    selected: frozenset[int] = frozenset()
 
     def full(self, value: int) -> bool:
-        """Does the value vary along the row axes?"""
+        """Does the value vary along the row axes (a selection's values vary along its k)?"""
         layout = self.layouts[value]
-        return layout is not None and any(a in layout for a in self.axes)
+        return layout is not None and any(a in layout for a in self.axes) and value not in self.selected
 
     def source(self, value: int) -> int:
         """The value a reducing value reduces."""
@@ -115,6 +118,7 @@ class RowPlan:
                             if lay is not None)
         axes = f"axis = {self.axes[0]}" if len(self.axes) == 1 else f"axes = {self.axes}"
         partial = f"partial = {_names(self.partial, name)}, " if self.partial else ""
+        partial += f"selected = {_names(self.selected, name)}, " if self.selected else ""
         return (f"plan rows {{space = {format_shape(self.shape)}, {axes}, "
                 f"phases = {max(self.phases, default=0)}, reducing = {_names(self.reducing, name)}, "
                 f"{partial}layouts = ({layouts})}}")

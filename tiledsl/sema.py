@@ -15,6 +15,7 @@ from tiledsl import ast, ops
 from tiledsl import diagnostics as diag
 from tiledsl.builder import Builder
 from tiledsl.builtins import BUILTINS, REQUIRED, TILE_HINTS, TORCH_SPELLINGS, BParam, Builtin
+from tiledsl.dims import Lin
 from tiledsl.dims import symbols as dim_symbols
 from tiledsl.indexing import Indexing, axis_arg, const_bool, const_int
 from tiledsl.ir import Graph
@@ -381,6 +382,34 @@ class _KernelBuilder:
                                  keepdims=op.attr("keepdims"))
         return values, indices
 
+    def _results_select(self, e: ast.Call, b: Builtin, args: dict[str, ast.Expr]) -> tuple[int, int]:
+        """`values, indices = topk(x, k)` (or sort(x)): torch's pair, one topk and one argtopk
+        of the same x (the rows template computes them from one sort)."""
+        x, xspan = self._value(args, "x")
+        t = self.graph.op(x).type
+        if t.rank == 0:
+            raise diag.RankError(e.span, message=f"'{e.func}' needs a value of rank 1 or more")
+        axis = axis_arg(e, args, "axis", t.rank)
+        if e.func == "topk":
+            k = self.indexing._dim_expr(args["k"], f"the k of '{e.func}'")
+            requires = list(self.graph.requires)
+            message = f"k = {k.dim()} of 'topk' is outside 1 to {t.shape[axis]} (the length of axis {axis})"
+            self.indexing._require(k - Lin((), 1), args["k"].span, message, requires)
+            self.indexing._require(Lin.of(t.shape[axis]) - k, args["k"].span, message, requires)
+            self.graph.requires = tuple(requires)
+            largest = "largest" not in args or const_bool(args["largest"], "'largest' of 'topk'")
+            attrs = {"k": k.dim(), "largest": largest}
+        else:
+            attrs = {"k": t.shape[axis],
+                     "largest": const_bool(args.get("descending"), f"'descending' of '{e.func}'")}
+        return tuple(self.b.user_op(kind, [(x, xspan)], e.span, axis=axis, **attrs)
+                     for kind in ("topk", "argtopk"))
+
+    def _call_select(self, e: ast.Call, b: Builtin, args: dict[str, ast.Expr]) -> int:
+        """topk(x, k) and sort(x) used as one value are the values; argsort(x) the indices."""
+        values, indices = self._results_select(e, b, args)
+        return indices if e.func == "argsort" else values
+
     def _reduce_axes(self, e: ast.Call, x: tuple[int, Span], given: ast.Expr, rank: int,
                      args: dict[str, ast.Expr]) -> int:
         """`axis=(a, b, ...)` or `axis=None` (every axis): one reduction per axis, the last
@@ -507,11 +536,12 @@ _HANDLERS = {
     "pad": "pad", "full": "fill", "zeros": "fill",
     "scatter": "scatter", "scatter_add": "scatter_add", "index_add": "index_add",
     "rand": "random", "randn": "random", "dropout": "dropout",
+    "topk": "select", "sort": "select", "argsort": "select",
 }
 
 
 # builtins with several results (`values, indices = max(x, -1)`): how each is unpacked
-_RESULTS = {"max": "extremum", "min": "extremum"}
+_RESULTS = {"max": "extremum", "min": "extremum", "topk": "select", "sort": "select"}
 
 
 def _bind(b: Builtin, call: ast.Call) -> dict[str, ast.Expr]:

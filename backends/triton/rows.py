@@ -38,7 +38,7 @@ import math
 from collections.abc import Mapping
 
 from tiledsl import ops
-from tiledsl.diagnostics import EmptyReductionError
+from tiledsl.diagnostics import EmptyReductionError, LimitError
 from tiledsl.dims import evaluate
 from tiledsl.ir import KernelOp, Op
 from tiledsl.ops import Reduction, Scan
@@ -100,6 +100,8 @@ class RowProgram:
                        else self.sig.numel(tuple(shape[a] for a in axes), "n_cols"))
         self.softmax_stats: dict[int, tuple[str, str]] = {}  # softmax value -> (m, 1/z) names
         self.carries: dict[int, list[str]] = {}  # scan value -> its partials of the chunks before
+        # a selection's (source, attributes) -> its sorted keys (one sort for topk and argtopk)
+        self.selections: dict[tuple, str] = {}
 
     # --- analysis --------------------------------------------------------------------------
 
@@ -140,17 +142,32 @@ class RowProgram:
 
     # --- emission helpers -------------------------------------------------------------------
 
-    def index(self, dim: int | None) -> str | None:
+    def index(self, dim: int | None, selected: bool = False) -> str | None:
         if dim is None or self.plan.shape[dim] == 1:
             return None
         if dim not in self.plan.axes:
             return f"j{dim}[:, None]"
+        if selected:  # the j-th selected element is lane j of its per-row tile
+            return "r_base[None, :]"
         return "r[None, :]" if len(self.plan.axes) == 1 else f"k{dim}[None, :]"
+
+    def chosen_mask(self, v: int) -> str:
+        """The lanes of a selection's tile that hold one of its k elements."""
+        return f"omask[:, None] & (r_base < {self.k_of(v)})[None, :]"
+
+    def k_of(self, v: int) -> str:
+        """How many elements the selection `v` (or the one an op of a selection reads) holds."""
+        while (op := self.op(v)).kind in ops.OPS and ops.category(op.kind) is not ops.Category.SELECT:
+            v = next(o for o in self.operands(v) if o in self.plan.selected)
+        return self.sig.size(op.shape[op.attr("axis")])
 
     def access(self, ref: TensorRef, v: int) -> tuple[str | None, str | None]:
         """(pointer, mask) of a value's tensor at the tile, or (None, None) for one element."""
         layout = self.layouts[v]
-        offset = ref.offset([self.index(d) for d in layout])
+        offset = ref.offset([self.index(d, v in self.plan.selected) for d in layout])
+        if v in self.plan.selected:  # (k = 1: lane 0 only)
+            lanes = "" if "r_base" in offset else " + r_base[None, :] * 0"
+            return f"{ref.ptr} + {offset}{lanes}", self.chosen_mask(v)
         if offset == "0":
             return None, None
         axes = self.plan.axes
@@ -199,6 +216,11 @@ class RowProgram:
                     xs = [vals[x] for x in self.operands(v)]
                     vals[v] = self.finalized_scan(scan, self.lifted(scan, xs, self.reduce_cat(v)),
                                                   self.reduce_cat(v))
+            elif self.is_row_op(v) and self.plan.source(v) in self.plan.selected:
+                if self.plan.source(v) in vals:  # a reduction of the k a topk selected
+                    x = self.plan.source(v)
+                    vals[v] = self.one_pass_reduce(v, vals[x], self.chosen_mask(x), "r_base[None, :]",
+                                                   self.k_of(x))
             elif op.kind in ops.ROW_KINDS and not self.is_row_op(v):
                 if self.operands(v)[0] in vals:
                     vals[v] = self.trivial_reduce(op, vals[self.operands(v)[0]])
@@ -213,7 +235,7 @@ class RowProgram:
             x = self.em.tensor(self.em.convert(x, F32))
             return self.em.assign(f"tl.where({x.text} == {NEG_INF}, 0.0, tl.exp({x.text} - {x.text}))", F32)
         red = ops.OPS[op.kind].reduction
-        if red is not None and red.index:
+        if (red is not None and red.index) or op.kind == "argtopk":
             return self.em.assign(f"{self.em.tensor(self.em.convert(x, I64)).text} * 0", I64)
         if op.dtype.is_float:
             return self.em.convert(x, F32)
@@ -296,10 +318,10 @@ class RowProgram:
         fuse-rows keeps a row program's scans to one direction)?"""
         return any(self.scanned(v) and self.op(v).attr("reverse") for v in need)
 
-    def masked(self, x: Val, fill: str) -> str:
+    def masked(self, x: Val, fill: str, mask: str = "tmask") -> str:
         x = self.em.tensor(x)
         name = self.em.fresh("x")
-        self.body(f"{name} = tl.where(tmask, {x.text}, {fill})")
+        self.body(f"{name} = tl.where({mask}, {x.text}, {fill})")
         return name
 
     def reduction(self, v: int) -> Reduction | None:
@@ -330,10 +352,55 @@ class RowProgram:
         declared = ops.OPS[op.kind].reduction or ops.OPS[op.kind].scan
         return declared is not None and declared.wide and op.dtype is DType.F32
 
-    def finalized(self, total: Val, red: Reduction) -> Val:
+    def finalized(self, total: Val, red: Reduction, length: str | None = None) -> Val:
         if red.finalize is None:
             return total
-        return self.em.assign(red.finalize.format(total=total.text, length=self.length), F32)
+        return self.em.assign(red.finalize.format(total=total.text, length=length or self.length), F32)
+
+    # --- selections: topk, sort -------------------------------------------------------------
+    # A row's element becomes an i64 key that orders as the selection wants and is unique:
+    # its value's bits made to order as integers (NaN, made positive, above inf; -0.0 made
+    # 0.0) times 2**32, plus its position (largest: 2**32 - 1 - position, so that equal
+    # values keep their order in a descending sort). One sort of the keys gives the values
+    # and the positions; a row of several chunks keeps the best tile so far and merges each
+    # chunk sorted the other way (the larger of each pair of lanes of a descending and an
+    # ascending tile are the larger half of both), then sorts the merged tile.
+
+    def select_key(self, v: int) -> tuple:
+        op = self.op(v)
+        return (self.plan.source(v), op.attr("axis"), op.attr("k"), op.attr("largest"))
+
+    def sentinel(self, v: int) -> str:
+        """The key of a lane past the row's end: after every element."""
+        return "-9223372036854775807 - 1" if self.op(v).attr("largest") else "9223372036854775807"
+
+    def keys(self, v: int, x: Val) -> str:
+        """The keys of the chunk `x` at positions `r`, the sentinel past the row."""
+        em = self.em
+        t = self.em.tensor(em.convert(x, F32 if x.cat is F32 else I32)).text
+        if x.cat is F32:
+            canon = em.assign(f'tl.where({t} != {t}, float("nan"), tl.where({t} == 0.0, 0.0, {t}))', F32)
+            bits = em.assign(f"{em.tensor(canon).text}.to(tl.int32, bitcast=True).to(tl.int64)", I64).text
+            order = em.assign(f"tl.where({bits} >= 0, {bits}, {bits} ^ 0x7FFFFFFF)", I64).text
+        else:
+            order = em.assign(f"{t}.to(tl.int64)", I64).text
+        position = "r[None, :].to(tl.int64)"
+        if self.op(v).attr("largest"):
+            position = f"(4294967295 - {position})"
+        return em.assign(f"tl.where(tmask, {order} * 4294967296 + {position}, "
+                         f"{self.sentinel(v)})", I64).text
+
+    def decoded(self, v: int, keys: str) -> Val:
+        """The values (topk) or positions (argtopk) of sorted keys."""
+        em, op = self.em, self.op(v)
+        if op.kind == "argtopk":
+            low = f"({keys} & 4294967295)"
+            return em.assign(f"4294967295 - {low}" if op.attr("largest") else low, I64)
+        order = em.assign(f"{keys} >> 32", I64).text
+        if self.region.value_type(self.plan.source(v)).dtype.is_float:
+            bits = f"tl.where({order} >= 0, {order}, {order} ^ 0x7FFFFFFF).to(tl.int32)"
+            return em.assign(f"{bits}.to(tl.float32, bitcast=True)", F32)
+        return em.assign(f"{order}.to(tl.int32)", I32)
 
     # --- the program ------------------------------------------------------------------------
 
@@ -372,6 +439,7 @@ class RowProgram:
         self.tile_mask()
         vals: dict[int, Val] = {}
         self.carries = {}  # one chunk: scans need no carry
+        self.selections = {}
         for v in self.values:
             self.emit_values(vals, None)
             if self.is_row_op(v) and v not in vals and not self.scanned(v):
@@ -380,19 +448,29 @@ class RowProgram:
         self.store(vals, full=True)
         self.store(vals, full=False)
 
-    def one_pass_reduce(self, v: int, x: Val) -> Val:
+    def one_pass_reduce(self, v: int, x: Val, mask: str = "tmask", positions: str = "r[None, :]",
+                        length: str | None = None) -> Val:
+        """A reduction (or softmax) of the tile `x` whose lanes `mask` holds, at `positions`
+        along a row of `length` (the row's when None)."""
         red, cat, em = self.reduction(v), self.reduce_cat(v), self.em
+        if ops.category(self.op(v).kind) is ops.Category.SELECT:
+            key = self.select_key(v)
+            if key not in self.selections:
+                sort = "tl.sort({k}, dim=1, descending=" + str(self.op(v).attr("largest")) + ")"
+                self.selections[key] = em.assign(sort.format(k=self.keys(v, x)), I64).text
+            return self.decoded(v, self.selections[key])
         x = em.convert(x, cat)
         if red is not None and red.index:
-            return self.position(red, cat, self.masked(x, self.identity(red.identity, cat)), "r[None, :]")
+            return self.position(red, cat, self.masked(x, self.identity(red.identity, cat), mask), positions)
         if red is not None and not red.online:
             if self.wide(v):
                 x = em.assign(f"{em.tensor(x).text}.to(tl.float64)", F32)
-            xm = self.masked(x, self.identity(red.identity, cat))
+            xm = self.masked(x, self.identity(red.identity, cat), mask)
             total = self.collapse(red, cat, xm)
-            return self.finalized(em.assign(total + (".to(tl.float32)" if self.wide(v) else ""), cat), red)
+            return self.finalized(em.assign(total + (".to(tl.float32)" if self.wide(v) else ""), cat), red,
+                                  length)
         # softmax and logsumexp: the online recurrence in one step
-        xm = self.masked(x, NEG_INF)
+        xm = self.masked(x, NEG_INF, mask)
         m = em.assign(f"tl.max({xm}, axis=1)[:, None]", F32)
         ms = em.assign(online.finite(m.text) if red is not None else online.shift(m.text), F32)
         e = em.assign(f"tl.exp({xm} - {ms.text})", F32)
@@ -429,7 +507,9 @@ class RowProgram:
         body = self.body
         row_vals: dict[int, Val] = {}
         self.emit_row_values(row_vals)
-        reductions = [v for v in self.values if self.is_row_op(v) and not self.scanned(v)]
+        reductions = [v for v in self.values if self.is_row_op(v) and not self.scanned(v)
+                      and self.plan.source(v) not in self.plan.selected]
+        self.selections = {}
         for p in range(1, max((self.plan.phases[v] for v in reductions), default=0) + 1):
             current = [v for v in reductions if self.plan.phases[v] == p]
             state = {v: self.init_state(v) for v in current}
@@ -461,7 +541,8 @@ class RowProgram:
     def emit_row_values(self, row_vals: dict[int, Val]) -> None:
         """Per-row values whose inputs are known: computed once, outside the loops."""
         self.emit_values(row_vals, {v for v in self.values if not self.full(v)
-                                    and (not self.is_row_op(v) or in_loop(self.op(v).kind))})
+                                    and (not self.is_row_op(v) or in_loop(self.op(v).kind)
+                                         or self.plan.source(v) in self.plan.selected)})
 
     def chunk(self, need: set[int]) -> str:
         """The positions of the loop's chunk r0: from the start of the row, or from its end
@@ -473,6 +554,14 @@ class RowProgram:
 
     def init_state(self, v: int) -> dict[str, str]:
         red, cat = self.reduction(v), self.reduce_cat(v)
+        if ops.category(self.op(v).kind) is ops.Category.SELECT:  # topk and argtopk share one
+            key = self.select_key(v)
+            if key not in self.selections:
+                self.selections[key] = self.em.fresh("best")
+                best = self.selections[key]
+                self.body(f"{best} = tl.full([BLOCK_O, BLOCK_R], {self.sentinel(v)}, tl.int64)")
+                return {"best": self.selections[key]}
+            return {"best": self.selections[key], "shared": "1"}
         name = self.em.fresh("acc")
         if red is None or red.online:  # softmax, logsumexp
             m, z = online.init(self.body, name)
@@ -485,6 +574,13 @@ class RowProgram:
 
     def accumulate(self, v: int, state: dict[str, str], x: Val) -> None:
         red, body = self.reduction(v), self.body
+        if "best" in state:
+            if "shared" not in state:
+                best, largest = state["best"], self.op(v).attr("largest")
+                chunk = self.em.assign(f"tl.sort({self.keys(v, x)}, dim=1, descending={not largest})", I64)
+                merged = f"tl.{'maximum' if largest else 'minimum'}({best}, {chunk.text})"
+                body(f"{best} = tl.sort({merged}, dim=1, descending={largest})")
+            return
         x = self.em.convert(x, state["cat"])
         if red is None or red.online:
             online.update(body, state["m"], state["z"], self.masked(x, NEG_INF))
@@ -504,7 +600,9 @@ class RowProgram:
 
     def finalize(self, v: int, state: dict[str, str], row_vals: dict[int, Val]) -> None:
         red, em = self.reduction(v), self.em
-        if red is None:  # softmax, a full value: later loops compute exp(x - m) / z from these
+        if "best" in state:
+            row_vals[v] = self.decoded(v, state["best"])
+        elif red is None:  # softmax, a full value: later loops compute exp(x - m) / z from these
             m, z = state["m"], state["z"]
             ms = em.assign(online.shift(m), F32)
             self.softmax_stats[v] = (ms.text, self.inverse_sum(m, z))
@@ -525,10 +623,16 @@ class RowProgram:
             ptr, mask = self.access(self.outs[j], v)
             if ptr is None:  # a single element (no kept dims): row 0 writes it
                 ptr = f"{self.outs[j].ptr} + o[:, None] * 0"
-            if not full:
+            if not full and v not in self.plan.selected:
                 mask = "omask[:, None]"
             text = self.em.store_value(vals[v], self.region.value_type(v))
             self.body(f"tl.store({ptr}, {text}, mask={mask})")
+
+
+# the most elements of a row a topk or sort keeps (one tile of i64 keys, sorted in registers:
+# 32k words, as a scan's partials), and the chunk a longer row streams through a topk in
+SELECT_LIMIT = 1 << 14
+SELECT_CHUNK = 1 << 12
 
 
 def one_pass_limit(plan: RowPlan, region) -> int:
@@ -564,6 +668,8 @@ def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKer
     shape, axes = prog.plan.shape, prog.plan.axes
     limit = one_pass_limit(prog.plan, kernel.region)
     scans = bool(scan_words(prog.plan, kernel.region))
+    selections = [prog.op(v) for v in sorted(prog.plan.reducing)
+                  if ops.category(prog.op(v).kind) is ops.Category.SELECT]
 
     no_identity = [prog.op(v) for v in sorted(prog.plan.reducing)
                    if (r := ops.OPS[prog.op(v).kind].reduction) is not None and not r.empty]
@@ -581,6 +687,17 @@ def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKer
         block_r = max(2, min(next_pow2(length), limit if device == "cuda" else caps["row"]))
         if scans and length > block_r and device == "cuda":
             block_r //= 2  # a loop's carries and chunk totals keep more live (280 bytes spilled)
+        if selections:  # a chunk holds a selection's k
+            op = max(selections, key=lambda op: evaluate(op.shape[op.attr("axis")], dims))
+            keep = evaluate(op.shape[op.attr("axis")], dims)
+            if keep > SELECT_LIMIT:
+                raise LimitError(op.span, what=f"a topk or sort keeping {keep} elements of a row (k = "
+                                 f"{op.shape[op.attr('axis')]} at this call)",
+                                 limit=f"{SELECT_LIMIT} (a row's k selected elements are sorted in "
+                                       "registers)")
+            if length > block_r and device == "cuda":
+                block_r = min(block_r, SELECT_CHUNK)  # a streamed chunk is sorted twice: 4k spill nothing
+            block_r = max(block_r, next_pow2(keep))
         # short rows: several per program, up to a tile of `caps["tile"]` elements, or of a
         # pointwise program's (`caps["flat"]`, 8 elements a thread) on a GPU where it computes
         # trig: QK-norm with RoPE at D = 128 spills 87 KB a thread with 32, none with 8

@@ -290,6 +290,8 @@ def row_layouts(region: Region, space: RowSpace) -> dict[int, Layout] | Refusal:
     if refusal := scan_directions(region):
         return refusal
 
+    chosen = selected(region)
+
     def fit(v: int, layout: Layout) -> Refusal | None:
         if v in layouts and layouts[v] != layout:
             return Refusal(Rule.OTHER_INDEX, "one value is read along two different dims")
@@ -318,6 +320,9 @@ def row_layouts(region: Region, space: RowSpace) -> dict[int, Layout] | Refusal:
                                "the row program's axes only")
             if ops.category(op.kind) is not ops.Category.REDUCTION and len(space.runs) > 1:
                 return Refusal(Rule.TILE, f"{op.kind} runs along one of the row program's axes only")
+            if x in chosen and ops.category(op.kind) is not ops.Category.REDUCTION:
+                return Refusal(Rule.TILE, f"{op.kind} runs along the elements a topk or sort selected "
+                               "(a row program of its own)")
             if x not in layouts and (err := fit(x, lx)):
                 return err
             for other in rop.operands[1:]:
@@ -356,8 +361,17 @@ def row_layouts(region: Region, space: RowSpace) -> dict[int, Layout] | Refusal:
                     return Refusal(Rule.TILE, f"{op.kind} of shape {format_shape(shape)} does not fit "
                                    "the row space")
                 result[j] = default[j]
+        if vid in chosen:  # along the row: the k selected, not the row's positions
+            for v in read:
+                t = region.value_type(v)
+                along = {result[len(shape) - t.rank + k] for k in range(t.rank) if t.shape[k] != 1}
+                if v not in chosen and space.runs & along:
+                    return Refusal(Rule.OTHER_INDEX, f"{op.kind} combines the elements a topk or sort "
+                                   "selected with values along the row")
+            if len({region.value_type(v).shape for v in read if v in chosen}) > 1:
+                return Refusal(Rule.OTHER_INDEX, f"{op.kind} combines two selections")
         for j, dim in enumerate(result):
-            if dim is not None and space.shape[dim] != shape[j]:
+            if dim is not None and space.shape[dim] != shape[j] and not (vid in chosen and dim in space.runs):
                 return Refusal(Rule.OTHER_INDEX, f"{op.kind} reads a value at another index")
         if len({d for d in result if d is not None}) < sum(d is not None for d in result):
             return Refusal(Rule.TILE, f"{op.kind} reads one row-space dim twice")
@@ -370,6 +384,21 @@ def row_layouts(region: Region, space: RowSpace) -> dict[int, Layout] | Refusal:
                 if err := fit(v, want):
                     return err
     return layouts
+
+
+def selected(region: Region) -> frozenset[int]:
+    """The values along the elements a topk or sort selected, not along the row: the
+    selections and the elementwise ops reading them (a reduction of one is per row)."""
+    n_in = len(region.inputs)
+    out: set[int] = set()
+    for i, rop in enumerate(region.ops):
+        kind = rop.op.kind
+        if kind in ops.OPS and ops.category(kind) is ops.Category.SELECT:
+            out.add(n_in + i)
+        elif ops.is_elementwise(kind) and any(v in out for slot, v in enumerate(rop.operands)
+                                              if not ops.gathers_at(kind, slot)):
+            out.add(n_in + i)
+    return frozenset(out)
 
 
 def scan_directions(region: Region) -> Refusal | None:

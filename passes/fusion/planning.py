@@ -25,7 +25,7 @@ from tiledsl.plans import (
 )
 
 from .attention import attention_backward_plan, attention_plan, operand_source
-from .legality import PASS_OPS, ROW_OPS, partial_reductions, row_layouts
+from .legality import PASS_OPS, ROW_OPS, partial_reductions, row_layouts, selected
 from .spec import GemmSpec, MergedSpec, PointwiseSpec, RowSpec, ScatterSpec, Spec
 
 
@@ -47,6 +47,7 @@ def row_plan(region: Region, spec: RowSpec) -> RowPlan:
     layouts = row_layouts(region, space)
     assert isinstance(layouts, dict), f"not a row program: {layouts.detail}"
     partial = partial_reductions(region, space, layouts)
+    chosen = frozenset(v for v in selected(region) if space.runs & set(layouts[v]))
     n_in = len(region.inputs)
     values = range(n_in + len(region.ops))
     reducing, sources, phases = set(), [], []
@@ -62,9 +63,9 @@ def row_plan(region: Region, spec: RowSpec) -> RowPlan:
                 source = region.ops[source - n_in].operands[0]
             sources.append((v, source))
         phases.append(max((phases[o] for o in operands), default=0)
-                      + (reduces and rop.op.kind in PASS_OPS))
+                      + (reduces and rop.op.kind in PASS_OPS and operands[0] not in chosen))
     return RowPlan(space.shape, space.axes, tuple(layouts.get(v) for v in values),
-                   frozenset(reducing), tuple(phases), partial, tuple(sources))
+                   frozenset(reducing), tuple(phases), partial, tuple(sources), chosen)
 
 
 def gemm_plan(region: Region, spec: GemmSpec) -> GemmPlan:

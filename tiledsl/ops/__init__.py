@@ -35,7 +35,8 @@ from .core import (
 
 # ops a row program computes along its row axis (the rows template)
 ROW_KINDS = tuple(k for k, d in OPS.items()
-                  if d.category in (Category.REDUCTION, Category.SOFTMAX, Category.SCAN))
+                  if d.category in (Category.REDUCTION, Category.SOFTMAX, Category.SCAN,
+                                    Category.SELECT))
 COMPARE_KINDS = {d.symbol: k for k, d in OPS.items() if d.reads is Reads.COMPARE}
 BINARY_KINDS = {d.symbol: k for k, d in OPS.items()
                 if d.symbol and d.arity == 2 and d.reads is Reads.PROMOTED}

@@ -26,6 +26,7 @@ class Category(str, enum.Enum):
     REDUCTION = "reduction"
     SOFTMAX = "softmax"
     SCAN = "scan"  # a running combination along one axis (cumsum): no extra pass over the row
+    SELECT = "select"  # topk along one axis: k of a row's elements, in order, and their positions
     MATMUL = "matmul"
     SCATTER = "scatter"  # writes or adds its operand at indices: a kernel of its own (put)
     LAYOUT = "layout"  # a view: consumers read it through permuted strides

@@ -454,6 +454,55 @@ _scan("linear_scan", 2, _linear_scan, _linear_scan_reference, _d_linear_scan, Sc
     ("{a0} * {b0}", "{b0} * {a1} + {b1}"), (1.0, 0.0), finalize="{p1}"))
 
 
+# --- selection ------------------------------------------------------------------------
+# topk(x, k, axis, largest): the k largest (smallest) elements along `axis` in order, and
+# argtopk their positions (i64), torch's pair; sort and argsort are topk with k the axis'
+# length (sema). Equal elements keep their order along the axis (the first first, torch's
+# sort(stable=True)); NaN is larger than any number, as torch's; -0.0 equals 0.0 and
+# comes back as 0.0. The rows template computes both from one sort of (value, position) keys.
+
+K = BParam("k", "dim")
+LARGEST = BParam("largest", "bool", True)
+
+
+def _selection(index: bool):
+    def rule(types, attrs):
+        (x,) = types
+        if x.dtype in (DType.BOOL, DType.I64):
+            raise RuleError(diag.DTypeError, (0,), message=(
+                f"'topk' and 'sort' need a float or i32 value, got {x.dtype}; cast(x, ...) first"))
+        ax = axis(attrs, x.rank)
+        shape = x.shape[:ax] + (attrs["k"],) + x.shape[ax + 1:]
+        return TensorType(DType.I64 if index else x.dtype, shape)
+    return rule
+
+
+def _sorted(x: torch.Tensor, axis: int, k: int, largest: bool):
+    """torch's stable sort along `axis`, its first k."""
+    out = torch.sort(x, dim=axis, descending=largest, stable=True)
+    return out.values.narrow(axis, 0, k), out.indices.narrow(axis, 0, k)
+
+
+def _d_topk(d, wanted):
+    """Each g_j goes back to the position the j-th selected element came from: the sum over
+    j of where(position == index_j, g_j, 0), along an axis of k added after the row's."""
+    shape, ax = d.x_type(0).shape, d.attr("axis") % d.x_type(0).rank
+    k = d.attr("k")
+    idx = d.call("argtopk", d.x(0), axis=ax, k=k, largest=d.attr("largest"))
+    pos = d.call("index", axis=ax, shape=shape[:ax + 1] + (1,) + shape[ax + 1:])
+    across = shape[:ax] + (1, k) + shape[ax + 1:]
+    hit = d.call("eq", pos, d.call("reshape", idx, shape=across, copy=True))
+    g = d.call("reshape", d.g, shape=across, copy=True)
+    return (d.call("sum", d.where(hit, g, d.c(0.0)), axis=ax + 1, keepdims=False),)
+
+
+define("topk", 1, Category.SELECT, _selection(False), reads=Reads.OPERAND,
+       params=(X, K, AXIS, LARGEST),
+       reference=lambda x, axis, k, largest: _sorted(x, axis, k, largest)[0], vjp=_d_topk)
+define("argtopk", 1, Category.SELECT, _selection(True), reads=Reads.OPERAND,
+       reference=lambda x, axis, k, largest: _sorted(x, axis, k, largest)[1])
+
+
 # --- matmul, layout, return ------------------------------------------------------
 
 

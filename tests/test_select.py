@@ -1,0 +1,164 @@
+"""Selection: topk, sort and argsort (torch's meaning, equal elements in order), computed by
+the rows template from one sort of (value, position) keys; rows longer than a chunk stream
+through topk; the MoE router example is one row kernel after its GEMM."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import tiledsl
+from helpers import gen, randn, run_checked
+from tiledsl import testing
+from tiledsl.backends.triton import aot
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+TOPK = """
+kernel f(x: f32[M, N]) -> (f32[M, {k}], i64[M, {k}], f32[M, {k}], i64[M, {k}]) {{
+    v, i = topk(x, {k})
+    w, j = topk(x, {k}, largest=false)
+    return v, i, w, j
+}}"""
+
+SORT = """
+kernel f(x: f32[M, N]) -> (f32[M, N], i64[M, N], i64[M, N]) {
+    v, i = sort(x, descending=true)
+    return v, i, argsort(x)
+}"""
+
+
+def with_ties(m: int, n: int, seed: int) -> torch.Tensor:
+    """Random values drawn from few distinct ones, so rows hold many equal elements."""
+    return torch.randint(-3, 4, (m, n), generator=gen(seed)).float() * 0.5
+
+
+def stable(x: torch.Tensor, k: int, largest: bool):
+    out = torch.sort(x.double(), dim=-1, descending=largest, stable=True)
+    return out.values[:, :k], out.indices[:, :k]
+
+
+@pytest.mark.parametrize("m", [1, 17, 113])
+@pytest.mark.parametrize("n", [1, 5, 100, 1000])
+@pytest.mark.parametrize("ties", [False, True])
+def test_topk_is_torchs_with_equal_elements_in_order(m, n, ties):
+    x = with_ties(m, n, seed=m + n) if ties else randn(m, n, seed=m * n)
+    for k, spelled in ((1, "1"), (n, "N")):
+        _, (v, i, w, j) = run_checked(TOPK.format(k=spelled), x, sm90=False)
+        for (got_v, got_i), largest in (((v, i), True), ((w, j), False)):
+            want_v, want_i = stable(x, k, largest)
+            assert torch.equal(got_v.double(), want_v) and torch.equal(got_i, want_i)
+            assert got_i.dtype == torch.int64
+        if not ties:  # torch.topk itself where no two elements are equal
+            assert torch.equal(i, torch.topk(x, k).indices)
+
+
+@pytest.mark.parametrize("m, n", [(1, 1), (17, 5), (113, 100), (3, 1000)])
+def test_sort_and_argsort_are_torchs_stable_sort(m, n):
+    x = with_ties(m, n, seed=n)
+    _, (v, i, a) = run_checked(SORT, x, sm90=False)
+    want = torch.sort(x, dim=-1, descending=True, stable=True)
+    assert torch.equal(v, want.values) and torch.equal(i, want.indices)
+    assert torch.equal(a, torch.sort(x, dim=-1, stable=True).indices)
+
+
+def test_nan_is_larger_than_any_number_and_inf_orders_as_torch():
+    x = randn(3, 9, seed=5)
+    x[0, [1, 4]] = math.nan
+    x[1, 2], x[1, 6], x[2, 0] = -math.inf, math.inf, -0.0
+    _, (v, i, a) = run_checked(SORT, x, sm90=False)
+    want = torch.sort(x, dim=-1, descending=True, stable=True)
+    assert torch.equal(i, want.indices) and torch.equal(a, torch.sort(x, dim=-1, stable=True).indices)
+    torch.testing.assert_close(v, want.values, equal_nan=True)
+    assert torch.isnan(v[0, :2]).all() and i[0, :2].tolist() == [1, 4]
+
+
+@pytest.mark.parametrize("n", [32000, 128256])
+def test_topk_streams_a_vocabulary_row_through_chunks(n):
+    src = """
+    kernel f(x: f32[M, N]) -> (f32[M, 50], i64[M, 50]) {
+        v, i = topk(softmax(x, -1), 50)
+        return v, i
+    }"""
+    x = randn(2, n, seed=n, scale=4.0)
+    fn, (v, i) = run_checked(src, x, sm90=False)
+    assert [k.template for k in fn.kernels] == ["rows"]
+    (launch,) = fn.launches
+    assert launch.kernel.launch_config(dict(launch.dims), "interpreter").constexprs["ONE_PASS"] is False
+    want = torch.topk(torch.softmax(x.double(), -1), 50)
+    assert torch.equal(i, want.indices)
+    torch.testing.assert_close(v.double(), want.values, rtol=1e-5, atol=1e-9)
+
+
+def test_k_is_a_dim_expression():
+    src = """
+    kernel f(x: f32[M, N]) -> f32[M, N // 4] {
+        return topk(x * 2.0, N // 4)
+    }"""
+    x = randn(17, 100, seed=3)
+    _, v = run_checked(src, x, sm90=False)
+    assert torch.equal(v, torch.topk(x * 2, 25).values)
+
+
+def test_a_sort_longer_than_its_limit_is_refused_naming_it():
+    fn = tiledsl.compile(SORT)
+    with pytest.raises(tiledsl.TileDSLError) as err:
+        fn(randn(1, 16385, seed=1))
+    assert err.value.message == (
+        "a topk or sort keeping 16385 elements of a row (k = N at this call) exceeds the limit of "
+        "16384 (a row's k selected elements are sorted in registers)")
+
+
+def test_k_past_the_row_is_refused_where_it_is_written():
+    with pytest.raises(tiledsl.TileDSLError) as err:
+        tiledsl.compile(TOPK.format(k="N + 1"))
+    assert err.value.message == "k = N + 1 of 'topk' is outside 1 to N (the length of axis 1)"
+
+
+@pytest.mark.parametrize("m, n", [(1, 1), (17, 5), (5, 100)])
+def test_the_values_are_differentiable_the_gradient_goes_to_the_selected_positions(m, n):
+    fn = tiledsl.compile("""
+    kernel f(x: f32[M, N], y: f32[M, N]) -> f32[M, N] {
+        v, i = topk(x * y, N)
+        w, j = sort(x)
+        return v + sum(w * w, -1, keepdims=true) * 0.25
+    }""")
+    report = testing.check_grads(fn, randn(m, n, seed=1), randn(m, n, seed=2), generator=gen(0))
+    assert report.ok, report
+
+
+@pytest.mark.parametrize("t, d, e", [(1, 1, 8), (17, 32, 8), (113, 16, 64)])
+def test_moe_router_is_one_row_kernel_after_its_gemm(t, d, e):
+    fn = tiledsl.compile((EXAMPLES / "moe_router.tdsl").read_text())
+    x, w = randn(t, d, seed=1), randn(d, e, seed=2)
+    _, (weights, experts) = run_checked(fn, x, w)
+    assert [k.template for k in fn.kernels] == ["matmul", "rows"]
+    probs = torch.softmax(x.double() @ w.double(), -1)
+    top = torch.topk(probs, 2)
+    assert torch.equal(experts, top.indices)
+    torch.testing.assert_close(weights.double(), top.values / top.values.sum(-1, keepdim=True), rtol=1e-5, atol=1e-6)
+    assert testing.check_grads(fn, x, w, generator=gen(0)).ok
+
+
+def test_softmax_topk_renormalise_is_one_row_kernel():
+    fn = tiledsl.compile("""
+    kernel f(logits: f32[T, E]) -> (f32[T, 2], i64[T, 2]) {
+        w, i = topk(softmax(logits, -1), 2)
+        return w / sum(w, -1, keepdims=true), i
+    }""")
+    run_checked(fn, randn(17, 8, seed=1), sm90=False)
+    assert [k.template for k in fn.kernels] == ["rows"]
+
+
+@pytest.mark.parametrize("e, one_pass", [(8, True), (256, True), (32000, False), (128256, False)])
+def test_softmax_top2_builds_for_sm90_without_spills(e, one_pass):
+    src = """
+    kernel f(logits: f32[T, E]) -> (f32[T, 2], i64[T, 2]) {
+        w, i = topk(softmax(logits, -1), 2)
+        return w / sum(w, -1, keepdims=true), i
+    }"""
+    (r,) = aot.inspect_program(tiledsl.compile(src), {"T": 4096, "E": e})
+    assert r.config["ONE_PASS"] is one_pass and r.spill_bytes == 0, r
