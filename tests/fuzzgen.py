@@ -134,6 +134,9 @@ class Generator:
         self.scatters_rng = random.Random("scatters1:" + str(rng.getstate()[1][:8]))
         # and so do the small-integer expressions that stand in for an INT_EXPRS one
         self.ints_rng = random.Random("ints1:" + str(rng.getstate()[1][:8]))
+        # and so do the pads, fills, sorts and random numbers that now and then stand in for
+        # an indexing
+        self.fills_rng = random.Random("fills1:" + str(rng.getstate()[1][:8]))
         self.values: list[Value] = [
             Value("x", ("M", "N")), Value("y", ("N",)), Value("z", ("M", "1")), Value("s", ()),
             Value("mask", ("M", "N"), "bool"), Value("flag", (), "bool")]
@@ -341,6 +344,31 @@ class Generator:
         ])
 
     def indexed(self, a: Value) -> Value:
+        """Indexing, views and scans of `a` (`_indexed`), or now and then (its own stream) a
+        pad read back at a's shape, a fill, a sort or random numbers (`fill`)."""
+        out = self._indexed(a)
+        if len(a.shape) == 2 and a.kind == "float" and self.fills_rng.random() < 0.2:
+            return self.fill(a)
+        return out
+
+    def fill(self, a: Value) -> Value:
+        """A value of a's 2-D shape: a shift (a pad and a slice), a fill, a sort, dropout or
+        uniform noise at a literal seed."""
+        rng, (m, n) = self.fills_rng, a.shape
+        kind = rng.randrange(6)
+        if kind == 0:
+            return Value(f"pad({a.text}, (1, 0))[:, :{n}]", a.shape)
+        if kind == 1:
+            return Value(f"pad({a.text}, (2, 1), axis=0, value=0.5)[1:{m} + 1, :]", a.shape)
+        if kind == 2:
+            return Value(f"(full({a.text}, 0.25) * {a.text} + zeros({a.text}))", a.shape)
+        if kind == 3:
+            return Value(f"sort({a.text}, axis=-1, descending={rng.choice(['true', 'false'])})", a.shape)
+        if kind == 4:
+            return Value(f"dropout({a.text}, 0.25, {rng.randrange(100)})", a.shape)
+        return Value(f"({a.text} + rand({a.text}, {rng.randrange(100)}))", a.shape)
+
+    def _indexed(self, a: Value) -> Value:
         """Indexing, views and scans of `a`: a half rotation (concat of two slices), a
         gather or a flip through computed indices, a reshape, a cumsum."""
         if not a.shape:

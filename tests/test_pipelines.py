@@ -48,7 +48,7 @@ kernel f(q: f32[B, M, D], k: f32[B, N, D], v: f32[B, N, D], w: f32[D, E]) -> f32
 PROGRAMS = {p.stem: p.read_text() for p in sorted((ROOT / "examples").glob("*.tdsl"))} | MODEL_PROGRAMS
 
 # awkward sizes: primes, an odd head dim, GQA's 4 heads over 2
-DIMS = dict(B=2, H=4, KH=2, M=17, N=33, S=17, D=17, K=19, F=23, V=37, L=13, NB=6, E=5, T=19, C=2, P=7, W=11,
+DIMS = dict(B=2, H=4, KH=2, M=17, N=33, S=17, D=17, K=19, F=23, V=37, L=13, NB=6, E=24, T=19, C=2, P=7, W=11,
             KP=3, G=1)
 SCALARS = dict(scale=0.3, cap=5.0, eps=1e-5, temperature=0.7, lam=0.4, width=3, radius=1)
 

@@ -89,15 +89,22 @@ class Indexing:
         return self._gather(e, value, t, advanced)
 
     def _read_positional(self, view: int, span: Span) -> int:
-        """A slice of a value computed from positions (a pad, a concat, a flip, a gather: an
-        index map) read through: the map computed again at the slice's elements (`reindex`),
-        as a stored tensor's slice is read through its strides. `pad(x, (3, 0))[..., 1:L + 1]`
-        is x read at i - 2, never a padded tensor stored."""
+        """A slice of a value computed from positions (an `index`, a pad, a concat, a flip, a
+        gather: an index map) read through: the map computed again at the slice's elements
+        (`reindex`), as a stored tensor's slice is read through its strides.
+        `pad(x, (3, 0))[..., 1:L + 1]` is x read at i - 2, never a padded tensor stored."""
         op = self.graph.op(view)
-        if op.kind != "slice" or not _computed(self.graph.op(self.graph.operands(view)[0])) \
-                or not _positional(self.graph, self.graph.operands(view)[0]):
+        if op.kind != "slice":
             return view
-        return reindex(self.b, view, [self._index_of(op.shape, d, span) for d in range(op.type.rank)], span)
+        src = self.graph.operands(view)[0]
+        source = self.graph.op(src)
+        if not (source.kind == "index" or _computed(source) and _positional(self.graph, src)):
+            return view
+        at = [self._index_of(op.shape, d, span) for d in range(op.type.rank)]
+        out = reindex(self.b, src, slice_source(self.b, op, at, span), span)
+        if self.graph.op(out).shape != op.shape:  # an index read along one axis: its full shape
+            out = self.b.user_op("expand", [(out, span)], span, shape=op.shape)
+        return out
 
     def _expand_ellipsis(self, e: ast.Subscript, rank: int) -> list[ast.Expr]:
         items = list(e.items)
