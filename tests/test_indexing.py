@@ -109,6 +109,18 @@ def test_dims_only_sizes_make_equal_are_checked_at_the_call():
         "[(R + 1) // 2, D]; at these sizes (D=5, R=7) it is not (-((R + 1) // 2) + (R // 2) = -1)")
 
 
+def test_a_matmuls_inner_dims_only_sizes_make_equal_are_checked_at_the_call():
+    fn = tiledsl.compile("kernel f(x: f32[M, D], w: f32[K, N]) -> f32[M, N] { return x[:, :D // 2] @ w }")
+    x, w = randn(17, 9), randn(4, 5)
+    out = fn(x, w)
+    assert len(fn.kernels) == 1 and torch.allclose(out, x[:, :4] @ w, atol=1e-5)
+    with pytest.raises(TileDSLError) as err:
+        fn(randn(17, 10), w)
+    assert str(err.value).splitlines()[0] == (
+        "<string>:1:76: error: matmul inner dims must agree: D // 2 and K; at these sizes (D=10, K=4, M=17, "
+        "N=5) it is not (K - (D // 2) = -1)")
+
+
 @pytest.mark.parametrize("src, message", [
     ("kernel f(x: f32[R, D], y: f32[N, D]) -> f32[R, D] { return x + y }",
      "shapes [R, D] and [N, D] cannot be broadcast: dim 0 is R in one and N in the other"),

@@ -76,6 +76,14 @@ class Builder:
                 agreed = self._agree_dim(operands, types, err.fields)
                 if agreed is not None:
                     return self.user_op(kind, agreed, span, **attrs)
+            if kind == "matmul" and err.cls is diag.MatmulShapeError and min(t.rank for t in types) >= 2:
+                (a, aspan), (b, bspan) = operands
+                k, kb = types[0].shape[-1], types[1].shape[-2]
+                shape = types[1].shape[:-2] + (k,) + types[1].shape[-1:]
+                message = f"matmul inner dims must agree: {k} and {kb}"
+                agreed = self.agree_shape(b, bspan, shape, message) if sizes_decide(k, kb) else None
+                if agreed is not None:
+                    return self.user_op(kind, [(a, aspan), (agreed, bspan)], span, **attrs)
             notes = [diag.Note(f"this operand is {types[i]}", operands[i][1])
                      for i in err.operands if i < len(operands)]
             raise err.cls(span, notes, **err.fields) from None
