@@ -15,59 +15,25 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from tiledsl.ir import KernelOp, Op
+from tiledsl.ir import KernelOp
 from tiledsl.ops.render import all_of
 from tiledsl.types import Compute
 
-from .base import CAPS, PROGRAM_ID, EmittedKernel, Hints, LaunchConfig, cdiv, decompose, finish, numel
-from .codegen import Code, Signature, next_pow2
-from .expr import Emitter, Val
+from .base import CAPS, EmittedKernel, Hints, LaunchConfig, cdiv, finish, numel
+from .codegen import next_pow2
+from .pointwise import FlatProgram
 
 
 def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKernel:
     """The scatter program over the flat index of the written values (no dots)."""
     region, plan = kernel.region, kernel.plan
     shape = plan.shape
-    rank = len(shape)
-    sig = Signature()
-    body = Code()
-    em = Emitter(body)
-
-    tensors = {i: sig.tensor("in", i, inp.type.shape) for i, inp in enumerate(region.inputs)
-               if not inp.scalar and inp.type.rank > 0}
-    scalars = {i: sig.scalar(i) for i, inp in enumerate(region.inputs) if inp.scalar}
-    outs = [sig.tensor("out", j, region.value_type(v).shape) for j, v in enumerate(plan.puts)]
-    total = sig.numel(shape)
-    block = sig.constexpr("BLOCK")
-
-    body(PROGRAM_ID)
-    body(f"offs = pid.to(tl.int64) * {block} + tl.arange(0, {block})")
-    body(f"mask = offs < {total}")
-    index_names: list[str | None] = [None if d == 1 else f"i{a}" for a, d in enumerate(shape)]
-    if rank == 1 and shape[0] != 1:
-        index_names = ["offs"]
-    elif rank > 1:
-        decompose(body, "offs", shape, index_names, sig.size, "t")
-
-    em.gather_from(region, tensors, sig.size)
-    vals: dict[int, Val] = {}
-    for i, inp in enumerate(region.inputs):
-        if i in scalars:
-            vals[i] = em.scalar(scalars[i], inp.type.dtype)
-        elif i not in tensors:  # a 0-dim tensor
-            vals[i] = em.load_at(sig.tensor("in", i, ()).ptr, None, inp.type)
-        elif region.read_whole(i):
-            ref = tensors[i]
-            offset = ref.offset(index_names[rank - inp.type.rank:])
-            vals[i] = (em.load_at(ref.ptr, None, inp.type) if offset == "0"
-                       else em.load_at(f"{ref.ptr} + {offset}", "mask", inp.type))
-
-    def index(op: Op) -> Val:
-        axis = op.attr("axis")
-        return em.index(None if op.shape[axis] == 1 else index_names[axis + rank - len(op.shape)])
-
+    prog = FlatProgram(region, shape, lambda sig: [sig.tensor("out", j, region.value_type(v).shape)
+                                                   for j, v in enumerate(plan.puts)], lambda tensors: True)
+    sig, body, em, outs = prog.sig, prog.body, prog.em, prog.outs
+    vals = prog.inputs()
     puts = set(plan.puts)
-    em.run(region, vals, index, skip=puts.__contains__)
+    em.run(region, vals, prog.index, skip=puts.__contains__)
     n_in = len(region.inputs)
     for out, v in zip(outs, plan.puts, strict=True):
         put = region.ops[v - n_in]
