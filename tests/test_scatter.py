@@ -118,6 +118,21 @@ def test_scatter_add_and_index_add_gradients(n):
     grads_ok(fn, randn(3, n, dtype=torch.bfloat16), idx, randn(3, n, dtype=torch.bfloat16))
 
 
+def test_a_scatter_into_one_element_adds_every_lane():
+    """Fuzzer, fills stream, program 204: the gradient of a pad of a [1, 1] mean read back at
+    one element is a put whose indices are all constants: each lane adds through a pointer
+    of its own (one scalar pointer with a block mask was refused by Triton)."""
+    fn = tiledsl.compile("""kernel f(z: f32[M, 1]) -> f32[1, 1] {
+        return pad(mean(z, axis=(0, -1), keepdims=true), (1, 0))[:, :1] * 2.0
+    }""")
+    grads_ok(fn, randn(17, 1))
+    src = ("kernel f(x: f32[M, N], i: i64[1]) -> f32[1] "
+           "{ return index_add(zeros(cast(i, f32)), 0, i * 0, sum(x, axis=None, keepdims=true)[0]) }")
+    x = randn(17, 5)
+    fn, out = run_checked(src, x, torch.tensor([0]))
+    assert torch.allclose(out, x.sum()[None], atol=1e-5)
+
+
 @pytest.mark.parametrize("n", SIZES)
 def test_embedding_gradient_is_one_indexed_kernel(n):
     fn = tiledsl.compile("kernel emb(w: f32[V, D], tokens: i64[T]) -> f32[T, D] { return w[tokens, :] * 2.0 }")

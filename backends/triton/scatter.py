@@ -50,6 +50,8 @@ def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKer
         where = em.assign(all_of(*inside), Compute.BOOL).text
         value = em.store_value(vals[src], t)
         ptrs = " + ".join([out.ptr, *terms])
+        if all(d == 1 for i in indices for d in region.value_type(i).shape):
+            ptrs += " + 0 * offs"  # one element of the result: a pointer per lane all the same
         if put.op.attr("accumulate"):
             body(f'tl.atomic_add({ptrs}, {value}, mask={where}, sem="relaxed")')
         else:
