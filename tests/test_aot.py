@@ -179,6 +179,17 @@ def test_short_rows_computing_trig_hold_a_pointwise_tile():
     assert r.config["num_warps"] == 4 and r.spill_bytes == 0, r
 
 
+def test_long_rows_computing_trig_are_chunked_at_a_pointwise_tile():
+    """The backward of QK-norm with RoPE sums the norm weights' gradients over B * S * H rows
+    (a row of 524,288 elements per channel) recomputing the tables' cos and sin: chunks of
+    1024 elements, 8 a thread; a 16k chunk spilled 208,852 bytes."""
+    fn = tiledsl.compile((EXAMPLES / "qk_norm_rope_attention.tdsl").read_text()).backward
+    reports = aot.inspect_program(fn, {"B": 4, "S": 4096, "H": 32, "KH": 8, "D": 128})
+    assert [r.spill_bytes for r in reports] == [0] * len(reports)
+    long_rows = [r for r in reports if not r.config.get("M0_ONE_PASS", True)]
+    assert long_rows and all(r.config["M0_BLOCK_R"] == 1024 for r in long_rows)
+
+
 # --- TMA: descriptors where the call's tensors allow them, pointers elsewhere ---------------------
 
 GEMM = "kernel f(a: {dt}[M, K], b: {dt}[K, N], d: {dt}[M, N]) -> {dt}[M, N] {{ return (a @ b) * d }}"

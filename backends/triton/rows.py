@@ -685,6 +685,8 @@ def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKer
         rows = numel([d for i, d in enumerate(shape) if i not in axes], dims)
         caps = CAPS[device]
         block_r = max(2, min(next_pow2(length), limit if device == "cuda" else caps["row"]))
+        if trig and device == "cuda":  # a long row chunked too, at 8 elements a thread (below)
+            block_r = min(block_r, caps["flat"])
         if scans and length > block_r and device == "cuda":
             block_r //= 2  # a loop's carries and chunk totals keep more live (280 bytes spilled)
         if selections:  # a chunk holds a selection's k
