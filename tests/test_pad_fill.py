@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 import tiledsl
-from helpers import randn, run_checked
-from tiledsl import TileDSLError
+from helpers import gen, randn, run_checked
+from tiledsl import TileDSLError, testing
 from tiledsl.backends.triton import aot
 
 
@@ -117,3 +117,23 @@ def test_mamba_causal_conv1d_is_one_kernel(b, d, l):
     assert len(fn.kernels) == 1
     ref = F.silu(F.conv1d(x.double(), w.double()[:, None, :], bias.double(), padding=3, groups=d)[..., :l])
     assert torch.allclose(out.double(), ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("n, d", [(1, 1), (17, 5), (113, 33)])
+def test_pad_and_its_slices_are_differentiable(n, d):
+    """The gradient of a pad is the incoming gradient read back inside the pad (a gather's
+    gradient: a scatter-add), and Mamba's conv1d's through its shifted slices too."""
+    src = """
+    kernel f(x: f32[N, D], w: f32[E]) -> f32[N, E] {
+        return pad(sin(x), (2, 1), axis=-1, value=0.5) * w + full(w, 1.5)
+    }"""
+    report = testing.check_grads(tiledsl.compile(src), randn(n, d), randn(d + 3, seed=1), generator=gen(0))
+    assert report.ok, report
+    conv = """
+    kernel causal_conv1d(x: f32[B, D, L], w: f32[D, 4]) -> f32[B, D, L] {
+        xp = pad(x, (3, 0), axis=-1)
+        return (xp[:, :, 0:L] * w[:, 0:1] + xp[:, :, 1:L + 1] * w[:, 1:2] + xp[:, :, 2:L + 2] * w[:, 2:3]
+                + xp[:, :, 3:L + 3] * w[:, 3:4])
+    }"""
+    report = testing.check_grads(tiledsl.compile(conv), randn(2, d, n), randn(d, 4, seed=2), generator=gen(1))
+    assert report.ok, report
