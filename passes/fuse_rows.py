@@ -60,7 +60,7 @@ class FuseRows(Pass):
 
         def admit_for(plan: GroupPlan, seed: int) -> Admission:
             x = graph.result_type(*graph.operand_edges(seed)[0])
-            space = RowSpace(x.shape, reduced_axes(x.rank, [graph.op(seed), *_continuing(graph, seed)]))
+            space = RowSpace(x.shape, reduced_axes(x.rank, [graph.op(seed), *_continuing(graph, seed, plan)]))
             return Admission(lambda group, cand: _admit(graph, plan, group, cand, space),
                              lambda members: RowSpec(space))
 
@@ -105,7 +105,7 @@ def _admit(graph: Graph, plan: GroupPlan, group: set[int], cand: int,
     partial = partial_reductions(region, space, layouts)
     for node, value in zip(members, region.outputs, strict=True):  # outputs = members, in order
         if node in outputs and value in partial:  # stored unless the rest of its reduction joins
-            layout, chain = layouts[value], _continuing(graph, node)
+            layout, chain = layouts[value], _continuing(graph, node, plan)
             if not space.runs & set(layout) <= {layout[a] for a in reduced_axes(len(layout), chain)}:
                 return Refusal(Rule.TILE, f"{graph.op(node).kind} is used outside the row program but "
                                "reduces only some of its axes")
@@ -115,12 +115,14 @@ def _admit(graph: Graph, plan: GroupPlan, group: set[int], cand: int,
     return None
 
 
-def _continuing(graph: Graph, node: int) -> list:
+def _continuing(graph: Graph, node: int, plan: GroupPlan) -> list:
     """The reductions that reduce what the reduction `node` leaves, one after another (the
-    rest of a reduction over several axes), each the only user of the one before."""
+    rest of a reduction over several axes), each the only user of the one before and in no
+    row program yet (one that another seed's group took is no longer this one's to reduce)."""
     chain = []
-    while len(users := graph.users(node)) == 1 and continues_reduction(graph.op(node), graph.op(users[0][0])):
-        node = users[0][0]
+    while len(users := graph.users(node)) == 1 and not plan.grouped(user := users[0][0]) \
+            and continues_reduction(graph.op(node), graph.op(user)):
+        node = user
         chain.append(graph.op(node))
     return chain
 
