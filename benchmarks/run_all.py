@@ -9,7 +9,8 @@ FlexAttention's for a soft-capped score mod),
 GEMM + multi-D epilogue (against torch.matmul alone, eager and torch.compile),
 the dual GEMM and the norm -> GEMM rewrite (against tiledsl without them, eager and
 torch.compile), causal linear attention (against flash-linear-attention's naive forms, eager
-and torch.compile),
+and torch.compile), the GPTQ int4 and int8 GEMMs (against torch.matmul of the dequantized
+f16 weight and torch._int_mm),
 row softmax (against torch.softmax and a device copy) and host overhead
 (against Triton's own dispatch and torch eager). Every baseline is timed in
 the same run on the same inputs, and every ratio is baseline time / tiledsl
@@ -35,6 +36,7 @@ import fusion_rewrites  # noqa: E402
 import gemm_epilogue  # noqa: E402
 import host_overhead  # noqa: E402
 import linear_attention  # noqa: E402
+import quantized_gemm  # noqa: E402
 import softmax  # noqa: E402
 from common import open_device  # noqa: E402
 
@@ -52,6 +54,8 @@ BASELINES = {
                         ("compile_ms", "torch.compile")),
     "linear_attention": (("eager_ms", "FLA naive, eager"), ("compile_ms", "FLA naive, torch.compile"),
                          ("chunked_ms", "FLA chunked naive, eager")),
+    # int4: torch.matmul of the dequantized f16 weight; int8: torch._int_mm and the scales
+    "quantized_gemm": (("base_ms", "f16 GEMM of the dequantized weight / torch._int_mm"),),
 }
 
 
@@ -68,6 +72,8 @@ def case(bench: str, row: dict) -> str:
                 f"{row['unfused_kernels']} kernels)")
     if bench == "linear_attention":
         return f"{row['dtype']} B={row['B']} H={row['H']} T={row['T']} D={row['D']} causal"
+    if bench == "quantized_gemm":
+        return f"{row['kind']} {row['M']}x{row['N']}x{row['K']}"
     return f"{row['dtype']} {row['M']}x{row['N']}" + (" one pass" if row.get("one_pass") else "")
 
 
@@ -157,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     results["kernels"]["softmax"] = softmax.measure(args.device, args.quick)
     results["kernels"]["fusion_rewrites"] = fusion_rewrites.measure(args.device, args.quick)
     results["kernels"]["linear_attention"] = linear_attention.measure(args.device, args.quick)
+    results["kernels"]["quantized_gemm"] = quantized_gemm.measure(args.device, args.quick)
     results["host_overhead"] = host_overhead.measure(3 if args.quick else 2000)
     results["seconds"] = round(time.perf_counter() - start, 1)
     print(f"tiledsl benchmarks on {device_name}, torch {torch.__version__}, "
