@@ -90,6 +90,43 @@ def linear_scan_loop(a, b, axis):
     return torch.stack(out).movedim(0, axis)
 
 
+@pytest.mark.parametrize("m, n", [(1, 1), (17, 33), (5, 1000)])
+@pytest.mark.parametrize("op", ["cummax", "cummin"])
+def test_cummax_and_cummin_give_torchs_pair(op, m, n):
+    """`values, indices = cummax(x, axis)`: the latest position of the running extremum (ties
+    take the later one; after a NaN, the latest NaN's), as torch's, along either axis."""
+    src = f"""kernel f(x: f32[M, N]) -> (f32[M, N], i64[M, N], f32[M, N], i64[M, N]) {{
+        a, i = {op}(x, -1)
+        b, j = {op}(x, 0)
+        return a, i, b, j
+    }}"""
+    x = torch.randint(-3, 4, (m, n), generator=gen(5)).float()  # many ties
+    x[0, n // 2] = float("nan")
+    x[m - 1, n - 1] = float("nan")
+    _, (a, i, b, j) = run_checked(src, x)
+    rows, cols = getattr(torch, op)(x, -1), getattr(torch, op)(x, 0)
+    assert torch.equal(i, rows.indices) and torch.equal(j, cols.indices)
+    assert torch.allclose(a, rows.values, equal_nan=True) and torch.allclose(b, cols.values, equal_nan=True)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_a_cumulative_extremum_and_its_positions_are_one_row_kernel(reverse):
+    """The positions are a second scan in the same row program (a running max of the
+    positions where x is the running max); reversed, the nearest such position after."""
+    flag = "true" if reverse else "false"
+    fn = tiledsl.compile(f"""kernel f(x: i32[M, N]) -> (i32[M, N], i64[M, N]) {{
+        values, indices = cummax(x, reverse={flag})
+        return values, indices
+    }}""")
+    assert [k.template for k in fn.kernels] == ["rows"]
+    x = torch.randint(-5, 5, (17, 300), generator=gen(6), dtype=torch.int32)
+    _, (values, indices) = run_checked(fn, x)
+    want = torch.cummax(x.flip(-1), -1) if reverse else torch.cummax(x, -1)
+    if reverse:
+        want = (want.values.flip(-1), 299 - want.indices.flip(-1))
+    assert torch.equal(values, want[0]) and torch.equal(indices, want[1])
+
+
 @pytest.mark.parametrize("axis", [0, 1, 2])
 @pytest.mark.parametrize("n", SIZES)
 def test_linear_scan_is_the_recurrence(n, axis):

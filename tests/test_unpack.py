@@ -46,14 +46,14 @@ def test_unpacked_max_is_differentiable_through_its_values():
 
 @pytest.mark.parametrize("stmt, error", [
     ("a, b = x", "<string>:3:16: error: cannot unpack one value into 2 names: only a builtin with "
-     "several results (max, min, topk, sort) or a tuple (`a, b = x, y`) unpacks"),
+     "several results (max, min, cummax, cummin, topk, sort) or a tuple (`a, b = x, y`) unpacks"),
     ("a, b = x, y, x", "<string>:3:9: error: 2 names but 3 values"),
     ("a, a = x, y", "<string>:3:12: error: 'a' is assigned twice in one statement"),
     ("a, b, c = max(x, -1)", "<string>:3:9: error: 'max' gives 2 results (values, indices), not 3"),
     ("a, b = max(x, axis=(0, 1))", "<string>:3:28: error: 'axis' of 'max' unpacked must be one "
      "integer: the indices are positions along one axis"),
     ("a, b = sum(x, -1)", "<string>:3:16: error: cannot unpack one value into 2 names: only a builtin "
-     "with several results (max, min, topk, sort) or a tuple (`a, b = x, y`) unpacks"),
+     "with several results (max, min, cummax, cummin, topk, sort) or a tuple (`a, b = x, y`) unpacks"),
 ])
 def test_unpacking_errors_name_the_statement(stmt, error):
     src = f"""

@@ -40,6 +40,9 @@ BUILTINS: dict[str, Builtin] = {
 # torch's pairs: `values, indices = max(x, axis)` is the max and the argmax along one axis
 for _kind in ("max", "min"):
     BUILTINS[_kind] = Builtin(_kind, BUILTINS[_kind].params, results=("values", "indices"))
+# torch's pairs of the running extremum and its position: `values, indices = cummax(x, axis)`
+for _kind in ("cummax", "cummin"):
+    BUILTINS[_kind] = Builtin(_kind, BUILTINS[_kind].params, results=("values", "indices"))
 # topk's pair; sort(x, axis, descending) is topk of every element, argsort its indices
 BUILTINS["topk"] = Builtin("topk", BUILTINS["topk"].params, results=("values", "indices"))
 BUILTINS["sort"] = Builtin("sort", (BParam("x"), BParam("axis", "int", -1),

@@ -382,6 +382,26 @@ class _KernelBuilder:
                                  keepdims=op.attr("keepdims"))
         return values, indices
 
+    def _results_cumulative(self, e: ast.Call, b: Builtin, args: dict[str, ast.Expr]) -> tuple[int, int]:
+        """`values, indices = cummax(x, axis)` (cummin), torch's pair: the running extremum and
+        the position of its latest occurrence (i64; after a NaN, the latest NaN's), a second
+        scan: the running max of the positions where x is the running extremum or NaN (with
+        reverse=true, the running min of those positions from the end)."""
+        values = self._call_along(e, b, args)
+        op, (x,) = self.graph.op(values), self.graph.operands(values)
+        xspan, span = args["x"].span, e.span
+        axis, reverse = op.attr("axis"), op.attr("reverse")
+        hit = self.b.user_op("eq", [(x, xspan), (values, span)], span)
+        if self.graph.op(x).dtype.is_float:
+            nan = self.b.user_op("isnan", [(x, xspan)], span)
+            hit = self.b.user_op("or", [(hit, span), (nan, span)], span)
+        at = self.b.user_op("index", [], span, axis=axis, shape=op.shape)
+        miss = self.b.size(op.shape[axis], span) if reverse else self.b.const(-1, DType.I32, span)
+        positions = self.b.user_op("where", [(hit, span), (at, span), (miss, span)], span)
+        latest = self.b.user_op("cummin" if reverse else "cummax", [(positions, span)], span, axis=axis,
+                                reverse=reverse)
+        return values, self.b.user_op("cast", [(latest, span)], span, dtype=DType.I64)
+
     def _results_select(self, e: ast.Call, b: Builtin, args: dict[str, ast.Expr]) -> tuple[int, int]:
         """`values, indices = topk(x, k)` (or sort(x)): torch's pair, one topk and one argtopk
         of the same x (the rows template computes them from one sort)."""
@@ -541,7 +561,8 @@ _HANDLERS = {
 
 
 # builtins with several results (`values, indices = max(x, -1)`): how each is unpacked
-_RESULTS = {"max": "extremum", "min": "extremum", "topk": "select", "sort": "select"}
+_RESULTS = {"max": "extremum", "min": "extremum", "topk": "select", "sort": "select",
+            "cummax": "cumulative", "cummin": "cumulative"}
 
 
 def _bind(b: Builtin, call: ast.Call) -> dict[str, ast.Expr]:
