@@ -314,6 +314,31 @@ class TransposeProduct(Pattern):
         return True
 
 
+class TransposedOperand(Pattern):
+    """A matmul operand that is the transpose of an elementwise op of one tensor (and
+    scalars), `x @ cast(w_int8, f16).T` (gpt-fast's int8 weight-only linear), is the op of the
+    transpose, `x @ cast(w_int8.T, f16)`: the transpose is a view of the tensor, and the op a
+    prologue the GEMM applies to each tile it loads, never a stored copy."""
+
+    def apply(self, graph: Graph, node: int, op: Op, rewriter: Rewriter) -> bool:
+        if op.kind != "transpose" or not graph.users(node):
+            return False
+        if any(not (isinstance(u := graph.op(n), Op) and u.kind == "matmul") for n, _ in graph.users(node)):
+            return False
+        (x,) = graph.operands(node)
+        x_op = graph.op(x)
+        if not isinstance(x_op, Op) or not ops.is_elementwise(x_op.kind) or graph.users(x) != [(node, 0)]:
+            return False
+        tensors = [o for o in graph.operands(x) if graph.op(o).type.rank > 0]
+        if len(tensors) != 1 or graph.op(tensors[0]).shape != x_op.shape or x_op.kind == "index":
+            return False
+        b = rewriter.build
+        moved = b.op("transpose", [tensors[0]], op.span, **op.attr_map)
+        operands = [moved if o == tensors[0] else o for o in graph.operands(x)]
+        rewriter.replace(node, b.op(x_op.kind, operands, x_op.span, **x_op.attr_map))
+        return True
+
+
 class GatherBeforeElementwise(Pattern):
     """A gather of an elementwise op of one tensor (and constants), `gather(cast(x, f32), y)`,
     `gather(30 * tanh(x / 30), y)`, is the op of the gather, `cast(gather(x, y), f32)`:
@@ -547,8 +572,8 @@ class RemoveIdentityGather(Pattern):
 
 
 PATTERNS = (FoldConstants(), RemoveIdentity(), DivideByReciprocal(), RemoveNoOpCast(), CancelInvolution(),
-            ReduceAlongOne(), ViewOfFill(), KeepReducedDim(), TransposeProduct(), GatherBeforeElementwise(),
-            GatherAlongRow(), ViewOfGather(), RemoveIdentityGather())
+            ReduceAlongOne(), ViewOfFill(), KeepReducedDim(), TransposeProduct(), TransposedOperand(),
+            GatherBeforeElementwise(), GatherAlongRow(), ViewOfGather(), RemoveIdentityGather())
 
 
 @register

@@ -215,6 +215,23 @@ def test_gptq_int4_gemm_compiles_for_sm90_without_spills(m, wgmma):
     assert r.spill_bytes == 0 and r.wgmma == wgmma, r
 
 
+@pytest.mark.parametrize("src", [
+    "kernel f(x: f16[M, K], w: i8[N, K], scales: f16[N]) -> f16[M, N] { return (x @ cast(w, f16).T) * scales }",
+    """kernel f(x: f16[M, K], packed: u8[KP, N], code: f16[16], absmax: f16[G, N]) -> f16[M, N] {
+        k = index(x[0][:, None], 0)
+        n = index(packed[0][None, :], 1)
+        return x @ (code[(packed[k // 2, n] >> (4 * (k % 2))) & 0xF] * absmax[k // 64, n])
+    }""",
+], ids=["int8-weight-only", "nf4"])
+def test_weight_only_quantized_linears_are_one_gemm_without_spills(src):
+    """gpt-fast's int8 weight-only linear and an NF4 weight read through its code table: the
+    dequantization is B's prologue, one GEMM kernel, built for sm_90 without spills."""
+    fn = tiledsl.compile(src)
+    assert [k.template for k in fn.kernels] == ["matmul"]
+    (r,) = aot.inspect_program(fn, {"M": 4096, "K": 4096, "N": 4096, "KP": 2048, "G": 64})
+    assert r.spill_bytes == 0 and r.wgmma, r
+
+
 @pytest.mark.parametrize("k, n", [(2, 1), (18, 17), (226, 113)])
 def test_u8_two_nibble_unpack(k, n):
     src = """

@@ -33,9 +33,17 @@ PROGRAMS = {
     "focal": (1, "kernel f(x: f32[M, V], y: i64[M]) -> f32[M] {\n lp = x - logsumexp(x, axis=-1, keepdims=true)\n l = gather(lp, y)\n return -((1.0 - exp(l)) ** 2) * l\n}"),
     "layernorm_residual_dropless": (1, "kernel f(x: f16[M, N], r: f16[M, N], w: f16[N], b: f16[N]) -> f16[M, N] {\n h = cast(x + r, f32)\n mu = mean(h, axis=-1, keepdims=true)\n var = mean((h - mu) ** 2, axis=-1, keepdims=true)\n return cast((h - mu) * rsqrt(var + 1e-5), f16) * w + b\n}"),
     "attention_lse_training": (1, "kernel f(q: bf16[B, H, M, D], k: bf16[B, H, N, D], v: bf16[B, H, N, D]) -> (bf16[B, H, M, D], f32[B, H, M]) {\n s = cast(q @ k.T, f32) * rsqrt(D)\n s = where(causal(s), s, -inf)\n return (cast(softmax(s), bf16) @ v, logsumexp(s, axis=-1))\n}"),
+    # weight-only quantized linears (gpt-fast's int8, bitsandbytes-style NF4 through a code
+    # table): the unpacking is the GEMM's B prologue
+    "int8_weight_only": (1, "kernel f(x: f16[M, K], w: i8[N, K], scales: f16[N]) -> f16[M, N] {\n return (x @ cast(w, f16).T) * scales\n}"),
+    "nf4_linear": (1, "kernel f(x: f16[M, K], packed: u8[KP, N], code: f16[16], absmax: f16[G, N]) -> f16[M, N] {\n k = index(x[0][:, None], 0)\n n = index(packed[0][None, :], 1)\n q = (packed[k // 2, n] >> (4 * (k % 2))) & 0xF\n return x @ (code[q] * absmax[k // 64, n])\n}"),
+    # minGRU's log-space parallel scan (Feng et al., "Were RNNs all we needed?")
+    "mingru_log_scan": (1, "kernel f(log_coeffs: f32[B, T, D], log_values: f32[B, T, D]) -> f32[B, T, D] {\n a_star = cumsum(log_coeffs, axis=1)\n return exp(a_star + logcumsumexp(log_values - a_star, axis=1))\n}"),
+    # an MoE layer's combine: each routed token's expert output, weighted, added into its row
+    "moe_combine": (1, "kernel f(ye: f32[TK, D], token: i64[TK], weight: f32[TK], x: f32[T, D]) -> f32[T, D] {\n return index_add(zeros(x), 0, token, ye * weight[:, None])\n}"),
 }
 
-DIMS = dict(M=17, V=113, N=33, B=2, H=3, D=16, K=19, F=23, T=5)
+DIMS = dict(M=17, V=113, N=33, B=2, H=3, D=16, K=19, F=23, T=5, KP=10, G=1, TK=7)
 
 
 @pytest.mark.parametrize("name", sorted(PROGRAMS))

@@ -239,8 +239,10 @@ class GemmProgram:
             for acc, name in zip(accs, names[1:], strict=True):
                 body(f"{acc} = tl.dot(a, {name}, {acc}{self.precision()})")
             for which, (name, src) in enumerate(zip(names, self.sources, strict=True)):
+                if self.gathered(which):  # loaded through the indices, no pointers to move
+                    continue
                 step = self.refs[src].strides[-1 if which == 0 else -2]
-                if step is not None and not self.gathered(which):
+                if step is not None:
                     body(f"{name}_ptrs += BLOCK_K * {step}")
         for j, v in enumerate(self.stats):
             finalize = ops.OPS[self.region.ops[v - self.n_in].op.kind].reduction.finalize
