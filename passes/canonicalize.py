@@ -315,10 +315,10 @@ class TransposeProduct(Pattern):
 
 
 class TransposedOperand(Pattern):
-    """A matmul operand that is the transpose of an elementwise op of one tensor (and
-    scalars), `x @ cast(w_int8, f16).T` (gpt-fast's int8 weight-only linear), is the op of the
-    transpose, `x @ cast(w_int8.T, f16)`: the transpose is a view of the tensor, and the op a
-    prologue the GEMM applies to each tile it loads, never a stored copy."""
+    """A matmul operand that is the transpose of an elementwise op of one integer parameter
+    (and scalars), `x @ cast(w_int8, f16).T` (gpt-fast's int8 weight-only linear), is the op of
+    the transpose, `x @ cast(w_int8.T, f16)`: the transpose is a view of the parameter, and
+    the op a prologue the GEMM applies to each tile it loads, never a stored copy."""
 
     def apply(self, graph: Graph, node: int, op: Op, rewriter: Rewriter) -> bool:
         if op.kind != "transpose" or not graph.users(node):
@@ -330,7 +330,11 @@ class TransposedOperand(Pattern):
         if not isinstance(x_op, Op) or not ops.is_elementwise(x_op.kind) or graph.users(x) != [(node, 0)]:
             return False
         tensors = [o for o in graph.operands(x) if graph.op(o).type.rank > 0]
-        if len(tensors) != 1 or graph.op(tensors[0]).shape != x_op.shape or x_op.kind == "index":
+        # a quantized weight's dequantization: an op of an integer parameter (a computed
+        # value's transpose is a product's own business: the attention backward reads `ds.T`
+        # as a transposed score-space value; fuse-attention takes `(k * c).T` as it is)
+        if len(tensors) != 1 or graph.op(tensors[0]).shape != x_op.shape or x_op.kind == "index" \
+                or graph.op(tensors[0]).kind != "param" or not graph.op(tensors[0]).dtype.is_int:
             return False
         b = rewriter.build
         moved = b.op("transpose", [tensors[0]], op.span, **op.attr_map)
