@@ -5,6 +5,8 @@ differentiated says so."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -204,6 +206,18 @@ def test_views_transpose_reshape_and_new_axes():
 def test_views_that_take_part_of_an_axis(src, n, d):
     """A partial view's gradient is g read back where the view read it, 0 elsewhere."""
     grads_ok(src, randn(n, d))
+
+
+def test_rope_and_qk_norm_rope_attention_examples_differentiate():
+    """Their halves (`q[..., D // 2:]`) are views taking part of an axis: the gradient reads
+    the incoming one back where each half read (refused before: "needs a scatter")."""
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    grads_ok(tiledsl.compile(examples / "rope.tdsl"), randn(2, 4, 5, 8), randn(2, 2, 5, 8, seed=1),
+             randn(5, 8, seed=2), randn(5, 8, seed=3))
+    bf = torch.bfloat16
+    grads_ok(tiledsl.compile(examples / "qk_norm_rope_attention.tdsl"), randn(2, 5, 4, 8, dtype=bf),
+             randn(2, 5, 2, 8, dtype=bf, seed=1), randn(2, 5, 2, 8, dtype=bf, seed=2), randn(8, dtype=bf, seed=3),
+             randn(8, dtype=bf, seed=4), torch.arange(5, dtype=torch.int32) + 2, 1e-6, seed=1)
 
 
 def test_rmsnorm_gradients_and_backward_kernels():
