@@ -72,22 +72,29 @@ class Builder:
         try:
             t = ops.infer(kind, types, attrs)
         except ops.RuleError as err:
-            if err.cls is diag.BroadcastError:
-                agreed = self._agree_dim(operands, types, err.fields)
-                if agreed is not None:
-                    return self.user_op(kind, agreed, span, **attrs)
-            if kind == "matmul" and err.cls is diag.MatmulShapeError and min(t.rank for t in types) >= 2:
-                (a, aspan), (b, bspan) = operands
-                k, kb = types[0].shape[-1], types[1].shape[-2]
-                shape = types[1].shape[:-2] + (k,) + types[1].shape[-1:]
-                message = f"matmul inner dims must agree: {k} and {kb}"
-                agreed = self.agree_shape(b, bspan, shape, message) if sizes_decide(k, kb) else None
-                if agreed is not None:
-                    return self.user_op(kind, [(a, aspan), (agreed, bspan)], span, **attrs)
+            agreed = self._agreed(kind, operands, types, err)
+            if agreed is not None:
+                return self.user_op(kind, agreed, span, **attrs)
             notes = [diag.Note(f"this operand is {types[i]}", operands[i][1])
                      for i in err.operands if i < len(operands)]
             raise err.cls(span, notes, **err.fields) from None
         return self._add(kind, t, [n for n, _ in operands], span, attrs)
+
+    def _agreed(self, kind: str, operands: Sequence[tuple[int, Span]], types: Sequence[TensorType],
+                err: ops.RuleError) -> list[tuple[int, Span]] | None:
+        """The operands of a refused op read so that dims only the sizes decide agree (a
+        broadcast's, a matmul's inner ones), or None where the refusal stands."""
+        if err.cls is diag.BroadcastError:
+            return self._agree_dim(operands, types, err.fields)
+        if kind == "matmul" and err.cls is diag.MatmulShapeError and min(t.rank for t in types) >= 2:
+            (a, aspan), (b, bspan) = operands
+            k, kb = types[0].shape[-1], types[1].shape[-2]
+            if not sizes_decide(k, kb):
+                return None
+            shape = types[1].shape[:-2] + (k,) + types[1].shape[-1:]
+            agreed = self.agree_shape(b, bspan, shape, f"matmul inner dims must agree: {k} and {kb}")
+            return None if agreed is None else [(a, aspan), (agreed, bspan)]
+        return None
 
     def _agree_dim(self, operands: Sequence[tuple[int, Span]], types: Sequence[TensorType],
                    fields: dict[str, Any]) -> list[tuple[int, Span]] | None:
