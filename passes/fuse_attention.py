@@ -102,11 +102,6 @@ def _unmatched(graph: Graph, plan: GroupPlan, remarks: list) -> None:
                 stack.extend(graph.operands(n))
 
 
-def _zero(graph: Graph, node: int) -> bool:
-    op = graph.op(node)
-    return isinstance(op, Op) and op.kind == "const" and op.attr("value") == 0
-
-
 def _is(graph: Graph, node: int, kind: str) -> bool:
     op = graph.op(node)
     return isinstance(op, Op) and op.kind == kind
@@ -280,10 +275,7 @@ class _Match:
             op = graph.op(u)
             if not isinstance(op, Op) or self.plan.grouped(u) or op.shape != shape:
                 break
-            others = [o for k, o in enumerate(graph.operands(u)) if k != slot]
-            linear = (op.kind == "cast" and op.dtype.is_float or op.kind == "mul"
-                      or op.kind == "where" and slot > 0 and _zero(graph, others[1]))
-            if not linear:
+            if not ops.linear_in(graph, u, slot):
                 break
             chain.append(u)
             p = u

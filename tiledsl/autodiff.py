@@ -332,14 +332,9 @@ class _Backward:
         outputs = {n for n, _ in fwd.outputs}
         n, chain = fwd.operands(node)[0], []
         while fwd.op(n).kind != "softmax":
-            op = fwd.op(n)
-            slots = {"cast": (0,), "mul": (0, 1)}.get(op.kind, ())
-            if op.kind == "where":
-                operands = fwd.operands(n)
-                slots = tuple(k for k, z in ((1, 2), (2, 1)) if _is_zero(fwd, operands[z]))
-            inner = [k for k in slots if _reaches_softmax(fwd, fwd.operands(n)[k])]
-            if op.kind == "cast" and not op.dtype.is_float or len(inner) != 1 or n in outputs \
-                    or len(fwd.users(n)) != 1:
+            inner = [k for k, o in enumerate(fwd.operands(n))
+                     if ops.linear_in(fwd, n, k) and _reaches_softmax(fwd, o)]
+            if len(inner) != 1 or n in outputs or len(fwd.users(n)) != 1:
                 return None
             others = [o for k, o in enumerate(fwd.operands(n)) if k != inner[0]]
             if any(o in active and fwd.op(o).dtype.is_float for o in others):
@@ -574,25 +569,18 @@ class _Backward:
         return fwd
 
 
-def _is_zero(graph: Graph, node: int) -> bool:
-    op = graph.op(node)
-    return op.kind == "const" and op.attr("value") == 0
-
-
 def _reaches_softmax(graph: Graph, node: int) -> bool:
-    """Is `node` a softmax, or computed from one through casts, products and selects (the
-    ops `Derive._flash` takes as linear in the probabilities)?"""
+    """Is `node` a softmax, or computed from one through operands ops are linear in
+    (`ops.linear_in`: what `Derive._flash` takes as linear in the probabilities)?"""
     stack, seen = [node], set()
     while stack:
         n = stack.pop()
         if n in seen:
             continue
         seen.add(n)
-        kind = graph.op(n).kind
-        if kind == "softmax":
+        if graph.op(n).kind == "softmax":
             return True
-        if kind in ("cast", "mul", "where"):
-            stack.extend(graph.operands(n))
+        stack.extend(o for k, o in enumerate(graph.operands(n)) if ops.linear_in(graph, n, k))
     return False
 
 

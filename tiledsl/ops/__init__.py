@@ -31,6 +31,7 @@ from .core import (
     gathers_at,
     infer,
     is_elementwise,
+    linear_in,
 )
 
 # ops a row program computes along its row axis (the rows template)
@@ -43,4 +44,4 @@ BINARY_KINDS = {d.symbol: k for k, d in OPS.items()
 
 __all__ = ["BINARY_KINDS", "COMPARE_KINDS", "OPS", "REQUIRED", "ROW_KINDS", "BParam", "Category",
            "NotDifferentiable", "OpDef", "Reads", "Reduction", "RuleError", "Scan", "category", "gathers_at",
-           "infer", "is_elementwise"]
+           "infer", "is_elementwise", "linear_in"]

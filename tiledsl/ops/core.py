@@ -206,6 +206,22 @@ def gathers_at(kind: str, slot: int) -> bool:
     return d is not None and d.gathers == slot
 
 
+def linear_in(graph, node: int, slot: int) -> bool:
+    """Is the op `node` of `graph` linear in its operand `slot`, the others fixed: a cast to a
+    float, a product, `where(c, x, 0)` or `where(c, 0, x)`? What may stand between attention's
+    probabilities and p @ v (fuse-attention's probability modification, autodiff's flash
+    form): applied to each key block's p, scaled by the normaliser after, it is the same."""
+    op = graph.op(node)
+    if op.kind == "cast":
+        return op.dtype.is_float
+    if op.kind == "mul":
+        return True
+    if op.kind != "where" or slot == 0:
+        return False
+    other = graph.op(graph.operands(node)[3 - slot])
+    return other.kind == "const" and other.attr("value") == 0
+
+
 _F8_OPS = (Category.SOURCE, Category.MATMUL, Category.LAYOUT, Category.RETURN)
 
 
