@@ -42,6 +42,7 @@ class Indexing:
         self.expr, self.is_dim = expr, is_dim
         self.check_bounds = check_bounds
         self.checks: list[tuple[int, tuple]] = []  # (count node, Graph.checks entry)
+        self.positional: dict[int, bool] = {}  # `_positional`'s answers
 
     def _value(self, args: dict[str, ast.Expr], name: str) -> tuple[int, Span]:
         expr = args[name]
@@ -97,8 +98,7 @@ class Indexing:
         if op.kind != "slice":
             return view
         src = self.graph.operands(view)[0]
-        source = self.graph.op(src)
-        if not (source.kind == "index" or _computed(source) and _positional(self.graph, src)):
+        if not _positional(self.graph, src, self.positional):
             return view
         at = [self._index_of(op.shape, d, span) for d in range(op.type.rank)]
         out = reindex(self.b, src, slice_source(self.b, op, at, span), span)
@@ -706,19 +706,28 @@ def reindex(b: Builder, node: int, indices: list, span: Span | None) -> int:
     return b.user_op("take", [(node, span), *((i, span) for i in sub)], span)
 
 
-def _positional(graph, node: int) -> bool:
-    """Is `node` computed elementwise from an `index` or a gather (`take`)?"""
-    stack, seen = [node], set()
+def _positional(graph, node: int, memo: dict[int, bool]) -> bool:
+    """Is `node` computed elementwise from an `index` or a gather (`take`)? `memo`: the
+    answers so far (sema's ops never change), so a long chain sliced at every statement is
+    walked once."""
+    stack = [node]
     while stack:
-        n = stack.pop()
-        op = graph.op(n)
-        if n in seen or not ops.is_elementwise(op.kind):
+        n = stack[-1]
+        if n in memo:
+            stack.pop()
             continue
-        if op.kind in ("index", "take"):
-            return True
-        seen.add(n)
-        stack.extend(graph.operands(n))
-    return False
+        op = graph.op(n)
+        if not ops.is_elementwise(op.kind) or op.kind in ("index", "take"):
+            memo[n] = op.kind in ("index", "take")
+            stack.pop()
+            continue
+        pending = [o for o in graph.operands(n) if o not in memo]
+        if pending:
+            stack.extend(pending)
+            continue
+        memo[n] = any(memo[o] for o in graph.operands(n))
+        stack.pop()
+    return memo[node]
 
 
 def _computed(op) -> bool:
