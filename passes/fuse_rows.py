@@ -34,6 +34,7 @@ from tiledsl.passes.fusion.legality import (
     ROW_OPS,
     GroupPlan,
     RowSpace,
+    across_reductions,
     continues_reduction,
     gathers_within,
     partial_reductions,
@@ -94,13 +95,17 @@ def _admit(graph: Graph, plan: GroupPlan, group: set[int], cand: int,
         return Refusal(Rule.OTHER_INDEX, gather)
     members = sorted(group | {cand}, key=plan.order.__getitem__)
     region, _, _ = outline(graph, members, members)
-    if _phases(region) > MAX_ROW_PHASES:
-        return Refusal(Rule.PROFIT, f"a row program reads its rows at most {MAX_ROW_PHASES + 1} times "
-                       f"({MAX_ROW_PHASES} dependent reductions); storing an intermediate costs less")
     layouts = row_layouts(region, space)
     if isinstance(layouts, Refusal):
         return layouts
-    kept = [d for d in range(len(space.shape)) if d not in space.axes and space.shape[d] != 1]
+    across_dim, across = across_reductions(region, space, layouts)
+    if _phases(region, across) > MAX_ROW_PHASES:
+        return Refusal(Rule.PROFIT, f"a row program reads its rows at most {MAX_ROW_PHASES + 1} times "
+                       f"({MAX_ROW_PHASES} dependent reductions); storing an intermediate costs less")
+    # a value that does not vary along the dim reductions run across the rows of is stored by
+    # the first of those rows
+    kept = [d for d in range(len(space.shape))
+            if d not in space.axes and space.shape[d] != 1 and d != across_dim]
     outputs = set(outputs_of(graph, members))
     partial = partial_reductions(region, space, layouts)
     for node, value in zip(members, region.outputs, strict=True):  # outputs = members, in order
@@ -127,9 +132,9 @@ def _continuing(graph: Graph, node: int, plan: GroupPlan) -> list:
     return chain
 
 
-def _phases(region: Region) -> int:
+def _phases(region: Region, across: frozenset[int]) -> int:
     """The longest chain of reductions that each need the one before (layernorm: 2); the
-    reductions of one over several axes count once."""
+    reductions of one over several axes count once, those `across` the rows not at all."""
     n_in = len(region.inputs)
     phase = [0] * (n_in + len(region.ops))
     chosen = selected(region)  # a reduction of a selection reads no row
@@ -137,6 +142,7 @@ def _phases(region: Region) -> int:
         p = max((phase[o] for o in rop.operands), default=0)
         continued = len(rop.operands) == 1 and rop.operands[0] >= n_in and continues_reduction(
             region.ops[rop.operands[0] - n_in].op, rop.op)
-        own = rop.op.kind in PASS_OPS and not continued and rop.operands[0] not in chosen
+        own = rop.op.kind in PASS_OPS and not continued and rop.operands[0] not in chosen \
+            and n_in + i not in across
         phase[n_in + i] = p + 1 if own else p
     return max(phase, default=0)

@@ -238,19 +238,67 @@ def selective_scan_loop(x, delta, A, Bm, C):
     return torch.stack(ys, dim=1)
 
 
-@pytest.mark.parametrize("b, l, d, n", [(1, 1, 1, 1), (2, 17, 5, 16), (1, 113, 3, 4)], ids=str)
-def test_selective_scan_example(b, l, d, n):
-    fn = tiledsl.compile((EXAMPLES / "selective_scan.tdsl").read_text())
+SELECTIVE_SCAN_N = """
+kernel selective_scan(x: f32[B, L, D], delta: f32[B, L, D], A: f32[D, N], Bm: f32[B, L, N],
+                      C: f32[B, L, N]) -> f32[B, L, D] {
+    dA = exp(delta[..., None] * A)
+    h = linear_scan(dA, delta[..., None] * Bm[:, :, None, :] * x[..., None], axis=1)
+    return sum(C[:, :, None, :] * h, axis=-1)
+}
+"""
+
+
+def selective_scan_inputs(b, l, d, n):
     x, delta = randn(b, l, d, seed=1), torch.nn.functional.softplus(randn(b, l, d, seed=2))
-    A, Bm, C = -torch.exp(randn(d, n, seed=3)), randn(b, l, n, seed=4), randn(b, l, n, seed=5)
-    _, y = run_checked(fn, x, delta, A, Bm, C)
-    torch.testing.assert_close(y.double(), selective_scan_loop(x, delta, A, Bm, C), rtol=1e-4, atol=1e-4)
-    # two kernels: the scan along L and the sum over N, which the rows template cannot hold
-    # in one program (a row runs along one set of axes)
+    return x, delta, -torch.exp(randn(d, n, seed=3)), randn(b, l, n, seed=4), randn(b, l, n, seed=5)
+
+
+@pytest.mark.parametrize("b, l, d", [(1, 1, 1), (2, 17, 5), (1, 113, 3)], ids=str)
+def test_selective_scan_example(b, l, d):
+    """The state dim a literal 16: a program owns a channel's 16 states and sums them as it
+    scans, one kernel."""
+    fn = tiledsl.compile((EXAMPLES / "selective_scan.tdsl").read_text())
+    args = selective_scan_inputs(b, l, d, 16)
+    _, y = run_checked(fn, *args)
+    torch.testing.assert_close(y.double(), selective_scan_loop(*args), rtol=1e-4, atol=1e-4)
+    assert [k.template for k in fn.kernels] == ["rows"]
+    assert not [r for r in fn.remarks if isinstance(r, FusionRemark) and not r.fused]
+    assert "across = 3, across_reducing = (%r6)" in fn.ir("fuse-rows")
+
+
+def test_selective_scan_gradients():
+    """Its backward: 3 kernels, the sums over the state in them across their rows too."""
+    fn = tiledsl.compile((EXAMPLES / "selective_scan.tdsl").read_text())
+    report = testing.check_grads(fn, *selective_scan_inputs(2, 17, 3, 16), generator=gen(0))
+    assert report.ok, report
+    backward = fn.backward
+    assert len(backward.kernels) == 3
+    assert "across = 3" in backward.ir("fuse-rows")
+
+
+@pytest.mark.parametrize("l, one_pass", [(100, True), (2048, False)])
+def test_selective_scan_builds_for_sm90_without_spills(l, one_pass):
+    """At Mamba-130m's sizes (D = 1536): a program holds 16 rows (one channel's states) of
+    128 positions, the half tile a reduction across rows leaves (16 x 256 spilled 120 bytes)."""
+    fn = tiledsl.compile((EXAMPLES / "selective_scan.tdsl").read_text())
+    (r,) = aot.inspect_program(fn, {"B": 4, "L": l, "D": 1536})
+    assert (r.config["BLOCK_O"], r.config["BLOCK_R"]) == (16, 128) and r.config["ONE_PASS"] is one_pass, r
+    assert r.spill_bytes == 0, r
+
+
+@pytest.mark.parametrize("b, l, d, n", [(1, 1, 1, 1), (2, 17, 5, 16), (1, 113, 3, 4)], ids=str)
+def test_selective_scan_of_a_state_dim_the_call_decides(b, l, d, n):
+    """N a symbol: it may be a batch of thousands, which one program would walk, so the sum
+    over it is a kernel of its own, and the remark says what would let it join."""
+    fn = tiledsl.compile(SELECTIVE_SCAN_N)
+    args = selective_scan_inputs(b, l, d, n)
+    _, y = run_checked(fn, *args)
+    torch.testing.assert_close(y.double(), selective_scan_loop(*args), rtol=1e-4, atol=1e-4)
     assert [k.template for k in fn.kernels] == ["rows", "rows"]
     (remark,) = [r for r in fn.remarks if isinstance(r, FusionRemark) and not r.fused]
-    assert str(remark) == ("[fuse-rows] refused: mul (line 10) -> sum (line 10): sum runs along another "
-                           "axis than the row program [rule: tile]")
+    assert str(remark) == ("[fuse-rows] refused: mul (line 6) -> sum (line 6): sum runs along another "
+                           "axis than the row program (a reduction across its rows needs a literal size "
+                           "of at most 256) [rule: tile]")
 
 
 def test_the_fuzzer_generates_every_scan_and_flip():

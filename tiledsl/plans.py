@@ -90,6 +90,10 @@ class RowPlan:
     `phases[v]`: how many dependent reductions v needs (layernorm's output: 2).
     `selected`: the values along the k elements a topk or sort selected from the row (and
     the elementwise ops reading them): per-row tiles of k, not along the row.
+    `across`: the kept dim (of a literal size) some reductions run along, across the rows a
+    program owns (Mamba's sum over its state dim after a scan along the sequence), and
+    `across_reducing` those reductions; a program owns all the rows along it, and a value
+    that does not vary along it is stored by the first of them.
     """
 
     template: ClassVar[str] = "rows"
@@ -103,6 +107,8 @@ class RowPlan:
     partial: frozenset[int]
     sources: tuple[tuple[int, int], ...]
     selected: frozenset[int] = frozenset()
+    across: int | None = None
+    across_reducing: frozenset[int] = frozenset()
 
     def full(self, value: int) -> bool:
         """Does the value vary along the row axes (a selection's values vary along its k)?"""
@@ -119,6 +125,8 @@ class RowPlan:
         axes = f"axis = {self.axes[0]}" if len(self.axes) == 1 else f"axes = {self.axes}"
         partial = f"partial = {_names(self.partial, name)}, " if self.partial else ""
         partial += f"selected = {_names(self.selected, name)}, " if self.selected else ""
+        if self.across is not None:
+            partial += f"across = {self.across}, across_reducing = {_names(self.across_reducing, name)}, "
         return (f"plan rows {{space = {format_shape(self.shape)}, {axes}, "
                 f"phases = {max(self.phases, default=0)}, reducing = {_names(self.reducing, name)}, "
                 f"{partial}layouts = ({layouts})}}")
@@ -141,6 +149,11 @@ class RowPlan:
                 check.fail(f"its partial reduction {v} is an output")
         if {v for v, _ in self.sources} != self.reducing:
             check.fail("its row plan does not name the value every reduction reduces")
+        if (self.across is None) != (not self.across_reducing) or self.across in self.axes or (
+                self.across is not None and not isinstance(self.shape[self.across], int)):
+            check.fail("its row plan reduces across rows along no kept dim of a literal size")
+        for v in self.across_reducing:
+            check.expect(v, ops.ROW_KINDS, "reduction across rows")
 
 
 @dataclass(frozen=True, slots=True)

@@ -85,7 +85,10 @@ class RowProgram:
         self.sig, self.body = Signature(), Code()
         self.em = Emitter(self.body)
         shape, axes = self.plan.shape, self.plan.axes
-        self.kept = [d for d in range(len(shape)) if d not in axes]
+        # the dims that index rows, the one reductions run across last (a group of rows)
+        across = self.plan.across
+        self.kept = [d for d in range(len(shape)) if d not in axes and d != across]
+        self.group = next_pow2(shape[across]) if across is not None else 1  # rows a group spans
         self.refs: dict[int, TensorRef] = {}
         self.scalars: dict[int, str] = {}
         for i, inp in enumerate(region.inputs):
@@ -221,6 +224,9 @@ class RowProgram:
                     x = self.plan.source(v)
                     vals[v] = self.one_pass_reduce(v, vals[x], self.chosen_mask(x), "r_base[None, :]",
                                                    self.k_of(x))
+            elif v in self.plan.across_reducing:
+                if self.operands(v)[0] in vals:
+                    vals[v] = self.across_reduce(v, vals[self.operands(v)[0]])
             elif op.kind in ops.ROW_KINDS and not self.is_row_op(v):
                 if self.operands(v)[0] in vals:
                     vals[v] = self.trivial_reduce(op, vals[self.operands(v)[0]])
@@ -240,6 +246,25 @@ class RowProgram:
         if op.dtype.is_float:
             return self.em.convert(x, F32)
         return self.em.convert(x, x.cat if x.cat in (F32, I64) else I32)
+
+    def across_reduce(self, v: int, x: Val) -> Val:
+        """A reduction across the tile's rows along the plan's `across` dim: that dim is
+        innermost in `o`, so the rows of one group (one index of the other kept dims) are
+        `self.group` consecutive rows of the tile; their total is given back to each of them."""
+        red, cat, em = self.reduction(v), self.reduce_cat(v), self.em
+        full = self.full(self.operands(v)[0])
+        x = em.convert(x, cat)
+        if self.wide(v):
+            x = em.assign(f"{em.tensor(x).text}.to(tl.float64)", F32)
+        xm = self.masked(x, self.identity(red.identity, cat), "tmask" if full else "omask[:, None]")
+        width = "BLOCK_R" if full else "1"
+        groups = f"[BLOCK_O // {self.group}, {self.group}, {width}]"
+        grouped = em.fresh("g")
+        self.body(f"{grouped} = tl.reshape({xm}, {groups})")
+        total = self.collapse(red, cat, grouped)  # [groups, 1, width]
+        narrow = ".to(tl.float32)" if self.wide(v) else ""
+        spread = em.assign(f"tl.reshape(tl.broadcast_to({total}, {groups}), [BLOCK_O, {width}]){narrow}", cat)
+        return self.finalized(spread, red, str(self.plan.shape[self.plan.across]))
 
     def scanned(self, v: int) -> bool:
         """Is `v` a scan along the row?"""
@@ -408,14 +433,23 @@ class RowProgram:
         body, sig = self.body, self.sig
         shape = self.plan.shape
         rows = sig.numel(tuple(shape[d] for d in self.kept), "n_rows")
+        if self.group > 1:  # each group of rows padded to a power of two
+            rows = f"{rows} * {self.group}"
         self.programs = f"tl.cdiv({rows}, BLOCK_O)"  # the grid `emit`'s configure picks
         for name in ("BLOCK_O", "BLOCK_R", "ONE_PASS"):
             sig.constexpr(name)
         body(PROGRAM_ID)
         body("o = pid.to(tl.int64) * BLOCK_O + tl.arange(0, BLOCK_O)")
         body(f"omask = o < {rows}")
+        groups = "o"
+        if self.group > 1:
+            c = self.plan.across
+            body(f"j{c} = o % {self.group}")
+            groups = f"(o // {self.group})"
+            if shape[c] != self.group:
+                body(f"omask = omask & (j{c} < {shape[c]})")
         names = [None if shape[d] == 1 else f"j{d}" for d in self.kept]
-        decompose(body, "o", [shape[d] for d in self.kept], names, sig.size, "q")
+        decompose(body, groups, [shape[d] for d in self.kept], names, sig.size, "q")
         body("r_base = tl.arange(0, BLOCK_R)")
         body("if ONE_PASS:")
         with body.indent():
@@ -625,6 +659,8 @@ class RowProgram:
                 ptr = f"{self.outs[j].ptr} + o[:, None] * 0"
             if not full and v not in self.plan.selected:
                 mask = "omask[:, None]"
+            if self.plan.across is not None and self.plan.across not in self.layouts[v]:
+                mask = f"{mask or 'omask[:, None]'} & (j{self.plan.across} == 0)[:, None]"  # one row stores
             text = self.em.store_value(vals[v], self.region.value_type(v))
             self.body(f"tl.store({ptr}, {text}, mask={mask})")
 
@@ -667,6 +703,7 @@ def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKer
     prog.emit()
     shape, axes = prog.plan.shape, prog.plan.axes
     limit = one_pass_limit(prog.plan, kernel.region)
+    group = prog.group
     scans = bool(scan_words(prog.plan, kernel.region))
     selections = [prog.op(v) for v in sorted(prog.plan.reducing)
                   if ops.category(prog.op(v).kind) is ops.Category.SELECT]
@@ -682,7 +719,7 @@ def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKer
         if length == 0 and no_identity:
             op, empty = no_identity[0], next(a for a in axes if evaluate(shape[a], dims) == 0)
             raise EmptyReductionError(op.span, kind=op.kind, axis=f"{shape[empty]} = 0")
-        rows = numel([d for i, d in enumerate(shape) if i not in axes], dims)
+        rows = numel([d for i, d in enumerate(shape) if i not in axes and i != prog.plan.across], dims)
         caps = CAPS[device]
         block_r = max(2, min(next_pow2(length), limit if device == "cuda" else caps["row"]))
         if trig and device == "cuda":  # a long row chunked too, at 8 elements a thread (below)
@@ -704,7 +741,13 @@ def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKer
         # pointwise program's (`caps["flat"]`, 8 elements a thread) on a GPU where it computes
         # trig: QK-norm with RoPE at D = 128 spills 87 KB a thread with 32, none with 8
         tile = caps["flat"] if trig and device == "cuda" else caps["tile"]
-        block_o = max(1, min(next_pow2(rows), tile // block_r))
+        if group > 1:  # a program owns whole groups of rows, and a chunk of the row fits beside
+            # them in half a tile: the totals given back to the rows (a reshape through shared
+            # memory) keep a second tile live (Mamba's scan at 16 x 256: 120 bytes spilled)
+            tile //= 2
+            block_r = max(2, min(block_r, tile // group))
+            rows *= group
+        block_o = max(group, min(next_pow2(rows), tile // block_r))
         # about 32 elements per thread: 4 warps up to 4k elements, 16 from 16k
         warps = max(4, min(16, block_r * block_o // 1024))
         constexprs = {"BLOCK_O": block_o, "BLOCK_R": block_r, "ONE_PASS": length <= block_r}

@@ -291,6 +291,7 @@ def row_layouts(region: Region, space: RowSpace) -> dict[int, Layout] | Refusal:
         return refusal
 
     chosen = selected(region)
+    across = None  # the kept dim the region's reductions across rows reduce
 
     def fit(v: int, layout: Layout) -> Refusal | None:
         if v in layouts and layouts[v] != layout:
@@ -312,7 +313,13 @@ def row_layouts(region: Region, space: RowSpace) -> dict[int, Layout] | Refusal:
             along = lx is not None and (lx[axis] in space.axes or (
                 xt.shape[axis] == 1 and (not space.runs or continued)))
             if not along:
-                return Refusal(Rule.TILE, f"{op.kind} runs along another axis than the row program")
+                if refusal := _across_refusal(region, space, rop, lx, across, chosen | partial):
+                    return refusal
+                across = lx[axis]
+                if x not in layouts and (err := fit(x, lx)):
+                    return err
+                layouts[vid] = lx[:axis] + ((None,) if op.attr("keepdims") else ()) + lx[axis + 1:]
+                continue
             if x not in partial and lx[axis] is not None and not space.runs <= set(lx):
                 return Refusal(Rule.TILE, f"{op.kind} runs along some of the row program's axes only")
             if x in partial and not continued:
@@ -386,6 +393,52 @@ def row_layouts(region: Region, space: RowSpace) -> dict[int, Layout] | Refusal:
     return layouts
 
 
+# the most rows a program owns to reduce across them (`across_reductions`): one tile of 4k
+# elements on a GPU holds 256 rows of 16 elements
+ACROSS_LIMIT = 256
+
+
+def _across_refusal(region: Region, space: RowSpace, rop, lx: Layout | None, across: int | None,
+                    apart: set[int]) -> Refusal | None:
+    """Why the reduction `rop`, along a dim that is not the row program's, cannot reduce
+    across the program's rows (None: it can). It can when that kept dim has a literal
+    size of at most `ACROSS_LIMIT`, known when the program is compiled (Mamba's state dim
+    16, the experts a token was routed to): then a program owns every row along it and
+    sums a chunk's rows as it computes them. A dim whose size only the call decides may be
+    a batch of thousands, all of whose rows one program would walk."""
+    op = rop.op
+    red = ops.OPS[op.kind].reduction
+    dim = None if lx is None else lx[op.attr("axis")]
+    short = dim is not None and isinstance(space.shape[dim], int) and space.shape[dim] <= ACROSS_LIMIT
+    if red is None or red.online or red.index or ops.category(op.kind) is not ops.Category.REDUCTION \
+            or not short or rop.operands[0] in apart:
+        plain = red is not None and not red.online and not red.index and dim is not None
+        why = f" (a reduction across its rows needs a literal size of at most {ACROSS_LIMIT})" \
+            if plain and not short else ""
+        return Refusal(Rule.TILE, f"{op.kind} runs along another axis than the row program{why}")
+    if across is not None and dim != across:
+        return Refusal(Rule.TILE, f"{op.kind} reduces across the row program's rows along a second dim")
+    return None
+
+
+def across_reductions(region: Region, space: RowSpace,
+                      layouts: dict[int, Layout]) -> tuple[int | None, frozenset[int]]:
+    """The kept dim a row program reduces across its rows along (None: none) and the
+    reductions that do (`row_layouts` admits them along one short dim): each reduces a
+    tile's rows, a chunk of the row at a time, in the program that owns all of them."""
+    n_in = len(region.inputs)
+    dims, out = set(), set()
+    for i, r in enumerate(region.ops):
+        if r.op.kind in ROW_OPS and ops.category(r.op.kind) is ops.Category.REDUCTION \
+                and (layout := layouts.get(r.operands[0])) is not None:
+            dim = layout[r.op.attr("axis")]
+            if dim is not None and dim not in space.axes:
+                dims.add(dim)
+                out.add(n_in + i)
+    assert len(dims) <= 1, "row_layouts admits reductions across rows along one dim"
+    return next(iter(dims), None), frozenset(out)
+
+
 def selected(region: Region) -> frozenset[int]:
     """The values along the elements a topk or sort selected, not along the row: the
     selections and the elementwise ops reading them (a reduction of one is per row)."""
@@ -421,6 +474,7 @@ def partial_reductions(region: Region, space: RowSpace, layouts: dict[int, Layou
     """The reductions of a row program that leave some of its axes to the reductions reading
     them (`mean(x, axis=3)` in `mean(x, axis=(0, 2, 3))`): their values are never computed."""
     n_in = len(region.inputs)
+    _, across = across_reductions(region, space, layouts)
     return frozenset(n_in + i for i, r in enumerate(region.ops)
                      if ops.category(r.op.kind) is ops.Category.REDUCTION
-                     and space.runs & set(layouts[n_in + i]))
+                     and space.runs & set(layouts[n_in + i]) and n_in + i not in across)

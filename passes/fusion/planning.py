@@ -25,7 +25,7 @@ from tiledsl.plans import (
 )
 
 from .attention import attention_backward_plan, attention_plan, operand_source
-from .legality import PASS_OPS, ROW_OPS, partial_reductions, row_layouts, selected
+from .legality import PASS_OPS, ROW_OPS, across_reductions, partial_reductions, row_layouts, selected
 from .spec import GemmSpec, MergedSpec, PointwiseSpec, RowSpec, ScatterSpec, Spec
 
 
@@ -47,6 +47,7 @@ def row_plan(region: Region, spec: RowSpec) -> RowPlan:
     layouts = row_layouts(region, space)
     assert isinstance(layouts, dict), f"not a row program: {layouts.detail}"
     partial = partial_reductions(region, space, layouts)
+    across, across_reducing = across_reductions(region, space, layouts)
     chosen = frozenset(v for v in selected(region) if space.runs & set(layouts[v]))
     n_in = len(region.inputs)
     values = range(n_in + len(region.ops))
@@ -55,7 +56,7 @@ def row_plan(region: Region, spec: RowSpec) -> RowPlan:
         rop = region.ops[v - n_in] if v >= n_in else None
         operands = rop.operands if rop is not None else ()
         reduces = rop is not None and rop.op.kind in ROW_OPS and v not in partial \
-            and bool(space.runs & set(layouts.get(operands[0], ())))
+            and v not in across_reducing and bool(space.runs & set(layouts.get(operands[0], ())))
         if reduces:
             reducing.add(v)
             source = operands[0]
@@ -65,7 +66,8 @@ def row_plan(region: Region, spec: RowSpec) -> RowPlan:
         phases.append(max((phases[o] for o in operands), default=0)
                       + (reduces and rop.op.kind in PASS_OPS and operands[0] not in chosen))
     return RowPlan(space.shape, space.axes, tuple(layouts.get(v) for v in values),
-                   frozenset(reducing), tuple(phases), partial, tuple(sources), chosen)
+                   frozenset(reducing), tuple(phases), partial, tuple(sources), chosen, across,
+                   across_reducing)
 
 
 def gemm_plan(region: Region, spec: GemmSpec) -> GemmPlan:
