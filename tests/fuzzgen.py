@@ -137,9 +137,26 @@ class Generator:
         # and so do the pads, fills, sorts and random numbers that now and then stand in for
         # an indexing
         self.fills_rng = random.Random("fills1:" + str(rng.getstate()[1][:8]))
+        # and so do the reductions across rows (along a dim of a literal size) that now and
+        # then wrap a reduction's operand (salt 2: the first that keeps the pinned programs)
+        self.across_rng = random.Random("across2:" + str(rng.getstate()[1][:8]))
         self.values: list[Value] = [
             Value("x", ("M", "N")), Value("y", ("N",)), Value("z", ("M", "1")), Value("s", ()),
             Value("mask", ("M", "N"), "bool"), Value("flag", (), "bool")]
+
+    def across(self, a: Value) -> str:
+        """Now and then, in place of `a`: a value of a's shape reduced over a literal dim of 3
+        after a row op along one of a's dims (`sum(softmax(t, axis=0), axis=-1)` with t:
+        [M, N, 3]), which joins the row program, reduced across its rows (Mamba's state)."""
+        rng = self.across_rng
+        if a.kind != "float" or rng.random() >= 0.12:
+            return a.text
+        t = f"concat({a.text}[..., None], tanh({a.text})[..., None], ({a.text} * 0.5)[..., None], axis=-1)"
+        row = rng.choice(["softmax({}, axis={})", "cumsum(tanh({}), axis={})", "logsumexp({}, axis={}, "
+                          "keepdims=true)", "max({}, axis={}, keepdims=true)"])
+        op = rng.choice([k for k in REDUCE if k != "logsumexp"])
+        inner = row.format(t, rng.randrange(len(a.shape)))
+        return f"{op}({REDUCE_OPERAND.get(op, '{}').format(inner)}, axis=-1)"
 
     def leaf(self) -> Value:
         r = self.rng.random()
@@ -246,7 +263,7 @@ class Generator:
                 axes = {0, len(a.shape) - 1} if axis != "None" else set(range(len(a.shape)))
             out = tuple("1" if i in axes else d for i, d in enumerate(a.shape) if keep or i not in axes)
             op = self.rng.choice(REDUCE)
-            x = REDUCE_OPERAND.get(op, "{}").format(a.text)
+            x = REDUCE_OPERAND.get(op, "{}").format(self.across(a))
             return Value(f"{op}({x}, axis={axis}, keepdims={'true' if keep else 'false'})", out)
         if r < 0.85:
             a = self.expr(depth - 1)

@@ -460,3 +460,17 @@ def test_double_backward_matches_float64(name):
     compiled = second_order(lambda xs: fn(*xs), [a.clone() for a in args], wrt, gen(7))
     report = testing.compare(compiled, oracle(torch.float64, float64=True), oracle(torch.float32))
     assert report.ok, f"{name}: {report}"
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("piece", [0, 2])
+def test_a_gather_of_a_view_with_a_new_axis_adds_its_gradient_once(backend, piece):
+    """(found by the fuzzer: a gather's operand, read at other indices, took the broadcast
+    rule of an elementwise operand, so `concat(x[..., None], ...)[..., 0]`, a gather of
+    x[..., None], gave x N times its gradient)"""
+    fn = tiledsl.compile(f"""kernel f(x: f32[M, N]) -> f32[M, N] {{
+        t = concat(x[..., None], tanh(x)[..., None], (x * 0.5)[..., None], axis=-1)
+        return t[..., {piece}] * 2.0
+    }}""", backend=backend)
+    report = testing.check_grads(fn, randn(17, 33, seed=1), generator=gen(0))
+    assert report.ok, report

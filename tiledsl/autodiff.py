@@ -297,9 +297,11 @@ class _Backward:
             except ops.NotDifferentiable as err:
                 raise diag.GradientError(op.span, message=str(err)) from None
             contributions += [None] * (len(operands) - len(contributions))
-            for o, c, w in zip(operands, contributions, wanted, strict=True):
+            for slot, (o, c, w) in enumerate(zip(operands, contributions, wanted, strict=True)):
                 if c is not None and w:
-                    full = op.shape if ops.is_elementwise(op.kind) else ()  # (others' are whole)
+                    # (others' are whole; a gathered operand's, a scatter-add, has its shape)
+                    whole = not ops.is_elementwise(op.kind) or ops.gathers_at(op.kind, slot)
+                    full = () if whole else op.shape
                     adjoints.setdefault(o, []).append(self._fit(c, fwd.op(o), op.span, full))
         grads = []
         for i in self.wrt:
