@@ -48,7 +48,7 @@ def hf_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
     return logits.masked_fill(remove.scatter(1, idx, remove), float("-inf"))
 
 
-@pytest.mark.parametrize("b, v", [(1, 1), (17, 113), (3, 1000), (2, 16000)])
+@pytest.mark.parametrize("b, v", [(1, 1), (17, 113), (3, 1000), (2, 16000), (2, 40000)])
 @pytest.mark.parametrize("p", [0.1, 0.9])
 def test_top_p_keeps_hugging_faces_tokens(b, v, p):
     fn = tiledsl.compile(EXAMPLES / "top_p.tdsl")

@@ -103,13 +103,54 @@ def test_k_is_a_dim_expression():
     assert torch.equal(v, torch.topk(x * 2, 25).values)
 
 
-def test_a_sort_longer_than_its_limit_is_refused_naming_it():
+@pytest.mark.parametrize("m, n", [(1, 16385), (2, 20000)])
+def test_a_sort_longer_than_registers_hold_sorts_the_row_in_memory(m, n):
+    """Past 16384 elements the row's keys are sorted in the kernel's workspace (a bitonic
+    network of chunks): equal values keep their order, in both directions, and a sort and
+    an argsort of one row each have their own workspace row."""
     fn = tiledsl.compile(SORT)
+    x = with_ties(m, n, seed=4)
+    _, (v, i, a) = run_checked(fn, x, sm90=False)
+    want_v, want_i = stable(x, n, largest=True)
+    assert torch.equal(v.double(), want_v) and torch.equal(i, want_i)
+    assert torch.equal(a, stable(x, n, largest=False)[1])
+
+
+def test_a_topk_of_more_than_registers_hold_keeps_the_first_k_of_the_sorted_row():
+    fn = tiledsl.compile("""
+    kernel f(x: f32[M, N], y: f32[K]) -> (f32[M, K], i64[M, K]) {
+        v, i = topk(x * 0.5, K, largest=false)
+        return v * 2.0, i
+    }""")
+    x = with_ties(1, 17000, seed=5)
+    _, (v, i) = run_checked(fn, x, randn(16390, seed=1), sm90=False)
+    want_v, want_i = stable(x * 0.5, 16390, largest=False)
+    assert torch.equal(v.double(), want_v * 2) and torch.equal(i, want_i)
+
+
+def test_a_reduction_of_more_selected_elements_than_registers_hold_is_refused_naming_it():
+    fn = tiledsl.compile("""
+    kernel f(x: f32[M, N]) -> f32[M, N] {
+        v, i = sort(x, descending=true)
+        return v / sum(v, axis=-1, keepdims=true)
+    }""")
     with pytest.raises(tiledsl.TileDSLError) as err:
         fn(randn(1, 16385, seed=1))
     assert err.value.message == (
-        "a topk or sort keeping 16385 elements of a row (k = N at this call) exceeds the limit of "
-        "16384 (a row's k selected elements are sorted in registers)")
+        "a sum of more than 16384 elements a topk or sort selected (16385 at this call) exceeds the "
+        "limit of 16384 (a reduction of selected elements reads them in registers)")
+
+
+def test_a_vocabulary_sort_builds_for_sm90_without_spills():
+    """Llama-3's 128256 tokens: rows of 2**17 workspace words, chunks of 4096 keys a
+    program of 8 warps sorts in registers."""
+    (r,) = aot.inspect_program(tiledsl.compile("""
+    kernel f(x: f32[B, V]) -> f32[B, V] {
+        v, i = sort(x, descending=true)
+        return v * 2.0
+    }"""), {"B": 64, "V": 128256})
+    assert (r.config["LONG"], r.config["SORT_LOG"], r.config["BLOCK_R"]) == (True, 17, 4096), r
+    assert r.spill_bytes == 0, r
 
 
 def test_k_past_the_row_is_refused_where_it_is_written():

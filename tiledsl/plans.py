@@ -25,6 +25,7 @@ from tiledsl import ops
 from tiledsl.types import DType, Shape, format_shape
 
 if TYPE_CHECKING:
+    from tiledsl.ir import Region
     from tiledsl.verifier import PlanCheck
 
 Name = Callable[[int], str]  # a value's printed name (%a0, %r3)
@@ -74,6 +75,11 @@ class ScatterPlan:
                 check.fail("a put of its indexed plan writes values outside the plan's space")
 
 
+# the most elements of a row a topk or sort keeps in registers (one tile of i64 keys, sorted
+# there: 32k words, as a scan's partials); a larger k sorts the row through memory
+SELECT_LIMIT = 1 << 14
+
+
 @dataclass(frozen=True, slots=True)
 class RowPlan:
     """Reductions along the `axes` of the space `shape`, with the elementwise ops around them.
@@ -109,6 +115,19 @@ class RowPlan:
     selected: frozenset[int] = frozenset()
     across: int | None = None
     across_reducing: frozenset[int] = frozenset()
+
+    def long_selections(self, region: Region) -> tuple[int, ...]:
+        """The selections whose k may pass `SELECT_LIMIT` (k not a literal up to it): when a
+        call's does, the row is sorted through a workspace in memory, not in registers."""
+        n_in = len(region.inputs)
+        out = []
+        for v in sorted(self.reducing):
+            op = region.ops[v - n_in].op
+            if ops.category(op.kind) is ops.Category.SELECT:
+                k = op.shape[op.attr("axis")]
+                if not isinstance(k, int) or k > SELECT_LIMIT:
+                    out.append(v)
+        return tuple(out)
 
     def full(self, value: int) -> bool:
         """Does the value vary along the row axes (a selection's values vary along its k)?"""

@@ -93,6 +93,8 @@ class EmittedKernel:
     interpreter_flag: bool = False  # the kernel takes INTERPRETER: tl.constexpr
     hints: Hints = field(default_factory=dict, compare=False)  # the program's @tile hints
     function: Function | None = field(default=None, compare=False)
+    # the int64 scratch words a call at these sizes needs (None: the kernel takes none)
+    workspace: Callable[[Mapping[str, int]], int] | None = field(default=None, compare=False)
 
     def launch_config(self, dims: Mapping[str, int], device: str) -> LaunchConfig:
         cfg = self.configure(dims, device)
@@ -175,7 +177,8 @@ def require_dot_hints(hints: Hints, names: Sequence[str]) -> None:
 
 def finish(kernel: KernelOp, sig: Signature, body: Code,
            configure: Callable[[Mapping[str, int], str], LaunchConfig],
-           em: Emitter, hints: Hints | None = None, programs: str | None = None) -> EmittedKernel:
+           em: Emitter, hints: Hints | None = None, programs: str | None = None,
+           workspace: Callable[[Mapping[str, int]], int] | None = None) -> EmittedKernel:
     """Assemble the module with the helpers it calls; kernels that convert bf16 or f8 take
     `INTERPRETER`. `programs`: how many programs the kernel runs, for a template a merged
     launch may hold (pointwise, rows)."""
@@ -200,7 +203,8 @@ def finish(kernel: KernelOp, sig: Signature, body: Code,
             code(line)
     function = Function(sig, tuple(widening + body.lines), frozenset(em.helpers), programs)
     return EmittedKernel(kernel, fn_name, code.text(), tuple(sig.params), configure,
-                         interpreter_flag=flag, hints=dict(hints or {}), function=function)
+                         interpreter_flag=flag, hints=dict(hints or {}), function=function,
+                         workspace=workspace)
 
 
 def decompose(code: Code, flat: str, dims: Sequence[int | str], names: Sequence[str | None],

@@ -104,7 +104,14 @@ class Wide:
     otherwise in int32, which the launcher has proved cannot overflow (`launch.fits_int32`)."""
 
 
-ArgSpec = Ptr | Stride | DimSize | Numel | Scalar | TmaReady | Wide
+@dataclass(frozen=True, slots=True)
+class Workspace:
+    """Scratch words (int64) the launcher allocates for each call, as many as the kernel's
+    `EmittedKernel.workspace` asks at the call's sizes: a row program sorting rows longer
+    than its registers hold (`rows.py`, long selections)."""
+
+
+ArgSpec = Ptr | Stride | DimSize | Numel | Scalar | TmaReady | Wide | Workspace
 # arguments passed positionally as `tl.constexpr` (Triton compiles a kernel per value)
 FLAGS = (TmaReady, Wide)
 
@@ -169,6 +176,9 @@ class Signature:
                 total *= d
             return str(total)
         return self._add(name, Numel(shape))
+
+    def workspace(self) -> str:
+        return self._add("work_ptr", Workspace())
 
     def constexpr(self, name: str) -> str:
         self.constexprs.append(name)

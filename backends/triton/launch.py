@@ -29,7 +29,7 @@ from tiledsl.dims import evaluate
 from tiledsl.types import DType
 
 from .base import EmittedKernel, LaunchConfig
-from .codegen import DimSize, Numel, Ptr, Scalar, Stride, TmaReady, Wide
+from .codegen import DimSize, Numel, Ptr, Scalar, Stride, TmaReady, Wide, Workspace
 
 # a slot of the call's values read by a kernel: (slot, permutation of a transposed view)
 Read = tuple[int, "tuple[int, ...] | None"]
@@ -184,8 +184,9 @@ class KernelLaunch:
     args: Callable[[list, list], tuple]
     options: Mapping[str, Any]  # grid, constexprs, warps and stages
     # (memory shape, torch dtype, view permutation or None, torch.empty or torch.zeros)
-    outputs: tuple[tuple, ...]
+    outputs: tuple[tuple, ...]  # the results', then any workspace's
     slot: int
+    results: int = 0  # how many of the outputs are results (taking slots from `slot` on)
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,6 +240,8 @@ def argument_function(emitted: EmittedKernel, reads: Sequence[Read], outputs: Se
                               if isinstance(p, Ptr) and p.role == "in"})
             exprs.append("True" if wide_at(outputs, dims) else
                          f"not ({' and '.join(f'fits(v[{t}])' for t in tensors)})" if tensors else "False")
+        elif isinstance(spec, Workspace):  # allocated after the results (`workspace_allocation`)
+            exprs.append(f"o[{len(emitted.kernel.result_types)}]")
         elif isinstance(spec, Scalar):  # bools travel as 0/1 (see Emitter.scalar)
             value = f"v[{reads[spec.index][0]}]"
             exprs.append(f"int({value})" if region.inputs[spec.index].type.dtype is DType.BOOL

@@ -10,7 +10,7 @@ Triton's interpreter.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -203,7 +203,7 @@ class TritonBackend(Backend):
                     else alloc(shape, dtype=dtype, device=device).permute(order)
                     for shape, dtype, order, alloc in k.outputs]
             k.launch(*k.args(values, outs), **k.options)
-            values[k.slot:k.slot + len(outs)] = outs
+            values[k.slot:k.slot + k.results] = outs[:k.results]
 
     def _walk(self, bound: BoundCall, values: list, device):
         """The call step by step: for each kernel, its step, the outputs to allocate (shape,
@@ -222,10 +222,12 @@ class TritonBackend(Backend):
             outputs = tuple(output_allocation(eval_shape(t.shape, dims), storage_dtype(t),
                                               kernel.out_order(r), kernel.zero_filled(r))
                             for r, t in enumerate(kernel.result_types))
+            outputs += workspace_allocation(step.emitted, dims)
             outs = [allocate(o, device) for o in outputs]
             arg_fn = argument_function(step.emitted, step.reads, outputs, dims)
             yield step, outputs, arg_fn, arg_fn(values, outs), outs
-            values[step.slot:step.slot + len(outs)] = outs
+            n = len(kernel.result_types)
+            values[step.slot:step.slot + n] = outs[:n]
 
     def launches_at(self, bound: BoundCall) -> list[Launch]:
         """The launches a call with these arguments makes on a GPU, without running anything:
@@ -270,7 +272,8 @@ class TritonBackend(Backend):
                 launch(*args, **options)
             except OutOfResources as err:  # the first launch compiles: a tile the GPU cannot hold
                 raise emitted.resource_error(err) from None
-            kernels.append(KernelLaunch(launch, arg_fn, options, outputs, step.slot))
+            kernels.append(KernelLaunch(launch, arg_fn, options, outputs, step.slot,
+                                        len(emitted.kernel.result_types)))
         return LaunchPlan(tuple((slot, dims[symbol]) for slot, symbol in self.dim_slots),
                           tuple(kernels))
 
@@ -314,6 +317,14 @@ def output_allocation(shape: tuple[int, ...], dtype, order: tuple[int, ...] | No
         return shape, dtype, None, alloc
     inverse = tuple(order.index(a) for a in range(len(order)))
     return tuple(shape[a] for a in order), dtype, inverse, alloc
+
+
+def workspace_allocation(emitted: EmittedKernel, dims: Mapping[str, int]) -> tuple[tuple, ...]:
+    """The scratch words a kernel asks for at these sizes, allocated after its results (one
+    word where it needs none: a pointer must point somewhere)."""
+    if emitted.workspace is None:
+        return ()
+    return (((max(1, emitted.workspace(dims)),), _torch.int64, None, _empty),)
 
 
 def allocate(output: tuple, device):

@@ -42,7 +42,7 @@ from tiledsl.diagnostics import EmptyReductionError, LimitError
 from tiledsl.dims import evaluate
 from tiledsl.ir import KernelOp, Op
 from tiledsl.ops import Reduction, Scan
-from tiledsl.plans import RowPlan
+from tiledsl.plans import SELECT_LIMIT, RowPlan
 from tiledsl.types import Compute, DType, compute_type
 
 from . import online
@@ -105,6 +105,12 @@ class RowProgram:
         self.carries: dict[int, list[str]] = {}  # scan value -> its partials of the chunks before
         # a selection's (source, attributes) -> its sorted keys (one sort for topk and argtopk)
         self.selections: dict[tuple, str] = {}
+        # selections whose k may pass SELECT_LIMIT, the values computed from them, and the
+        # workspace rows of each selection's keys (`emit_long`)
+        self.long = self.plan.long_selections(region)
+        self.long_values = self.reading(set(self.long))
+        self.long_keys = list(dict.fromkeys(self.select_key(v) for v in self.long))
+        self.lanes = "r_base"  # the positions among a selection's k of its tile's lanes
 
     # --- analysis --------------------------------------------------------------------------
 
@@ -139,6 +145,14 @@ class RowProgram:
                 stack.extend(o for o in self.operands(v) if self.full(o) or o < self.n_in)
         return need
 
+    def reading(self, seeds: set[int]) -> frozenset[int]:
+        """`seeds` and the values computed from them (in the region's order)."""
+        out = set(seeds)
+        for v in self.values:
+            if any(o in out for o in self.operands(v)):
+                out.add(v)
+        return frozenset(out)
+
     def used(self, v: int) -> bool:
         """Is `v` read element for element (a gathered input is read through its pointer)?"""
         return self.region.read_whole(v)
@@ -151,12 +165,12 @@ class RowProgram:
         if dim not in self.plan.axes:
             return f"j{dim}[:, None]"
         if selected:  # the j-th selected element is lane j of its per-row tile
-            return "r_base[None, :]"
+            return f"{self.lanes}[None, :]"
         return "r[None, :]" if len(self.plan.axes) == 1 else f"k{dim}[None, :]"
 
     def chosen_mask(self, v: int) -> str:
         """The lanes of a selection's tile that hold one of its k elements."""
-        return f"omask[:, None] & (r_base < {self.k_of(v)})[None, :]"
+        return f"omask[:, None] & ({self.lanes} < {self.k_of(v)})[None, :]"
 
     def k_of(self, v: int) -> str:
         """How many elements the selection `v` (or the one an op of a selection reads) holds."""
@@ -169,7 +183,7 @@ class RowProgram:
         layout = self.layouts[v]
         offset = ref.offset([self.index(d, v in self.plan.selected) for d in layout])
         if v in self.plan.selected:  # (k = 1: lane 0 only)
-            lanes = "" if "r_base" in offset else " + r_base[None, :] * 0"
+            lanes = "" if self.lanes in offset else f" + {self.lanes}[None, :] * 0"
             return f"{ref.ptr} + {offset}{lanes}", self.chosen_mask(v)
         if offset == "0":
             return None, None
@@ -427,6 +441,86 @@ class RowProgram:
             return em.assign(f"{bits}.to(tl.float32, bitcast=True)", F32)
         return em.assign(f"{order}.to(tl.int32)", I32)
 
+    # --- long selections: a row sorted in memory ----------------------------------------------
+    # A selection keeping more than SELECT_LIMIT elements of a row (a sort of a 128k
+    # vocabulary) sorts the row's keys in the workspace, `2**SORT_LOG` words a row (the row
+    # padded with keys after every element), with a bitonic network: each chunk of BLOCK_R
+    # keys is sorted in registers as the row's phase loop computes it (up or down, as its
+    # place in the network wants), then every merge step of a stride of a chunk or more
+    # exchanges the keys of two chunks elementwise, and the strides below a chunk are a sort
+    # of each chunk. A program owns one row and reads back what its own threads stored after
+    # a barrier. The selected values are then read from the workspace a chunk at a time, and
+    # the ops computed from them stored with them.
+
+    def workspace_row(self, v: int) -> str:
+        """The pointer to the workspace row of the program's row, for `v`'s keys."""
+        name = self.em.fresh("ws")
+        w = self.long_keys.index(self.select_key(v))
+        self.body(f"{name} = {self.work} + ({w} * {self.rows} + o[:, None]) * (1 << SORT_LOG)")
+        return name
+
+    def upward(self, v: int, start: str, size: str) -> str:
+        """Does the block of `size` keys holding position `start` sort upward (toward the
+        selection's order: descending keys for the largest)?"""
+        return f"((({start}) & ({size})) {'!=' if self.op(v).attr('largest') else '=='} 0)"
+
+    def merge_network(self, v: int, ws: str) -> None:
+        """Sort the row's keys in the workspace: the chunks past the row hold keys after every
+        element, then each stage of a bitonic merge of blocks of 2**level keys."""
+        body, sentinel = self.body, self.sentinel(v)
+        body(f"for r0 in range(tl.cdiv({self.length}, BLOCK_R) * BLOCK_R, 1 << SORT_LOG, BLOCK_R):")
+        with body.indent():
+            body(f"tl.store({ws} + r0 + r_base[None, :], tl.full([BLOCK_O, BLOCK_R], {sentinel}, tl.int64), "
+                 "mask=omask[:, None])")
+        body("tl.debug_barrier()")
+        body(f"for level in range({CHUNK_LOG + 1}, SORT_LOG + 1):")
+        with body.indent():
+            body("size = 1 << level")
+            body(f"for step in range(0, level - {CHUNK_LOG}):")
+            with body.indent():  # pairs `stride` apart, from the lower half of each block
+                body("stride = size >> (step + 1)")
+                body("for h in range(0, (1 << SORT_LOG) // 2, BLOCK_R):")
+                with body.indent():
+                    body("lo = h // stride * (2 * stride) + h % stride")
+                    body(f"a = tl.load({ws} + lo + r_base[None, :], mask=omask[:, None], other=0)")
+                    body(f"b = tl.load({ws} + lo + stride + r_base[None, :], mask=omask[:, None], other=0)")
+                    up = self.upward(v, "lo", "size")
+                    body(f"tl.store({ws} + lo + r_base[None, :], tl.where({up}, tl.minimum(a, b), "
+                         "tl.maximum(a, b)), mask=omask[:, None])")
+                    body(f"tl.store({ws} + lo + stride + r_base[None, :], tl.where({up}, tl.maximum(a, b), "
+                         "tl.minimum(a, b)), mask=omask[:, None])")
+                body("tl.debug_barrier()")
+            body("for c0 in range(0, 1 << SORT_LOG, BLOCK_R):")  # the strides below a chunk
+            with body.indent():
+                up = self.upward(v, "c0", "size")
+                body(f"t = tl.load({ws} + c0 + r_base[None, :], mask=omask[:, None], other=0)")
+                body(f"t = tl.sort(tl.where({up}, t, ~t), dim=1)")
+                body(f"tl.store({ws} + c0 + r_base[None, :], tl.where({up}, t, ~t), mask=omask[:, None])")
+            body("tl.debug_barrier()")
+
+    def emit_long(self, row_vals: dict[int, Val]) -> None:
+        """The selected values, read back from the workspace a chunk of lanes at a time, and
+        the ops computed from them, stored."""
+        body, em = self.body, self.em
+        ks = sorted({self.k_of(v) for v in self.long})
+        most = ks[0]
+        for k in ks[1:]:
+            most = f"tl.maximum({most}, {k})"
+        body(f"for s0 in range(0, {most}, BLOCK_R):")
+        with body.indent():
+            body("lanes = s0 + r_base")
+            self.lanes = "lanes"
+            vals = dict(row_vals)
+            for v in self.long:
+                ws = self.selections[self.select_key(v)]
+                keys = em.assign(f"tl.load({ws} + lanes[None, :], mask={self.chosen_mask(v)}, other=0)",
+                                 I64).text
+                vals[v] = self.decoded(v, keys)
+            self.emit_values(vals, set(self.long_values))
+            self.store(vals, full=False, skip=frozenset(v for v in self.region.outputs
+                                                         if v not in self.long_values))
+            self.lanes = "r_base"
+
     # --- the program ------------------------------------------------------------------------
 
     def emit(self) -> None:
@@ -434,7 +528,8 @@ class RowProgram:
         shape = self.plan.shape
         rows = sig.numel(tuple(shape[d] for d in self.kept), "n_rows")
         if self.group > 1:  # each group of rows padded to a power of two
-            rows = f"{rows} * {self.group}"
+            rows = f"({rows} * {self.group})"
+        self.rows = rows
         self.programs = f"tl.cdiv({rows}, BLOCK_O)"  # the grid `emit`'s configure picks
         for name in ("BLOCK_O", "BLOCK_R", "ONE_PASS"):
             sig.constexpr(name)
@@ -454,6 +549,13 @@ class RowProgram:
         body("if ONE_PASS:")
         with body.indent():
             self.emit_one_pass()
+        if self.long:
+            for name in ("LONG", "SORT_LOG"):
+                sig.constexpr(name)
+            self.work = sig.workspace()
+            body("elif LONG:")
+            with body.indent():
+                self.emit_phases(long=True)
         body("else:")
         with body.indent():
             self.emit_phases()
@@ -536,9 +638,11 @@ class RowProgram:
         inv = self.em.assign(online.positive_inverse(z), F32)
         return self.em.assign(f'tl.where({online.nan_row(m, z)}, float("nan"), {inv.text})', F32).text
 
-    def emit_phases(self) -> None:
-        """Rows longer than a block: one loop per reduction phase, then one to write."""
+    def emit_phases(self, long: bool = False) -> None:
+        """Rows longer than a block: one loop per reduction phase, then one to write. `long`:
+        the long selections sort their rows in the workspace (`emit_long`)."""
         body = self.body
+        self.long_mode = long
         row_vals: dict[int, Val] = {}
         self.emit_row_values(row_vals)
         reductions = [v for v in self.values if self.is_row_op(v) and not self.scanned(v)
@@ -551,7 +655,7 @@ class RowProgram:
             self.start_scans(need)
             body(f"for r0 in range(0, {self.length}, BLOCK_R):")
             with body.indent():
-                body(self.chunk(need))
+                self.chunk(need)
                 self.tile_mask()
                 vals = dict(row_vals)
                 self.emit_values(vals, need)
@@ -565,12 +669,15 @@ class RowProgram:
             self.start_scans(self.needed(full_outputs))
             body(f"for r0 in range(0, {self.length}, BLOCK_R):")
             with body.indent():
-                body(self.chunk(self.needed(full_outputs)))
+                self.chunk(self.needed(full_outputs))
                 self.tile_mask()
                 vals = dict(row_vals)
                 self.emit_values(vals, self.needed(full_outputs))
                 self.store(vals, full=True)
-        self.store(row_vals, full=False)
+        self.store(row_vals, full=False, skip=self.long_values if long else frozenset())
+        if long:
+            self.emit_long(row_vals)
+        self.long_mode = False
 
     def emit_row_values(self, row_vals: dict[int, Val]) -> None:
         """Per-row values whose inputs are known: computed once, outside the loops."""
@@ -578,16 +685,23 @@ class RowProgram:
                                     and (not self.is_row_op(v) or in_loop(self.op(v).kind)
                                          or self.plan.source(v) in self.plan.selected)})
 
-    def chunk(self, need: set[int]) -> str:
-        """The positions of the loop's chunk r0: from the start of the row, or from its end
-        when the loop computes reverse scans."""
+    def chunk(self, need: set[int]) -> None:
+        """The positions of the loop's chunk r0 (`rc` the first): from the start of the row,
+        or from its end when the loop computes reverse scans."""
         if self.runs_backward(need):
-            return f"r = ({self.length} - 1) // BLOCK_R * BLOCK_R - r0 + r_base"
-        return "r = r0 + r_base"
+            self.body(f"rc = ({self.length} - 1) // BLOCK_R * BLOCK_R - r0")
+        else:
+            self.body("rc = r0")
+        self.body("r = rc + r_base")
 
 
     def init_state(self, v: int) -> dict[str, str]:
         red, cat = self.reduction(v), self.reduce_cat(v)
+        if self.long_mode and v in self.long:
+            key = self.select_key(v)
+            shared = key in self.selections
+            self.selections[key] = self.workspace_row(v)
+            return {"long": self.selections[key], **({"shared": "1"} if shared else {})}
         if ops.category(self.op(v).kind) is ops.Category.SELECT:  # topk and argtopk share one
             key = self.select_key(v)
             if key not in self.selections:
@@ -608,6 +722,15 @@ class RowProgram:
 
     def accumulate(self, v: int, state: dict[str, str], x: Val) -> None:
         red, body = self.reduction(v), self.body
+        if "long" in state:
+            if "shared" not in state:  # the chunk sorted the way its place in the network wants
+                keys = self.em.assign(self.keys(v, x), I64).text
+                up = self.upward(v, "rc", "BLOCK_R")
+                body(f"{state['long']}_c = tl.where({up}, {keys}, ~{keys})")
+                body(f"{state['long']}_c = tl.sort({state['long']}_c, dim=1)")
+                body(f"tl.store({state['long']} + r[None, :], tl.where({up}, {state['long']}_c, "
+                     f"~{state['long']}_c), mask=omask[:, None])")
+            return
         if "best" in state:
             if "shared" not in state:
                 best, largest = state["best"], self.op(v).attr("largest")
@@ -634,6 +757,10 @@ class RowProgram:
 
     def finalize(self, v: int, state: dict[str, str], row_vals: dict[int, Val]) -> None:
         red, em = self.reduction(v), self.em
+        if "long" in state:
+            if "shared" not in state:
+                self.merge_network(v, state["long"])
+            return
         if "best" in state:
             row_vals[v] = self.decoded(v, state["best"])
         elif red is None:  # softmax, a full value: later loops compute exp(x - m) / z from these
@@ -650,25 +777,27 @@ class RowProgram:
             total = em.assign(self.collapse(red, state["cat"], state["acc"]) + narrow, state["cat"])
             row_vals[v] = self.finalized(total, red)
 
-    def store(self, vals: dict[int, Val], full: bool) -> None:
+    def store(self, vals: dict[int, Val], full: bool, skip: frozenset[int] = frozenset()) -> None:
         for j, v in enumerate(self.region.outputs):
-            if self.full(v) != full:
+            if self.full(v) != full or v in skip:
                 continue
             ptr, mask = self.access(self.outs[j], v)
             if ptr is None:  # a single element (no kept dims): row 0 writes it
                 ptr = f"{self.outs[j].ptr} + o[:, None] * 0"
             if not full and v not in self.plan.selected:
                 mask = "omask[:, None]"
-            if self.plan.across is not None and self.plan.across not in self.layouts[v]:
-                mask = f"{mask or 'omask[:, None]'} & (j{self.plan.across} == 0)[:, None]"  # one row stores
+            if self.plan.across is not None and self.plan.across not in self.layouts[v]:  # one row stores
+                c = self.plan.across
+                mask = f"{mask or 'omask[:, None]'} & (j{c} == 0)[:, None]"
+                if "[:, None]" not in ptr:  # a pointer of no row's (the value varies along the row only)
+                    ptr = f"{ptr} + j{c}[:, None] * 0"
             text = self.em.store_value(vals[v], self.region.value_type(v))
             self.body(f"tl.store({ptr}, {text}, mask={mask})")
 
 
-# the most elements of a row a topk or sort keeps (one tile of i64 keys, sorted in registers:
-# 32k words, as a scan's partials), and the chunk a longer row streams through a topk in
-SELECT_LIMIT = 1 << 14
+# the chunk a longer row streams through a topk in, and a long selection sorts in memory
 SELECT_CHUNK = 1 << 12
+CHUNK_LOG = 12
 
 
 def one_pass_limit(plan: RowPlan, region) -> int:
@@ -726,14 +855,11 @@ def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKer
             block_r = min(block_r, caps["flat"])
         if scans and length > block_r and device == "cuda":
             block_r //= 2  # a loop's carries and chunk totals keep more live (280 bytes spilled)
-        if selections:  # a chunk holds a selection's k
-            op = max(selections, key=lambda op: evaluate(op.shape[op.attr("axis")], dims))
-            keep = evaluate(op.shape[op.attr("axis")], dims)
-            if keep > SELECT_LIMIT:
-                raise LimitError(op.span, what=f"a topk or sort keeping {keep} elements of a row (k = "
-                                 f"{op.shape[op.attr('axis')]} at this call)",
-                                 limit=f"{SELECT_LIMIT} (a row's k selected elements are sorted in "
-                                       "registers)")
+        long = selections and long_at(dims)
+        if long:  # the row sorted in the workspace, a chunk of it in registers at a time
+            block_r = SELECT_CHUNK
+        elif selections:  # a chunk holds a selection's k
+            keep = max(evaluate(op.shape[op.attr("axis")], dims) for op in selections)
             if length > block_r and device == "cuda":
                 block_r = min(block_r, SELECT_CHUNK)  # a streamed chunk is sorted twice: 4k spill nothing
             block_r = max(block_r, next_pow2(keep))
@@ -747,10 +873,43 @@ def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKer
             tile //= 2
             block_r = max(2, min(block_r, tile // group))
             rows *= group
-        block_o = max(group, min(next_pow2(rows), tile // block_r))
+        block_o = group if long else max(group, min(next_pow2(rows), tile // block_r))
         # about 32 elements per thread: 4 warps up to 4k elements, 16 from 16k
         warps = max(4, min(16, block_r * block_o // 1024))
+        if long:  # i64 keys and a sort's exchanges: 4 warps spill 104 bytes, 8 none
+            warps = max(warps, 8)
         constexprs = {"BLOCK_O": block_o, "BLOCK_R": block_r, "ONE_PASS": length <= block_r}
+        if prog.long:
+            constexprs |= {"LONG": bool(long), "SORT_LOG": sort_log(length) if long else 0}
         return LaunchConfig((cdiv(rows, block_o),), constexprs, num_warps=warps)
 
-    return finish(kernel, prog.sig, prog.body, configure, prog.em, programs=prog.programs)
+    def long_at(dims: Mapping[str, int]) -> bool:
+        """Do this call's selections keep more than a tile holds? (Refused where a reduction
+        reads what they selected: it would need the selected values in registers.)"""
+        keeps = {v: evaluate(prog.op(v).shape[prog.op(v).attr("axis")], dims) for v in prog.long}
+        if not any(k > SELECT_LIMIT for k in keeps.values()):
+            return False
+        for v in sorted(prog.plan.reducing):
+            if prog.plan.source(v) in prog.long_values:
+                op = prog.op(v)
+                raise LimitError(op.span, what=f"a {op.kind} of more than {SELECT_LIMIT} elements a topk "
+                                 f"or sort selected ({max(keeps.values())} at this call)",
+                                 limit=f"{SELECT_LIMIT} (a reduction of selected elements reads them in "
+                                       "registers)")
+        return True
+
+    def workspace(dims: Mapping[str, int]) -> int:
+        """The words of the long selections' sorted rows: one row of 2**SORT_LOG keys per row
+        and selection."""
+        if not long_at(dims):
+            return 0
+        rows = numel([d for i, d in enumerate(shape) if i not in axes and i != prog.plan.across], dims)
+        return len(prog.long_keys) * rows * group * (1 << sort_log(numel([shape[a] for a in axes], dims)))
+
+    return finish(kernel, prog.sig, prog.body, configure, prog.em, programs=prog.programs,
+                  workspace=workspace if prog.long else None)
+
+
+def sort_log(length: int) -> int:
+    """log2 of a row's workspace words: the row padded to a power of two."""
+    return max(CHUNK_LOG + 1, (next_pow2(length) - 1).bit_length())
