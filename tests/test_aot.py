@@ -119,7 +119,7 @@ def test_ptx_cli_json():
                        "--json")
     assert code == 0
     (kernel,) = json.loads(out)["kernels"]
-    assert set(kernel) == {"name", "config", "registers", "spill_bytes", "shared_bytes", "wgmma", "tma"}
+    assert set(kernel) == {"name", "config", "registers", "spill_bytes", "shared_bytes", "wgmma", "tma", "loop"}
     assert kernel["config"]["BLOCK_M"] == 128 and kernel["spill_bytes"] == 0
 
 

@@ -5,10 +5,11 @@
     tiledsl dot FILE               Graphviz DOT of the fusion graph
     tiledsl explain FILE           the fusion report
     tiledsl run FILE --dims M=128,N=64 [--scalar scale=0.125] [--device cpu|cuda]
-    tiledsl ptx FILE --dims M=4096,N=4096 [--all] [--arch sm_90] [--json]
+    tiledsl ptx FILE --dims M=4096,N=4096 [--all] [--arch sm_90] [--json] [--dump DIR]
                                    each kernel compiled for the GPU as it would run there
                                    (no GPU needed): registers, spills, shared memory,
-                                   wgmma shapes, TMA copies
+                                   wgmma shapes, TMA copies, its hottest loop's static
+                                   profile; --dump writes its TTGIR, PTX and cubin
     tiledsl check FILE             parse and check every kernel in a file
     tiledsl passes                 the registered passes
 
@@ -28,6 +29,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 from tiledsl import diagnostics as diag
 from tiledsl.dims import evaluate
@@ -77,6 +79,8 @@ def _parser() -> argparse.ArgumentParser:
     ptx.add_argument("--all", action="store_true",
                      help="every autotune candidate, not only the configuration used first")
     ptx.add_argument("--json", action="store_true", help='print {"kernels": [...]} as JSON')
+    ptx.add_argument("--dump", metavar="DIR", help="write each kernel's (and candidate's) .ttgir, "
+                     ".ptx, .cubin and .json (configuration, resources, loop profile) into DIR")
     sub.add_parser("check", help="parse and check every kernel of a file").add_argument("file")
     sub.add_parser("passes", help="list the registered passes")
     return p
@@ -397,12 +401,15 @@ def _cmd_ptx(args) -> int:
     # which triton.compile cannot lower. ptx compiles kernels and runs none, so it needs no
     # interpreter; nothing has imported Triton yet (this module imports it lazily).
     os.environ.pop("TRITON_INTERPRET", None)
-    from tiledsl.backends.triton.aot import inspect_program
+    from tiledsl.backends.triton.aot import inspect_program_compiled
 
     arch = _gpu_arch(args.arch)
     fn = _compile(args)
     dims = _run_dims(fn, args.dims, limit=False)
-    reports = inspect_program(fn, dims, _run_scalars(fn, args.scalar), args.all, arch)
+    inspections = inspect_program_compiled(fn, dims, _run_scalars(fn, args.scalar), args.all, arch)
+    reports = [i.report for i in inspections]
+    if args.dump:
+        _dump(Path(args.dump), inspections)
     if args.json:
         print(json.dumps({"kernels": [r.as_dict() for r in reports]}))
         return 0
@@ -411,7 +418,41 @@ def _cmd_ptx(args) -> int:
         print(f"{r.name}: {config}")
         print(f"  registers {r.registers}, spills {r.spill_bytes} bytes, shared "
               f"{r.shared_bytes} bytes, wgmma {' '.join(r.wgmma) or 'none'}, TMA copies {r.tma}")
+        if r.loop is not None:
+            print("  " + _loop_line(r.loop))
     return 0
+
+
+def _loop_line(loop: dict) -> str:
+    """One line of a kernel's loop profile."""
+    mma = ", ".join(f"{n} {shape}" for shape, n in loop["mma"].items()) or "no mma"
+    m = loop["modeled"]
+    return (f"loop ({loop['source']}): {loop['instructions']} instructions, {loop['mufu']} MUFU, {mma}, "
+            f"{loop['barriers']} barriers, {loop['shared_ops']} shared ops per warp and iteration "
+            f"({loop['warps']} warps, {loop['work']} {loop['work_unit']}s); modeled H100 cycles (an "
+            f"estimate): tensor {m['tensor']}, issue {m['issue']}, MUFU {m['mufu']}, memory "
+            f"{m['memory']}: {m['bound']}-bound")
+
+
+def _dump(directory: Path, inspections: list) -> None:
+    """Each kernel's compiled forms and report, as <kernel>.<ext>; with several
+    configurations of one kernel (--all), <kernel>_c<i>.<ext>."""
+    import json
+
+    directory.mkdir(parents=True, exist_ok=True)
+    seen: dict[str, int] = {}
+    for inspection in inspections:
+        name = inspection.report.name
+        seen[name] = seen.get(name, -1) + 1
+        stem = name if seen[name] == 0 and sum(i.report.name == name for i in inspections) == 1 \
+            else f"{name}_c{seen[name]}"
+        for ext, text in inspection.asm.items():
+            path = directory / f"{stem}.{ext}"
+            if isinstance(text, bytes):
+                path.write_bytes(text)
+            else:
+                path.write_text(text)
+        (directory / f"{stem}.json").write_text(json.dumps(inspection.report.as_dict(), indent=1) + "\n")
 
 
 def _gpu_arch(text: str) -> int:

@@ -13,7 +13,8 @@ call), this builds exactly what would run on an H100:
   one of its autotune candidates), not the interpreter's.
 
 `inspect_program` does this for every kernel of a program at given sizes
-(`tiledsl ptx`): registers, spills, shared memory, wgmma shapes, TMA copies.
+(`tiledsl ptx`): registers, spills, shared memory, wgmma shapes, TMA copies, and the static
+profile of its hottest loop (`loop_profile`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 
 from .cache import load
 from .launch import PINNED_OPTIONS
+from .loop_profile import loop_profile, work_of
 from .program import Launch
 
 SM90 = ("cuda", 90, 32)
@@ -110,13 +112,30 @@ class KernelReport:
     shared_bytes: int
     wgmma: list[str]  # the warpgroup MMA shapes it issues, e.g. "m64n128k16"
     tma: int  # TMA copies (cp.async.bulk.tensor) in the PTX
+    # the hottest loop's static profile (`loop_profile`): counts per warp and iteration, the
+    # work an iteration does, and modeled H100 cycles (an estimate)
+    loop: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class Inspection:
+    """A kernel's report with what it was compiled to (`CompiledKernel.asm`: ttgir, ptx,
+    cubin), for `tiledsl ptx --dump`."""
+
+    report: KernelReport
+    asm: dict[str, Any]
+
+
 def inspect_launch(launch: Launch, config: Any = None, arch: int = 90) -> KernelReport:
     """Compile one launch for `sm_<arch>` (at `config`, default the GPU's) and report it."""
+    return inspect_compiled(launch, config, arch).report
+
+
+def inspect_compiled(launch: Launch, config: Any = None, arch: int = 90) -> Inspection:
+    """`inspect_launch`, keeping what the kernel was compiled to."""
     cfg = config or launch.kernel.launch_config(dict(launch.dims), "cuda")
     compiled = compile_launch(launch, ("cuda", arch, 32), cfg)
     ptx = compiled.asm["ptx"]
@@ -127,10 +146,13 @@ def inspect_launch(launch: Launch, config: Any = None, arch: int = 90) -> Kernel
                    "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     if cfg.persistent:
         config_text["programs"] = cfg.grid[0]  # a persistent grid
-    return KernelReport(launch.kernel.kernel.name, config_text, usage["registers"],
-                        usage["spill_stores"] + usage["spill_loads"],
-                        int(getattr(compiled.metadata, "shared", 0)), shapes,
-                        len(re.findall(r"cp\.async\.bulk\.tensor", ptx)))
+    work, unit = work_of(launch.kernel.kernel.plan, cfg.constexprs)
+    loop = loop_profile(compiled, cfg.num_warps or 4, work, unit)
+    report = KernelReport(launch.kernel.kernel.name, config_text, usage["registers"],
+                          usage["spill_stores"] + usage["spill_loads"],
+                          int(getattr(compiled.metadata, "shared", 0)), shapes,
+                          len(re.findall(r"cp\.async\.bulk\.tensor", ptx)), loop)
+    return Inspection(report, {k: compiled.asm[k] for k in ("ttgir", "ptx", "cubin") if k in compiled.asm})
 
 
 def meta_launches(fn: Any, dims: Mapping[str, int], scalars: Mapping[str, Any] | None = None) -> list:
@@ -173,9 +195,15 @@ def inspect_program(fn: Any, dims: Mapping[str, int], scalars: Mapping[str, Any]
     """Every kernel of a compiled program as it would run on a GPU at `dims`, compiled
     without one (`meta_launches`); `every_candidate` reports each autotune candidate instead
     of the configuration a launch uses first."""
-    reports = []
+    return [i.report for i in inspect_program_compiled(fn, dims, scalars, every_candidate, arch)]
+
+
+def inspect_program_compiled(fn: Any, dims: Mapping[str, int], scalars: Mapping[str, Any] | None = None,
+                             every_candidate: bool = False, arch: int = 90) -> list[Inspection]:
+    """`inspect_program`, keeping what each kernel was compiled to."""
+    out = []
     for launch in meta_launches(fn, dims, scalars):
         configs = launch.kernel.launch_candidates(dict(launch.dims), "cuda") if every_candidate else []
         for cfg in configs or [None]:
-            reports.append(inspect_launch(launch, cfg, arch))
-    return reports
+            out.append(inspect_compiled(launch, cfg, arch))
+    return out
