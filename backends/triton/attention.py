@@ -42,6 +42,7 @@ from .base import (
     finish,
     fit_rows,
     hint,
+    hinted_first,
     numel,
     require_dot_hints,
 )
@@ -556,16 +557,19 @@ class AttentionProgram:
         def sizes(dims: Mapping[str, int]) -> tuple[int, ...]:
             return tuple(evaluate(d, dims) for d in dims_of)
 
-        def config(dims, bm: int, bn: int, warps: int | None, stages: int | None) -> LaunchConfig:
+        def config(dims, bm: int, bn: int, warps: int | None, stages: int | None,
+                   hinted: bool = True) -> LaunchConfig:
+            """A configuration, with the program's tile hints in place of ours (`hinted`)."""
             m, n, d, dv = sizes(dims)
+            given = user if hinted else dict.fromkeys(user, 0)
             widths = {"BLOCK_D": max(16, next_pow2(d)), "BLOCK_DV": max(16, next_pow2(dv))}
-            rows = fit_rows({"BLOCK_M": user["BLOCK_M"] or bm, "BLOCK_N": user["BLOCK_N"] or bn},
-                            widths.values(), [n for n in DOT_HINTS if user[n]])
+            rows = fit_rows({"BLOCK_M": given["BLOCK_M"] or bm, "BLOCK_N": given["BLOCK_N"] or bn},
+                            widths.values(), [n for n in DOT_HINTS if given[n]])
             constexprs = {**rows, **widths}
             grid = (cdiv(m, constexprs["BLOCK_M"]) * numel(batch, dims),)
             if warps is not None and constexprs["BLOCK_M"] <= 64:
                 warps = min(warps, 4)  # one warpgroup per 64 query rows
-            return LaunchConfig(grid, constexprs, user["num_warps"] or warps, user["num_stages"] or stages)
+            return LaunchConfig(grid, constexprs, given["num_warps"] or warps, given["num_stages"] or stages)
 
         def hopper(d: int, dv: int) -> tuple:
             width = max(64, next_pow2(d), next_pow2(dv))
@@ -584,9 +588,11 @@ class AttentionProgram:
 
         def candidates(dims: Mapping[str, int], device: str) -> list[LaunchConfig]:
             m, n, d, dv = sizes(dims)
-            if device != "cuda" or any(user.values()) or not half or m < 128:
+            if device != "cuda" or not half or m < 128:
                 return []
-            return [config(dims, bm, bn, w, s) for bm, bn, w, s in hopper(d, dv) if bn <= next_pow2(n)]
+            found = [config(dims, bm, bn, w, s, hinted=False) for bm, bn, w, s in hopper(d, dv)
+                     if bn <= next_pow2(n)]
+            return hinted_first(configure(dims, device), found, any(user.values()))
 
         return configure, candidates
 

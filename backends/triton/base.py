@@ -165,6 +165,20 @@ def hint(hints: Hints, name: str, default: int) -> int:
     return hints[name][0] if name in hints else default
 
 
+def hinted_first(hinted: LaunchConfig, found: list[LaunchConfig], hints: bool) -> list[LaunchConfig]:
+    """The autotune candidates of a program with tile hints: the configuration they give
+    first (the one timed first, and used untimed once the tuning budget is spent), then the
+    template's others; without hints, the template's."""
+    if not hints:
+        return found
+    key = _described(hinted)
+    return [hinted, *(c for c in found if _described(c) != key)]
+
+
+def _described(cfg: LaunchConfig) -> tuple:
+    return (tuple(sorted(cfg.constexprs.items())), cfg.num_warps, cfg.num_stages, cfg.persistent)
+
+
 def require_dot_hints(hints: Hints, names: Sequence[str]) -> None:
     """tl.dot needs every tile dim to be at least 16."""
     for name in names:

@@ -41,6 +41,7 @@ from .base import (
     decompose,
     finish,
     hint,
+    hinted_first,
     numel,
     require_dot_hints,
     sm_count,
@@ -468,7 +469,7 @@ class GemmProgram:
         def candidates(dims: Mapping[str, int], device: str) -> list[LaunchConfig]:
             """Hopper configurations worth timing for these sizes (none: use `configure`)."""
             m, n, k = sizes(dims)
-            if device != "cuda" or any(user.values()) or m < 128 or n < 128 or dot is DType.F32:
+            if device != "cuda" or m < 128 or n < 128 or dot is DType.F32:
                 return []
             configs = allowed
             found = [config(dims, bm, bn, bk, w, s) for bm, bn, bk, w, s in configs
@@ -477,7 +478,8 @@ class GemmProgram:
             # the default tile on a persistent grid: one program per SM walks the tiles in
             # grouped order (no launch tail of partial waves)
             bm, bn, bk, w, s = configs[0]
-            return found + [config(dims, bm, bn, bk, w, s, persistent=True)]
+            found.append(config(dims, bm, bn, bk, w, s, persistent=True))
+            return hinted_first(configure(dims, device), found, any(user.values()))
 
         return configure, candidates
 
