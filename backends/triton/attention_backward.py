@@ -32,12 +32,14 @@ from .base import (
     EmittedKernel,
     Hints,
     LaunchConfig,
+    autotune_key,
     batch_names,
     cdiv,
     decompose,
     finish,
     fit_rows,
     hint,
+    hinted_first,
     numel,
     require_dot_hints,
 )
@@ -417,21 +419,24 @@ class AttentionBackwardProgram:
                  if self.value_type(v).rank > 0]
         heavy = len(kinds) > 24 or sum(k in TRANSCENDENTAL for k in kinds) > 2
 
-        def config(dims: Mapping[str, int], bm: int, bn: int, warps: int, stages: int) -> LaunchConfig:
+        def config(dims: Mapping[str, int], bm: int, bn: int, warps: int, stages: int,
+                   hinted: bool = True) -> LaunchConfig:
+            """A configuration, with the program's tile hints in place of ours (`hinted`)."""
+            given = user if hinted else dict.fromkeys(user, 0)
             m, n, *rest = (evaluate(d, dims) for d in dims_of)
             widths = {f"BLOCK_K{j}" if j < n_dots else f"BLOCK_P{j - n_dots}": max(16, next_pow2(size))
                       for j, size in enumerate(rest)}
-            consts = {**fit_rows({"BLOCK_M": user["BLOCK_M"] or bm, "BLOCK_N": user["BLOCK_N"] or bn},
-                                 widths.values(), [n for n in DOT_HINTS if user[n]]), **widths}
+            consts = {**fit_rows({"BLOCK_M": given["BLOCK_M"] or bm, "BLOCK_N": given["BLOCK_N"] or bn},
+                                 widths.values(), [n for n in DOT_HINTS if given[n]]), **widths}
             own = n if plan.over == "queries" else m
             block = consts["BLOCK_N" if plan.over == "queries" else "BLOCK_M"]
             grid = (cdiv(own, block) * numel(programs, dims),)
-            return LaunchConfig(grid, consts, user["num_warps"] or warps, user["num_stages"] or stages)
+            return LaunchConfig(grid, consts, given["num_warps"] or warps, given["num_stages"] or stages)
 
         def wide(dims: Mapping[str, int]) -> bool:
             return max((next_pow2(evaluate(d, dims)) for d in dims_of[2:]), default=16) >= 128
 
-        def configure(dims: Mapping[str, int], device: str) -> LaunchConfig:
+        def configure(dims: Mapping[str, int], device: str, hinted: bool = True) -> LaunchConfig:
             if device != "cuda":  # the interpreter: few, large programs
                 m, n = (evaluate(d, dims) for d in dims_of[:2])
                 return config(dims, max(16, min(next_pow2(m), 64)), max(16, min(next_pow2(n), 64)), 4, 1)
@@ -439,13 +444,17 @@ class AttentionBackwardProgram:
             # kernel's two [64, 128] accumulators and k, v tiles spill with 4 warps, not 8
             at_128 = wide(dims)
             bm, bn, warps, stages = 64, 64, 8 if at_128 else 4, 2
-            if at_128 and plan.walked:  # walking the group's heads too: 200 B spill at 64
-                bm = 32
+            if at_128:  # 8 warps: each warpgroup 64 of 128 score rows (on 64 rows both computed
+                # S and dP whole: 1.5x and 1.7x the tensor work of the dk/dv and dq kernels);
+                # the dq kernel walks 32 keys, so its [128, 128] accumulator fits
+                bm, bn = 128, 64 if plan.over == "queries" else 32
+            if plan.walked:  # walking the group's heads too: 64 x 64 spills (200 B at head dim
+                bm, bn, warps = 32, 64, 8  # 128 with 8 warps, 164 at 64 with 4; 32 x 64 with 4: 40)
             if at_128 and heavy:  # many score ops (a trig score mod): walk 32 rows, no spills
                 bm, bn = (32, 64) if plan.over == "queries" else (64, 32)
             if f32_dots:  # IEEE f32 dots run on the FMA units, not wgmma: smaller tiles
                 bm, bn = 32, 32
-            return config(dims, bm, bn, warps, stages)
+            return config(dims, bm, bn, warps, stages, hinted)
 
         def candidates(dims: Mapping[str, int], device: str) -> list[LaunchConfig]:
             """On a GPU, for f16/bf16 dots at sizes worth timing: the default, the tiles of
@@ -454,12 +463,22 @@ class AttentionBackwardProgram:
             64 and 128 (`tests/test_attention_backward.py`; owning 128 and walking 64 spills
             in the dk/dv kernel)."""
             m, n = (evaluate(d, dims) for d in dims_of[:2])
-            if device != "cuda" or any(user.values()) or f32_dots or plan.walked or heavy \
-                    or min(m, n) < 128:
+            if device != "cuda" or f32_dots or plan.walked or heavy or min(m, n) < 128:
                 return []
-            walk_own = ((32, 128, 8, 2), (128, 64, 8, 2), (64, 64, 8, 3))  # (walked, owned, warps, stages)
-            tiles = walk_own if plan.over == "queries" else [(o, w, *rest) for w, o, *rest in walk_own]
-            return [configure(dims, device)] + [config(dims, *t) for t in tiles]
+            # (BLOCK_M, BLOCK_N, warps, stages) beside the default: the dk/dv kernel walks
+            # BLOCK_M queries and owns BLOCK_N keys, the dq kernel owns BLOCK_M queries and
+            # walks BLOCK_N keys. Left out as they spill: at head dim 128 owning 32 keys and
+            # walking 128 queries (24-48 bytes), and owning 64 queries and walking 128 keys
+            # at either head dim (212 and 72 bytes with attention sinks)
+            if plan.over == "queries":
+                tiles = ((64, 64, 8, 2), (64, 64, 8, 3)) if wide(dims) else \
+                    ((32, 128, 8, 2), (128, 64, 8, 2), (64, 64, 8, 3))
+            else:
+                tiles = ((64, 64, 8, 2), (64, 64, 8, 3)) if wide(dims) else ((128, 32, 8, 2), (64, 64, 8, 3))
+            found = {autotune_key(cfg := configure(dims, device, hinted=False)): cfg}
+            for t in tiles:
+                found.setdefault(autotune_key(cfg := config(dims, *t, hinted=False)), cfg)
+            return hinted_first(configure(dims, device), list(found.values()), any(user.values()))
 
         return configure, candidates
 

@@ -171,11 +171,12 @@ def hinted_first(hinted: LaunchConfig, found: list[LaunchConfig], hints: bool) -
     template's others; without hints, the template's."""
     if not hints:
         return found
-    key = _described(hinted)
-    return [hinted, *(c for c in found if _described(c) != key)]
+    key = autotune_key(hinted)
+    return [hinted, *(c for c in found if autotune_key(c) != key)]
 
 
-def _described(cfg: LaunchConfig) -> tuple:
+def autotune_key(cfg: LaunchConfig) -> tuple:
+    """What tells two launch configurations apart (the grid follows from them)."""
     return (tuple(sorted(cfg.constexprs.items())), cfg.num_warps, cfg.num_stages, cfg.persistent)
 
 
