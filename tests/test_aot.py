@@ -114,6 +114,16 @@ def test_fp8_gemm_example_uses_fp8_tensor_cores_and_tma():
     assert r.spill_bytes == 0 and r.tma > 0
 
 
+def test_fp8_gemm_steps_128_of_k_and_every_candidate_fits():
+    """(issue 29: at 64 of K a step the fp8 GEMM's loop was issue-bound, its B tile
+    transposed through shared memory each step for the K-major fp8 wgmma)"""
+    (r,) = _report("gemm_fp8_scaled.tdsl", GEMM_DIMS)
+    assert r.config["BLOCK_K"] == 128 and r.loop["modeled"]["bound"] == "tensor", r
+    every = _report("gemm_fp8_scaled.tdsl", GEMM_DIMS, every=True)
+    assert any(c.config["BLOCK_K"] == 64 for c in every)
+    assert all(c.spill_bytes == 0 and c.shared_bytes <= 232448 for c in every), every
+
+
 def test_ptx_cli_json():
     code, out, _ = cli("ptx", str(EXAMPLES / "gemm_multiply_multiply.tdsl"), "--dims", "M=8192,N=8192,K=4096",
                        "--json")

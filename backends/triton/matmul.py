@@ -451,7 +451,9 @@ class GemmProgram:
                 # for small problems
                 if m >= 128 and n >= 128:
                     bm, bn, bk, warps, stages = allowed[0]
-                    bk = bk if dot is not DType.F32 else 32
+                    # f32 dots run on the FMA units; 8-bit ones take 128 of K a step (the
+                    # bytes of a 16-bit 64: 64 left fp8 GEMMs issue-bound, `tiledsl ptx`)
+                    bk = 32 if dot is DType.F32 else 128 if dot.itemsize == 1 else bk
                     return config(dims, user["BLOCK_M"] or bm, user["BLOCK_N"] or bn,
                                   user["BLOCK_K"] or bk, user["num_warps"] or warps,
                                   user["num_stages"] or stages)
@@ -472,6 +474,8 @@ class GemmProgram:
             if device != "cuda" or m < 128 or n < 128 or dot is DType.F32:
                 return []
             configs = allowed
+            if dot.itemsize == 1:  # 8-bit operands: a K step of 128 moves the bytes a 16-bit 64 does
+                configs = [(bm, bn, 128, w, s) for bm, bn, _, w, s in allowed[:3]] + configs
             found = [config(dims, bm, bn, bk, w, s) for bm, bn, bk, w, s in configs
                      if bm <= next_pow2(m) and bn <= next_pow2(n) and bk <= max(16, next_pow2(k))
                      and (wide or bm * bn <= 128 * 128)]
