@@ -107,3 +107,7 @@ def test_dropout_attention_compiles_for_sm90_without_spills(d):
     fn = tiledsl.compile(EXAMPLE)
     (r,) = aot.inspect_program(fn, {"B": 4, "H": 16, "M": 4096, "N": 4096, "D": d}, {"seed": 3})
     assert r.spill_bytes == 0 and "m64n64k16" in r.wgmma
+    # and every autotune candidate: tiles of 128 keys, whose mask draws spill, are left out
+    every = aot.inspect_program(fn, {"B": 4, "H": 16, "M": 4096, "N": 4096, "D": d}, {"seed": 3},
+                                every_candidate=True)
+    assert len(every) > 1 and all(c.spill_bytes == 0 and c.config["BLOCK_N"] <= 64 for c in every), every

@@ -59,10 +59,11 @@ DOT_HINTS = ("BLOCK_M", "BLOCK_N")
 # sm_90, Triton 3.9, B=4 H=16 M=N=4096, f16, causal or not): every one compiles without
 # spills and with wgmma N >= 64 at head dims 64 and 128. One warpgroup (4 warps) per 64
 # query rows: 8 warps on a 64-row tile split the key tile and issue m64n32 wgmmas.
-# 128 x 128 at head dim 128 needs 2 stages (3 would take 224 KiB of shared memory).
+# 128 x 128 at head dim 128 with 3 stages takes 225 KiB of shared memory, under the 227
+# an H100 block may have.
 HOPPER_CONFIGS = {
     64: ((128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 128, 4, 3)),
-    128: ((128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3)),
+    128: ((128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3)),
     256: ((128, 32, 8, 2), (64, 64, 4, 2), (128, 64, 8, 2)),
 }
 
@@ -553,6 +554,9 @@ class AttentionProgram:
                    self.out_shape[-1])
         batch = self.batch
         half = self.qk_op.dtype is not DType.F32
+        # random numbers drawn per score (dropout's mask): 128 keys a tile spill (688 bytes at
+        # 128 x 128, 512 at 64 x 128)
+        drawn = any(r.op.kind == "random" for r in self.kernel.region.ops)
 
         def sizes(dims: Mapping[str, int]) -> tuple[int, ...]:
             return tuple(evaluate(d, dims) for d in dims_of)
@@ -591,7 +595,7 @@ class AttentionProgram:
             if device != "cuda" or not half or m < 128:
                 return []
             found = [config(dims, bm, bn, w, s, hinted=False) for bm, bn, w, s in hopper(d, dv)
-                     if bn <= next_pow2(n)]
+                     if bn <= next_pow2(n) and (not drawn or bn <= 64)]
             return hinted_first(configure(dims, device), found, any(user.values()))
 
         return configure, candidates
