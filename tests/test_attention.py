@@ -7,6 +7,7 @@ compile for sm_90 (helpers.run_checked).
 
 import functools
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -375,3 +376,20 @@ def test_keys_and_values_from_one_tensor_share_its_descriptor_flag(dt):
     fn, _ = run_checked(f"kernel f(x: {name}[M, N], w: {name}[N, N]) -> {name}[M, N] {{ return softmax(x @ w) @ w }}",
                         randn(17, 32, dtype=dt), randn(32, 32, dtype=dt, scale=0.2))
     assert [op.template for op in fn.kernel_ops()] == ["attention"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m, n", [(1, 17), (17, 113)])
+def test_a_16_bit_division_by_an_argument_multiplies_by_its_reciprocal(dtype, m, n):
+    """Gemma-2's `s / cap`: one reciprocal per program, a product per score (issue 29:
+    the division cost an instruction sequence a score); the oracle's bound holds. An f32
+    program keeps IEEE division."""
+    examples = Path(__file__).resolve().parent.parent / "examples"
+    src = (examples / "causal_softcap_attention.tdsl").read_text().replace("bf16", {
+        torch.float16: "f16", torch.bfloat16: "bf16"}[dtype])
+    q, k, v = (randn(2, 3, r, 64, dtype=dtype, seed=i) for i, r in enumerate((m, n, n)))
+    fn, _ = run_checked(src, q, k, v, scale=0.125, cap=5.0)
+    (kernel,) = fn.kernels
+    assert "* (1.0 / " in kernel.source
+    f32 = tiledsl.compile("kernel f(x: f32[N], s: f32) -> f32[N] { return x / s }")
+    assert "tl.div_rn(" in f32.kernels[0].source and "(1.0 / " not in f32.kernels[0].source

@@ -186,13 +186,16 @@ class Gather:
 @dataclass(frozen=True, slots=True)
 class Val:
     """A value during emission: source text, compute type, and whether it is a literal.
-    `source`: the tensor an op gathers from (the operand `Emitter.operands` hands over)."""
+    `source`: the tensor an op gathers from (the operand `Emitter.operands` hands over).
+    `uniform`: one value for the whole program (a by-value argument), which the compiler
+    computes from once, outside any loop."""
 
     text: str
     cat: Compute
     literal: bool = False
     value: object = None  # the Python value of a literal
     source: Gather | None = None
+    uniform: bool = False
 
 
 def literal(value: object, cat: Compute) -> Val:
@@ -250,7 +253,8 @@ class Emitter:
         an argument equal to 1 in as a constant, which has no `.to()` either. Bools arrive
         as i32 (0/1): Triton 3.6's interpreter mis-stores Python bool arguments."""
         if dtype.is_float:
-            return self.assign(f"tl.full([], 0.0, tl.float32) + {name}", Compute.F32)
+            value = self.assign(f"tl.full([], 0.0, tl.float32) + {name}", Compute.F32)
+            return Val(value.text, value.cat, uniform=True)
         cat = compute_type(dtype) if dtype.is_int else Compute.I32
         value = self.assign(f"tl.full([], 0, {TRITON_TYPE[cat]}) + {name}", cat)
         if cat in NARROW:  # the argument arrives as an i32, which the sum promotes to
@@ -323,7 +327,8 @@ class Emitter:
             return literal(val.value, cat)
         if cat is Compute.BOOL:
             return self.assign(f"{val.text} != 0", cat)
-        return self.assign(f"{val.text}.to({TRITON_TYPE[cat]})", cat)
+        out = self.assign(f"{val.text}.to({TRITON_TYPE[cat]})", cat)
+        return Val(out.text, cat, uniform=True) if val.uniform else out
 
     def tensor(self, val: Val) -> Val:
         """A literal as a 0-d Triton tensor (for functions that take no Python scalars)."""

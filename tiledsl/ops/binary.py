@@ -73,8 +73,18 @@ _operator("sub", "-", _arith, operator.sub, binary("{a} - {b}"), cheap=True,
           vjp=lambda d, w: (d.g, d.neg(d.g)))
 _operator("mul", "*", _arith, operator.mul, binary("{a} * {b}"), cheap=True,
           vjp=lambda d, w: (d.mul(d.g, d.x(1)), d.mul(d.g, d.x(0))))
-_operator("div", "/", _true_div, operator.truediv, binary("{a} / {b}", "tl.div_rn({a}, {b})"),
-          vjp=_d_div)
+def _render_true_div(em, op, args, out):
+    """IEEE division for f32 ops; for the others (computed in f32, rounded to 16 bits at the
+    store) Triton's fast one, and a division by a by-value argument (Gemma-2's `s / cap`) a
+    product with its reciprocal, computed once per program: one MUFU op a score fewer."""
+    a, b = args
+    if not is_precise(op, out) and getattr(b, "uniform", False):
+        return em.assign(f"{em.tensor(a).text} * (1.0 / {b.text})", out)
+    return _DIVIDE(em, op, args, out)
+
+
+_DIVIDE = binary("{a} / {b}", "tl.div_rn({a}, {b})")
+_operator("div", "/", _true_div, operator.truediv, _render_true_div, vjp=_d_div)
 
 
 def _numeric(symbol: str) -> Infer:
