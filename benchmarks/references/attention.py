@@ -286,6 +286,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float
     B, H, M, D = q.shape
     N = k.shape[2]
     assert q.is_contiguous() and k.is_contiguous() and v.is_contiguous() and D in (16, 32, 64, 128, 256)
+    if not q.is_cuda and (q.dtype is torch.bfloat16 or cap is not None):
+        raise ValueError("Triton's interpreter multiplies bf16 dot operands as raw bits and cannot run "
+                         "the soft-cap's inline PTX: on the CPU, run f16 without a cap")
     cfg = forward_config(D)
     o = torch.empty_like(q)
     lse = torch.empty((B, H, M), dtype=torch.float32, device=q.device)
