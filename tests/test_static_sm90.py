@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from helpers import randn
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
@@ -44,7 +45,7 @@ def test_attention_backward_matches_float64_autograd(L, causal):
     dq, dk, dv = attention.attention_backward(q, k, v, o, lse, do, 0.125, causal)
     leaves = [t.double().requires_grad_() for t in (q, k, v)]
     (torch.softmax(scores(leaves[0], leaves[1], 0.125, causal), -1) @ leaves[2]).backward(do.double())
-    for got, leaf in zip((dq, dk, dv), leaves):
+    for got, leaf in zip((dq, dk, dv), leaves, strict=True):
         assert (got.double() - leaf.grad).abs().max().item() < 1e-2
 
 

@@ -28,7 +28,6 @@ D=128 in the backward, see `backward_warps`).
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
@@ -86,13 +85,17 @@ def _attn_fwd(Q, K, V, O, LSE, sm_scale, cap, M_CTX, N_CTX, HEAD_DIM: tl.constex
     start_m = tl.program_id(0)
     bh = tl.program_id(1)
     BH = tl.num_programs(1)
-    q_desc = tl.make_tensor_descriptor(Q, shape=[BH, M_CTX, HEAD_DIM], strides=[M_CTX * HEAD_DIM, HEAD_DIM, 1],
+    q_desc = tl.make_tensor_descriptor(Q, shape=[BH, M_CTX, HEAD_DIM],
+                                       strides=[M_CTX * HEAD_DIM, HEAD_DIM, 1],
                                        block_shape=[1, BLOCK_M, HEAD_DIM])
-    o_desc = tl.make_tensor_descriptor(O, shape=[BH, M_CTX, HEAD_DIM], strides=[M_CTX * HEAD_DIM, HEAD_DIM, 1],
+    o_desc = tl.make_tensor_descriptor(O, shape=[BH, M_CTX, HEAD_DIM],
+                                       strides=[M_CTX * HEAD_DIM, HEAD_DIM, 1],
                                        block_shape=[1, BLOCK_M, HEAD_DIM])
-    k_desc = tl.make_tensor_descriptor(K, shape=[BH, N_CTX, HEAD_DIM], strides=[N_CTX * HEAD_DIM, HEAD_DIM, 1],
+    k_desc = tl.make_tensor_descriptor(K, shape=[BH, N_CTX, HEAD_DIM],
+                                       strides=[N_CTX * HEAD_DIM, HEAD_DIM, 1],
                                        block_shape=[1, BLOCK_N, HEAD_DIM])
-    v_desc = tl.make_tensor_descriptor(V, shape=[BH, N_CTX, HEAD_DIM], strides=[N_CTX * HEAD_DIM, HEAD_DIM, 1],
+    v_desc = tl.make_tensor_descriptor(V, shape=[BH, N_CTX, HEAD_DIM],
+                                       strides=[N_CTX * HEAD_DIM, HEAD_DIM, 1],
                                        block_shape=[1, BLOCK_N, HEAD_DIM])
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
@@ -312,10 +315,12 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: tor
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     bm, bn = BWD["dkdv"]
     launch(_attn_bwd_dkdv, (triton.cdiv(N, bn), B * H), q, k, v, do, lse, delta, dk, dv, sm_scale, M, N,
-           HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, num_warps=backward_warps(D), num_stages=BWD["stages"])
+           HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, num_warps=backward_warps(D),
+           num_stages=BWD["stages"])
     bm, bn = BWD["dq"]
     launch(_attn_bwd_dq, (triton.cdiv(M, bm), B * H), q, k, v, do, lse, delta, dq, sm_scale, M, N,
-           HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, num_warps=backward_warps(D), num_stages=BWD["stages"])
+           HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, num_warps=backward_warps(D),
+           num_stages=BWD["stages"])
     return dq, dk, dv
 
 

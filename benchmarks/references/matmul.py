@@ -71,7 +71,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, row_scale: torch.Tensor | None = No
     programs = min(sms, tiles)
     scaled = row_scale is not None
     launch(_matmul_persistent, (programs,), a, b, c, row_scale if scaled else c, col_scale if scaled else c,
-           M, N, K, **cfg, GROUP_M=GROUP_M, NUM_SMS=programs, SCALED=scaled, num_warps=WARPS, num_stages=STAGES)
+           M, N, K, **cfg, GROUP_M=GROUP_M, NUM_SMS=programs, SCALED=scaled, num_warps=WARPS,
+           num_stages=STAGES)
     return c
 
 
