@@ -431,6 +431,8 @@ class AttentionBackwardProgram:
             own = n if plan.over == "queries" else m
             block = consts["BLOCK_N" if plan.over == "queries" else "BLOCK_M"]
             grid = (cdiv(own, block) * numel(programs, dims),)
+            if given["BLOCK_M"] and consts["BLOCK_M"] <= 64 and not wide(dims):
+                warps = min(warps, 4)  # a hinted 64-row tile: one warpgroup for its score rows
             return LaunchConfig(grid, consts, given["num_warps"] or warps, given["num_stages"] or stages)
 
         def wide(dims: Mapping[str, int]) -> bool:
@@ -448,6 +450,9 @@ class AttentionBackwardProgram:
                 # S and dP whole: 1.5x and 1.7x the tensor work of the dk/dv and dq kernels);
                 # the dq kernel walks 32 keys, so its [128, 128] accumulator fits
                 bm, bn = 128, 64 if plan.over == "queries" else 32
+            elif plan.over == "keys":  # dq owning 128 queries reads each key tile for twice the
+                # scores: half the bytes a score of 64 x 64 (`benchmarks/static_sm90.py`)
+                bm, bn, warps = 128, 32, 8
             if plan.walked:  # walking the group's heads too: 64 x 64 spills (200 B at head dim
                 bm, bn, warps = 32, 64, 8  # 128 with 8 warps, 164 at 64 with 4; 32 x 64 with 4: 40)
             if at_128 and heavy:  # many score ops (a trig score mod): walk 32 rows, no spills
@@ -470,11 +475,13 @@ class AttentionBackwardProgram:
             # walks BLOCK_N keys. Left out as they spill: at head dim 128 owning 32 keys and
             # walking 128 queries (24-48 bytes), and owning 64 queries and walking 128 keys
             # at either head dim (212 and 72 bytes with attention sinks)
-            if plan.over == "queries":
-                tiles = ((64, 64, 8, 2), (64, 64, 8, 3)) if wide(dims) else \
-                    ((32, 128, 8, 2), (128, 64, 8, 2), (64, 64, 8, 3))
+            # At head dim 128, 64 x 64 takes 8 warps (4 spill), which compute S and dP twice.
+            if wide(dims):
+                tiles = ((64, 64, 8, 2),)
+            elif plan.over == "queries":
+                tiles = ((32, 128, 8, 2), (128, 64, 8, 2), (64, 64, 4, 3))
             else:
-                tiles = ((64, 64, 8, 2), (64, 64, 8, 3)) if wide(dims) else ((128, 32, 8, 2), (64, 64, 8, 3))
+                tiles = ((64, 64, 4, 2), (64, 64, 4, 3))
             found = {autotune_key(cfg := configure(dims, device, hinted=False)): cfg}
             for t in tiles:
                 found.setdefault(autotune_key(cfg := config(dims, *t, hinted=False)), cfg)
