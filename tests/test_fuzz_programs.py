@@ -248,3 +248,13 @@ def test_a_reduction_chain_another_row_program_took_part_of_is_not_a_partial_out
     program = fuzzgen.generate(random.Random("fills:2478"), seed=2478)
     assert "prod(" in program.source and "<< 14" in program.source  # the program pinned
     assert fuzzgen.run_grads(program).status == "pass"
+
+
+def test_a_gathered_b_operand_reading_one_element_per_batch_loads_it_unmasked():
+    """Gradient fuzzer, seed s3, program 408: the backward's GEMM loads B through the
+    gather `wb[index(wb, 0), N - 1 - index(wb, 1), index(wb, 2)]`, whose prologue reads a
+    tensor with one element per head; it was loaded with the B tile's mask (an internal
+    error: a block mask on a scalar pointer)."""
+    program = fuzzgen.generate(random.Random("s3:408"), seed=408)
+    assert "N - 1 - index(wb, 1)" in program.source  # the program pinned
+    assert fuzzgen.run_grads(program).status == "pass"

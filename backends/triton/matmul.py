@@ -295,7 +295,10 @@ class GemmProgram:
                     names = self.b_names(inp.type.rank)
                     idx = [None if d == 1 else names[k] for k, d in enumerate(inp.type.shape)]
                     ref = self.refs[i]
-                    tiles[i] = f"tl.load({ref.ptr} + {ref.offset(idx)}, mask={mask}, other=0)"
+                    if any(idx[-2:]):
+                        tiles[i] = f"tl.load({ref.ptr} + {ref.offset(idx)}, mask={mask}, other=0)"
+                    else:  # one element per batch (a head's scale): always there, no tile mask
+                        tiles[i] = f"tl.load({ref.ptr} + {ref.offset(idx)})"
             return operand_tile(self.em, self.region, name, None, mask, value, self.sources[which],
                                 self.prologues[which], self.scalars, self.dots[which], tiles,
                                 index=self.b_index)
