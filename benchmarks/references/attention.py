@@ -78,6 +78,13 @@ def _fwd_blocks(acc, l_i, m_i, q, k_desc, v_desc, bh, offs_m, lo, hi, N_CTX, qk_
 
 
 @triton.jit
+def _heads_desc(T, BH, CTX, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    """A TMA descriptor over [batch x heads, CTX, HEAD_DIM] contiguous rows, BLOCK at a time."""
+    return tl.make_tensor_descriptor(T, shape=[BH, CTX, HEAD_DIM], strides=[CTX * HEAD_DIM, HEAD_DIM, 1],
+                                     block_shape=[1, BLOCK, HEAD_DIM])
+
+
+@triton.jit
 def _attn_fwd(Q, K, V, O, LSE, sm_scale, cap, M_CTX, N_CTX, HEAD_DIM: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
               SOFTCAP: tl.constexpr):
@@ -85,18 +92,10 @@ def _attn_fwd(Q, K, V, O, LSE, sm_scale, cap, M_CTX, N_CTX, HEAD_DIM: tl.constex
     start_m = tl.program_id(0)
     bh = tl.program_id(1)
     BH = tl.num_programs(1)
-    q_desc = tl.make_tensor_descriptor(Q, shape=[BH, M_CTX, HEAD_DIM],
-                                       strides=[M_CTX * HEAD_DIM, HEAD_DIM, 1],
-                                       block_shape=[1, BLOCK_M, HEAD_DIM])
-    o_desc = tl.make_tensor_descriptor(O, shape=[BH, M_CTX, HEAD_DIM],
-                                       strides=[M_CTX * HEAD_DIM, HEAD_DIM, 1],
-                                       block_shape=[1, BLOCK_M, HEAD_DIM])
-    k_desc = tl.make_tensor_descriptor(K, shape=[BH, N_CTX, HEAD_DIM],
-                                       strides=[N_CTX * HEAD_DIM, HEAD_DIM, 1],
-                                       block_shape=[1, BLOCK_N, HEAD_DIM])
-    v_desc = tl.make_tensor_descriptor(V, shape=[BH, N_CTX, HEAD_DIM],
-                                       strides=[N_CTX * HEAD_DIM, HEAD_DIM, 1],
-                                       block_shape=[1, BLOCK_N, HEAD_DIM])
+    q_desc = _heads_desc(Q, BH, M_CTX, HEAD_DIM, BLOCK_M)
+    o_desc = _heads_desc(O, BH, M_CTX, HEAD_DIM, BLOCK_M)
+    k_desc = _heads_desc(K, BH, N_CTX, HEAD_DIM, BLOCK_N)
+    v_desc = _heads_desc(V, BH, N_CTX, HEAD_DIM, BLOCK_N)
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
