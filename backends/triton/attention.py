@@ -596,7 +596,7 @@ class AttentionProgram:
                 return []
             found = [config(dims, bm, bn, w, s, hinted=False) for bm, bn, w, s in hopper(d, dv)
                      if bn <= next_pow2(n) and (not drawn or bn <= 64)]
-            return hinted_first(configure(dims, device), found, any(user.values()))
+            return hinted_first(configure(dims, device) if any(user.values()) else None, found)
 
         return configure, candidates
 

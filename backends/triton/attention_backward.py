@@ -32,7 +32,6 @@ from .base import (
     EmittedKernel,
     Hints,
     LaunchConfig,
-    autotune_key,
     batch_names,
     cdiv,
     decompose,
@@ -450,8 +449,8 @@ class AttentionBackwardProgram:
                 # S and dP whole: 1.5x and 1.7x the tensor work of the dk/dv and dq kernels);
                 # the dq kernel walks 32 keys, so its [128, 128] accumulator fits
                 bm, bn = 128, 64 if plan.over == "queries" else 32
-            elif plan.over == "keys":  # dq owning 128 queries reads each key tile for twice the
-                # scores: half the bytes a score of 64 x 64 (`benchmarks/static_sm90.py`)
+            elif plan.over == "keys" and not f32_dots:  # dq owning 128 queries reads each key
+                # tile for twice the scores: half the bytes a score of 64 x 64 (static_sm90.py)
                 bm, bn, warps = 128, 32, 8
             if plan.walked:  # walking the group's heads too: 64 x 64 spills (200 B at head dim
                 bm, bn, warps = 32, 64, 8  # 128 with 8 warps, 164 at 64 with 4; 32 x 64 with 4: 40)
@@ -482,10 +481,8 @@ class AttentionBackwardProgram:
                 tiles = ((32, 128, 8, 2), (128, 64, 8, 2), (64, 64, 4, 3))
             else:
                 tiles = ((64, 64, 4, 2), (64, 64, 4, 3))
-            found = {autotune_key(cfg := configure(dims, device, hinted=False)): cfg}
-            for t in tiles:
-                found.setdefault(autotune_key(cfg := config(dims, *t, hinted=False)), cfg)
-            return hinted_first(configure(dims, device), list(found.values()), any(user.values()))
+            found = [configure(dims, device, hinted=False)] + [config(dims, *t, hinted=False) for t in tiles]
+            return hinted_first(configure(dims, device) if any(user.values()) else None, found)
 
         return configure, candidates
 

@@ -37,7 +37,7 @@ from typing import Any
 
 from tiledsl import diagnostics as diag
 
-from .base import EmittedKernel, LaunchConfig
+from .base import EmittedKernel, LaunchConfig, describe
 from .cache import cache_dir, cache_key, read_regular, write_atomic
 from .codegen import next_pow2
 
@@ -85,14 +85,6 @@ def budget_s() -> float:
         raise diag.OptionError(message=(
             f"TILEDSL_AUTOTUNE_BUDGET_S={text[:40]}: give a number of seconds (0 or more)"))
     return value
-
-
-def describe(cfg: LaunchConfig) -> dict[str, Any]:
-    described = {**{k: v for k, v in cfg.constexprs.items() if isinstance(v, int | bool)},
-                 "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-    if cfg.persistent:
-        described["persistent"] = True
-    return described
 
 
 def _path() -> Path:

@@ -165,19 +165,24 @@ def hint(hints: Hints, name: str, default: int) -> int:
     return hints[name][0] if name in hints else default
 
 
-def hinted_first(hinted: LaunchConfig, found: list[LaunchConfig], hints: bool) -> list[LaunchConfig]:
-    """The autotune candidates of a program with tile hints: the configuration they give
-    first (the one timed first, and used untimed once the tuning budget is spent), then the
-    template's others; without hints, the template's."""
-    if not hints:
-        return found
-    key = autotune_key(hinted)
-    return [hinted, *(c for c in found if autotune_key(c) != key)]
+def describe(cfg: LaunchConfig) -> dict[str, Any]:
+    """A launch configuration by its parameters (what the autotuner records of a choice)."""
+    described = {**{k: v for k, v in cfg.constexprs.items() if isinstance(v, int | bool)},
+                 "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    if cfg.persistent:
+        described["persistent"] = True
+    return described
 
 
-def autotune_key(cfg: LaunchConfig) -> tuple:
-    """What tells two launch configurations apart (the grid follows from them)."""
-    return (tuple(sorted(cfg.constexprs.items())), cfg.num_warps, cfg.num_stages, cfg.persistent)
+def hinted_first(hinted: LaunchConfig | None, found: list[LaunchConfig]) -> list[LaunchConfig]:
+    """Autotune candidates, each once: the configuration a program's tile hints give first
+    (the one timed first, and used untimed once the tuning budget is spent; None without
+    hints), then the template's."""
+    out: list[LaunchConfig] = []
+    for cfg in ([hinted] if hinted is not None else []) + found:
+        if all(describe(cfg) != describe(c) for c in out):
+            out.append(cfg)
+    return out
 
 
 def require_dot_hints(hints: Hints, names: Sequence[str]) -> None:

@@ -171,20 +171,27 @@ def profile_instructions(body: list[Instruction], warps: int, work: int, work_un
             "work_unit": work_unit, "modeled": modeled}
 
 
-def hottest(instrs: list[Instruction]) -> list[Instruction]:
-    """The hottest loop's instructions (the whole function when it has no loop)."""
-    loops = sass_loops(instrs)
+def _hottest_loop(loops: list[tuple[int, int]], records: list[Instruction]) -> list[Instruction] | None:
+    """The instructions of the hottest of `loops` ((first, last) indices into `records`): the
+    innermost one with the most matrix instructions, else the longest innermost one, the
+    first of equal ones (None: no loop)."""
     inner = [(a, b) for a, b in loops if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)]
     if not inner:
-        return instrs[:body_end(instrs) + 1]
+        return None
+
+    def body(loop: tuple[int, int]) -> list[Instruction]:
+        return [i for i in records[loop[0]:loop[1] + 1] if i.opcode != "LABEL"]
 
     def rank(loop: tuple[int, int]) -> tuple:
-        body = instrs[loop[0]:loop[1] + 1]
-        n_mma = sum(_mma_shape(i.opcode) is not None for i in body)
-        return (n_mma, 0, -loop[0]) if n_mma else (0, len(body), -loop[0])
+        n_mma = sum(_mma_shape(i.opcode) is not None for i in body(loop))
+        return (n_mma, 0, -loop[0]) if n_mma else (0, len(body(loop)), -loop[0])
 
-    first, last = max(inner, key=rank)
-    return instrs[first:last + 1]
+    return body(max(inner, key=rank))
+
+
+def hottest(instrs: list[Instruction]) -> list[Instruction]:
+    """The hottest loop's instructions (the whole function when it has no loop)."""
+    return _hottest_loop(sass_loops(instrs), instrs) or instrs[:body_end(instrs) + 1]
 
 
 # --- PTX, without a cuobjdump ----------------------------------------------------------------
@@ -246,19 +253,8 @@ def ptx_hottest(instrs: list[Instruction]) -> list[Instruction]:
     for i, ins in enumerate(instrs):
         if ins.opcode == "BRA" and ins.predicated and labels.get(ins.operands, i) < i:
             loops.append((labels[ins.operands], i))
-    body = [(a, b) for a, b in loops if b - a > SPIN_WAIT]
-    records = [i for i in instrs if i.opcode != "LABEL"]
-    if not body:
-        return records
-    inner = [(a, b) for a, b in body if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in body)]
-
-    def rank(loop: tuple[int, int]) -> tuple:
-        part = [i for i in instrs[loop[0]:loop[1] + 1] if i.opcode != "LABEL"]
-        n_mma = sum(_mma_shape(i.opcode) is not None for i in part)
-        return (n_mma, 0, -loop[0]) if n_mma else (0, len(part), -loop[0])
-
-    first, last = max(inner, key=rank)
-    return [i for i in instrs[first:last + 1] if i.opcode != "LABEL"]
+    found = _hottest_loop([(a, b) for a, b in loops if b - a > SPIN_WAIT], instrs)
+    return found if found is not None else [i for i in instrs if i.opcode != "LABEL"]
 
 
 def loop_profile(compiled: Any, warps: int, work: int, work_unit: str) -> dict[str, Any]:

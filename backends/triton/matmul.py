@@ -482,12 +482,12 @@ class GemmProgram:
             found = [config(dims, bm, bn, bk, w, s) for bm, bn, bk, w, s in configs
                      if bm <= next_pow2(m) and bn <= next_pow2(n) and bk <= max(16, next_pow2(k))
                      and (wide or bm * bn <= 128 * 128)]
-            # the first two tiles (128 x 128, and 128 x 256 where the kernel takes it) on a
-            # persistent grid too: one program per SM walks the tiles in grouped order (no
+            # the first two candidates (128 x 128, then 128 x 256 where the kernel takes it) on
+            # a persistent grid too: one program per SM walks the tiles in grouped order (no
             # launch tail of partial waves)
             found += [config(dims, c.constexprs["BLOCK_M"], c.constexprs["BLOCK_N"], c.constexprs["BLOCK_K"],
                              c.num_warps, c.num_stages, persistent=True) for c in found[:2]]
-            return hinted_first(configure(dims, device), found, any(user.values()))
+            return hinted_first(configure(dims, device) if any(user.values()) else None, found)
 
         return configure, candidates
 

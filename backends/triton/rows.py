@@ -111,6 +111,7 @@ class RowProgram:
         self.long_values = self.reading(set(self.long))
         self.long_keys = list(dict.fromkeys(self.select_key(v) for v in self.long))
         self.lanes = "r_base"  # the positions among a selection's k of its tile's lanes
+        self.long_mode = False  # emitting the loops that sort long selections in the workspace
 
     # --- analysis --------------------------------------------------------------------------
 
@@ -686,13 +687,13 @@ class RowProgram:
                                          or self.plan.source(v) in self.plan.selected)})
 
     def chunk(self, need: set[int]) -> None:
-        """The positions of the loop's chunk r0 (`rc` the first): from the start of the row,
-        or from its end when the loop computes reverse scans."""
-        if self.runs_backward(need):
-            self.body(f"rc = ({self.length} - 1) // BLOCK_R * BLOCK_R - r0")
-        else:
-            self.body("rc = r0")
-        self.body("r = rc + r_base")
+        """The positions of the loop's chunk r0: from the start of the row, or from its end
+        when the loop computes reverse scans (in a long selection's loop, `rc` its first)."""
+        start = f"({self.length} - 1) // BLOCK_R * BLOCK_R - r0" if self.runs_backward(need) else "r0"
+        if self.long_mode:
+            self.body(f"rc = {start}")
+            start = "rc"
+        self.body(f"r = {start} + r_base")
 
 
     def init_state(self, v: int) -> dict[str, str]:

@@ -78,7 +78,7 @@ def _render_true_div(em, op, args, out):
     store) Triton's fast one, and a division by a by-value argument (Gemma-2's `s / cap`) a
     product with its reciprocal, computed once per program: one MUFU op a score fewer."""
     a, b = args
-    if not is_precise(op, out) and getattr(b, "uniform", False):
+    if not is_precise(op, out) and b.uniform:
         return em.assign(f"{em.tensor(a).text} * (1.0 / {b.text})", out)
     return _DIVIDE(em, op, args, out)
 
