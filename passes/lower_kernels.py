@@ -44,6 +44,19 @@ LOWERED: dict[Category, Callable[[Graph, int], Spec]] = {
     Category.SCATTER: lambda graph, node: ScatterSpec(graph.result_type(*graph.operand_edges(node)[0]).shape)}
 
 
+def _transposed_inputs(graph: Graph, node: int) -> tuple[tuple[int, int], ...]:
+    """The kernel's inputs that are transposes (of the last two dims) of another of its
+    inputs: (i, j), input i is input j transposed (`KernelOp.transposed_inputs`)."""
+    edges = graph.operand_edges(node)
+    found = []
+    for i, (src, _) in enumerate(edges):
+        op = graph.op(src)
+        if isinstance(op, Op) and op.kind == "transpose" and sorted(op.attr("dims")) == [op.type.rank - 2,
+                                                                                         op.type.rank - 1]:
+            found += [(i, j) for j, e in enumerate(edges) if e == graph.operand_edges(src)[0]]
+    return tuple(found)
+
+
 @register
 @dataclass(frozen=True)
 class LowerKernels(Pass):
@@ -66,7 +79,8 @@ class LowerKernels(Pass):
                 replace_with_kernel(graph, [node], [node], spec(graph, node))
         self._copy_unproduced_outputs(graph)
         for i, node in enumerate(graph.kernels()):
-            graph.set_op(node, graph.op(node).replace(name=f"k{i}"))
+            kernel = graph.op(node).replace(name=f"k{i}", transposed_inputs=_transposed_inputs(graph, node))
+            graph.set_op(node, kernel)
 
     def _copy_unproduced_outputs(self, graph: Graph) -> None:
         outputs = graph.outputs

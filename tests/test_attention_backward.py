@@ -78,9 +78,11 @@ def test_explain_shows_the_structure_of_the_backward_kernels():
     report = backward.explain()
     assert "3 kernels" in report
     # line 3 is `s = q @ k.T * rsqrt(D)`, line 6 `softmax(s) @ v`
-    assert "summed over the queries: matmul (line 6), matmul (line 3); one program per key block walks " \
-           "the query blocks, scores recomputed per tile" in report
-    assert "summed over the keys: matmul (line 3); one program per query block walks the key blocks" in report
+    assert "summed over the queries: matmul (line 6), matmul (line 3); scaled once after the walk: mul " \
+           "(line 3); one program per key block walks the query blocks, scores recomputed per tile" in report
+    # dk = (ds * scale).T @ q and dq = (ds * scale) @ k: each sum is scaled once, not each score
+    assert "scaled once after the walk: mul (line 3); summed over the keys: matmul (line 3); one program " \
+           "per query block walks the key blocks" in report
     assert "key blocks outside the mask's bound, where every value it sums or stores is 0, are skipped, blocks " \
            "inside it for every row run without the mask" in report
     assert ("[fuse-attention-backward] fused: matmul (line 6) -> matmul (line 3): flash attention "
@@ -286,6 +288,39 @@ def test_the_default_backward_tiles_do_each_dot_once(d):
     for r, dots in zip(reports[1:], (4, 3), strict=True):
         per_score = r.loop["modeled"]["tensor"] / r.loop["work"]
         assert per_score == pytest.approx(dots * d / MAC_RATE["f16"], rel=1e-3), (r.name, r.config, r.loop)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_each_walked_tile_is_loaded_once(d):
+    """The loop's global loads (the profile's memory term) are the walked side's tiles, each
+    loaded once: the dk/dv kernel's Q^T and dO^T tiles of S^T = K Q^T and dP^T = V dO^T are
+    the dK and dV products' Q and dO (transposed in shared memory), plus the rows' lse and
+    delta; the dq kernel's K^T tile of S = Q K^T is the dQ product's K, a transposed view of
+    the same tensor (`KernelOp.transposed_inputs`)."""
+    from tiledsl.backends.triton.loop_profile import HBM_BYTES_PER_CLOCK
+
+    reports = aot.inspect_program(attention("f16", True).backward,
+                                  {"B": 4, "H": 16, "M": 4096, "N": 4096, "D": d})
+    dkdv, dq = reports[1:]
+    loaded = {r.name: r.loop["modeled"]["memory"] * HBM_BYTES_PER_CLOCK for r in reports[1:]}
+    tiles = 2 * dkdv.config["BLOCK_M"] * d * 2  # q and do: [BLOCK_M, D] f16
+    assert tiles <= loaded[dkdv.name] < tiles * 1.25, (loaded, dkdv.config)
+    # k and v: [BLOCK_N, D] f16 (the profile rounds its cycles to 0.1)
+    assert loaded[dq.name] == pytest.approx(2 * dq.config["BLOCK_N"] * d * 2, rel=1e-3), (loaded, dq.config)
+
+
+def test_whole_tiles_skip_the_bound_checks():
+    """Where every block and the head dim fill their tiles the launcher says `EVEN` and the
+    bound checks fold away; a tail anywhere keeps them (and the gradients are right both ways)."""
+    fn = attention("f16", True)
+    dims = {"B": 1, "H": 2, "M": 64, "N": 64, "D": 16}
+    for change, even in (({}, True), ({"D": 24}, False), ({"N": 63}, False)):
+        launches = [launch for launch in aot.meta_launches(fn.backward, {**dims, **change})
+                    if launch.kernel.kernel.template == "attention_backward"]
+        assert len(launches) == 2
+        for launch in launches:  # the interpreter's configuration: 64 x 64 tiles
+            assert launch.kernel.launch_config(dict(launch.dims), "cpu").constexprs["EVEN"] is even, change
+    grads_ok(fn, *qkv(1, 2, 64, 64, 16, "f16"))
 
 
 def test_mixed_precision_backward_compiles_for_sm90_without_spills():

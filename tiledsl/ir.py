@@ -157,6 +157,9 @@ class KernelOp:
     # stored directly (lower-kernels): result r is a view of a contiguous tensor of the
     # transposed shape. Empty (or None at r): contiguous in its own order.
     out_orders: tuple[tuple[int, ...] | None, ...] = ()
+    # pairs (i, j): region input i is input j with its last two dims swapped, a transpose
+    # view of the same tensor (lower-kernels): a template may load one tile for both
+    transposed_inputs: tuple[tuple[int, int], ...] = ()
 
     def out_order(self, r: int) -> tuple[int, ...] | None:
         return self.out_orders[r] if r < len(self.out_orders) else None

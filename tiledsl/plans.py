@@ -431,6 +431,10 @@ class ScoreProduct:
     # a kept size-1 dim), when the walk sums the product over batch axes (`walked`)
     batch: tuple[int | None, ...] | None = None
     y_source: int | None = None  # the input y's prologue reads; None: y is an input
+    # the product of `scaled` = x * scale (a scalar), which it reads: the walk sums x's
+    # products and multiplies the sum by the scalar once
+    scale: int | None = None
+    scaled: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -495,15 +499,20 @@ class AttentionBackwardPlan:
             return "score ops"
         if value in self.epilogue:
             return "epilogue"
+        if any(p.scaled == value for p in self.products):
+            return "scaled once after the walk"
         if any(d.matmul == value for d in self.dots):
             return "score dots"
         return f"summed over the {self.over}"
 
     def format(self, name: Name) -> str:
+        def scaled(product: str, p: ScoreProduct) -> str:
+            return product if p.scale is None else f"({product}) * {name(p.scale)}"
+
         products = ", ".join(
-            f"{name(p.matmul)} = " + (f"{name(p.y)}.T @ {name(p.x)}" if p.y_first else
-                                      f"{name(p.x)}.T @ {name(p.y)}" if self.over == "queries" else
-                                      f"{name(p.x)} @ {name(p.y)}") for p in self.products)
+            f"{name(p.matmul)} = " + scaled(f"{name(p.y)}.T @ {name(p.x)}" if p.y_first else
+                                            f"{name(p.x)}.T @ {name(p.y)}" if self.over == "queries" else
+                                            f"{name(p.x)} @ {name(p.y)}", p) for p in self.products)
         dots = ", ".join(f"{name(d.matmul)} = {name(d.a)} @ {name(d.b)}" for d in self.dots)
         return (f"plan attention_backward {{over = {self.over}, dots = ({dots}), "
                 f"score_ops = {_names(self.score_ops, name)}, products = ({products}), "

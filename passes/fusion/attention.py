@@ -115,7 +115,9 @@ def attention_backward_plan(region: Region, spec: AttentionBackwardSpec) -> Atte
         a, b = ops[p.matmul].operands
         y_first = b == p.x and p.view is None  # y.T @ x (y read transposed in place)
         y = a if y_first else b
-        product = ScoreProduct(p.matmul, p.x, y, y_first, y_source=loaded(y))
+        x, scale = _scaled_operand(region, p.x, p.view or p.matmul)
+        product = ScoreProduct(p.matmul, x, y, y_first, y_source=loaded(y), scale=scale,
+                               scaled=None if scale is None else p.x)
         if p.batch_sums:
             axes, dims = reduction_axes(ops[p.matmul].op.shape, [ops[v].op for v in p.batch_sums])
             walked = tuple(sorted(axes))
@@ -133,7 +135,7 @@ def attention_backward_plan(region: Region, spec: AttentionBackwardSpec) -> Atte
     xs = [p.x for p in products] + [r.x for r in reductions]
     before = set().union(*(region.depends(v) for v in xs + list(stores)))
     matmuls = {d.matmul for d in dots} | {p.matmul for p in products}
-    views = {p.view for p in spec.products if p.view is not None}
+    views = {p.view for p in spec.products if p.view is not None} | {p.scaled for p in products if p.scaled}
     score_ops = tuple(v for v in ops if v in before and v not in matmuls | prologues
                       and ops[v].op.kind != "const")
     epilogue = tuple(v for v in ops if v not in before and v not in matmuls | views | sums | prologues
@@ -142,6 +144,24 @@ def attention_backward_plan(region: Region, spec: AttentionBackwardSpec) -> Atte
     return AttentionBackwardPlan(spec.over, tuple(dots), score_ops, tuple(products), epilogue, stores, bound,
                                  tuple(reductions), tuple(sorted(prologues)), walked,
                                  tuple(sorted(batch_sums)), cond)
+
+
+def _scaled_operand(region: Region, x: int, reader: int) -> tuple[int, int | None]:
+    """A product's score-space operand `x` as (tile, scalar) when it is a tile times a scalar
+    (dK's dS * scale) that only the product reads: the product multiplies the accumulated
+    sum by the scalar once, not every score (FlashAttention-2's dK *= scale); else (x, None)."""
+    n_in = len(region.inputs)
+    if x < n_in or x in region.outputs:
+        return x, None
+    rop = region.ops[x - n_in]
+    readers = [n_in + k for k, r in enumerate(region.ops) if x in r.operands]
+    if rop.op.kind != "mul" or readers != [reader] or not rop.op.dtype.is_float:
+        return x, None
+    scalars = [o for o in rop.operands if region.value_type(o).rank == 0]
+    tiles = [o for o in rop.operands if region.value_type(o).shape == rop.op.shape]
+    if len(scalars) != 1 or len(tiles) != 1 or not region.value_type(scalars[0]).dtype.is_float:
+        return x, None
+    return tiles[0], scalars[0]
 
 
 def reduction_axes(shape, chain: list[Op]) -> tuple[frozenset[int], tuple[int | None, ...]] | None:
