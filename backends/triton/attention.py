@@ -52,6 +52,8 @@ from .matmul import operand_tile, tile_ptrs
 from .online import NEG_INF
 
 LOG2E = 1.4426950408889634
+# score ops whose registers count (several of them per score spill 128-key tiles)
+TRANSCENDENTAL = ("exp", "exp2", "log", "log2", "sin", "cos", "tan", "tanh", "sigmoid", "erf")
 LN2 = 0.6931471805599453
 DOT_HINTS = ("BLOCK_M", "BLOCK_N")
 # Hopper configurations, (BLOCK_M, BLOCK_N, warps, stages), by padded head dim, the first
@@ -60,9 +62,12 @@ DOT_HINTS = ("BLOCK_M", "BLOCK_N")
 # spills and with wgmma N >= 64 at head dims 64 and 128. One warpgroup (4 warps) per 64
 # query rows: 8 warps on a 64-row tile split the key tile and issue m64n32 wgmmas.
 # 128 x 128 at head dim 128 with 3 stages takes 225 KiB of shared memory, under the 227
-# an H100 block may have.
+# an H100 block may have. At head dim 64, 128 x 128 is the default: the loop's overhead
+# over twice the scores of 128 x 64 (static_sm90.py: 343 -> 265 warp instructions per
+# 1000 scores, the reference's 254); programs drawing random numbers, or with many
+# transcendental score ops, walk 64 keys.
 HOPPER_CONFIGS = {
-    64: ((128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 128, 4, 3)),
+    64: ((128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 128, 4, 3)),
     128: ((128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3)),
     256: ((128, 32, 8, 2), (64, 64, 4, 2), (128, 64, 8, 2)),
 }
@@ -557,6 +562,11 @@ class AttentionProgram:
         # random numbers drawn per score (dropout's mask): 128 keys a tile spill (688 bytes at
         # 128 x 128, 512 at 64 x 128)
         drawn = any(r.op.kind == "random" for r in self.kernel.region.ops)
+        # a score modification of many transcendentals (the trig score mod's 5: 4888 bytes
+        # at 128 x 128, head dim 64) walks 64 keys too
+        n_in = len(self.region.inputs)
+        narrow = drawn or sum(self.region.ops[v - n_in].op.kind in TRANSCENDENTAL
+                              for v in self.parts.score_ops if v >= n_in) > 2
 
         def sizes(dims: Mapping[str, int]) -> tuple[int, ...]:
             return tuple(evaluate(d, dims) for d in dims_of)
@@ -582,7 +592,7 @@ class AttentionProgram:
         def configure(dims: Mapping[str, int], device: str) -> LaunchConfig:
             m, n, d, dv = sizes(dims)
             if device == "cuda":
-                bm, bn, warps, stages = hopper(d, dv)[0]
+                bm, bn, warps, stages = next(c for c in hopper(d, dv) if not narrow or c[1] <= 64)
                 # a warpgroup's wgmma is 64 rows; a decode's few query rows take a 16-row
                 # tile (mma.sync) instead of wasting most of each dot and its registers
                 bm = min(bm, 16 if m <= 16 else max(64, next_pow2(m)))
@@ -595,7 +605,7 @@ class AttentionProgram:
             if device != "cuda" or not half or m < 128:
                 return []
             found = [config(dims, bm, bn, w, s, hinted=False) for bm, bn, w, s in hopper(d, dv)
-                     if bn <= next_pow2(n) and (not drawn or bn <= 64)]
+                     if bn <= next_pow2(n) and (not narrow or bn <= 64)]
             return hinted_first(configure(dims, device) if any(user.values()) else None, found)
 
         return configure, candidates

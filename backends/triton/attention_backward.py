@@ -33,7 +33,7 @@ from tiledsl.ir import KernelOp, Op
 from tiledsl.plans import AttentionBackwardPlan, ScoreProduct
 from tiledsl.types import Compute, DType, TensorType, value_compute
 
-from .attention import LOG2E, offset_text
+from .attention import LOG2E, TRANSCENDENTAL, offset_text
 from .base import (
     EmittedKernel,
     Hints,
@@ -53,7 +53,6 @@ from .expr import Emitter, Val, dot_precision, inputs_read, literal, with_scalar
 from .matmul import operand_tile, tile_ptrs
 
 DOT_HINTS = ("BLOCK_M", "BLOCK_N")
-TRANSCENDENTAL = ("exp", "exp2", "log", "log2", "sin", "cos", "tan", "tanh", "sigmoid", "erf")
 
 
 class ProbabilityEmitter(Emitter):
