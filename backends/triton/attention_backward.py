@@ -136,6 +136,9 @@ class AttentionBackwardProgram:
         self.tile = f"[{self.blocks[self.axes[0]]}, {self.blocks[self.axes[1]]}]"
         # input i -> input j it is the transpose of (a view of the same tensor)
         self.transposes = dict(kernel.transposed_inputs)
+        # this step's walked score dot operand tiles a product may read transposed:
+        # (name, input, the input's dim the walk runs along, the K dim, dtype)
+        self.walked_tiles: list[tuple[str, int, int, object, DType]] = []
 
     def value_type(self, v: int):
         return self.region.value_type(v)
@@ -377,7 +380,9 @@ class AttentionBackwardProgram:
 
     def inside(self) -> str:
         """The score tile's elements inside the sequences (rows below M, keys below N)."""
-        return f"{below(self.own, self.own_size)}[:, None] & {below(self.walk, self.walk_size)}[None, :]"
+        own, walk = self.own, self.walk
+        return f"{below(own, self.own_size)}{self.ix[own][len(own):]} & " \
+               f"{below(walk, self.walk_size)}{self.ix[walk][len(walk):]}"
 
     def finish(self) -> None:
         body, em, region, plan = self.body, self.em, self.region, self.plan
