@@ -382,14 +382,17 @@ def test_keys_and_values_from_one_tensor_share_its_descriptor_flag(dt):
 @pytest.mark.parametrize("m, n", [(1, 17), (17, 113)])
 def test_a_16_bit_division_by_an_argument_multiplies_by_its_reciprocal(dtype, m, n):
     """Gemma-2's `s / cap`: one reciprocal per program, a product per score (issue 29:
-    the division cost an instruction sequence a score); the oracle's bound holds. An f32
-    program keeps IEEE division."""
+    the division cost an instruction sequence a score), and `s * scale / cap` one product
+    with the scalars' quotient; the oracle's bound holds. An f32 program keeps IEEE
+    division."""
     examples = Path(__file__).resolve().parent.parent / "examples"
     src = (examples / "causal_softcap_attention.tdsl").read_text().replace("bf16", {
         torch.float16: "f16", torch.bfloat16: "bf16"}[dtype])
     q, k, v = (randn(2, 3, r, 64, dtype=dtype, seed=i) for i, r in enumerate((m, n, n)))
     fn, _ = run_checked(src, q, k, v, scale=0.125, cap=5.0)
     (kernel,) = fn.kernels
-    assert "* (1.0 / " in kernel.source
+    assert re.search(r"= s \* \(v\d+ / v\d+\)\n", kernel.source), kernel.source
+    half = tiledsl.compile("kernel f(x: f16[N], s: f32) -> f16[N] { return x / s }")
+    assert "* (1.0 / " in half.kernels[0].source
     f32 = tiledsl.compile("kernel f(x: f32[N], s: f32) -> f32[N] { return x / s }")
     assert "tl.div_rn(" in f32.kernels[0].source and "(1.0 / " not in f32.kernels[0].source

@@ -63,10 +63,12 @@ def test_new_runtime_dims_do_not_recompile():
     assert after == before
 
 
-@pytest.mark.parametrize("dt", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dt", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("m, n", [(113, 203), (1023, 1024)])
 def test_causal_softcap_attention_on_gpu(m, n, dt):
-    name = {torch.bfloat16: "bf16", torch.float32: "f32"}[dt]
+    """f16 and bf16: the soft cap's tanh is tanh.approx.f32 (issue 29), within the oracle's
+    bound for the output's dtype; f32 the exact form."""
+    name = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32"}[dt]
     fn = tiledsl.compile((EXAMPLES / "causal_softcap_attention.tdsl").read_text().replace("bf16", name))
     assert [k.template for k in fn.kernels] == ["attention"]
     q, k, v = (cuda_randn(2, 2, s, 128, dtype=dt, seed=i) for i, s in enumerate((m, n, n)))
@@ -181,3 +183,35 @@ def test_gqa_backward_on_gpu():
     k, v = (cuda_randn(2, 2, 777, 128, dtype=torch.bfloat16, seed=i) for i in (1, 2))
     report = testing.check_grads(fn, q, k, v, generator=torch.Generator().manual_seed(0))
     assert report.ok, str(report)
+
+
+@pytest.mark.parametrize("dt", [torch.float16, torch.bfloat16])
+def test_hardware_tanh_on_gpu(dt):
+    """tanh and gelu(tanh) of 16-bit ops through tanh.approx.f32, against float64 by the
+    oracle's rule for the output dtype, over inputs from -9 to 9 (both saturations)."""
+    name = {torch.float16: "f16", torch.bfloat16: "bf16"}[dt]
+    fn = tiledsl.compile(f"kernel f(x: {name}[M, N]) -> ({name}[M, N], {name}[M, N]) "
+                         "{ return tanh(x), gelu(x, approximate=\"tanh\") }")
+    assert "tanh_approx(" in fn.kernels[0].source
+    check_cuda(fn, cuda_randn(113, 1031, dtype=torch.float32, seed=3).mul(3).to(dt))
+
+
+def test_fp8_gemm_with_n_major_b_on_gpu():
+    """The fp8 example's b: [K, N] goes K-major through a copy kept per tensor (issue 29);
+    the result is the oracle's, and a write to b makes a new copy."""
+    from tiledsl.backends.triton import launch
+
+    fn = tiledsl.compile(EXAMPLES / "gemm_fp8_scaled.tdsl")
+    dims = {"M": 257, "N": 384, "K": 512}
+    inputs = testing.random_inputs(fn, dims, "cuda", torch.Generator().manual_seed(0))
+    b = next(v for v in inputs.values() if isinstance(v, torch.Tensor) and v.shape == (512, 384))
+    check_cuda(fn, **inputs)
+    (copy,) = [c for t, _, c in launch._K_MAJOR.values() if t() is b]
+    assert copy.stride() == (1, 512)
+    check_cuda(fn, **inputs)
+    (again,) = [c for t, _, c in launch._K_MAJOR.values() if t() is b]
+    assert again is copy  # reused
+    b.copy_(b.float().mul(0.5).to(b.dtype))  # written: its version changes
+    check_cuda(fn, **inputs)
+    (fresh,) = [c for t, _, c in launch._K_MAJOR.values() if t() is b]
+    assert fresh is not copy

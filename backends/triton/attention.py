@@ -68,7 +68,7 @@ DOT_HINTS = ("BLOCK_M", "BLOCK_N")
 # transcendental score ops, walk 64 keys.
 HOPPER_CONFIGS = {
     64: ((128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 128, 4, 3)),
-    128: ((128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3)),
+    128: ((128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3)),
     256: ((128, 32, 8, 2), (64, 64, 4, 2), (128, 64, 8, 2)),
 }
 
@@ -253,7 +253,13 @@ class AttentionProgram:
             self.add_row_sums(vals, masked)
         # the online softmax in base 2; columns past the keys are -inf
         x = em.tensor(em.convert(vals[scores], Compute.F32))
-        t = f"{x.text} * {'qk_scale' if folded else repr(LOG2E)}"
+        if folded:
+            t = f"{x.text} * qk_scale"
+        elif x.text in em.scaled:  # a tile times a scalar: one multiply by (scalar * log2 e)
+            base, scalar = em.scaled[x.text]
+            t = f"{base.text} * ({scalar.text} * {LOG2E!r})"
+        else:
+            t = f"{x.text} * {LOG2E!r}"
         if masked:
             body(f"t = tl.where((rn < {N})[None, :], {t}, {NEG_INF})")
         else:
@@ -565,8 +571,12 @@ class AttentionProgram:
         # a score modification of many transcendentals (the trig score mod's 5: 4888 bytes
         # at 128 x 128, head dim 64) walks 64 keys too
         n_in = len(self.region.inputs)
-        narrow = drawn or sum(self.region.ops[v - n_in].op.kind in TRANSCENDENTAL
-                              for v in self.parts.score_ops if v >= n_in) > 2
+        score_kinds = [self.region.ops[v - n_in].op.kind for v in self.parts.score_ops if v >= n_in]
+        narrow_at = {64: drawn or sum(k in TRANSCENDENTAL for k in score_kinds) > 2}
+        # at head dim 128 the accumulator holds twice the registers: a score modification of
+        # more than 12 ops walks 64 keys (the neighborhood mask's 15 spill 656 bytes at
+        # 128 x 128; the dilated window's 11 do not)
+        narrow_at[128] = narrow_at[64] or len(score_kinds) > 12
 
         def sizes(dims: Mapping[str, int]) -> tuple[int, ...]:
             return tuple(evaluate(d, dims) for d in dims_of)
@@ -585,17 +595,25 @@ class AttentionProgram:
                 warps = min(warps, 4)  # one warpgroup per 64 query rows
             return LaunchConfig(grid, constexprs, given["num_warps"] or warps, given["num_stages"] or stages)
 
+        def width(d: int, dv: int) -> int:
+            return max(64, next_pow2(d), next_pow2(dv))
+
         def hopper(d: int, dv: int) -> tuple:
-            width = max(64, next_pow2(d), next_pow2(dv))
-            return HOPPER_CONFIGS.get(width, ((64, 32, 4, 2),))
+            return HOPPER_CONFIGS.get(width(d, dv), ((64, 32, 4, 2),))
+
+        def narrow(d: int, dv: int) -> bool:
+            """Whether the tiles walk at most 64 keys."""
+            return narrow_at[min(width(d, dv), 128)]
 
         def configure(dims: Mapping[str, int], device: str) -> LaunchConfig:
             m, n, d, dv = sizes(dims)
             if device == "cuda":
-                bm, bn, warps, stages = next(c for c in hopper(d, dv) if not narrow or c[1] <= 64)
+                bm, bn, warps, stages = next(c for c in hopper(d, dv) if not narrow(d, dv) or c[1] <= 64)
                 # a warpgroup's wgmma is 64 rows; a decode's few query rows take a 16-row
                 # tile (mma.sync) instead of wasting most of each dot and its registers
                 bm = min(bm, 16 if m <= 16 else max(64, next_pow2(m)))
+                if m <= 16:  # a decode walks 64 keys a step: its 16 x 128 tile took 168 registers
+                    bn = min(bn, 64)
                 return config(dims, bm, bn if half else min(bn, 32), warps, stages)
             # the interpreter: few, large programs
             return config(dims, max(16, min(next_pow2(m), 128)), max(16, min(next_pow2(n), 128)), 4, 1)
@@ -605,7 +623,7 @@ class AttentionProgram:
             if device != "cuda" or not half or m < 128:
                 return []
             found = [config(dims, bm, bn, w, s, hinted=False) for bm, bn, w, s in hopper(d, dv)
-                     if bn <= next_pow2(n) and (not narrow or bn <= 64)]
+                     if bn <= next_pow2(n) and (not narrow(d, dv) or bn <= 64)]
             return hinted_first(configure(dims, device) if any(user.values()) else None, found)
 
         return configure, candidates

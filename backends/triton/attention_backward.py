@@ -73,7 +73,6 @@ class ProbabilityEmitter(Emitter):
 
     def __init__(self, code: Code) -> None:
         super().__init__(code)
-        self.scaled: dict[str, tuple[Val, Val]] = {}  # a tile times a scalar: (tile, scalar)
         self.shifted: dict[str, tuple[Val, Val]] = {}  # a tile minus a row's value: (tile, row)
 
     def op(self, op: Op, args: list[Val], types: tuple[TensorType, ...]) -> Val:
@@ -94,15 +93,13 @@ class ProbabilityEmitter(Emitter):
         return self.assign(f"tl.exp2({x.text} * {LOG2E!r})", Compute.F32)
 
     def note_form(self, op: Op, args: list[Val], types: tuple[TensorType, ...], out: Val) -> None:
-        """Record an f32 tile times a scalar, or minus a row's value (a vector of the score
-        tile: a size-1 score dim, or a scalar), for the exp that reads it."""
+        """Record an f32 tile minus a row's value (a vector of the score tile: a size-1 score
+        dim, or a scalar), for the exp that reads it (the base emitter records a tile times a
+        scalar: `scaled`)."""
         if out.literal or op.type.rank < 2 or any(a.literal or a.cat is not Compute.F32 for a in args):
             return
-        tile = [t.shape == op.shape for t in types]
-        if op.kind == "mul" and sorted(t.rank for t in types)[0] == 0 and any(tile):
-            k = tile.index(True)
-            self.scaled[out.text] = (args[k], args[1 - k])
-        elif op.kind == "sub" and tile[0] and (types[1].rank == 0 or 1 in types[1].shape[-2:]):
+        if op.kind == "sub" and types[0].shape == op.shape and \
+                (types[1].rank == 0 or 1 in types[1].shape[-2:]):
             self.shifted[out.text] = (args[0], args[1])
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from tiledsl import ops
 from tiledsl.ir import Op, Region, RegionOp
 from tiledsl.ops import Reads
+from tiledsl.ops.render import is_precise
 from tiledsl.types import NARROW, Compute, DType, TensorType, compute_type, result_dtype, value_compute
 
 from .codegen import Code, TensorRef
@@ -71,6 +72,20 @@ def normal_at(seed, position):
     u1 = tl.maximum(tl.uint_to_uniform_float(w0), 1.0e-7).to(tl.float64)
     u2 = tl.uint_to_uniform_float(w1).to(tl.float64)
     return (tl.sqrt(-2.0 * tl.log(u1)) * tl.cos(6.283185307179586 * u2)).to(tl.float32)
+
+"""
+# tanh of a value whose op rounds to 16 bits (`tanh_of`): the hardware's tanh.approx.f32 (one
+# MUFU op, relative error about 2^-11, at or below the rounding to f16 and a quarter of
+# bf16's) on a GPU; the interpreter cannot run PTX and computes the exact form
+HELPERS["tanh"] = """\
+@triton.jit
+def tanh_approx(x, INTERPRETER: tl.constexpr):
+    if INTERPRETER:
+        e = tl.exp(-2.0 * tl.abs(x))
+        return tl.where(x < 0, -1.0, 1.0) * (1.0 - e) / (1.0 + e)
+    else:
+        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
+                                         is_pure=True, pack=1)
 
 """
 HELPERS["mul_combine"] = """\
@@ -219,12 +234,29 @@ def literal(value: object, cat: Compute) -> Val:
     return Val(text, cat, True, v)
 
 
+def _scalar_slot(op: Op, args: list[Val], types: tuple[TensorType, ...], out: Compute) -> int | None:
+    """The operand of an f32 `mul` or `div` (the divisor) that is a loop-invariant scalar
+    times a tile, or None."""
+    if out is not Compute.F32 or op.type.rank == 0 or any(a.cat is not Compute.F32 for a in args):
+        return None
+    slots = (0, 1) if op.kind == "mul" else (1,)
+    for k in slots:
+        other = args[1 - k]
+        if types[k].rank == 0 and (args[k].literal or args[k].uniform) and types[1 - k].rank > 0 \
+                and not other.literal:
+            return k
+    return None
+
+
 class Emitter:
     def __init__(self, code: Code) -> None:
         self.code = code
         self._count = 0
         self.helpers: set[str] = set()  # the HELPERS the module needs
         self.sources: dict[int, Gather] = {}  # region inputs that ops gather from
+        # a tile value times a loop-invariant scalar (a by-value argument, a literal, or
+        # their products): value text -> (tile, scalar), so consumers fold the scalar
+        self.scaled: dict[str, tuple[Val, Val]] = {}
 
     def widen(self, text: str, dtype: DType) -> str:
         """Source text of a stored `dtype` value in its compute type."""
@@ -398,4 +430,33 @@ class Emitter:
             args = [cond] + [self.convert(x, out) for x in args[1:]]
         elif opdef.reads is not Reads.OPERAND:
             args = [self.convert(x, out) for x in args]
-        return opdef.triton(self, op, args, out)
+        if op.kind in ("mul", "div"):
+            result = self.scalar_product(op, args, types, out)
+        else:
+            result = opdef.triton(self, op, args, out)
+        if op.type.rank == 0 and not result.literal and all(a.literal or a.uniform for a in args):
+            return Val(result.text, result.cat, uniform=True)  # of the program's scalars only
+        return result
+
+    def scalar_product(self, op: Op, args: list[Val], types: tuple[TensorType, ...], out: Compute) -> Val:
+        """A product or quotient of a tile and a loop-invariant scalar. For an op rounded to
+        16 bits, a tile that is itself a product with a scalar, `(x * a) * b`, becomes
+        `x * (a * b)` (the scalars multiply once, outside the loop: Gemma-2's
+        `s * scale / cap` is one multiply a score). Records `scaled` for the consumers."""
+        k = _scalar_slot(op, args, types, out)
+        tile = args[1 - k] if k is not None else None
+        if tile is not None and tile.text in self.scaled and not is_precise(op, out):
+            base, a = self.scaled[tile.text]
+            b = args[k]
+            factor = Val(f"({a.text} * {b.text})" if op.kind == "mul" else f"({a.text} / {b.text})",
+                         Compute.F32, uniform=True)
+            result = self.assign(f"{base.text} * {factor.text}", out)
+            self.scaled[result.text] = (base, factor)
+            return result
+        result = ops.OPS[op.kind].triton(self, op, args, out)
+        if tile is not None and not result.literal:
+            if op.kind == "mul":
+                self.scaled[result.text] = (tile, args[k])
+            elif not is_precise(op, out) and args[k].uniform:  # `div`'s reciprocal product
+                self.scaled[result.text] = (tile, Val(f"(1.0 / {args[k].text})", Compute.F32, uniform=True))
+        return result

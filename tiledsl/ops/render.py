@@ -29,6 +29,12 @@ def is_precise(op: Any, out: Compute) -> bool:
     return out is Compute.F32 and op.dtype is DType.F32
 
 
+def is_rounded_to_half(op: Any, out: Compute) -> bool:
+    """An op of an f16 or bf16 value computed in f32: its result rounds to 16 bits, so a
+    hardware approximation whose error is at or below that rounding may compute it."""
+    return out is Compute.F32 and op.dtype in (DType.F16, DType.BF16)
+
+
 def in_wide_type(em, op: Any, out: Compute, x) -> tuple[Compute, str]:
     """A form with cancellation computes in f64 for f32 ops (its error then stays below an f32
     ulp), else in the op's compute type: that type, and the operand's text in it."""
