@@ -36,7 +36,9 @@ per-element costs are of that one pass, not of the whole row, and the memory cyc
 only that pass's loads and stores. TMA copies are not counted as memory traffic.
 
 The fp8 GEMM of examples/gemm_fp8_scaled.tdsl takes B as [K, N]; the reference, as the
-tutorial, takes it K-major as [N, K] (what Hopper's fp8 wgmma reads).
+tutorial, takes it K-major as [N, K] (what Hopper's fp8 wgmma reads). tiledsl's launcher
+hands B over K-major (a copy made once per weight tensor, `EmittedKernel.k_major`), so both
+sides' loops read the same layout.
 """
 
 from __future__ import annotations

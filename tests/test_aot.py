@@ -101,7 +101,8 @@ def test_gemm_example_reports_every_candidate():
     every = _report("gemm_multiply_multiply.tdsl", GEMM_DIMS, every=True)
     assert len(default) == 1 and len(every) >= 4
     assert every[0] == default[0]  # the launcher starts from the first candidate
-    assert default[0].wgmma == ["m64n128k16"]
+    # 128 x 256, its tiles filling an H100 many times over (Triton's tutorial's tile)
+    assert default[0].wgmma == ["m64n256k16"]
     assert all(r.spill_bytes == 0 and r.wgmma for r in every)
     # the first two tiles again on a persistent grid: one program per SM (an H100's 132 here)
     assert [r.config for r in every[-2:]] == [{**r.config, "programs": 132} for r in every[:2]]
@@ -110,7 +111,7 @@ def test_gemm_example_reports_every_candidate():
 
 def test_fp8_gemm_example_uses_fp8_tensor_cores_and_tma():
     (r,) = _report("gemm_fp8_scaled.tdsl", GEMM_DIMS)
-    assert r.wgmma == ["m64n128k32"]  # f8 operands as they are: k32 is the f8 wgmma
+    assert r.wgmma == ["m64n256k32"]  # f8 operands as they are: k32 is the f8 wgmma
     assert r.spill_bytes == 0 and r.tma > 0
 
 
@@ -300,3 +301,50 @@ def test_compile_for_sm90_in_an_interpreting_process_is_an_option_error():
                          env={**os.environ, "TRITON_INTERPRET": "1"})
     assert out.stdout.startswith("OptionError error: cannot compile for a GPU in a process that "
                                  "imported Triton with TRITON_INTERPRET=1 set"), out.stdout + out.stderr
+
+
+def test_fp8_b_comes_k_major_once():
+    """Hopper's fp8 wgmma reads B K-major: the example's b: [K, N] is handed over as a K-major
+    copy (`EmittedKernel.k_major`), read through the transposed descriptor, so the loop moves
+    no tile through shared memory by hand (68 shared-memory ops a K step when it did). A
+    tensor already K-major, or on the CPU (the interpreter), is passed as it is; a GPU
+    tensor's copy is kept until the tensor is written."""
+    from tiledsl.backends.triton.launch import k_major
+
+    fn = tiledsl.compile(EXAMPLES / "gemm_fp8_scaled.tdsl")
+    (emitted,) = fn.runtime.emitted
+    b = [i for i, inp in enumerate(emitted.kernel.region.inputs) if inp.type.shape[-2:] == ("K", "N")]
+    assert emitted.k_major == tuple(b) and len(b) == 1
+    (r,) = _report("gemm_fp8_scaled.tdsl", GEMM_DIMS)
+    assert r.loop["shared_ops"] == 0 and r.tma > 0, r
+    f16 = tiledsl.compile("kernel f(a: f16[M, K], b: f16[K, N]) -> f16[M, N] { return a @ b }")
+    assert f16.runtime.emitted[0].k_major == ()
+
+    w = torch.empty(96, 160, dtype=torch.float8_e4m3fn, device="meta")
+    copy = k_major(w, -2)
+    assert copy.shape == w.shape and copy.stride() == (1, 96)
+    assert k_major(copy, -2) is copy
+    batched = torch.empty(3, 96, 160, device="meta").transpose(0, 2)  # [160, 96, 3], axis 1 = K
+    assert k_major(batched, 1).stride(1) == 1 and k_major(batched, 1).shape == batched.shape
+    cpu = torch.randn(96, 160)
+    assert k_major(cpu, -2) is cpu
+
+
+def test_a_16_bit_tanh_is_one_hardware_op():
+    """tanh of an f16 or bf16 op (rounded to 16 bits, where tanh.approx.f32's error is at or
+    below the rounding) is the hardware's tanh.approx on a GPU: the soft-capped attention's
+    loop takes two MUFU ops a score (the tanh and the exp2; the rescale's exp2 a row more); `s *
+    scale / cap` and the softmax's base-2 conversion of `cap * tanh(...)` are one multiply
+    each. An f32 op keeps the exact form; the interpreter computes the exact form too."""
+    src = (EXAMPLES / "causal_softcap_attention.tdsl").read_text()
+    (r,) = _report("causal_softcap_attention.tdsl", {"B": 4, "H": 16, "M": 4096, "N": 4096, "D": 64})
+    loop = r.loop
+    per_score = loop["mufu"] * 32 * loop["warps"] / loop["work"]
+    # the rescale's exp2 of each row is computed by the 4 lanes of the wgmma layout holding it
+    assert per_score == pytest.approx(2 + 4 / r.config["BLOCK_N"]), (per_score, r.config)
+    (kernel,) = tiledsl.compile(src).kernels
+    assert kernel.source.count("tanh_approx(") == 3  # the helper's definition and two key loops
+    assert re.search(r"t = v\d+ \* \(v\d+ \* 1\.4426950408889634\)\n", kernel.source), kernel.source
+    for dtype, approx in (("f16", True), ("bf16", True), ("f32", False)):
+        fn = tiledsl.compile(f"kernel f(x: {dtype}[N]) -> {dtype}[N] {{ return tanh(x) + gelu(x, approximate=\"tanh\") }}")
+        assert ("tanh_approx(" in fn.kernels[0].source) is approx, dtype

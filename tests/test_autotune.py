@@ -73,14 +73,20 @@ def test_user_tile_hints_are_the_first_autotune_candidate_not_the_only_one(src, 
 class FakeGpu:
     """Candidate timings on a fake clock: each timed candidate costs `cost_s` seconds."""
 
-    def __init__(self, monkeypatch, tmp_path, ms, cost_s=0.1):
+    def __init__(self, monkeypatch, tmp_path, ms, cost_s=0.1, too_big=()):
         self.now, self.measured, self.ms, self.cost_s = 0.0, [], ms, cost_s
+        self.too_big, self.tried = too_big, []  # configurations the device cannot hold
         monkeypatch.setenv("TILEDSL_CACHE_DIR", str(tmp_path))
         monkeypatch.setattr(autotune, "_chosen", {})
         monkeypatch.setattr(autotune, "_spent", [0.0])
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "test-gpu")
         monkeypatch.setattr(autotune.time, "perf_counter", lambda: self.now)
         monkeypatch.setattr(autotune, "_measure", self.measure)
+        monkeypatch.setattr(autotune, "_fits", self.fits)
+
+    def fits(self, cfg, launch):
+        self.tried.append(cfg)
+        return cfg not in self.too_big
 
     def measure(self, cfg, launch):
         self.now += self.cost_s
@@ -102,7 +108,7 @@ def test_a_size_bucket_is_tuned_once(monkeypatch, tmp_path):
     assert autotune.bucket(same) == autotune.bucket(dims) != autotune.bucket({**dims, "M": 513})
 
 
-def test_the_budget_keeps_the_best_so_far_then_the_default(monkeypatch, tmp_path, capsys):
+def test_the_budget_keeps_the_best_so_far_then_the_first_that_fits(monkeypatch, tmp_path, capsys):
     emitted, dims = emitted_gemm()
     candidates = emitted.launch_candidates(dims, "cuda")
     assert len(candidates) >= 4
@@ -120,6 +126,13 @@ def test_the_budget_keeps_the_best_so_far_then_the_default(monkeypatch, tmp_path
     others = emitted.launch_candidates(other, "cuda")
     assert autotune.choose(emitted, other, others, launch=None) is others[0]
     assert gpu.measured == candidates[:2]
+    # ... or, where the device cannot hold the default's tile, the first candidate it can
+    gpu.tried = []
+    third = {**dims, "M": 2048}
+    thirds = emitted.launch_candidates(third, "cuda")
+    gpu.too_big = (thirds[0],)
+    assert autotune.choose(emitted, third, thirds, launch=None) is thirds[1]
+    assert gpu.tried == thirds[:2] and gpu.measured == candidates[:2]
 
 
 def test_quick_tuning_prints_nothing(monkeypatch, tmp_path, capsys):

@@ -152,8 +152,8 @@ def choose(emitted: EmittedKernel, dims: Mapping[str, int], candidates: Sequence
             if describe(cfg) == wanted:
                 return cfg
     left = budget_s() - _spent[0]
-    if left <= 0:
-        return candidates[0]  # the budget is spent: the template's default, untimed
+    if left <= 0:  # the budget is spent: the first candidate that fits, untimed
+        return next((cfg for cfg in candidates if _fits(cfg, launch)), candidates[0])
     start = time.perf_counter()
     best, complete = _time(candidates, launch, start + left)
     elapsed = time.perf_counter() - start
@@ -189,16 +189,25 @@ def _time(candidates: Sequence[LaunchConfig], launch: Callable[[LaunchConfig], N
     return best[1], True
 
 
-def _measure(cfg: LaunchConfig, launch: Callable[[LaunchConfig], None]) -> float | None:
-    """Median milliseconds of one launch with a cold L2, or None if it does not fit."""
+def _fits(cfg: LaunchConfig, launch: Callable[[LaunchConfig], None]) -> bool:
+    """Launch once (compiling): False if the device cannot hold the tile."""
     import torch
 
     try:
-        launch(cfg)  # compiles
+        launch(cfg)
         torch.cuda.synchronize()
     except Exception as err:  # e.g. triton's OutOfResources: the tile does not fit
         if "OutOfResources" not in type(err).__name__ and "out of resource" not in str(err):
             raise
+        return False
+    return True
+
+
+def _measure(cfg: LaunchConfig, launch: Callable[[LaunchConfig], None]) -> float | None:
+    """Median milliseconds of one launch with a cold L2, or None if it does not fit."""
+    import torch
+
+    if not _fits(cfg, launch):
         return None
     device = torch.cuda.current_device()
     if device not in _flush_buffers:

@@ -95,6 +95,10 @@ class EmittedKernel:
     function: Function | None = field(default=None, compare=False)
     # the int64 scratch words a call at these sizes needs (None: the kernel takes none)
     workspace: Callable[[Mapping[str, int]], int] | None = field(default=None, compare=False)
+    # inputs the launcher hands over K-major (their second-to-last dim contiguous, a copy
+    # where the caller's tensor is not: `launch.k_major`): 8-bit B operands of a GEMM, which
+    # Hopper's fp8 wgmma reads only K-major
+    k_major: tuple[int, ...] = ()
 
     def launch_config(self, dims: Mapping[str, int], device: str) -> LaunchConfig:
         cfg = self.configure(dims, device)
@@ -153,6 +157,9 @@ class EmittedKernel:
 
     def with_candidates(self, candidates) -> EmittedKernel:
         return dataclasses.replace(self, candidates=candidates)
+
+    def with_k_major(self, inputs: tuple[int, ...]) -> EmittedKernel:
+        return dataclasses.replace(self, k_major=inputs)
 
     def ir(self) -> str:
         """The kernel's IR as text (part of its cache key)."""

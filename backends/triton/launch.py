@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -247,11 +248,41 @@ def argument_function(emitted: EmittedKernel, reads: Sequence[Read], outputs: Se
             exprs.append(f"int({value})" if region.inputs[spec.index].type.dtype is DType.BOOL
                          else value)
     lines = ["def args(v, o):"]
+    k_major_slots = {reads[i][0]: reads[i][1] for i in emitted.k_major}
+    if k_major_slots:
+        lines.append("    v = list(v)")
+        for slot, perm in k_major_slots.items():
+            axis = -2 if perm is None else perm[-2]
+            lines.append(f"    v[{slot}] = k_major(v[{slot}], {axis})")
     lines += [f"    s{slot} = v[{slot}].stride()" for slot in strides]
     lines.append(f"    return ({''.join(e + ', ' for e in exprs)})")
-    namespace: dict[str, Any] = {"fits": fits_int32}
+    namespace: dict[str, Any] = {"fits": fits_int32, "k_major": k_major}
     exec(compile("\n".join(lines) + "\n", f"<arguments of {emitted.fn_name}>", "exec"), namespace)
     return namespace["args"]
+
+
+# K-major copies of tensors the caller passed otherwise, kept while the tensor lives and is
+# unchanged (a weight is transposed once): id -> (the tensor, its version, the copy)
+_K_MAJOR: dict[int, tuple[Any, int, Any]] = {}
+
+
+def k_major(t: Any, axis: int) -> Any:
+    """`t` with `axis` (the K dim of a B operand) contiguous: `t` itself where it already is
+    (or on the CPU, where the interpreter gains nothing), else a copy laid out so, with the
+    same shape and values. A GPU tensor's copy is kept for later calls until the tensor is
+    freed or written (its version changes)."""
+    axis %= t.dim()
+    if t.device.type == "cpu" or t.stride(axis) == 1 or t.shape[axis] == 1:
+        return t
+    cached = _K_MAJOR.get(id(t))
+    version = t._version
+    if cached is not None and cached[0]() is t and cached[1] == version:
+        return cached[2]
+    copy = t.movedim(axis, -1).contiguous().movedim(-1, axis)
+    if t.device.type != "meta":
+        _K_MAJOR[id(t)] = (weakref.ref(t), version, copy)
+        weakref.finalize(t, _K_MAJOR.pop, id(t), None)
+    return copy
 
 
 def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:

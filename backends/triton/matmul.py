@@ -59,7 +59,8 @@ OPERAND_BLOCKS = (("BLOCK_M", "BLOCK_K"), ("BLOCK_K", "BLOCK_N"))  # the a and b
 # registers), and 128-wide tiles issue m64n128k16 (128 x 256: m64n256k16) wgmmas. An operand
 # prologue keeps its tile in registers through the K loop: 256 x 128 then spills, so
 # prologue kernels stay at 128 x 128 and below. 4-warp 128 x 128 tiles use 210+ registers.
-HOPPER_CONFIGS = ((128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
+WIDE_DEFAULT = (128, 256, 64, 8, 3)
+HOPPER_CONFIGS = ((128, 128, 64, 8, 3), WIDE_DEFAULT, (256, 128, 64, 8, 3),
                   (128, 128, 64, 8, 4), (128, 128, 32, 8, 4), (128, 64, 64, 8, 3),
                   (64, 128, 64, 8, 3))
 
@@ -185,6 +186,11 @@ class GemmProgram:
         body(f"tiles_all = tiles{f' * {batch}' if batch else ''}")
         # operands read as they are may come through TMA descriptors (`tma.py`)
         descs = [self.descriptors(which) for which in range(len(self.sources))]
+        # an 8-bit B read through a descriptor comes K-major (`EmittedKernel.k_major`): its
+        # transposed descriptor's tiles are what fp8 wgmma reads, with no transpose through
+        # shared memory each K step
+        self.k_major = tuple(self.sources[w] for w in range(1, len(descs))
+                             if descs[w] is not None and self.dots[w].itemsize == 1)
         # one tile per program, or (a persistent grid) every program-count-th tile
         body("for pid in range(tl.program_id(0), tiles_all, tl.num_programs(0)):")
         with body.indent():
@@ -434,6 +440,11 @@ class GemmProgram:
         normal = any(r.op.kind == "random" and r.op.attr("dist") == "normal" for r in self.region.ops)
         most = 128 * 64 if normal else 128 * 128 if kinds & {"sin", "cos", "tan"} else None
         allowed = [c for c in HOPPER_CONFIGS if most is None or c[0] * c[1] <= most]
+        # an epilogue of cheap ops only (scales, bias, casts: composable-kernel's multi-D
+        # products): the 128 x 256 default; one activation may spill there (mish 600 bytes,
+        # softplus 56), so those start at 128 x 128 and the autotuner tries the wide tile
+        light = all(ops.OPS[r.op.kind].cheap for r in self.region.ops
+                    if ops.is_elementwise(r.op.kind) and r.op.type.rank > 0)
 
         def sizes(dims: Mapping[str, int]) -> tuple[int, int, int]:
             m, n, k = (evaluate(d, dims) for d in (shape[-2], shape[-1], k_dim))
@@ -447,13 +458,24 @@ class GemmProgram:
             programs = min(tiles, sm_count()) if persistent else tiles
             return LaunchConfig((programs,), constexprs, warps, stages, persistent)
 
+        def default(dims: Mapping[str, int]) -> tuple[int, int, int, int, int]:
+            """The first configuration of the list, or 128 x 256 where the kernel takes it and
+            its tiles fill the GPU once (see `configure`)."""
+            m, n, _ = sizes(dims)
+            tiles = cdiv(m, 128) * cdiv(n, 256) * numel(batch, dims)
+            if wide and light and n > 128 and tiles >= sm_count() and WIDE_DEFAULT in allowed:
+                return WIDE_DEFAULT
+            return allowed[0]
+
         def configure(dims: Mapping[str, int], device: str) -> LaunchConfig:
             m, n, k = sizes(dims)
             if device == "cuda":
-                # the first configuration of the list (128 x 128 x 64, 8 warps); 64 x 64
-                # for small problems
+                # the first configuration of the list (128 x 128 x 64, 8 warps), or 128 x
+                # 256 (Triton's persistent-matmul tutorial's) where the kernel takes it and
+                # its tiles fill the GPU once: the K loop's per-step costs over twice the
+                # multiply-adds; 64 x 64 for small problems
                 if m >= 128 and n >= 128:
-                    bm, bn, bk, warps, stages = allowed[0]
+                    bm, bn, bk, warps, stages = default(dims)
                     # f32 dots run on the FMA units; 8-bit ones take 128 of K a step (the
                     # bytes of a 16-bit 64: 64 left fp8 GEMMs issue-bound, `tiledsl ptx`)
                     bk = 32 if dot is DType.F32 else 128 if dot.itemsize == 1 else bk
@@ -476,15 +498,15 @@ class GemmProgram:
             m, n, k = sizes(dims)
             if device != "cuda" or m < 128 or n < 128 or dot is DType.F32:
                 return []
-            configs = allowed
+            configs = [default(dims)] + [c for c in allowed if c != default(dims)]
             if dot.itemsize == 1:  # 8-bit operands: a K step of 128 moves the bytes a 16-bit 64 does
-                configs = [(bm, bn, 128, w, s) for bm, bn, _, w, s in allowed[:3]] + configs
+                configs = [(bm, bn, 128, w, s) for bm, bn, _, w, s in configs[:3]] + configs
             found = [config(dims, bm, bn, bk, w, s) for bm, bn, bk, w, s in configs
                      if bm <= next_pow2(m) and bn <= next_pow2(n) and bk <= max(16, next_pow2(k))
                      and (wide or bm * bn <= 128 * 128)]
-            # the first two candidates (128 x 128, then 128 x 256 where the kernel takes it) on
-            # a persistent grid too: one program per SM walks the tiles in grouped order (no
-            # launch tail of partial waves)
+            # the default first; the first two candidates (128 x 128 and 128 x 256 where the
+            # kernel takes it) on a persistent grid too: one program per SM walks the tiles in
+            # grouped order (no launch tail of partial waves)
             found += [config(dims, c.constexprs["BLOCK_M"], c.constexprs["BLOCK_N"], c.constexprs["BLOCK_K"],
                              c.num_warps, c.num_stages, persistent=True) for c in found[:2]]
             return hinted_first(configure(dims, device) if any(user.values()) else None, found)
@@ -497,4 +519,4 @@ def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKer
     prog.emit()
     configure, candidates = prog.launch_rules()
     emitted = finish(kernel, prog.sig, prog.body, configure, prog.em, hints)
-    return emitted.with_candidates(candidates)
+    return emitted.with_candidates(candidates).with_k_major(prog.k_major)
