@@ -29,6 +29,7 @@ from tiledsl.passes.recompute import Recompute
 from tiledsl.passes.registry import Pass
 from tiledsl.passes.sink_reshape import SinkReshape
 from tiledsl.passes.sink_transposes import SinkTransposes
+from tiledsl.passes.sum_precision import SumPrecision
 from tiledsl.passes.widen_score_sums import WidenScoreSums
 
 
@@ -54,6 +55,7 @@ PASSES: tuple[tuple[type[Pass], Stage], ...] = (
     (OnlineSoftmax, Stage.NORMALIZING),
     (DistributeMatmul, Stage.NORMALIZING),
     (HoistRowScale, Stage.NORMALIZING),
+    (SumPrecision, Stage.FUSION),
     (Recompute, Stage.FUSION),
     (FuseAttention, Stage.FUSION),
     (WidenScoreSums, Stage.FUSION),

@@ -53,7 +53,7 @@ def test_graph_is_the_fused_networkx_graph(attention):
 def test_ir_stages(attention):
     assert attention.stages == ["graph", "canonicalize", "sink-reshape", "cse", "dce", "online-softmax", "distribute-matmul",
                                 "hoist-row-scale",
-                                "recompute", "fuse-attention", "widen-score-sums", "own-prologues", "sink-transposes",
+                                "sum-precision", "recompute", "fuse-attention", "widen-score-sums", "own-prologues", "sink-transposes",
                                 "fuse-attention-backward",
                                 "fuse-epilogue", "fuse-rows", "fuse-scatter", "fuse-elementwise", "fuse-horizontal", "lower-kernels",
                                 "fused"]
@@ -71,7 +71,7 @@ def test_explain_reports_kernels_traffic_and_fusions_not_made(attention):
     text = attention.explain()
     assert text.splitlines()[:5] == [
         "fusion report for @attention",
-        "  pipeline: canonicalize,sink-reshape,cse,dce,online-softmax,distribute-matmul,hoist-row-scale,recompute,"
+        "  pipeline: canonicalize,sink-reshape,cse,dce,online-softmax,distribute-matmul,hoist-row-scale,sum-precision,recompute,"
         "fuse-attention,widen-score-sums,own-prologues,sink-transposes,fuse-attention-backward,fuse-epilogue,fuse-rows,fuse-scatter,fuse-elementwise,fuse-horizontal,lower-kernels",
         "  1 kernel for 8 ops",
         "  modeled HBM traffic: 4·B·D·H·M + 4·B·D·H·N B fused; "

@@ -156,7 +156,7 @@ RUN = ("--dims", "M=3,N=4", "--repeat", "0")
     (["run", "{p}", "--dims", "M=3,N=4", "--device", "tpu"], "--device tpu: tiledsl runs on cpu or cuda (cuda:N)"),
     (["opt", "{p}", "--print-ir-after", "fuse-bogus"],
      "--print-ir-after fuse-bogus: no such stage in this pipeline; did you mean 'fuse-rows'? (stages: graph, "
-     "canonicalize, sink-reshape, cse, dce, online-softmax, distribute-matmul, hoist-row-scale, recompute, "
+     "canonicalize, sink-reshape, cse, dce, online-softmax, distribute-matmul, hoist-row-scale, sum-precision, recompute, "
      "fuse-attention, widen-score-sums, own-prologues, sink-transposes, fuse-attention-backward, "
      "fuse-epilogue, fuse-rows, fuse-scatter, fuse-elementwise, "
      "fuse-horizontal, lower-kernels)"),

@@ -105,7 +105,7 @@ def test_check_and_passes():
         "canonicalize", "cse", "dce", "distribute-matmul", "fuse-attention", "fuse-attention-backward", "fuse-elementwise", "fuse-epilogue", "fuse-horizontal",
         "fuse-rows", "fuse-scatter",
         "hoist-row-scale", "lower-kernels", "online-softmax", "own-prologues", "recompute", "sink-reshape",
-        "sink-transposes", "widen-score-sums"]
+        "sink-transposes", "sum-precision", "widen-score-sums"]
 
 
 def test_console_script_is_installed():

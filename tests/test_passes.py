@@ -34,7 +34,7 @@ def test_pipeline_strings_round_trip():
     ("canonicalise", "unknown pass 'canonicalise'; did you mean 'canonicalize'? (passes: canonicalize, "
                      "cse, dce, distribute-matmul, fuse-attention, fuse-attention-backward, fuse-elementwise, fuse-epilogue, fuse-horizontal, fuse-rows, fuse-scatter, "
                      "hoist-row-scale, lower-kernels, online-softmax, own-prologues, recompute, sink-reshape, "
-                     "sink-transposes, widen-score-sums)"),
+                     "sink-transposes, sum-precision, widen-score-sums)"),
     ("cse{foo=1}", "pass 'cse' has no option 'foo' (options: none)"),
     ("canonicalize{max-iterations=many}", "option 'max-iterations' of pass 'canonicalize' expects a int, got 'many'"),
     ("cse,,dce", "cannot parse the pipeline 'cse,,dce' at ',dce'; expected 'pass' or "

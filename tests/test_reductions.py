@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import tiledsl
-from helpers import gen, run_checked
+from helpers import gen, randn, run_checked
 from tiledsl import diagnostics as diag
 from tiledsl import testing
 
@@ -145,3 +145,24 @@ def test_explain_names_the_new_reductions_in_their_kernel():
         return prod(exp(x), axis=-1) * 2.0, argmax(x, axis=-1)
     }""")
     assert "k0  rows      exp (line 2), prod (line 2), mul (line 2), argmax (line 2)" in fn.explain()
+
+
+@pytest.mark.parametrize("dtype, wide", [("f16", False), ("bf16", False), ("f32", True)])
+@pytest.mark.parametrize("n", [1, 113, 5000])
+def test_row_sums_accumulate_in_f64_only_where_an_f32_result_shows_them(dtype, wide, n):
+    """sum-precision: a layer norm's f32 row sums (the program casts to f32) accumulate in
+    f32 when only its f16 or bf16 result depends on them (issue 29: an f64 accumulator cost
+    a conversion an element), in f64 for an f32 result; the oracle holds either way, in
+    short rows and in long ones (several blocks of a row)."""
+    src = f"""kernel layer_norm(x: {dtype}[M, N], w: {dtype}[N], eps: f32) -> {dtype}[M, N] {{
+        xf = cast(x, f32)
+        xc = xf - mean(xf, axis=-1, keepdims=true)
+        var = mean(xc * xc, axis=-1, keepdims=true)
+        return cast(xc * rsqrt(var + eps) * cast(w, f32), {dtype})
+    }}"""
+    torch_dtype = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}[dtype]
+    x = randn(17, n, seed=1, scale=3.0).add(1).to(torch_dtype)
+    w = randn(n, seed=2, dtype=torch_dtype)
+    fn, _ = run_checked(src, x, w, eps=1e-5)
+    (kernel,) = fn.kernels
+    assert ("tl.float64" in kernel.source) is wide

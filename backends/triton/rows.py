@@ -29,7 +29,8 @@ Otherwise special values follow torch: max/min propagate NaN, a softmax row
 holding a NaN or +inf is all NaN, logsumexp of a row holding +inf is +inf.
 Sums, means and products whose IR dtype is f32 accumulate in f64, so an f32 program's row
 sums are as good as correctly rounded (a following exp amplifies any error
-of the sum); f16/bf16 ones accumulate in f32.
+of the sum), unless only 16-bit results depend on them (passes/sum_precision.py:
+then in f32); f16/bf16 ones accumulate in f32.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from tiledsl import ops
 from tiledsl.diagnostics import EmptyReductionError, LimitError
 from tiledsl.dims import evaluate
 from tiledsl.ir import KernelOp, Op
-from tiledsl.ops import Reduction, Scan
+from tiledsl.ops import ACCUMULATE, Reduction, Scan
 from tiledsl.plans import SELECT_LIMIT, RowPlan
 from tiledsl.types import Compute, DType, compute_type
 
@@ -387,10 +388,11 @@ class RowProgram:
 
     def wide(self, v: int) -> bool:
         """Accumulate in f64: an f32 reduction or scan declared `wide` (sum, mean, prod,
-        cumsum, cumprod)."""
+        cumsum, cumprod), unless sum-precision found only 16-bit results depend on it."""
         op = self.op(v)
         declared = ops.OPS[op.kind].reduction or ops.OPS[op.kind].scan
-        return declared is not None and declared.wide and op.dtype is DType.F32
+        return declared is not None and declared.wide and op.dtype is DType.F32 and \
+            op.attr(ACCUMULATE) != "f32"
 
     def finalized(self, total: Val, red: Reduction, length: str | None = None) -> Val:
         if red.finalize is None:
@@ -535,7 +537,14 @@ class RowProgram:
         for name in ("BLOCK_O", "BLOCK_R", "ONE_PASS"):
             sig.constexpr(name)
         body(PROGRAM_ID)
-        body("o = pid.to(tl.int64) * BLOCK_O + tl.arange(0, BLOCK_O)")
+        # the rows' indices in int32 where every tensor fits it (not WIDE; a number of rows
+        # known to the compiler is small): dividing them into the row dims' indices is then
+        # an int32 division, not a call of int64's
+        if not rows.isdigit():
+            body("if WIDE:")
+            with body.indent():
+                body("pid = pid.to(tl.int64)")
+        body("o = pid * BLOCK_O + tl.arange(0, BLOCK_O)")
         body(f"omask = o < {rows}")
         groups = "o"
         if self.group > 1:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from . import activations, binary, random, structure, unary  # noqa: F401 - each module defines its ops
 from .core import (
+    ACCUMULATE,
     OPS,
     REQUIRED,
     BParam,
@@ -42,6 +43,6 @@ COMPARE_KINDS = {d.symbol: k for k, d in OPS.items() if d.reads is Reads.COMPARE
 BINARY_KINDS = {d.symbol: k for k, d in OPS.items()
                 if d.symbol and d.arity == 2 and d.reads is Reads.PROMOTED}
 
-__all__ = ["BINARY_KINDS", "COMPARE_KINDS", "OPS", "REQUIRED", "ROW_KINDS", "BParam", "Category",
-           "NotDifferentiable", "OpDef", "Reads", "Reduction", "RuleError", "Scan", "category", "gathers_at",
-           "infer", "is_elementwise", "linear_in"]
+__all__ = ["ACCUMULATE", "BINARY_KINDS", "COMPARE_KINDS", "OPS", "REQUIRED", "ROW_KINDS", "BParam",
+           "Category", "NotDifferentiable", "OpDef", "Reads", "Reduction", "RuleError", "Scan", "category",
+           "gathers_at", "infer", "is_elementwise", "linear_in"]

@@ -76,6 +76,11 @@ class BParam:
     choices: tuple[str, ...] = ()
 
 
+# the attribute of a `wide` reduction or scan that accumulates in f32 all the same (set by
+# sum-precision where only 16-bit results depend on it)
+ACCUMULATE = "accumulator"
+
+
 @dataclass(frozen=True, slots=True)
 class Reduction:
     """How a reduction computes, which every template and pass reads instead of its name.
@@ -99,6 +104,7 @@ class Reduction:
     # amax keeps it)
     nan: bool = False
     # an f32 result accumulates in f64, so an f32 row sum is as good as correctly rounded
+    # (unless the op says `ACCUMULATE` = "f32": passes/sum_precision.py)
     wide: bool = False
     # Triton: the result from the merged {total} and the axis' {length}
     finalize: str | None = None
