@@ -30,10 +30,11 @@ and dV) with the reference's dK/dV kernel, and the one walking the key blocks
 (`over == "keys"`: dQ) with its dQ kernel. A role one side lacks gets a row with the other
 side only.
 
-A row program's hottest loop is its longest (its passes run as often): where one side
-reads a row in several passes (tiledsl's long rows, the reference layer norm's three) the
-per-element costs are of that one pass, not of the whole row, and the memory cycles count
-only that pass's loads and stores. TMA copies are not counted as memory traffic.
+A row program's loop is all its passes over the row together (`loop_profile`: each runs
+once per block of the row, so an element costs every one): where one side reads a row in
+several passes (tiledsl's long rows, the reference layer norm's three) the per-element
+costs and memory cycles are of all of them; a program with no loop (one block holds the
+row) counts its whole function. TMA copies are not counted as memory traffic.
 
 The fp8 GEMM of examples/gemm_fp8_scaled.tdsl takes B as [K, N]; the reference, as the
 tutorial, takes it K-major as [N, K] (what Hopper's fp8 wgmma reads). tiledsl's launcher

@@ -69,6 +69,22 @@ def test_a_row_program_profiles_its_chunk_loop():
     assert r.loop["mma"] == {} and r.loop["instructions"] > 0 and r.loop["warps"] == r.config["num_warps"]
 
 
+def test_a_long_row_profiles_every_pass_over_it():
+    """A row read in two passes (the online softmax's statistics, then its output) costs an
+    element both: the profile's loop is every pass's, its memory the bytes of x and the bias
+    read twice and the output written once, per block of the row. (It took the longest pass
+    alone, so a one-pass kernel compared with a three-pass one looked three times worse.)"""
+    fn = tiledsl.compile("kernel f(x: f32[M, N], b: f32[M, N]) -> f32[M, N] { return softmax(x + b, axis=-1) }")
+    (r,) = aot.inspect_program(fn, {"M": 4096, "N": 32768})
+    assert r.config["ONE_PASS"] is False and r.spill_bytes == 0, r.config
+    moved = r.loop["modeled"]["memory"] * loop_profile.HBM_BYTES_PER_CLOCK
+    block = r.config["BLOCK_O"] * r.config["BLOCK_R"] * 4
+    assert moved == pytest.approx(5 * block, rel=1e-3), (moved, r.config)
+    # one pass holds a row where it fits: an f32 softmax of 32k elements (no spills)
+    (one,) = aot.inspect_program(tiledsl.compile(EXAMPLES / "softmax.tdsl"), {"M": 4096, "N": 32768})
+    assert one.config["ONE_PASS"] is True and one.spill_bytes == 0, one.config
+
+
 def test_ptx_dump_writes_each_kernels_compiled_forms_and_report(tmp_path):
     out = tmp_path / "dump"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

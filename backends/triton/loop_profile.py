@@ -189,9 +189,19 @@ def _hottest_loop(loops: list[tuple[int, int]], records: list[Instruction]) -> l
     return body(max(inner, key=rank))
 
 
-def hottest(instrs: list[Instruction]) -> list[Instruction]:
-    """The hottest loop's instructions (the whole function when it has no loop)."""
-    return _hottest_loop(sass_loops(instrs), instrs) or instrs[:body_end(instrs) + 1]
+def _passes(loops: list[tuple[int, int]], records: list[Instruction]) -> list[Instruction] | None:
+    """The instructions of every innermost one of `loops`, in order (None: no loop): a row
+    program's passes over its row, each running once per block of the row."""
+    inner = [(a, b) for a, b in loops if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)]
+    return [i for a, b in sorted(inner) for i in records[a:b + 1] if i.opcode != "LABEL"] or None
+
+
+def hottest(instrs: list[Instruction], passes: bool = False) -> list[Instruction]:
+    """The hottest loop's instructions (the whole function when it has no loop); with
+    `passes`, every innermost loop's."""
+    loops = sass_loops(instrs)
+    found = _passes(loops, instrs) if passes else _hottest_loop(loops, instrs)
+    return found or instrs[:body_end(instrs) + 1]
 
 
 # --- PTX, without a cuobjdump ----------------------------------------------------------------
@@ -247,24 +257,29 @@ def ptx_instructions(ptx: str) -> list[Instruction]:
     return out
 
 
-def ptx_hottest(instrs: list[Instruction]) -> list[Instruction]:
+def ptx_hottest(instrs: list[Instruction], passes: bool = False) -> list[Instruction]:
     labels = {ins.operands: i for i, ins in enumerate(instrs) if ins.opcode == "LABEL"}
     loops = []
     for i, ins in enumerate(instrs):
         if ins.opcode == "BRA" and ins.predicated and labels.get(ins.operands, i) < i:
             loops.append((labels[ins.operands], i))
-    found = _hottest_loop([(a, b) for a, b in loops if b - a > SPIN_WAIT], instrs)
+    loops = [(a, b) for a, b in loops if b - a > SPIN_WAIT]
+    found = _passes(loops, instrs) if passes else _hottest_loop(loops, instrs)
     return found if found is not None else [i for i in instrs if i.opcode != "LABEL"]
 
 
 def loop_profile(compiled: Any, warps: int, work: int, work_unit: str) -> dict[str, Any]:
     """The profile of a `CompiledKernel`'s hottest loop, from its SASS (its PTX without a
-    cuobjdump)."""
+    cuobjdump). For element work (a row program) the loop is all its passes over the row
+    together: each runs once per block of the row, so an element costs all of them (a
+    layer norm of three passes, the mean's, the variance's and the output's, costs the
+    three loops, not the longest)."""
+    passes = work_unit == "element"
     text = sass(compiled.asm["cubin"]) if "cubin" in compiled.asm else None
     if text:
-        return profile_instructions(hottest(parse_sass(text)), warps, work, work_unit, "sass")
-    return profile_instructions(ptx_hottest(ptx_instructions(compiled.asm["ptx"])), warps, work, work_unit,
-                                "ptx")
+        return profile_instructions(hottest(parse_sass(text), passes), warps, work, work_unit, "sass")
+    return profile_instructions(ptx_hottest(ptx_instructions(compiled.asm["ptx"]), passes), warps, work,
+                                work_unit, "ptx")
 
 
 def _gemm_work(cfg: dict[str, Any]) -> tuple[int, str]:

@@ -387,12 +387,7 @@ class RowProgram:
         return str(-(2 ** (bits - 1))) if identity < 0 else str(2 ** (bits - 1) - 1)
 
     def wide(self, v: int) -> bool:
-        """Accumulate in f64: an f32 reduction or scan declared `wide` (sum, mean, prod,
-        cumsum, cumprod), unless sum-precision found only 16-bit results depend on it."""
-        op = self.op(v)
-        declared = ops.OPS[op.kind].reduction or ops.OPS[op.kind].scan
-        return declared is not None and declared.wide and op.dtype is DType.F32 and \
-            op.attr(ACCUMULATE) != "f32"
+        return in_f64(self.op(v))
 
     def finalized(self, total: Val, red: Reduction, length: str | None = None) -> Val:
         if red.finalize is None:
@@ -810,15 +805,25 @@ SELECT_CHUNK = 1 << 12
 CHUNK_LOG = 12
 
 
+def in_f64(op: Op) -> bool:
+    """Accumulate in f64: an f32 reduction or scan declared `wide` (sum, mean, prod, cumsum,
+    cumprod), unless sum-precision found only 16-bit results depend on it."""
+    declared = ops.OPS[op.kind].reduction or ops.OPS[op.kind].scan
+    return declared is not None and declared.wide and op.dtype is DType.F32 and op.attr(ACCUMULATE) != "f32"
+
+
 def one_pass_limit(plan: RowPlan, region) -> int:
     """The longest row a CUDA program holds in registers (read once), by what the build that
-    really runs shows (`tiledsl ptx`, sm_90): 32k elements of a 16-bit input or 16k of a
-    32-bit one with 16 warps and no spills, halved per further dependent reduction (each
-    keeps another row-sized value live: layernorm's centred row), and 32k words of a scan's
+    really runs shows (`tiledsl ptx`, sm_90): 32k elements with 16 warps and no spills, but
+    16k of 32-bit inputs summed in f64 or of two (an f32 RMSNorm at 32k spills 128 bytes,
+    a softmax of x + bias 384; an f32 softmax, online in f32, none), halved per further
+    dependent reduction (each keeps
+    another row-sized value live: layernorm's centred row), and 32k words of a scan's
     partials (a linear_scan's two f32 ones: 16k elements). Longer rows loop, reading the
     row once per phase with online softmax and logsumexp."""
-    wide = any(inp.type.dtype.itemsize >= 4 for i, inp in enumerate(region.inputs)
-               if plan.full(i))
+    n_in = len(region.inputs)
+    words = sum(inp.type.dtype.itemsize >= 4 for i, inp in enumerate(region.inputs) if plan.full(i))
+    wide = words > 1 or words == 1 and any(in_f64(region.ops[v - n_in].op) for v in plan.reducing)
     phases = max(plan.phases, default=0)
     limit = (1 << 14 if wide else 1 << 15) >> max(0, phases - 1)
     return min([limit] + [(1 << 15) // words for words in scan_words(plan, region)])
