@@ -213,8 +213,12 @@ def _reduction(kind, infer, function, vjp, reduction: Reduction, reads: Reads = 
 # the reduced axis (`d.keep`), broadcasting
 def _d_extremum(d, wanted):
     """torch's amax/amin backward: the gradient is shared evenly by the elements equal to
-    the result."""
-    hit = d.call("eq", d.x(0), d.keep(d.y))
+    the result. The result is taken again from the operand as the backward has it, not
+    saved: an operand recomputed there may round otherwise than in the forward's fused
+    kernel (an attention's output with a sink, stored in 16 bits from f32 there, from f16
+    factors here), and no element would equal the saved result (fuzz finding s3:338)."""
+    top = d.call(d.op.kind, d.x(0), axis=d.attr("axis"), keepdims=True)
+    hit = d.call("eq", d.x(0), top)
     count = d.call("sum", d.call("cast", hit, dtype=d.op.dtype), axis=d.attr("axis"), keepdims=True)
     return (d.where(hit, d.div(d.keep(d.g), count), d.c(0.0)),)
 
