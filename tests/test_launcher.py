@@ -102,3 +102,29 @@ def test_outputs_are_fresh_contiguous_tensors():
     a, b = fn(x)
     assert a.data_ptr() != x.data_ptr() and torch.equal(a, x)
     assert b.is_contiguous() and torch.equal(b, x.T)
+
+
+def test_rows_whose_dims_collapse_are_one_stride_apart():
+    """A row program over several row dims (the attention backward's rowsum(dO * O) over B,
+    H, M) addresses a tensor whose row dims collapse as the flat row index times one stride
+    (`RowsFlat`, per call), not through an int32 division of the row index a dim; a tensor
+    laid out otherwise (H and M swapped in memory) takes the dims' indices. Both are right."""
+    from tiledsl.backends.triton.aot import meta_launches
+    from tiledsl.binding import BoundCall
+
+    fn = tiledsl.compile("kernel f(x: f16[B, H, M, D], y: f16[B, H, M, D]) -> f32[B, H, M, 1] "
+                         "{ return sum(cast(x, f32) * cast(y, f32), axis=-1, keepdims=true) }")
+    x = randn(2, 3, 17, 24, dtype=torch.float16, seed=1)
+    swapped = randn(2, 17, 3, 24, dtype=torch.float16, seed=2).transpose(1, 2)
+    dims = {"B": 2, "H": 3, "M": 17, "D": 24}
+
+    def flags(y):
+        (launch,) = fn.runtime.launches_at(BoundCall([x, y], dims, torch.device("cpu")))
+        return {a.name: a.value for a in launch.arguments if a.name.endswith("_flat")}
+
+    assert flags(x.clone()) == {"in0_flat": True, "in1_flat": True, "out0_flat": True}
+    assert flags(swapped) == {"in0_flat": True, "in1_flat": False, "out0_flat": True}
+    for y in (x.flip(0), swapped):
+        run_checked(fn, x, y, sm90=False)
+    (launch,) = meta_launches(fn, dims)
+    assert "(o[:, None] * in0_s2 if in0_flat else " in launch.kernel.source

@@ -111,9 +111,21 @@ class Workspace:
     than its registers hold (`rows.py`, long selections)."""
 
 
-ArgSpec = Ptr | Stride | DimSize | Numel | Scalar | TmaReady | Wide | Workspace
+@dataclass(frozen=True, slots=True)
+class RowsFlat:
+    """A constexpr flag computed per call: the tensor's dims `axes` (a row program's row
+    dims, in the order its flat row index runs over them, the last fastest) collapse, each
+    stride the next one's times its size, so a row's offset is the flat row index times the
+    last one's stride (no division of the row index into the dims' indices)."""
+
+    index: int
+    axes: tuple[int, ...]
+    role: str = "in"  # "out": a fresh output, contiguous unless stored transposed
+
+
+ArgSpec = Ptr | Stride | DimSize | Numel | Scalar | TmaReady | Wide | Workspace | RowsFlat
 # arguments passed positionally as `tl.constexpr` (Triton compiles a kernel per value)
-FLAGS = (TmaReady, Wide)
+FLAGS = (TmaReady, Wide, RowsFlat)
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +194,13 @@ class Signature:
 
     def constexpr(self, name: str) -> str:
         self.constexprs.append(name)
+        return name
+
+    def rows_flat(self, role: str, index: int, axes: tuple[int, ...]) -> str:
+        """The flag that a tensor's row dims `axes` collapse (`RowsFlat`), one per tensor."""
+        name = f"{role}{index}_flat"
+        if not any(n == name for n, _ in self.params):
+            self._add(name, RowsFlat(index, axes, role))
         return name
 
     def tma_ready(self, index: int, swapped: bool = False, role: str = "in") -> str:

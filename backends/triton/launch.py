@@ -30,7 +30,7 @@ from tiledsl.dims import evaluate
 from tiledsl.types import DType
 
 from .base import EmittedKernel, LaunchConfig
-from .codegen import DimSize, Numel, Ptr, Scalar, Stride, TmaReady, Wide, Workspace
+from .codegen import DimSize, Numel, Ptr, RowsFlat, Scalar, Stride, TmaReady, Wide, Workspace
 
 # a slot of the call's values read by a kernel: (slot, permutation of a transposed view)
 Read = tuple[int, "tuple[int, ...] | None"]
@@ -236,6 +236,18 @@ def argument_function(emitted: EmittedKernel, reads: Sequence[Read], outputs: Se
                 axes[-2:] = axes[-1], axes[-2]
             pitches = "".join(f" and s{slot}[{a}] * {t.dtype.itemsize} % 16 == 0" for a in axes[:-1])
             exprs.append(f"(v[{slot}].data_ptr() % 16 == 0 and s{slot}[{axes[-1]}] == 1{pitches})")
+        elif isinstance(spec, RowsFlat) and spec.role == "out":  # fresh: contiguous, or transposed
+            shape, _, view, _ = outputs[spec.index]
+            st = contiguous_strides(shape)
+            axes = spec.axes if view is None else [view[a] for a in spec.axes]
+            exprs.append(str(all(st[a] == st[b] * shape[b] for a, b in zip(axes, axes[1:], strict=False))))
+        elif isinstance(spec, RowsFlat):
+            slot, perm = reads[spec.index]
+            strides[slot] = None
+            axes = spec.axes if perm is None else [perm[a] for a in spec.axes]
+            chain = " and ".join(f"s{slot}[{a}] == s{slot}[{b}] * v[{slot}].shape[{b}]"
+                                 for a, b in zip(axes, axes[1:], strict=False))
+            exprs.append(f"({chain or 'True'})")
         elif isinstance(spec, Wide):  # per call, from the tensors the kernel reads
             tensors = sorted({reads[p.index][0] for _, p in emitted.params
                               if isinstance(p, Ptr) and p.role == "in"})

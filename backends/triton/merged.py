@@ -29,7 +29,7 @@ from tiledsl.ir import KernelOp
 from tiledsl.plans import MergedPlan
 
 from .base import PROGRAM_ID, EmittedKernel, Hints, LaunchConfig
-from .codegen import FLAGS, ArgSpec, Code, DimSize, Numel, Ptr, Scalar, Stride, Wide, header
+from .codegen import FLAGS, ArgSpec, Code, DimSize, Numel, Ptr, RowsFlat, Scalar, Stride, Wide, header
 from .expr import HELPERS
 
 
@@ -111,6 +111,8 @@ def _name(spec: ArgSpec) -> str | None:
         return f"{spec.role}{spec.index}_s{spec.dim}"
     if isinstance(spec, Scalar):
         return f"in{spec.index}_val"
+    if isinstance(spec, RowsFlat):
+        return f"{spec.role}{spec.index}_flat"
     return "WIDE" if isinstance(spec, Wide) else None
 
 
@@ -123,5 +125,8 @@ def _rebased(spec: ArgSpec, member) -> ArgSpec:
         return Stride(spec.role, numbers[spec.index], spec.dim)
     if isinstance(spec, Scalar):
         return Scalar(member.inputs[spec.index])
+    if isinstance(spec, RowsFlat):
+        numbers = member.inputs if spec.role == "in" else member.outputs
+        return RowsFlat(numbers[spec.index], spec.axes, spec.role)
     assert isinstance(spec, DimSize | Numel | Wide), f"a merged member takes no {type(spec).__name__}"
     return spec

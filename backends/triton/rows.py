@@ -36,6 +36,7 @@ then in f32); f16/bf16 ones accumulate in f32.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 
 from tiledsl import ops
@@ -183,7 +184,8 @@ class RowProgram:
     def access(self, ref: TensorRef, v: int) -> tuple[str | None, str | None]:
         """(pointer, mask) of a value's tensor at the tile, or (None, None) for one element."""
         layout = self.layouts[v]
-        offset = ref.offset([self.index(d, v in self.plan.selected) for d in layout])
+        offset = self.flat_offset(ref, layout) if v not in self.plan.selected else None
+        offset = offset or ref.offset([self.index(d, v in self.plan.selected) for d in layout])
         if v in self.plan.selected:  # (k = 1: lane 0 only)
             lanes = "" if self.lanes in offset else f" + {self.lanes}[None, :] * 0"
             return f"{ref.ptr} + {offset}{lanes}", self.chosen_mask(v)
@@ -195,6 +197,23 @@ class RowProgram:
         mask = {(True, True): "tmask", (True, False): "omask[:, None]",
                 (False, True): f"(r < {self.length})[None, :]"}[(rows, cols)]
         return f"{ref.ptr} + {offset}", mask
+
+    def flat_offset(self, ref: TensorRef, layout) -> str | None:
+        """A tensor's offset whose rows may be the flat row index times a stride: where
+        it has every row dim, in their order, the per-call flag (`RowsFlat`) picks
+        `o * stride` or the dims' indices times their strides (Triton compiles one). None
+        where it cannot (a broadcast row dim, rows in groups, one row dim only)."""
+        rows = [d for d in self.kept if self.plan.shape[d] != 1]
+        axes = tuple(a for d in rows for a, e in enumerate(layout) if e == d)
+        if self.group > 1 or len(rows) < 2 or len(axes) != len(rows) or list(axes) != sorted(axes) \
+                or any(ref.strides[a] is None for a in axes):
+            return None
+        role, index = re.fullmatch(r"(in|out)(\d+)_ptr", ref.ptr).groups()
+        flag = self.sig.rows_flat(role, int(index), axes)
+        by_dims = ref.offset([self.index(d) if d in rows else None for d in layout])
+        cols = ref.offset([self.index(d) if d is not None and d not in rows else None for d in layout])
+        row = f"(o[:, None] * {ref.strides[axes[-1]]} if {flag} else {by_dims})"
+        return row if cols == "0" else f"{row} + {cols}"
 
     def load(self, i: int) -> Val:
         t = self.region.inputs[i].type
