@@ -74,9 +74,9 @@ def normal_at(seed, position):
     return (tl.sqrt(-2.0 * tl.log(u1)) * tl.cos(6.283185307179586 * u2)).to(tl.float32)
 
 """
-# tanh of a value whose op rounds to 16 bits (`tanh_of`): the hardware's tanh.approx.f32 (one
-# MUFU op, relative error about 2^-11, at or below the rounding to f16 and a quarter of
-# bf16's) on a GPU; the interpreter cannot run PTX and computes the exact form
+# tanh of a value whose op rounds to bf16 (`tanh_of`): the hardware's tanh.approx.f32 (one
+# MUFU op, relative error about 2^-11, a quarter of bf16's rounding) on a GPU; the
+# interpreter cannot run PTX and computes the exact form
 HELPERS["tanh"] = """\
 @triton.jit
 def tanh_approx(x, INTERPRETER: tl.constexpr):

@@ -12,7 +12,7 @@ from tiledsl import diagnostics as diag
 from tiledsl.types import Compute, DType, TensorType
 
 from .core import BParam, Category, Infer, Reads, RuleError, define
-from .render import any_of, in_wide_type, is_rounded_to_half, unary
+from .render import any_of, in_wide_type, is_rounded_to_bf16, unary
 from .rules import float_of
 
 X = BParam("x")
@@ -162,7 +162,7 @@ _math("expm1", math.expm1, torch.expm1, _render_expm1,
 
 def tanh_of(em, x, approximate: bool = False):
     """tanh(x) = sign(x) * (1 - e) / (1 + e), e = exp(-2|x|): no overflow for any x. With
-    `approximate` (an op rounded to 16 bits: `is_rounded_to_half`), the hardware's
+    `approximate` (an op rounded to bf16: `is_rounded_to_bf16`), the hardware's
     tanh.approx.f32 on a GPU (the `tanh` helper: relative error about 2^-11)."""
     if approximate and x.cat is Compute.F32:
         em.helpers.add("tanh")
@@ -173,7 +173,7 @@ def tanh_of(em, x, approximate: bool = False):
 
 
 _math("tanh", math.tanh, torch.tanh,
-      lambda em, op, args, out: tanh_of(em, em.tensor(args[0]), is_rounded_to_half(op, out)),
+      lambda em, op, args, out: tanh_of(em, em.tensor(args[0]), is_rounded_to_bf16(op, out)),
       lambda d, w: (d.mul(d.g, d.sub(d.c(1.0), d.mul(d.y, d.y))),))
 
 
@@ -181,7 +181,7 @@ def _render_gelu(em, op, args, out):
     x = em.tensor(args[0]).text
     if op.attr("approximate") == "tanh":
         inner = em.assign(f"0.7978845608028654 * ({x} + 0.044715 * {x} * {x} * {x})", out)
-        tanh = tanh_of(em, inner, is_rounded_to_half(op, out))
+        tanh = tanh_of(em, inner, is_rounded_to_bf16(op, out))
         return em.assign(f"0.5 * {x} * (1.0 + {tanh.text})", out)
     return em.assign(f"0.5 * {x} * (1.0 + tl.erf({x} * 0.7071067811865476))", out)
 
