@@ -18,9 +18,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import networkx as nx
+
 from tiledsl import ops
 from tiledsl.ir import Graph, Op, make_attrs
-from tiledsl.ops import ACCUMULATE
 from tiledsl.passes.registry import Pass, PassContext, register
 from tiledsl.types import DType
 
@@ -33,17 +34,11 @@ class SumPrecision(Pass):
     def run(self, graph: Graph, ctx: PassContext) -> None:
         exact = {node for node, res in graph.outputs
                  if not _rounds_to_16_bits(graph.result_type(node, res).dtype)}
-        shows = set()  # nodes an exact result depends on
-        for node in reversed(graph.topo_order()):
-            if node in exact or any(user in shows for user, _ in graph.users(node)):
-                shows.add(node)
-        for node in graph.topo_order():
+        shows = exact.union(*(nx.ancestors(graph.nx, node) for node in exact))  # what they read
+        for node in list(graph.nodes()):
             op = graph.op(node)
-            if not isinstance(op, Op) or node in shows or op.dtype is not DType.F32:
-                continue
-            declared = ops.OPS[op.kind].reduction or ops.OPS[op.kind].scan
-            if declared is not None and declared.wide and op.attr(ACCUMULATE) is None:
-                attrs = make_attrs(**op.attr_map, **{ACCUMULATE: "f32"})
+            if isinstance(op, Op) and node not in shows and ops.in_f64(op):
+                attrs = make_attrs(**op.attr_map, **{ops.ACCUMULATE: "f32"})
                 graph.set_op(node, dataclasses.replace(op, attrs=attrs))
 
 

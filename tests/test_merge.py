@@ -127,3 +127,19 @@ def test_a_broadcast_gate_is_recomputed_by_its_reader(b, d, n):
         "read through a slice of a stored [B, D]",
         "[recompute] fused: sigmoid (line 3) -> mul (line 4): computed again at each [B, D, N] element of its "
         "reader (5 operation units per element, within 16) instead of stored as [B, D, 1] by a kernel of its own"]
+
+
+def test_merged_row_members_flag_their_row_layouts_apart():
+    """Each member of a merged launch takes its own `RowsFlat` flags (named for the member:
+    two members may read one tensor along different row dims); a member whose input is a
+    transposed view takes the per-dim indices, the other the flat row index."""
+    fn = tiledsl.compile("""kernel f(x: f32[B, M, N], y: f32[B, N, M]) -> (f32[B, M, 1], f32[B, N, 1]) {
+        return sum(x, axis=-1, keepdims=true), sum(y * 2.0, axis=-1, keepdims=true)
+    }""")
+    (kernel,) = fn.kernels
+    assert kernel.template == "merged"
+    # (member 1's own input 0 is the launch's y)
+    assert "m0_in0_flat: tl.constexpr" in kernel.source and "m1_in0_flat: tl.constexpr" in kernel.source
+    x = randn(2, 17, 33, seed=1)
+    run_checked(fn, x, randn(2, 33, 17, seed=2))
+    run_checked(fn, x, randn(2, 17, 33, seed=3).transpose(1, 2), sm90=False)

@@ -134,6 +134,8 @@ class TensorRef:
 
     ptr: str
     strides: tuple[str | None, ...]
+    role: str  # "in" or "out", and its number among them (`Signature.tensor`)
+    index: int
 
     def descriptor_strides(self, order: Sequence[int]) -> str:
         """The strides of a TMA descriptor over this tensor, its axes in `order`: the last is
@@ -168,7 +170,7 @@ class Signature:
             None if d == 1 else self._add(f"{prefix}_s{axis}", Stride(role, index, axis))
             for axis, d in enumerate(shape)
         )
-        return TensorRef(ptr, strides)
+        return TensorRef(ptr, strides, role, index)
 
     def scalar(self, index: int) -> str:
         return self._add(f"in{index}_val", Scalar(index))

@@ -292,8 +292,9 @@ def k_major(t: Any, axis: int) -> Any:
         return cached[2]
     copy = t.movedim(axis, -1).contiguous().movedim(-1, axis)
     if t.device.type != "meta":
+        if cached is None or cached[0]() is not t:  # a written tensor keeps its finalizer
+            weakref.finalize(t, _K_MAJOR.pop, id(t), None)
         _K_MAJOR[id(t)] = (weakref.ref(t), version, copy)
-        weakref.finalize(t, _K_MAJOR.pop, id(t), None)
     return copy
 
 

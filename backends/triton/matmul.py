@@ -498,7 +498,8 @@ class GemmProgram:
             m, n, k = sizes(dims)
             if device != "cuda" or m < 128 or n < 128 or dot is DType.F32:
                 return []
-            configs = [default(dims)] + [c for c in allowed if c != default(dims)]
+            first = default(dims)
+            configs = [first] + [c for c in allowed if c != first]
             if dot.itemsize == 1:  # 8-bit operands: a K step of 128 moves the bytes a 16-bit 64 does
                 configs = [(bm, bn, 128, w, s) for bm, bn, _, w, s in configs[:3]] + configs
             found = [config(dims, bm, bn, bk, w, s) for bm, bn, bk, w, s in configs

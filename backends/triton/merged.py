@@ -111,8 +111,6 @@ def _name(spec: ArgSpec) -> str | None:
         return f"{spec.role}{spec.index}_s{spec.dim}"
     if isinstance(spec, Scalar):
         return f"in{spec.index}_val"
-    if isinstance(spec, RowsFlat):
-        return f"{spec.role}{spec.index}_flat"
     return "WIDE" if isinstance(spec, Wide) else None
 
 

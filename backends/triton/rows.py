@@ -36,14 +36,13 @@ then in f32); f16/bf16 ones accumulate in f32.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping
 
 from tiledsl import ops
 from tiledsl.diagnostics import EmptyReductionError, LimitError
 from tiledsl.dims import evaluate
 from tiledsl.ir import KernelOp, Op
-from tiledsl.ops import ACCUMULATE, Reduction, Scan
+from tiledsl.ops import Reduction, Scan
 from tiledsl.plans import SELECT_LIMIT, RowPlan
 from tiledsl.types import Compute, DType, compute_type
 
@@ -208,8 +207,7 @@ class RowProgram:
         if self.group > 1 or len(rows) < 2 or len(axes) != len(rows) or list(axes) != sorted(axes) \
                 or any(ref.strides[a] is None for a in axes):
             return None
-        role, index = re.fullmatch(r"(in|out)(\d+)_ptr", ref.ptr).groups()
-        flag = self.sig.rows_flat(role, int(index), axes)
+        flag = self.sig.rows_flat(ref.role, ref.index, axes)
         by_dims = ref.offset([self.index(d) if d in rows else None for d in layout])
         cols = ref.offset([self.index(d) if d is not None and d not in rows else None for d in layout])
         row = f"(o[:, None] * {ref.strides[axes[-1]]} if {flag} else {by_dims})"
@@ -406,7 +404,7 @@ class RowProgram:
         return str(-(2 ** (bits - 1))) if identity < 0 else str(2 ** (bits - 1) - 1)
 
     def wide(self, v: int) -> bool:
-        return in_f64(self.op(v))
+        return ops.in_f64(self.op(v))
 
     def finalized(self, total: Val, red: Reduction, length: str | None = None) -> Val:
         if red.finalize is None:
@@ -824,25 +822,18 @@ SELECT_CHUNK = 1 << 12
 CHUNK_LOG = 12
 
 
-def in_f64(op: Op) -> bool:
-    """Accumulate in f64: an f32 reduction or scan declared `wide` (sum, mean, prod, cumsum,
-    cumprod), unless sum-precision found only 16-bit results depend on it."""
-    declared = ops.OPS[op.kind].reduction or ops.OPS[op.kind].scan
-    return declared is not None and declared.wide and op.dtype is DType.F32 and op.attr(ACCUMULATE) != "f32"
-
-
 def one_pass_limit(plan: RowPlan, region) -> int:
     """The longest row a CUDA program holds in registers (read once), by what the build that
     really runs shows (`tiledsl ptx`, sm_90): 32k elements with 16 warps and no spills, but
     16k of 32-bit inputs summed in f64 or of two (an f32 RMSNorm at 32k spills 128 bytes,
     a softmax of x + bias 384; an f32 softmax, online in f32, none), halved per further
-    dependent reduction (each keeps
-    another row-sized value live: layernorm's centred row), and 32k words of a scan's
+    dependent reduction (each keeps another row-sized value live: layernorm's centred
+    row), and 32k words of a scan's
     partials (a linear_scan's two f32 ones: 16k elements). Longer rows loop, reading the
     row once per phase with online softmax and logsumexp."""
     n_in = len(region.inputs)
     words = sum(inp.type.dtype.itemsize >= 4 for i, inp in enumerate(region.inputs) if plan.full(i))
-    wide = words > 1 or words == 1 and any(in_f64(region.ops[v - n_in].op) for v in plan.reducing)
+    wide = words > 1 or words == 1 and any(ops.in_f64(region.ops[v - n_in].op) for v in plan.reducing)
     phases = max(plan.phases, default=0)
     limit = (1 << 14 if wide else 1 << 15) >> max(0, phases - 1)
     return min([limit] + [(1 << 15) // words for words in scan_words(plan, region)])

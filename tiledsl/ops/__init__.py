@@ -30,6 +30,7 @@ from .core import (
     Scan,
     category,
     gathers_at,
+    in_f64,
     infer,
     is_elementwise,
     linear_in,
@@ -45,4 +46,4 @@ BINARY_KINDS = {d.symbol: k for k, d in OPS.items()
 
 __all__ = ["ACCUMULATE", "BINARY_KINDS", "COMPARE_KINDS", "OPS", "REQUIRED", "ROW_KINDS", "BParam",
            "Category", "NotDifferentiable", "OpDef", "Reads", "Reduction", "RuleError", "Scan", "category",
-           "gathers_at", "infer", "is_elementwise", "linear_in"]
+           "gathers_at", "in_f64", "infer", "is_elementwise", "linear_in"]

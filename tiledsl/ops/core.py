@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tiledsl import diagnostics as diag
-from tiledsl.types import TensorType
+from tiledsl.types import DType, TensorType
 
 
 class Category(str, enum.Enum):
@@ -79,6 +79,13 @@ class BParam:
 # the attribute of a `wide` reduction or scan that accumulates in f32 all the same (set by
 # sum-precision where only 16-bit results depend on it)
 ACCUMULATE = "accumulator"
+
+
+def in_f64(op: Any) -> bool:
+    """Does an op accumulate in f64: an f32 reduction or scan declared `wide` (sum, mean,
+    prod, cumsum, cumprod), unless sum-precision found only 16-bit results depend on it."""
+    declared = OPS[op.kind].reduction or OPS[op.kind].scan
+    return declared is not None and declared.wide and op.dtype is DType.F32 and op.attr(ACCUMULATE) != "f32"
 
 
 @dataclass(frozen=True, slots=True)
