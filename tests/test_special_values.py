@@ -145,3 +145,25 @@ def test_inputs_that_require_grad_get_gradients_and_scalars_say_they_have_none()
     with torch.no_grad():
         assert torch.equal(fn(x, 2.0), x.detach() * 2.0)
     assert torch.equal(fn(x.detach(), 2.0), x.detach() * 2.0)
+
+
+@pytest.mark.parametrize("s", [3.0, -0.1, 0.0, -0.0, math.inf, -math.inf, math.nan, 1e30])
+def test_division_by_a_scalar_is_torchs_reciprocal_product(s):
+    """`x / s` with `s` one value for the whole program is `x * (1 / s)` with the reciprocal
+    correctly rounded in f32, as eager torch divides by a scalar on a GPU: bit for bit that,
+    within one ulp of IEEE division, and torch's special values (x / 0 is +-inf, 0 / 0 NaN,
+    x / inf is +-0) where either side is special."""
+    fn = tiledsl.compile("kernel f(x: f32[N], s: f32) -> f32[N] { return x / s }")
+    x = randn(113, seed=3) * 100
+    x[:5] = torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan])
+    out = fn(x, s=s)
+    product = x * (torch.tensor(1.0) / torch.tensor(s, dtype=torch.float32))
+    assert torch.equal(out.isnan(), product.isnan()) and torch.equal(out.isnan(), (x / s).isnan())
+    kept = ~out.isnan()
+    assert torch.equal(out[kept], product[kept]), (out, product)
+    assert torch.equal(torch.signbit(out[kept]), torch.signbit((x / s)[kept]))
+    ieee = (x.double() / s).float()
+    finite = ieee.isfinite()
+    ulp = torch.finfo(torch.float32).eps * ieee[finite].abs().double()
+    assert ((out[finite].double() - ieee[finite].double()).abs() <= ulp).all()
+    assert torch.equal(out[~finite & kept], ieee[~finite & kept])

@@ -17,6 +17,8 @@ import math
 from collections.abc import Callable, Container, Iterable, Mapping
 from dataclasses import dataclass
 
+import torch
+
 from tiledsl import ops
 from tiledsl.ir import Op, Region, RegionOp
 from tiledsl.ops import Reads
@@ -285,7 +287,8 @@ class Emitter:
         an argument equal to 1 in as a constant, which has no `.to()` either. Bools arrive
         as i32 (0/1): Triton 3.6's interpreter mis-stores Python bool arguments."""
         if dtype.is_float:
-            value = self.assign(f"tl.full([], 0.0, tl.float32) + {name}", Compute.F32)
+            # -0.0 is the sum's identity (+0.0 + -0.0 would lose an argument's sign)
+            value = self.assign(f"tl.full([], -0.0, tl.float32) + {name}", Compute.F32)
             return Val(value.text, value.cat, uniform=True)
         cat = compute_type(dtype) if dtype.is_int else Compute.I32
         value = self.assign(f"tl.full([], 0, {TRITON_TYPE[cat]}) + {name}", cat)
@@ -438,6 +441,16 @@ class Emitter:
             return Val(result.text, result.cat, uniform=True)  # of the program's scalars only
         return result
 
+    def reciprocal(self, b: Val, exact: bool) -> Val:
+        """1 / b of a loop-invariant divisor (a by-value argument, a literal, or their
+        products), in f32: correctly rounded where `exact` (a literal's in torch's f32
+        arithmetic), else Triton's fast reciprocal (for ops rounded to 16 bits)."""
+        if b.literal:
+            one = torch.tensor(1.0, dtype=torch.float32)
+            return literal(float(one / torch.tensor(float(b.value), dtype=torch.float32)), Compute.F32)
+        text = f"tl.div_rn(1.0, {b.text})" if exact else f"(1.0 / {b.text})"
+        return Val(text, Compute.F32, uniform=True)
+
     def scalar_product(self, op: Op, args: list[Val], types: tuple[TensorType, ...], out: Compute) -> Val:
         """A product or quotient of a tile and a loop-invariant scalar. For an op rounded to
         16 bits, a tile that is itself a product with a scalar, `(x * a) * b`, becomes
@@ -457,6 +470,6 @@ class Emitter:
         if tile is not None and not result.literal:
             if op.kind == "mul":
                 self.scaled[result.text] = (tile, args[k])
-            elif not is_precise(op, out) and args[k].uniform:  # `div`'s reciprocal product
-                self.scaled[result.text] = (tile, Val(f"(1.0 / {args[k].text})", Compute.F32, uniform=True))
+            elif not is_precise(op, out):  # `div`'s reciprocal product
+                self.scaled[result.text] = (tile, self.reciprocal(args[k], False))
         return result

@@ -74,12 +74,15 @@ _operator("sub", "-", _arith, operator.sub, binary("{a} - {b}"), cheap=True,
 _operator("mul", "*", _arith, operator.mul, binary("{a} * {b}"), cheap=True,
           vjp=lambda d, w: (d.mul(d.g, d.x(1)), d.mul(d.g, d.x(0))))
 def _render_true_div(em, op, args, out):
-    """IEEE division for f32 ops; for the others (computed in f32, rounded to 16 bits at the
-    store) Triton's fast one, and a division by a by-value argument (Gemma-2's `s / cap`) a
-    product with its reciprocal, computed once per program: one MUFU op a score fewer."""
+    """IEEE division, except that a divisor which is one value for the whole program (a
+    by-value argument, a literal, or their products) becomes a product with its reciprocal,
+    computed once: what eager torch does on a GPU for a scalar divisor ("may lose one bit of
+    precision", `div_true_kernel_cuda`), so within the oracle, and one multiply an element
+    instead of a division (Gemma-2's `s / cap`; a softmax's temperature). The reciprocal is
+    correctly rounded for f32 ops, Triton's fast one for the others (rounded to 16 bits)."""
     a, b = args
-    if not is_precise(op, out) and b.uniform:
-        return em.assign(f"{em.tensor(a).text} * (1.0 / {b.text})", out)
+    if out is Compute.F32 and (b.uniform or b.literal) and op.type.rank > 0:
+        return em.assign(f"{em.tensor(a).text} * {em.reciprocal(b, is_precise(op, out)).text}", out)
     return _DIVIDE(em, op, args, out)
 
 
