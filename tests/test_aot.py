@@ -176,6 +176,21 @@ def test_rows_read_once_up_to_the_one_pass_limit_without_spills(name, dt, n, blo
     assert r.spill_bytes == 0, r
 
 
+@pytest.mark.parametrize("m, n, even_o, even_r", [(4096, 16384, True, True), (4096, 16383, True, False),
+                                                   (13, 64, False, True), (64, 64, True, True)])
+def test_rows_that_fill_their_blocks_are_read_without_masks(m, n, even_o, even_r):
+    """A call whose rows fill every program and whose row length is a multiple of the block
+    gets constant masks (`EVEN_O`, `EVEN_R`), which Triton folds: the layer norm's loops then
+    select nothing (each masked pass selected the identity for the tail before reducing)."""
+    fn = tiledsl.compile(ROW_PROGRAMS["layernorm"].format(dt="f16"))
+    (r,) = aot.inspect_program(fn, {"M": m, "N": n})
+    assert (r.config["EVEN_O"], r.config["EVEN_R"]) == (even_o, even_r)
+    (masked,) = aot.inspect_program(fn, {"M": m, "N": n - 1 if even_r else n})
+    if even_r:
+        assert r.loop["instructions"] < masked.loop["instructions"], (r.loop, masked.loop)
+        assert r.spill_bytes == 0
+
+
 def test_short_rows_share_a_program():
     fn = tiledsl.compile(ROW_PROGRAMS["rmsnorm"].format(dt="f16"))
     (r,) = aot.inspect_program(fn, {"M": 4096, "N": 128})

@@ -194,7 +194,7 @@ class RowProgram:
         rows = any(self.index(d) for d in layout if d is not None and d not in axes)
         cols = any(self.index(d) for d in layout if d in axes)
         mask = {(True, True): "tmask", (True, False): "omask[:, None]",
-                (False, True): f"(r < {self.length})[None, :]"}[(rows, cols)]
+                (False, True): "rmask"}[(rows, cols)]
         return f"{ref.ptr} + {offset}", mask
 
     def flat_offset(self, ref: TensorRef, layout) -> str | None:
@@ -546,7 +546,7 @@ class RowProgram:
             rows = f"({rows} * {self.group})"
         self.rows = rows
         self.programs = f"tl.cdiv({rows}, BLOCK_O)"  # the grid `emit`'s configure picks
-        for name in ("BLOCK_O", "BLOCK_R", "ONE_PASS"):
+        for name in ("BLOCK_O", "BLOCK_R", "ONE_PASS", "EVEN_O", "EVEN_R"):
             sig.constexpr(name)
         body(PROGRAM_ID)
         # the rows' indices in int32 where every tensor fits it (not WIDE; a number of rows
@@ -557,7 +557,15 @@ class RowProgram:
             with body.indent():
                 body("pid = pid.to(tl.int64)")
         body("o = pid * BLOCK_O + tl.arange(0, BLOCK_O)")
-        body(f"omask = o < {rows}")
+        # a call whose rows fill every program (`EVEN_O`), and whose row length is a multiple
+        # of the block (`EVEN_R`), gets constant masks, which Triton folds away: no selects
+        # for the tail, and unmasked loads and stores
+        body("if EVEN_O:")
+        with body.indent():
+            body("omask = tl.full([BLOCK_O], 1, tl.int1)")
+        body("else:")
+        with body.indent():
+            body(f"omask = o < {rows}")
         groups = "o"
         if self.group > 1:
             c = self.plan.across
@@ -589,7 +597,13 @@ class RowProgram:
         if len(axes) > 1:
             names = [None if shape[a] == 1 else f"k{a}" for a in axes]
             decompose(self.body, "r", [shape[a] for a in axes], names, self.sig.size, "kq")
-        self.body(f"tmask = omask[:, None] & (r < {self.length})[None, :]")
+        self.body("if EVEN_R:")
+        with self.body.indent():
+            self.body("rmask = tl.full([1, BLOCK_R], 1, tl.int1)")
+        self.body("else:")
+        with self.body.indent():
+            self.body(f"rmask = (r < {self.length})[None, :]")
+        self.body("tmask = omask[:, None] & rmask")
 
     def emit_one_pass(self) -> None:
         """The whole row in one tile: every input read once."""
@@ -903,7 +917,11 @@ def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKer
         warps = max(4, min(16, block_r * block_o // 1024))
         if long:  # i64 keys and a sort's exchanges: 4 warps spill 104 bytes, 8 none
             warps = max(warps, 8)
-        constexprs = {"BLOCK_O": block_o, "BLOCK_R": block_r, "ONE_PASS": length <= block_r}
+        constexprs = {"BLOCK_O": block_o, "BLOCK_R": block_r, "ONE_PASS": length <= block_r,
+                      "EVEN_O": rows > 0 and rows % block_o == 0,
+                      # a row of 32k in registers keeps its masks: unmasked, ptxas schedules
+                      # its loads so that an f16 RMSNorm spills 104 bytes (none masked)
+                      "EVEN_R": length > 0 and length % block_r == 0 and block_r < 1 << 15}
         if prog.long:
             constexprs |= {"LONG": bool(long), "SORT_LOG": sort_log(length) if long else 0}
         return LaunchConfig((cdiv(rows, block_o),), constexprs, num_warps=warps)
