@@ -110,6 +110,46 @@ def test_torch_export_keeps_the_op():
     torch.testing.assert_close(ep.module()(x), model(x))
 
 
+def test_the_op_is_named_by_the_program_not_its_text(tmp_path):
+    """The op's name hashes the program's graph IR and options: the same program from a file,
+    as text, with comments and another layout is one op; another program or option is not."""
+    path = tmp_path / "norm.tdsl"
+    path.write_text("# an RMSNorm\n" + RMS.replace("{", "{\n   # rows\n", 1))
+    a, b = tiledsl.compile(RMS), tiledsl.compile(path)
+    assert a.op is b.op and a.op.name() == b.op.name()
+    assert tiledsl.compile(RMS.replace("x * r * w", "x * r * w * 2.0")).op is not a.op
+    assert tiledsl.compile(RMS, allow_tf32=True).op is not a.op
+    generic = "kernel g[T: f16 | f32](x: T[..., D]) -> T[..., D] { return x * 2.0 }"
+    g1 = tiledsl.compile(generic)
+    g2 = tiledsl.compile(generic.replace("{ ", "{\n  # doubled\n  ") + "\n")
+    assert g1.op is g2.op
+
+
+def test_an_exported_program_loads_in_a_fresh_process(tmp_path):
+    """torch.export.save in this process; in a fresh one, the same program compiled from
+    other text (a file, with a comment) makes the op the saved graph names."""
+    import subprocess
+    import sys
+
+    fn = tiledsl.compile(RMS)
+    ep = torch.export.export(Block(fn), (randn(17, 33),))
+    torch.export.save(ep, tmp_path / "block.pt2")
+    x = randn(17, 33, seed=9)
+    torch.save((x, ep.module()(x)), tmp_path / "expected.pt")
+    (tmp_path / "rms.tdsl").write_text("# the same program\n" + RMS)
+    script = f"""
+import torch, tiledsl
+fn = tiledsl.compile({str(tmp_path / "rms.tdsl")!r})
+ep = torch.export.load({str(tmp_path / "block.pt2")!r})
+x, expected = torch.load({str(tmp_path / "expected.pt")!r})
+torch.testing.assert_close(ep.module()(x), expected, rtol=0, atol=0)
+print("ok", fn.op.name())
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["ok", fn.op.name()]
+
+
 def test_torch_compile_of_a_program_never_called_eagerly():
     fn = tiledsl.compile(RMS.replace("rms(", "fresh("))
     torch._dynamo.reset()

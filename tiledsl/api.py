@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from collections.abc import Mapping, Sequence
@@ -18,7 +19,7 @@ import networkx as nx
 import torch
 from torch.autograd import forward_ad
 
-from tiledsl import autodiff, torch_op
+from tiledsl import ast, autodiff, generic, torch_op
 from tiledsl import diagnostics as diag
 from tiledsl.backends.interface import BACKENDS, Backend, Kernel, make_backend
 from tiledsl.binding import BoundCall, bind
@@ -84,12 +85,23 @@ def compile_text(text: str, name: str, kernel: str | None = None, backend: str =
             f"(backends: {', '.join(BACKENDS)})"))
     program = parse(text, name)
     selected = select_kernel(program, kernel)
-    graph = analyze(selected, check_bounds)
-    compiled = compile_graph(graph, backend, pipeline=pipeline, allow_tf32=allow_tf32, verify=verify,
-                             what=f"kernel '{selected.name}'", span=selected.name_span)
-    compiled._origin = Origin(text, name, selected.name, (
+    origin = Origin(text, name, selected.name, (
         ("backend", backend), ("pipeline", pipeline), ("allow_tf32", allow_tf32), ("verify", verify),
         ("check_bounds", check_bounds)))
+    if generic.is_generic(selected):
+        generic.check(selected)
+        return Generic(selected, origin)
+    return _compile_kernel(selected, origin)
+
+
+def _compile_kernel(kernel: ast.Kernel, origin: Origin) -> Program:
+    """The program of one (concrete) kernel, compiled with `origin`'s options."""
+    options = dict(origin.options)
+    graph = analyze(kernel, options["check_bounds"])
+    compiled = compile_graph(graph, options["backend"], pipeline=options["pipeline"],
+                             allow_tf32=options["allow_tf32"], verify=options["verify"],
+                             what=f"kernel '{kernel.name}'", span=kernel.name_span)
+    compiled._origin = origin
     return compiled
 
 
@@ -147,12 +159,14 @@ class Origin:
     kernel: str = ""
     options: tuple[tuple[str, Any], ...] = ()
     derived: tuple[Program, tuple[int, ...], str] | None = None
+    binding: generic.Binding | None = None  # a generic kernel's specialization
 
 
-def _recompile(origin: Origin) -> Program:
+def _recompile(origin: Origin) -> Program | Generic:
     """The program `origin` describes, compiled again (how a pickled program loads)."""
     if origin.derived is None:
-        return compile_text(origin.text, origin.name, origin.kernel, **dict(origin.options))
+        compiled = compile_text(origin.text, origin.name, origin.kernel, **dict(origin.options))
+        return compiled.bound(origin.binding) if origin.binding is not None else compiled
     parent, wrt, role = origin.derived
     return getattr(parent.training(wrt), role)
 
@@ -235,6 +249,10 @@ class Program:
             values = self.runtime.binder(args, {}).values
             args = tuple(values[i] if i in self._scalars else a for i, a in enumerate(args))
         return args
+
+    def resolve(self, args: Sequence[Any]) -> Program:
+        """The program these arguments run: this one (a `Generic` picks a specialization)."""
+        return self
 
     def _run_op(self, args: tuple) -> Any:
         """The op's CPU/CUDA kernel: the program's outputs as fresh contiguous tensors that
@@ -450,6 +468,88 @@ class Program:
 
     def kernel_ops(self) -> Sequence[KernelOp]:
         return [self._graph.op(n) for n in self._graph.kernels()]
+
+
+class Generic:
+    """A generic kernel (`tiledsl.generic`: dtype variables, `...` batch dims), called like a
+    `Program`. Each binding of its variables, which a call's arguments give, is compiled on
+    first use and cached, as sizes are; the specialization is a whole `Program` (explain, IR,
+    autograd, its torch op), reached with `for_args` or `specialize`. It pickles as its
+    source, as a program does."""
+
+    def __init__(self, kernel: ast.Kernel, origin: Origin) -> None:
+        self.kernel = kernel
+        self.name = kernel.name
+        self._origin = origin
+        self._programs: dict[generic.Binding, Program] = {}
+        self._lock = threading.Lock()
+        self._names = tuple(p.name for p in kernel.params)
+        self._convention = torch_op.Convention.of_kernel(kernel)
+        self.op = torch_op.register(self)
+        """This kernel as one PyTorch operator for all its bindings (dtype and rank generic
+        in its schema): each call runs the specialization its arguments bind."""
+
+    def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
+        """Run the specialization the arguments bind; a call that autograd or a tracer must
+        see goes through `fn.op` (torch.compile then compiles a binding in the op's fake
+        kernel, never in the traced code)."""
+        if _through_op(args, kwargs) and not torch._C._are_functorch_transforms_active():
+            return self.op(*self._convention.pack(self._positional(args, kwargs)))
+        return self.for_args(*args, **kwargs)(*args, **kwargs)
+
+    def _positional(self, args: tuple, kwargs: dict) -> tuple:
+        """The arguments in parameter order, for the op's schema; an argument list the
+        schema cannot take gets the specialization's error (or its conversion)."""
+        names, kinds = self._names, self._convention.kinds
+        if len(args) + len(kwargs) == len(names) and set(kwargs) == set(names[len(args):]):
+            args = args + tuple(kwargs[n] for n in names[len(args):])
+            if all(type(a) in _SCHEMA_SCALARS[k] for a, k in zip(args, kinds, strict=True) if k != "Tensor"):
+                return args
+            kwargs = {}
+        return self.for_args(*args, **kwargs)._positional(args, kwargs)
+
+    def resolve(self, args: Sequence[Any]) -> Program:
+        """The specialization these arguments (in parameter order) run."""
+        return self.for_args(*args)
+
+    def for_args(self, /, *args: Any, **kwargs: Any) -> Program:
+        """The specialization these arguments call."""
+        return self.bound(generic.bind(self.kernel, args, kwargs))
+
+    def specialize(self, batch: int = 0, **dtypes: str) -> Program:
+        """The specialization of a binding given by hand: each dtype variable's dtype, and
+        the leading dims `...` stands for in every parameter (`fn.specialize(T="bf16",
+        batch=2)`)."""
+        check_option("specialize()", "batch", batch, "an int", int)
+        return self.bound(generic.given(self.kernel, batch, dtypes, "specialize()"))
+
+    def bound(self, binding: generic.Binding) -> Program:
+        """The program of `binding`, compiled on first use."""
+        with self._lock:
+            fn = self._programs.get(binding)
+            if fn is None:
+                fn = _compile_kernel(generic.specialize(self.kernel, binding),
+                                     dataclasses.replace(self._origin, binding=binding))
+                self._programs[binding] = fn
+            return fn
+
+    @property
+    def bindings(self) -> tuple[generic.Binding, ...]:
+        """The bindings compiled so far."""
+        return tuple(self._programs)
+
+    def __reduce__(self) -> tuple:
+        return _recompile, (self._origin,)
+
+    def __repr__(self) -> str:
+        return f"<tiledsl generic kernel '{self.name}' {generic.signature(self.kernel)}>"
+
+    def __getattr__(self, attr: str) -> Any:
+        if not attr.startswith("_") and hasattr(Program, attr):  # a program's, without a binding
+            raise diag.OptionError(message=(
+                f"kernel '{self.name}' is generic ({generic.signature(self.kernel)}): {attr} belongs "
+                "to a specialization, fn.specialize(T=..., batch=...) or fn.for_args(<arguments>)"))
+        raise AttributeError(f"'Generic' object has no attribute '{attr}'")
 
 
 @dataclass(frozen=True)

@@ -165,7 +165,8 @@ Stmt = Assign | Unpack | Return
 
 @dataclass(frozen=True, slots=True)
 class DimExpr:
-    """One dim of a declared shape: a symbol (`M`) or an integer literal."""
+    """One dim of a declared shape: a symbol (`M`), an integer literal, or "..." (a generic
+    kernel's batch dims, `tiledsl.generic`)."""
 
     value: str | int
     span: Span
@@ -204,6 +205,16 @@ class Decorator:
 
 
 @dataclass(frozen=True, slots=True)
+class TypeParam:
+    """`T: f16 | bf16`: a dtype variable of a generic kernel and the dtypes it may bind."""
+
+    name: str
+    dtypes: tuple[str, ...]
+    dtype_spans: tuple[Span, ...]
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
 class Kernel:
     name: str
     name_span: Span
@@ -213,6 +224,7 @@ class Kernel:
     returns_span: Span
     body: tuple[Stmt, ...]
     span: Span
+    type_params: tuple[TypeParam, ...] = ()  # a generic kernel's dtype variables
 
 
 @dataclass(frozen=True, slots=True)

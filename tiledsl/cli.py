@@ -46,6 +46,9 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--passes", help="the pass pipeline (default: the full fusing pipeline)")
         s.add_argument("--backward", action="store_true",
                        help="the kernel's backward program (gradients of its float tensor parameters)")
+        s.add_argument("--bind", metavar="T=DTYPE,...=N",
+                       help="a generic kernel's binding: its dtype variables, and the leading dims '...' "
+                            "stands for, e.g. T=bf16,...=2")
         return s
 
     opt = program_command("opt", "run a pass pipeline and print the IR")
@@ -112,11 +115,35 @@ def _read(path: str) -> tuple[str, str]:
 
 
 def _compile(args, **kw):
-    from tiledsl.api import compile_text
+    from tiledsl.api import Generic, compile_text
+    from tiledsl.generic import parse_binding
 
     text, name = _read(args.file)
     fn = compile_text(text, name, args.kernel, pipeline=args.passes, **kw)
+    if isinstance(fn, Generic):
+        if args.bind is None:
+            raise diag.OptionError(message=(
+                f"kernel '{fn.name}' is generic ({_signature(fn.kernel)}): give its binding with "
+                "--bind, e.g. --bind " + _example_binding(fn.kernel)))
+        fn = fn.bound(parse_binding(fn.kernel, args.bind))
+    elif args.bind is not None:
+        raise diag.OptionError(message=f"--bind: kernel '{fn.name}' is not generic")
     return fn.backward if args.backward else fn
+
+
+def _signature(kernel) -> str:
+    from tiledsl.generic import signature
+
+    return signature(kernel)
+
+
+def _example_binding(kernel) -> str:
+    from tiledsl.generic import has_ellipsis
+
+    parts = [f"{tp.name}={tp.dtypes[0]}" for tp in kernel.type_params]
+    if any(has_ellipsis(p.type) for p in kernel.params):
+        parts.append("...=1")
+    return ",".join(parts)
 
 
 def _cmd_opt(args) -> int:
@@ -153,7 +180,7 @@ def _cmd_opt(args) -> int:
 
     manager = PassManager(pipeline, verify=args.verify or None, snapshots=False, print_after=after)
     for kernel in kernels:
-        graph = analyze(kernel)
+        graph = analyze(_concrete(kernel, args.bind))
         if args.backward:
             from tiledsl.api import normalized
             from tiledsl.autodiff import derive
@@ -503,13 +530,36 @@ def _ptxas_gpu_names(path: str) -> frozenset[str]:
     return frozenset(re.findall(r"'(sm_\w+)'", result.stdout))
 
 
+def _concrete(kernel, bind: str | None):
+    """`kernel`, specialized by `--bind` where it is generic."""
+    from tiledsl import generic
+
+    if not generic.is_generic(kernel):
+        return kernel
+    generic.check(kernel)
+    if bind is None:
+        raise diag.OptionError(message=(
+            f"kernel '{kernel.name}' is generic ({generic.signature(kernel)}): give its binding with "
+            "--bind, e.g. --bind " + _example_binding(kernel)))
+    return generic.specialize(kernel, generic.parse_binding(kernel, bind))
+
+
 def _cmd_check(args) -> int:
+    from tiledsl import generic
     from tiledsl.parser import parse
     from tiledsl.sema import analyze
 
     text, name = _read(args.file)
     program = parse(text, name)
     for k in program.kernels:
+        if generic.is_generic(k):  # every dtype binding, with one leading dim
+            generic.check(k)
+            bindings = generic.every_binding(k)
+            for b in bindings:
+                analyze(generic.specialize(k, b))
+            print(f"{name}: kernel '{k.name}' ok ({len(bindings)} bindings: "
+                  + "; ".join(str(b) for b in bindings) + ")")
+            continue
         analyze(k)
         print(f"{name}: kernel '{k.name}' ok")
     return 0

@@ -145,11 +145,21 @@ class _Builder(lark.visitors.Transformer_NonRecursive):
         name = next(c for c in children if isinstance(c, Token))
         params = tuple(c for c in children if isinstance(c, ast.Param))
         returns, returns_span = next(c for c in children if isinstance(c, _Returns))
+        type_params = next((c for c in children if isinstance(c, _TypeParams)), ())
         body = children[-1]
         return ast.Kernel(
             str(name), self._tok(name), decorators, params, returns, returns_span, body,
-            self._span(meta),
+            self._span(meta), tuple(type_params),
         )
+
+    def type_params(self, children):
+        return _TypeParams(children)
+
+    @lark.v_args(meta=True)
+    def type_param(self, meta, children):
+        name, *dtypes = children
+        return ast.TypeParam(str(name), tuple(str(d) for d in dtypes), tuple(self._tok(d) for d in dtypes),
+                             self._span(meta))
 
     @lark.v_args(meta=True)
     def decorator(self, meta, children):
@@ -180,11 +190,18 @@ class _Builder(lark.visitors.Transformer_NonRecursive):
         (tok,) = children
         return ast.DimExpr(str(tok), self._tok(tok))
 
+    @lark.v_args(meta=True)
+    def dim_ellipsis(self, meta, children):
+        return ast.DimExpr("...", self._span(meta))
+
     def dim_literal(self, children):
         (tok,) = children
         return ast.DimExpr(self._int(tok), self._tok(tok))
 
     def _dim_op(self, meta, children, op) -> ast.DimExpr:
+        for c in children:
+            if c.value == "...":
+                raise RankError(c.span, message="'...' stands for leading dims: it takes no arithmetic")
         a, b = (Lin.of(c.value) for c in children)
         span = self._span(meta)
         if op == "//" and b.is_const and b.const <= 0:
@@ -405,6 +422,10 @@ class _Builder(lark.visitors.Transformer_NonRecursive):
 
 class _Returns(tuple):
     """(types, span) of a kernel's declared return type(s)."""
+
+
+class _TypeParams(tuple):
+    """A generic kernel's dtype variables (`ast.TypeParam`s)."""
 
 
 @functools.cache

@@ -24,8 +24,10 @@ Each `Program` is registered, through `torch.library`, as a custom op with
 - a vmap rule (`torch.vmap`): one call per batch element, outputs stacked.
   The autograd function has `setup_context`, so `torch.func.grad` works too.
 
-The name is the kernel's name and a hash of its graph IR, source name and
-compile options: compiling the same program twice gives the same op. Every live
+The name is the kernel's name and a hash of its graph IR (no source name, comment
+or line position) and compile options: the same program, compiled twice or from
+another file, gives the same op, in any process. A generic kernel (`tiledsl.generic`)
+is one op for all its bindings, named by its syntax tree without positions. Every live
 program of that name is remembered weakly; when the last one is collected its
 registration is released (at the next registration), so compiling many
 programs does not keep every op forever. Registration happens once per name,
@@ -54,7 +56,7 @@ from tiledsl.ir import Graph
 from tiledsl.types import DType
 
 if TYPE_CHECKING:
-    from tiledsl.api import Program, Training
+    from tiledsl.api import Generic, Program, Training
 
 NAMESPACE = "tiledsl"
 MAX_SCHEMA_ARGS = 64  # torch's FunctionSchema limit: "this PyTorch build only supports 64"
@@ -85,14 +87,27 @@ os.register_at_fork(after_in_child=_reset_after_fork)
 
 
 def op_name(program: Program) -> str:
-    """`<kernel>_<hash>`: stable across processes for the same program and options."""
+    """`<kernel>_<hash>` of the program's graph IR (no source name, comment, whitespace or
+    line position enters it) and options: the same program, from any file or as text, is
+    the same op in every process, so an exported program loads wherever it is compiled."""
     from tiledsl.printer import print_graph
 
-    graph = program.source_graph
-    text = "\n".join((
-        graph.span.source.name if graph.span else "", print_graph(graph, locations=True),
-        program.backend, program.pipeline, str(program.allow_tf32)))
-    return f"{graph.name}_{hashlib.sha256(text.encode()).hexdigest()[:12]}"
+    return _hashed(program.name, print_graph(program.source_graph), program)
+
+
+def generic_op_name(fn: Generic) -> str:
+    """`<kernel>_<hash>` of a generic kernel: its syntax tree without positions, and options."""
+    from tiledsl import generic
+
+    return _hashed(fn.name, generic.canonical(fn.kernel), fn)
+
+
+def _hashed(name: str, text: str, program: Any) -> str:
+    options = dict(program._origin.options) if getattr(program, "_origin", None) else {}
+    text = "\n".join((text, getattr(program, "backend", options.get("backend", "")),
+                      str(getattr(program, "pipeline", options.get("pipeline"))),
+                      str(getattr(program, "allow_tf32", options.get("allow_tf32")))))
+    return f"{name}_{hashlib.sha256(text.encode()).hexdigest()[:12]}"
 
 
 @dataclass(frozen=True)
@@ -110,6 +125,26 @@ class Convention:
         kinds = tuple(_SCALAR_TYPES[p.dtype] if p.attr("scalar") else "Tensor" for p in params)
         return Convention(kinds, _schema_names([p.attr("name") for p in params]),
                           len(params) > MAX_SCHEMA_ARGS)
+
+    @staticmethod
+    def of_kernel(kernel: Any) -> Convention:
+        """A generic kernel's (`ast.Kernel`): a scalar typed by a dtype variable takes the
+        kind its dtypes share."""
+        from tiledsl.types import DTYPES
+
+        variables = {tp.name: tp.dtypes for tp in kernel.type_params}
+        kinds = []
+        for p in kernel.params:
+            if p.type.dims is not None:
+                kinds.append("Tensor")
+                continue
+            options = {_SCALAR_TYPES.get(DTYPES.get(d)) for d in variables.get(p.type.dtype, (p.type.dtype,))}
+            if len(options) != 1 or None in options:
+                raise diag.DTypeError(p.type.span, message=(
+                    f"scalar parameter '{p.name}': its dtypes must all be floats, all integers or bool"))
+            kinds.append(options.pop())
+        return Convention(tuple(kinds), _schema_names([p.name for p in kernel.params]),
+                          len(kinds) > MAX_SCHEMA_ARGS)
 
     @property
     def lists(self) -> tuple[tuple[str, str, str], ...]:
@@ -146,9 +181,11 @@ def _repeat(value: Any):
 
 def schema(graph: Graph) -> str:
     """The op's argument and return list, `(Tensor x, float eps) -> Tensor`."""
-    n = len(graph.returns) - len(graph.checks)
-    rets = "Tensor" if n == 1 else "(" + ", ".join(["Tensor"] * n) + ")"
-    return f"({Convention.of(graph).arguments()}) -> {rets}"
+    return f"({Convention.of(graph).arguments()}) -> {_returns(len(graph.returns) - len(graph.checks))}"
+
+
+def _returns(n: int) -> str:
+    return "Tensor" if n == 1 else "(" + ", ".join(["Tensor"] * n) + ")"
 
 
 def _schema_names(names: Sequence[str]) -> tuple[str, ...]:
@@ -179,15 +216,30 @@ def _schema_safe(name: str) -> bool:
     return parsed.arguments[0].name == name
 
 
-def register(program: Program) -> Any:
+def register(program: Program | Generic) -> Any:
     """The op running `program` (an `OpOverload`), registered once per name; `program` is
-    remembered weakly (`_sweep`). It takes the arguments as `Convention.of(graph)` packs them."""
-    name = op_name(program)
+    remembered weakly (`_sweep`). It takes the arguments as `Convention.of(graph)` packs them.
+    A generic kernel has one op for all its bindings: each call runs (and its fake kernel
+    shapes the outputs of) the specialization its arguments bind."""
+    from tiledsl.api import Generic
+
+    generic = isinstance(program, Generic)
+    name = generic_op_name(program) if generic else op_name(program)
     with _lock:
         _sweep()
         reg = _REGISTRY.get(name)
         if reg is None:
-            reg = _REGISTRY[name] = _Registration(name, program.source_graph)
+            if generic:
+                convention = Convention.of_kernel(program.kernel)
+                reg = _Registration(name, convention, f"({convention.arguments()}) -> "
+                                    f"{_returns(len(program.kernel.returns))}", len(program.kernel.returns),
+                                    None)
+            else:
+                graph = program.source_graph
+                convention = Convention.of(graph)
+                reg = _Registration(name, convention, schema(graph), len(graph.returns) - len(graph.checks),
+                                    _fake(graph, convention))
+            _REGISTRY[name] = reg
         reg.programs.add(program)
         weakref.finalize(program, _released.append, name)
         return reg.op
@@ -215,35 +267,46 @@ class _Registration:
     """One op: its library (the registrations), its calling convention, and the live programs
     that run it (weakly: the first one alive runs a call; all compute the same thing)."""
 
-    def __init__(self, name: str, graph: Graph) -> None:
+    def __init__(self, name: str, convention: Convention, signature: str, n_outputs: int,
+                 fake: Any | None) -> None:
         self.name = name
-        self.convention = Convention.of(graph)
-        self.n_outputs = len(graph.returns) - len(graph.checks)
-        self.programs: weakref.WeakSet[Program] = weakref.WeakSet()
+        self.convention = convention
+        self.n_outputs = n_outputs
+        self.programs: weakref.WeakSet[Program | Generic] = weakref.WeakSet()
         lib = torch.library.Library(NAMESPACE, "FRAGMENT")
-        lib.define(name + schema(graph))
+        lib.define(name + signature)
         lib.impl(name, self._run, "CPU")
         lib.impl(name, self._run, "CUDA")
         lib.impl(name, self._autograd, "Autograd")
         qualified = f"{NAMESPACE}::{name}"
-        torch.library.register_fake(qualified, _fake(graph, self.convention), lib=lib)
+        torch.library.register_fake(qualified, fake or self._generic_fake, lib=lib)
         torch.library.register_vmap(qualified, self._vmap, lib=lib)
         self.lib = lib
         self.op = getattr(getattr(torch.ops, NAMESPACE), name).default
 
-    def program(self) -> Program:
+    def program(self) -> Program | Generic:
         for program in self.programs:
             return program
         raise diag.OptionError(message=(
             f"torch.ops.{NAMESPACE}.{self.name}: the program this op runs is no longer referenced "
             "(keep the compiled program alive while its op is used, or compile it again)"))
 
+    def _generic_fake(self, *op_args: Any) -> Any:
+        """A generic op's fake kernel: the outputs of the specialization the arguments bind
+        (compiled here on first use, outside the fake mode: compiling makes real tensors)."""
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily():
+            program = self.program().resolve(self.convention.unpack(op_args))
+        return _fake(program.source_graph, program._convention)(*op_args)
+
     def _run(self, *op_args: Any) -> Any:
-        return self.program()._run_op(self.convention.unpack(op_args))
+        args = self.convention.unpack(op_args)
+        return self.program().resolve(args)._run_op(args)
 
     def _autograd(self, *op_args: Any) -> Any:
-        program = self.program()
         args = self.convention.unpack(op_args)
+        program = self.program().resolve(args)
         refuse_forward_mode(program, args)
         wrt = program.wants_grad(args)
         if not wrt:

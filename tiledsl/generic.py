@@ -1,0 +1,278 @@
+"""Generic kernels: dtype variables and `...` batch dims, bound per call.
+
+    kernel rmsnorm[T: f16 | bf16 | f32](x: T[..., D], w: T[D], eps: f32) -> T[..., D]
+
+A dtype variable (`T`) lists the dtypes it may bind; it binds the dtype of the tensors
+passed for the parameters declared with it, which must agree. `...`, the first dim of a
+type, binds the leading dims an argument has beyond the declared ones: one batch shape for
+the whole signature, each parameter's right-aligned against it (NumPy's broadcasting: a
+parameter may have fewer leading dims, as a bias has). A binding (`Binding`) turns the
+kernel into a concrete one, the same kernel with the variables and `...` written out
+(`specialize`); `tiledsl.compile` returns a `Generic` that compiles one per binding on first
+use and caches it, as sizes are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tiledsl import ast
+from tiledsl import diagnostics as diag
+from tiledsl.types import DTYPES, PARAM_DTYPES
+
+ELLIPSIS = "..."
+
+
+@dataclass(frozen=True, slots=True)
+class Binding:
+    """What a generic kernel is specialized to: each dtype variable's dtype, in declaration
+    order, and how many leading dims `...` stands for."""
+
+    dtypes: tuple[tuple[str, str], ...]
+    batch: int
+    leads: tuple[int, ...] = ()  # per parameter with `...`, in order: its leading dims
+
+    def __str__(self) -> str:
+        parts = [f"{var}={dtype}" for var, dtype in self.dtypes]
+        return ",".join(parts + [f"...={self.batch}"] if self.leads else parts)
+
+
+def is_generic(kernel: ast.Kernel) -> bool:
+    return bool(kernel.type_params) or any(_has_ellipsis(t) for t in _types(kernel))
+
+
+def _types(kernel: ast.Kernel) -> list[ast.TypeExpr]:
+    return [p.type for p in kernel.params] + list(kernel.returns)
+
+
+def _has_ellipsis(t: ast.TypeExpr) -> bool:
+    return any(d.value == ELLIPSIS for d in t.dims or ())
+
+
+def check(kernel: ast.Kernel) -> None:
+    """The signature's generic parts are well formed: each variable declared once, its dtypes
+    real, distinct and used by some tensor parameter (so a call binds it); `...` only first
+    and in some parameter when the result has it."""
+    seen: dict[str, ast.TypeParam] = {}
+    for tp in kernel.type_params:
+        if tp.name in seen:
+            raise diag.DTypeError(tp.span, [diag.Note("first declared here", seen[tp.name].span)],
+                                  message=f"dtype variable '{tp.name}' is declared twice")
+        if tp.name in DTYPES:
+            raise diag.DTypeError(tp.span, message=(
+                f"'{tp.name}' names a dtype: a dtype variable needs a name of its own"))
+        seen[tp.name] = tp
+        for name, span in zip(tp.dtypes, tp.dtype_spans, strict=True):
+            if name not in PARAM_DTYPES:
+                raise diag.UnknownDTypeError(span, [diag.Note(f"the dtypes are {', '.join(PARAM_DTYPES)}")],
+                                             name=name, hint=diag.did_you_mean(name, PARAM_DTYPES))
+        if len(set(tp.dtypes)) != len(tp.dtypes):
+            raise diag.DTypeError(tp.span, message=f"dtype variable '{tp.name}' lists a dtype twice")
+        if not any(p.type.dtype == tp.name and p.type.dims is not None for p in kernel.params):
+            raise diag.DTypeError(tp.span, message=(
+                f"dtype variable '{tp.name}' is not the dtype of any tensor parameter, so no call "
+                "could bind it"))
+    names = [(p.name, p.name_span) for p in kernel.params] + [
+        (target, span) for stmt in kernel.body if not isinstance(stmt, ast.Return)
+        for target, span in (zip(stmt.targets, stmt.target_spans, strict=True)
+                             if isinstance(stmt, ast.Unpack) else [(stmt.target, stmt.target_span)])]
+    for name, span in names:
+        if name in seen:
+            raise diag.DTypeError(span, [diag.Note("the dtype variable", seen[name].span)],
+                                  message=f"'{name}' names both a dtype variable and a value")
+    for t in _types(kernel):
+        for i, d in enumerate(t.dims or ()):
+            if d.value == ELLIPSIS and i:
+                raise diag.RankError(d.span, message="'...' stands for leading dims: it must come first")
+    params = [p.type for p in kernel.params]
+    if any(_has_ellipsis(t) for t in kernel.returns) and not any(_has_ellipsis(t) for t in params):
+        span = next(d.span for t in kernel.returns for d in t.dims or () if d.value == ELLIPSIS)
+        raise diag.RankError(span, message=(
+            "the return type has '...' but no parameter does, so no call could bind it"))
+
+
+def bind(kernel: ast.Kernel, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Binding:
+    """The binding a call's arguments give (tensors by their dtype and rank); an argument that
+    binds nothing is left for the specialized kernel's own checks to refuse."""
+    from tiledsl.binding import torch_dtype
+
+    of_torch = {torch_dtype(d): d.value for d in DTYPES.values() if d.value in PARAM_DTYPES}
+    names = [p.name for p in kernel.params]
+    passed: dict[str, Any] = dict(zip(names, args, strict=False))  # too many: the binder's error
+    passed.update((k, v) for k, v in kwargs.items() if k in names)
+    variables = {tp.name: tp for tp in kernel.type_params}
+    dtypes: dict[str, tuple[str, ast.Param]] = {}
+    batch = 0
+    leads: list[int] = []
+    for p in kernel.params:
+        value = passed.get(p.name)
+        shape = getattr(value, "shape", None)
+        dtype = getattr(value, "dtype", None)
+        if p.type.dims is None or shape is None or dtype is None:
+            leads += [0] if p.type.dims is not None and _has_ellipsis(p.type) else []
+            continue
+        if p.type.dtype in variables:
+            tp = variables[p.type.dtype]
+            name = of_torch.get(dtype, str(dtype))
+            if name not in tp.dtypes:
+                raise diag.ArgumentError(p.type.dtype_span, message=(
+                    f"argument '{p.name}' is {dtype}, but its dtype variable '{tp.name}' binds "
+                    f"{' | '.join(tp.dtypes)}"))
+            if tp.name in dtypes and dtypes[tp.name][0] != name:
+                first, other = dtypes[tp.name]
+                raise diag.ArgumentError(p.type.dtype_span, [diag.Note(
+                    f"'{other.name}' bound it to {first} here", other.type.dtype_span)], message=(
+                    f"argument '{p.name}' is {name}, but dtype variable '{tp.name}' is already {first}"))
+            dtypes.setdefault(tp.name, (name, p))
+        if _has_ellipsis(p.type):
+            fixed = len(p.type.dims) - 1
+            if len(shape) < fixed:
+                raise diag.ArgumentError(p.type.span, message=(
+                    f"argument '{p.name}' has {len(shape)} dims, but its type needs at least {fixed} "
+                    "after '...'"))
+            leads.append(len(shape) - fixed)
+            batch = max(batch, len(shape) - fixed)
+    missing = [tp for tp in kernel.type_params if tp.name not in dtypes]
+    if missing:
+        tp = missing[0]
+        raise diag.ArgumentError(tp.span, message=(
+            f"no tensor argument binds dtype variable '{tp.name}'"))
+    return Binding(tuple((tp.name, dtypes[tp.name][0]) for tp in kernel.type_params), batch, tuple(leads))
+
+
+def batch_names(kernel: ast.Kernel, batch: int) -> tuple[str, ...]:
+    """Fresh dim names for the `batch` leading dims: batch0, batch1, ... (with underscores
+    appended where the kernel already uses such a name)."""
+    used = {d.value for t in _types(kernel) for d in t.dims or () if isinstance(d.value, str)}
+    used |= {n.id for n in _walk(kernel.body) if isinstance(n, ast.Name)}
+    prefix = "batch"
+    while any(f"{prefix}{i}" in used for i in range(batch)):
+        prefix += "_"
+    return tuple(f"{prefix}{i}" for i in range(batch))
+
+
+def specialize(kernel: ast.Kernel, binding: Binding) -> ast.Kernel:
+    """The concrete kernel `binding` makes of `kernel`: every dtype variable (in types, and
+    named in the body, as `cast(x, T)`) replaced by its dtype, and `...` by the batch dims
+    (right-aligned: a parameter with fewer dims than the batch takes the last ones)."""
+    dtypes = dict(binding.dtypes)
+    lead = batch_names(kernel, binding.batch)
+    leads = iter(binding.leads)
+
+    def typ(t: ast.TypeExpr, n: int) -> ast.TypeExpr:
+        dims = t.dims
+        if dims and dims[0].value == ELLIPSIS:
+            dims = tuple(ast.DimExpr(name, dims[0].span) for name in lead[binding.batch - n:]) + dims[1:]
+        return dataclasses.replace(t, dtype=dtypes.get(t.dtype, t.dtype), dims=dims)
+
+    params = tuple(dataclasses.replace(p, type=typ(p.type, next(leads, binding.batch)
+                                                   if _has_ellipsis(p.type) else 0))
+                   for p in kernel.params)
+    returns = tuple(typ(t, binding.batch) for t in kernel.returns)
+    body = _substitute(kernel.body, dtypes)
+    return dataclasses.replace(kernel, type_params=(), params=params, returns=returns, body=body)
+
+
+def _walk(node: Any):
+    if isinstance(node, tuple):
+        for item in node:
+            yield from _walk(item)
+    elif type(node).__module__ == ast.__name__:
+        yield node
+        for f in dataclasses.fields(node):
+            yield from _walk(getattr(node, f.name))
+
+
+def _substitute(node: Any, dtypes: Mapping[str, str]) -> Any:
+    """`node` with every `Name` of a dtype variable renamed to its dtype."""
+    if isinstance(node, tuple):
+        return tuple(_substitute(item, dtypes) for item in node)
+    if isinstance(node, ast.Name):
+        return dataclasses.replace(node, id=dtypes.get(node.id, node.id))
+    if type(node).__module__ == ast.__name__ and dataclasses.is_dataclass(node):
+        changes = {f.name: _substitute(getattr(node, f.name), dtypes) for f in dataclasses.fields(node)}
+        return dataclasses.replace(node, **changes)
+    return node
+
+
+def has_ellipsis(t: ast.TypeExpr) -> bool:
+    return _has_ellipsis(t)
+
+
+def signature(kernel: ast.Kernel) -> str:
+    """What makes a kernel generic, for messages: `[T: f16 | bf16], '...'`."""
+    parts = []
+    if kernel.type_params:
+        variables = (f"{tp.name}: {' | '.join(tp.dtypes)}" for tp in kernel.type_params)
+        parts.append("[" + ", ".join(variables) + "]")
+    if any(_has_ellipsis(t) for t in _types(kernel)):
+        parts.append("'...'")
+    return ", ".join(parts)
+
+
+def canonical(kernel: ast.Kernel) -> str:
+    """The kernel's syntax tree without positions: the same for the same kernel from any file,
+    with any comments, whitespace or layout (a generic op's identity)."""
+
+    def render(node: Any) -> str:
+        if isinstance(node, tuple):
+            return "(" + ",".join(render(n) for n in node) + ")"
+        if type(node).__module__ == ast.__name__ and dataclasses.is_dataclass(node):
+            fields = [f"{f.name}={render(getattr(node, f.name))}" for f in dataclasses.fields(node)
+                      if not f.name.endswith("span") and not f.name.endswith("spans")]
+            return f"{type(node).__name__}({','.join(fields)})"
+        return repr(node)
+
+    return render(kernel)
+
+
+def given(kernel: ast.Kernel, batch: int, dtypes: Mapping[str, str], where: str) -> Binding:
+    """The binding given by hand (`Generic.specialize`, the CLI's --bind): each dtype
+    variable's dtype, and `batch` leading dims for every parameter with `...`."""
+    variables = {tp.name: tp for tp in kernel.type_params}
+    unknown = sorted(set(dtypes) - set(variables))
+    if unknown:
+        raise diag.OptionError(message=(
+            f"{where}: '{unknown[0]}' is not a dtype variable of '{kernel.name}'"
+            f"{diag.did_you_mean(unknown[0], variables)}"))
+    missing = [v for v in variables if v not in dtypes]
+    if missing:
+        raise diag.OptionError(message=f"{where}: give every dtype variable: {', '.join(missing)}")
+    for var, dtype in dtypes.items():
+        if dtype not in variables[var].dtypes:
+            raise diag.OptionError(message=(
+                f"{where}: {var}={dtype!r} is not one of {' | '.join(variables[var].dtypes)}"))
+    if batch < 0:
+        raise diag.OptionError(message=f"{where}: '...' stands for 0 or more dims, not {batch}")
+    leads = tuple(batch for p in kernel.params if _has_ellipsis(p.type))
+    return Binding(tuple((v, dtypes[v]) for v in variables), batch, leads)
+
+
+def parse_binding(kernel: ast.Kernel, text: str) -> Binding:
+    """The CLI's `--bind T=bf16,...=2`: dtype variables and the batch dims' count."""
+    dtypes: dict[str, str] = {}
+    batch = 0
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, eq, value = part.partition("=")
+        name, value = name.strip(), value.strip()
+        if not eq:
+            raise diag.OptionError(message=f"--bind {text}: give NAME=VALUE pairs, e.g. T=bf16,...=2")
+        if name == ELLIPSIS:
+            if not value.isdigit():
+                raise diag.OptionError(message=f"--bind {text}: '...' takes a number of dims, got {value!r}")
+            batch = int(value)
+        else:
+            dtypes[name] = value
+    return given(kernel, batch, dtypes, f"--bind {text}")
+
+
+def every_binding(kernel: ast.Kernel, batch: int = 1) -> list[Binding]:
+    """Each combination of the dtype variables' dtypes, with `batch` leading dims."""
+    import itertools
+
+    names = [tp.name for tp in kernel.type_params]
+    return [given(kernel, batch, dict(zip(names, combo, strict=True)), "check")
+            for combo in itertools.product(*(tp.dtypes for tp in kernel.type_params))]
