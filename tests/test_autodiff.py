@@ -495,3 +495,38 @@ def test_the_max_of_a_recomputed_value_finds_its_elements_again():
     report = testing.check_grads(fn, x=x.half(), z=z.half(), w=w.half())
     dx, _, dw = report.outputs
     assert dx.ok and dw.ok, str(report)
+
+
+@pytest.mark.parametrize("dt", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("batch", [(2, 17), (3, 1, 5)])
+def test_a_linear_layers_weight_gradient_is_one_gemm_over_every_row(dt, batch):
+    """`x[B, T, K] @ w[K, N]` as model code writes a linear layer: w's gradient contracts
+    over every row in one GEMM (the batch dims folded into the contracted one), not a batch
+    of partial products each rounded to w's dtype and then summed."""
+    dims = ", ".join(f"B{i}" for i in range(len(batch)))
+    fn = tiledsl.compile(f"kernel f(x: f16[{dims}, K], w: f16[K, N]) -> f16[{dims}, N] {{ return x @ w }}"
+                         .replace("f16", {torch.float16: "f16", torch.bfloat16: "bf16"}[dt]))
+    x, w = randn(*batch, 33, dtype=dt, seed=1), randn(33, 20, dtype=dt, seed=2)
+    report = testing.check_grads(fn, x, w, generator=gen(3))
+    assert report.ok, report
+    bwd = fn.training((0, 1)).backward
+    contractions = [op for op in bwd.kernel_ops() if op.template == "matmul"]
+    assert len(contractions) == 2
+    rows = " * ".join(f"B{i}" for i in range(len(batch)))
+    assert f"reshape(x, [{rows}, K])" in bwd.explain()
+
+
+def test_a_gated_mlp_saves_the_hidden_value_its_forward_computed():
+    """silu(x @ w1) * (x @ w3) is computed by the forward from the f32 accumulators and stored
+    for the down projection; the backward reads it (saved), not a recomputation from the
+    16-bit matmul results (2.5x eager's error in the down projection's f16 gradient)."""
+    fn = tiledsl.compile("kernel f(x: f16[M, K], w1: f16[F, K], w3: f16[F, K], w2: f16[K, F]) -> f16[M, K] {"
+                         " return (silu(x @ w1.T) * (x @ w3.T)) @ w2.T }")
+    training = fn.training((0, 1, 2, 3))
+    saved = [p for p in training.backward.source_graph.params
+             if training.backward.source_graph.op(p).attr("name").startswith("saved_")]
+    assert len(saved) == 3
+    args = (randn(6, 24, dtype=torch.float16, seed=4), randn(40, 24, dtype=torch.float16, seed=5, scale=0.2),
+            randn(40, 24, dtype=torch.float16, seed=6, scale=0.2), randn(24, 40, dtype=torch.float16, seed=7, scale=0.2))
+    report = testing.check_grads(fn, *args, generator=gen(8))
+    assert report.ok, report

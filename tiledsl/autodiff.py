@@ -93,6 +93,11 @@ class Adjoint:
     def x_type(self, i: int) -> TensorType:
         return self._b.fwd.op(self._operands[i]).type
 
+    @property
+    def scores(self) -> bool:
+        """Is this op an attention's score matmul (recomputed by the fused backward)?"""
+        return self._node in self._b.flash_scores
+
     def attr(self, name: str) -> Any:
         return self.op.attr(name)
 
@@ -506,8 +511,9 @@ class _Backward:
                 new = self._source(Source("output", k), op, f"out_{k}")
             elif node in self.flash_softmax:
                 new = self._probabilities(node)
-            elif not op.weak and _runs_matmul(fwd, node) and not ops.is_elementwise(op.kind) \
-                    and node not in self.flash_scores:
+            elif not op.weak and node not in self.flash_scores and (
+                    _runs_matmul(fwd, node) and not ops.is_elementwise(op.kind)
+                    or _epilogue_into_matmul(fwd, node, self.flash_scores)):
                 self.saved.append(node)
                 new = self._source(Source("saved", len(self.saved) - 1), op,
                                    f"saved_{len(self.saved) - 1}")
@@ -594,6 +600,35 @@ def _runs_matmul(graph: Graph, node: int) -> bool:
         for n in graph.topo_order():
             memo[n] = graph.op(n).kind == "matmul" or any(memo[o] for o in graph.operands(n))
     return memo[node]
+
+
+def _epilogue_into_matmul(graph: Graph, node: int, scores: set[int]) -> bool:
+    """Is `node` a 16-bit value the forward computes elementwise from a matmul's f32
+    accumulator and stores for another matmul to read (a gated MLP's `silu(x @ w1) *
+    (x @ w3)`)? Recomputed, it would start from the matmul results rounded to 16 bits: more
+    roundings than the forward's (f16 weight gradients at 2.5x eager's error); saved, it
+    costs the forward nothing it does not store already. Not attention's scores (`scores`:
+    their matmuls), which a flash kernel never stores and the backward recomputes."""
+    op = graph.op(node)
+    if not ops.is_elementwise(op.kind) or op.dtype not in (DType.F16, DType.BF16):
+        return False
+    if not any(graph.op(u).kind == "matmul" for u, _ in graph.users(node)):
+        return False
+    stack, seen, found = [node], set(), False
+    while stack:
+        n = stack.pop()
+        for o in graph.operands(n):
+            if o in seen:
+                continue
+            seen.add(o)
+            kind = graph.op(o).kind
+            if kind == "matmul":
+                if o in scores:
+                    return False
+                found = True
+            elif ops.is_elementwise(kind):
+                stack.append(o)
+    return found
 
 
 def _fresh(name: str, taken: set[str]) -> str:

@@ -7,6 +7,7 @@ reference implementation of their own.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -644,9 +645,24 @@ def _return(types, attrs):
 
 
 def _d_matmul(d, wanted):
-    """(g @ b.T, a.T @ g); the driver sums them over broadcast batch dims."""
-    return (d.call("matmul", d.g, d.transpose(d.x(1))) if wanted[0] else None,
-            d.call("matmul", d.transpose(d.x(0)), d.g) if wanted[1] else None)
+    """(g @ b.T, a.T @ g); the driver sums them over broadcast batch dims. A 2-D b of a
+    batched product (a linear layer's weight, `x[B, T, K] @ w[K, N]`) gets its gradient as
+    one GEMM over every row, the batch dims folded into the contracted one: a batch of
+    partial products would each be rounded to b's dtype before the sum over the batch (f16
+    weight gradients up to 3x eager's error), and run as small GEMMs."""
+    a, b = d.x_type(0), d.x_type(1)
+    db = None
+    if wanted[1] and len(b.shape) == 2 and len(a.shape) > 2 and d.shape(d.g)[:-1] == a.shape[:-1] \
+            and not d.scores:  # an attention's score matmul: its fused backward sums over heads
+        from tiledsl.dims import Lin
+
+        rows = functools.reduce(lambda x, y: x * y, (Lin.of(n) for n in a.shape[:-1])).dim()
+        a2 = d.call("reshape", d.x(0), shape=(rows, a.shape[-1]), copy=True)
+        g2 = d.call("reshape", d.g, shape=(rows, d.shape(d.g)[-1]), copy=True)
+        db = d.call("matmul", d.transpose(a2), g2)
+    elif wanted[1]:
+        db = d.call("matmul", d.transpose(d.x(0)), d.g)
+    return (d.call("matmul", d.g, d.transpose(d.x(1))) if wanted[0] else None, db)
 
 
 def _d_slice(d, wanted):

@@ -1,0 +1,242 @@
+"""Drop-in modules for model code: `RMSNorm`, `LayerNorm`, `SwiGLU`, `CrossEntropyLoss`,
+`apply_rotary` and `Attention`, each computed by a generic program shipped in the package
+(`tiledsl/library/*.tdsl`, readable and explainable like any user program: `program(name)`).
+
+The modules take the constructor arguments of the torch modules they replace and have the
+same parameters and `state_dict` keys, so a model swaps them in (or loads a checkpoint)
+unchanged. Each call runs the specialization its arguments bind (dtype and rank), through
+one PyTorch operator per program: autograd, torch.compile and torch.export see it.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from importlib import resources
+from typing import Any
+
+import torch
+from torch import nn
+
+from tiledsl import diagnostics as diag
+
+__all__ = ["RMSNorm", "LayerNorm", "SwiGLU", "CrossEntropyLoss", "apply_rotary", "Attention", "program"]
+
+_FILES = {"rms_norm": "norms", "rms_norm_unscaled": "norms", "layer_norm": "norms",
+          "layer_norm_scaled": "norms", "layer_norm_unscaled": "norms", "swiglu": "mlp",
+          "swiglu_biased": "mlp", "rotary": "rotary", "cross_entropy": "loss"}
+
+
+def _compile(name: str) -> Any:
+    from tiledsl.api import compile_text
+
+    file = f"library/{_FILES[name]}.tdsl"
+    return compile_text(resources.files("tiledsl").joinpath(file).read_text(), f"tiledsl/{file}", name)
+
+
+# compiled (and their ops registered) on import: a generic program compiles no binding until
+# called, and code torch.compile traces then finds every op already there
+_PROGRAMS = {name: _compile(name) for name in _FILES}
+
+
+def program(name: str) -> Any:
+    """The library's compiled program `name`, a generic one (`tiledsl.api.Generic`):
+    `program("rms_norm").specialize(T="bf16", batch=1)` is a whole program, to explain,
+    inspect or call."""
+    fn = _PROGRAMS.get(name)
+    if fn is None:
+        raise diag.OptionError(message=(
+            f"tiledsl.nn.program: no library program '{name}'{diag.did_you_mean(name, _FILES)} "
+            f"(programs: {', '.join(_FILES)})"))
+    return fn
+
+
+def _shape(normalized_shape: int | tuple[int, ...] | list[int] | torch.Size) -> tuple[int, ...]:
+    if isinstance(normalized_shape, numbers.Integral):
+        return (int(normalized_shape),)
+    return tuple(int(d) for d in normalized_shape)
+
+
+def _normalize(name: str, x: torch.Tensor, shape: tuple[int, ...], *args: Any) -> torch.Tensor:
+    """A norm over the trailing dims `shape` of `x`, as one row of their product."""
+    if tuple(x.shape[len(x.shape) - len(shape):]) != shape or x.dim() < len(shape):
+        raise diag.ArgumentError(message=(
+            f"{name}: expected an input whose last dims are {list(shape)}, got {list(x.shape)}"))
+    rows = x.reshape(*x.shape[:x.dim() - len(shape)], math.prod(shape))
+    flat = [a.reshape(-1).to(x.dtype) if isinstance(a, torch.Tensor) else a for a in args]
+    return program(name)(rows, *flat).reshape(x.shape)
+
+
+class RMSNorm(nn.Module):
+    """`torch.nn.RMSNorm`: the same arguments, `weight` (when `elementwise_affine`), and
+    `eps=None` meaning `torch.finfo(x.dtype).eps`. The output has the input's dtype."""
+
+    def __init__(self, normalized_shape, eps: float | None = None, elementwise_affine: bool = True,
+                 device=None, dtype=None) -> None:
+        super().__init__()
+        self.normalized_shape = _shape(normalized_shape)
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.ones(self.normalized_shape, device=device, dtype=dtype))
+        else:
+            self.register_parameter("weight", None)
+
+    def reset_parameters(self) -> None:
+        if self.weight is not None:
+            nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
+        if self.weight is None:
+            return _normalize("rms_norm_unscaled", x, self.normalized_shape, eps)
+        return _normalize("rms_norm", x, self.normalized_shape, self.weight, eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
+
+
+class LayerNorm(nn.Module):
+    """`torch.nn.LayerNorm`: the same arguments (`bias=False` keeps only `weight`) and
+    parameters. The output has the input's dtype."""
+
+    def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True,
+                 bias: bool = True, device=None, dtype=None) -> None:
+        super().__init__()
+        self.normalized_shape = _shape(normalized_shape)
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.ones(self.normalized_shape, device=device, dtype=dtype))
+            if bias:
+                self.bias = nn.Parameter(torch.zeros(self.normalized_shape, device=device, dtype=dtype))
+            else:
+                self.register_parameter("bias", None)
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+
+    def reset_parameters(self) -> None:
+        if self.weight is not None:
+            nn.init.ones_(self.weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = self.normalized_shape
+        if self.weight is None:
+            return _normalize("layer_norm_unscaled", x, shape, self.eps)
+        if self.bias is None:
+            return _normalize("layer_norm_scaled", x, shape, self.weight, self.eps)
+        return _normalize("layer_norm", x, shape, self.weight, self.bias, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
+
+
+class SwiGLU(nn.Module):
+    """A gated MLP, `down_proj(silu(gate_proj(x)) * up_proj(x))`, with Hugging Face's
+    submodule names (`gate_proj`, `up_proj`: dim -> hidden; `down_proj`: hidden -> dim), so
+    a LlamaMLP's checkpoint loads. The three projections run as two GEMMs (the gate and up
+    projections one dual GEMM with the activation in its epilogue)."""
+
+    def __init__(self, dim: int, hidden: int, bias: bool = False, device=None, dtype=None) -> None:
+        super().__init__()
+        kw = {"bias": bias, "device": device, "dtype": dtype}
+        self.gate_proj = nn.Linear(dim, hidden, **kw)
+        self.up_proj = nn.Linear(dim, hidden, **kw)
+        self.down_proj = nn.Linear(hidden, dim, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g, u, d = self.gate_proj, self.up_proj, self.down_proj
+        if g.bias is None:
+            return program("swiglu")(x, g.weight, u.weight, d.weight)
+        return program("swiglu_biased")(x, g.weight, g.bias, u.weight, u.bias, d.weight, d.bias)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hugging Face's `apply_rotary_pos_emb(q, k, cos, sin)` (rotate-half): q `[B, H, S, D]`,
+    k `[B, KH, S, D]`, cos and sin `[B, S, D]` (broadcast over the heads); one kernel for
+    both."""
+    return program("rotary")(q, k, cos, sin)
+
+
+class CrossEntropyLoss(nn.Module):
+    """`torch.nn.CrossEntropyLoss` for class-index targets: `ignore_index`,
+    `label_smoothing` and `reduction` ("mean" over the targets not ignored, "sum",
+    "none"); classes at dim 1 of an input of rank > 2, as torch's. Per-class `weight` and
+    probability targets are not supported (refused with an error)."""
+
+    def __init__(self, weight: torch.Tensor | None = None, size_average=None, ignore_index: int = -100,
+                 reduce=None, reduction: str = "mean", label_smoothing: float = 0.0) -> None:
+        super().__init__()
+        if weight is not None or size_average is not None or reduce is not None:
+            raise diag.OptionError(message=(
+                "tiledsl.nn.CrossEntropyLoss: per-class weight and the deprecated size_average/reduce "
+                "are not supported"))
+        if reduction not in ("mean", "sum", "none"):
+            raise diag.OptionError(message=(
+                f"tiledsl.nn.CrossEntropyLoss: reduction must be 'mean', 'sum' or 'none', got {reduction!r}"))
+        if not 0.0 <= label_smoothing <= 1.0:
+            raise diag.OptionError(message=(
+                f"tiledsl.nn.CrossEntropyLoss: label_smoothing must be in [0, 1], got {label_smoothing}"))
+        self.ignore_index = ignore_index
+        self.reduction = reduction
+        self.label_smoothing = label_smoothing
+
+    def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:  # noqa: A002 - torch's
+        if target.is_floating_point():
+            raise diag.ArgumentError(message=(
+                "tiledsl.nn.CrossEntropyLoss: class-index targets only (probability targets are not "
+                "supported)"))
+        classes = input.shape[1] if input.dim() > 1 else input.shape[0]
+        logits = input.movedim(1, -1) if input.dim() > 2 else input
+        logits = logits.reshape(-1, classes)
+        loss = program("cross_entropy")(logits, target.reshape(-1).long(), self.ignore_index,
+                                        float(self.label_smoothing))
+        if self.reduction == "none":
+            shape = target.shape if input.dim() > 1 else ()
+            return loss.reshape(shape).to(input.dtype)
+        total = loss.sum()
+        if self.reduction == "mean":
+            total = total / (target != self.ignore_index).sum()
+        return total.to(input.dtype)
+
+
+_ATTENTION = """kernel attention[T: f16 | bf16 | f32](q: T[..., M, D], k: T[..., N, D],
+                                                  v: T[..., N, DV]) -> T[..., M, DV] {{
+    s = q @ k.T * rsqrt(D)
+    s = {score_mod}
+    return softmax(s, axis=-1) @ v
+}}"""
+
+
+class Attention(nn.Module):
+    """Scaled dot-product attention, `attn(q, k, v)`, SDPA's default scale 1/sqrt(D), with an
+    optional score modification written in the DSL: an expression in `s` (the scaled
+    scores), `index(s, -2)` (the query's position) and `index(s, -1)` (the key's), e.g.
+    `"where(index(s, -1) <= index(s, -2), s, -inf)"` (causal) or `"30.0 * tanh(s / 30.0)"`
+    (a soft cap). It compiles with the module (errors point into `score_mod`); q, k and v
+    have any number of batch dims."""
+
+    def __init__(self, score_mod: str | None = None) -> None:
+        super().__init__()
+        import tiledsl
+
+        if score_mod is not None and not isinstance(score_mod, str):
+            raise diag.OptionError(message=(
+                f"tiledsl.nn.Attention: score_mod must be DSL text (a str), got {type(score_mod).__name__}"))
+        self.score_mod = score_mod
+        text = _ATTENTION.format(score_mod="s" if score_mod is None else f"({score_mod})")
+        self.program = tiledsl.compile(text)
+        body = self.program.kernel.body
+        if len(body) != 3:  # the text was more than one expression
+            raise diag.OptionError(message=(
+                f"tiledsl.nn.Attention: score_mod must be one expression, got '{score_mod}'"))
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.program(q, k, v)
+
+    def extra_repr(self) -> str:
+        return f"score_mod={self.score_mod!r}"
