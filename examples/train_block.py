@@ -63,7 +63,7 @@ class Block(nn.Module):
             a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.out(a.transpose(1, 2).reshape(b, t, DIM))
         x = x + self.mlp(self.mlp_norm(x))
-        return self.loss(self.head(x).view(b * t, VOCAB), labels.view(b * t))
+        return self.loss(self.head(x).view(b * t, VOCAB), labels.reshape(b * t))
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tiledsl import diagnostics as diag
+from tiledsl import sharding
 from tiledsl.binding import torch_dtype
 from tiledsl.dims import evaluate
 from tiledsl.ir import Graph
@@ -240,6 +241,8 @@ def register(program: Program | Generic) -> Any:
                 reg = _Registration(name, convention, schema(graph), len(graph.returns) - len(graph.checks),
                                     _fake(graph, convention))
             _REGISTRY[name] = reg
+            if not reg.convention.packed:
+                sharding.register(reg.op, reg.sharding_rules)
         reg.programs.add(program)
         weakref.finalize(program, _released.append, name)
         return reg.op
@@ -299,6 +302,15 @@ class _Registration:
         with unset_fake_temporarily():
             program = self.program().resolve(self.convention.unpack(op_args))
         return _fake(program.source_graph, program._convention)(*op_args)
+
+    def sharding_rules(self, args: Sequence[Any]) -> list[tuple[list[Any], list[Any]]]:
+        """DTensor's acceptable placements for a call (`tiledsl.sharding`), from the graph of
+        the program the arguments run (DTensor's specs stand for the tensors)."""
+        program = self.program()
+        if not hasattr(program, "source_graph"):  # generic: the specialization they bind
+            program = program.resolve([sharding.SpecView(a) if hasattr(a, "tensor_meta") else a
+                                       for a in args])
+        return sharding.rules(program.source_graph)
 
     def _run(self, *op_args: Any) -> Any:
         args = self.convention.unpack(op_args)

@@ -1,0 +1,65 @@
+"""DTensor sharding rules derived from the program (issue 30): which dims shard through
+(batch dims everywhere), which give Partial outputs (sums and contractions returned as
+such), and, over two CPU processes with gloo, sharded calls equal the unsharded run,
+forward and backward (`sharded_worker.py`)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+import tiledsl
+from tiledsl import sharding
+
+RMSNORM = ("kernel f(x: f32[M, D], w: f32[D], eps: f32) -> f32[M, D] {"
+           " return x * rsqrt(mean(x * x, axis=-1, keepdims=true) + eps) * w }")
+
+
+def rules(src: str) -> list:
+    return sharding.rules(tiledsl.compile(src).source_graph)
+
+
+def test_rows_shard_and_the_normalized_dim_does_not():
+    assert rules(RMSNORM) == [([Replicate()], [Replicate(), Replicate(), None]),
+                              ([Shard(0)], [Shard(0), Replicate(), None])]
+
+
+def test_a_linear_layer_shards_its_rows_and_columns_and_its_contraction_is_partial():
+    col = rules("kernel f(x: f32[M, K], w: f32[K, N], b: f32[N]) -> f32[M, N] { return gelu(x @ w + b) }")
+    assert ([Shard(1)], [Replicate(), Shard(1), Shard(0)]) in col
+    assert ([Shard(0)], [Shard(0), Replicate(), Replicate()]) in col
+    assert not any(isinstance(p, Shard) and p.dim == 1 for _, ins in col for p in ins[:1])  # K: gelu after the sum
+    row = rules("kernel f(x: f32[M, K], w: f32[K, N]) -> f32[M, N] { return x @ w }")
+    assert ([Partial()], [Shard(1), Shard(0)]) in row
+
+
+def test_attention_shards_over_batch_and_heads_only():
+    out = rules("kernel f(q: f32[B, H, M, D], k: f32[B, H, N, D], v: f32[B, H, N, D]) -> f32[B, H, M, D] {"
+                " s = q @ k.T * rsqrt(D); s = where(causal(s), s, -inf); return softmax(s, axis=-1) @ v }")
+    assert [o for o, _ in out] == [[Replicate()], [Shard(0)], [Shard(1)]]
+
+
+def test_what_reads_a_dim_otherwise_keeps_it_whole():
+    """A max along it, its size as a value, its positions, a slice of it."""
+    for src in ("kernel f(x: f32[M, N]) -> f32[N] { return max(x, axis=0) }",
+                "kernel f(x: f32[M, N]) -> f32[M, N] { return x / M }",
+                "kernel f(x: f32[M, N]) -> f32[M, N] { return x + index(x, 0) }",
+                "kernel f(x: f32[M, N]) -> f32[M - 1, N] { return x[1:] }"):
+        assert all(all(not isinstance(p, Shard) or p.dim != 0 for p in ins if p) for _, ins in rules(src)), src
+
+
+def test_a_sum_returned_through_a_nonlinear_op_is_not_partial():
+    out = rules("kernel f(x: f32[M, N]) -> f32[M] { return exp(sum(x, axis=-1)) }")
+    assert out == [([Replicate()], [Replicate()]), ([Shard(0)], [Shard(0)])]
+    out = rules("kernel f(x: f32[M, N]) -> f32[M] { return sum(x, axis=-1) }")
+    assert ([Partial()], [Shard(1)]) in out
+
+
+@pytest.mark.parametrize("case", ["rmsnorm_rows", "column_parallel", "row_parallel", "attention_heads",
+                                  "rmsnorm_reduced_dim", "generic_rmsnorm_batch", "fsdp2_block"])
+def test_sharded_calls_equal_the_unsharded_run_over_two_processes(case):
+    worker = Path(__file__).resolve().parent / "sharded_worker.py"
+    out = subprocess.run([sys.executable, str(worker), case], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.split() == ["ok"], out.stderr[-4000:]
