@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import threading
 from collections.abc import Mapping, Sequence
@@ -19,7 +20,7 @@ import networkx as nx
 import torch
 from torch.autograd import forward_ad
 
-from tiledsl import ast, autodiff, generic, torch_op
+from tiledsl import ast, autodiff, generic, logs, torch_op
 from tiledsl import diagnostics as diag
 from tiledsl.backends.interface import BACKENDS, Backend, Kernel, make_backend
 from tiledsl.binding import BoundCall, bind
@@ -116,7 +117,11 @@ def compile_graph(graph: Graph, backend: str = "triton", *, pipeline: str | None
                               else LowerKernels.name, verify=verify)
     try:
         result = manager.run(graph, PassContext())
-        return Program(result, backend, manager.pipeline, allow_tf32)
+        program = Program(result, backend, manager.pipeline, allow_tf32)
+        log = logs.logger("fusion")
+        if log.isEnabledFor(logging.INFO):
+            log.info("%s", program.explain())
+        return program
     except diag.TileDSLError:
         raise
     except Exception as err:  # a compiler bug: report it at the kernel, keep the cause
@@ -442,6 +447,24 @@ class Program:
         from tiledsl.dot import to_dot
 
         return to_dot(self._graph)
+
+    def _repr_svg_(self) -> str | None:
+        """A notebook shows the fusion graph: an SVG where Graphviz is installed, else (None)
+        the text of `_repr_pretty_`."""
+        import shutil
+        import subprocess
+
+        exe = shutil.which("dot")
+        if exe is None:
+            return None
+        result = subprocess.run([exe, "-Tsvg"], input=self.to_dot(), text=True, capture_output=True)
+        return result.stdout if result.returncode == 0 else None
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        printer.text(repr(self) if cycle else self.explain())
+
+    def __repr__(self) -> str:
+        return f"<tiledsl program '{self.name}': {len(self.kernels)} kernel(s)>"
 
     def draw(self, path: str | os.PathLike, dot_binary: str = "dot") -> Path:
         """Render the fusion graph with Graphviz; the format follows the suffix (.svg, .png, .pdf)."""

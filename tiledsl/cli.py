@@ -37,6 +37,7 @@ from tiledsl.dims import evaluate
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tiledsl", description="tiledsl: tile DSL -> fused Triton kernels")
+    p.add_argument("-V", "--version", action="version", version=_version())
     sub = p.add_subparsers(dest="command", required=True)
 
     def program_command(name: str, help_text: str) -> argparse.ArgumentParser:
@@ -87,6 +88,19 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("check", help="parse and check every kernel of a file").add_argument("file")
     sub.add_parser("passes", help="list the registered passes")
     return p
+
+
+def _version() -> str:
+    """tiledsl's version and those of what it runs on."""
+    import platform
+
+    import torch
+    import triton
+
+    import tiledsl
+
+    return (f"tiledsl {tiledsl.__version__} (torch {torch.__version__}, triton {triton.__version__}, "
+            f"python {platform.python_version()})")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

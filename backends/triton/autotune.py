@@ -26,6 +26,7 @@ times is harmless.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import statistics
 import sys
@@ -36,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from tiledsl import diagnostics as diag
+from tiledsl import logs
 
 from .base import EmittedKernel, LaunchConfig, describe
 from .cache import cache_dir, cache_key, read_regular, write_atomic
@@ -150,6 +152,8 @@ def choose(emitted: EmittedKernel, dims: Mapping[str, int], candidates: Sequence
     if wanted is not None:
         for cfg in candidates:
             if describe(cfg) == wanted:
+                if logs.logger("autotune").isEnabledFor(logging.INFO):
+                    logs.logger("autotune").info("%s: %s (chosen before)", emitted.kernel.name, _format(cfg))
                 return cfg
     left = budget_s() - _spent[0]
     if left <= 0:  # the budget is spent: the first candidate that fits, untimed
@@ -163,6 +167,11 @@ def choose(emitted: EmittedKernel, dims: Mapping[str, int], candidates: Sequence
         note = "" if complete else " (the autotuning budget ran out: best so far)"
         print(f"tiledsl: autotuned kernel {emitted.kernel.name} ({emitted.kernel.template}) at "
               f"{sizes} in {elapsed:.1f} s: {_format(best)}{note}", file=sys.stderr)
+    log = logs.logger("autotune")
+    if log.isEnabledFor(logging.INFO):
+        log.info("%s (%s) at %s: chose %s in %.2f s%s", emitted.kernel.name, emitted.kernel.template,
+                 ", ".join(f"{k}={v}" for k, v in dims.items()), _format(best), elapsed,
+                 "" if complete else " (budget ran out)")
     with _lock:
         _chosen[key] = describe(best)
         if complete:
@@ -182,6 +191,9 @@ def _time(candidates: Sequence[LaunchConfig], launch: Callable[[LaunchConfig], N
         if i > 0 and time.perf_counter() > deadline:
             return best[1] if best else candidates[0], False
         elapsed = _measure(cfg, launch)
+        if logs.logger("autotune").isEnabledFor(logging.INFO):
+            logs.logger("autotune").info("  candidate %s: %s", _format(cfg),
+                                         "does not fit" if elapsed is None else f"{elapsed * 1e3:.3f} ms")
         if elapsed is not None and (best is None or elapsed < best[0]):
             best = (elapsed, cfg)
     if best is None:

@@ -55,6 +55,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from tiledsl import logs
 from tiledsl.diagnostics import CacheError
 
 from .cache_dir import SETTING, cache_dir
@@ -190,7 +191,10 @@ def load(source: str, fn_name: str, target: str, ir: str = "") -> Any:
 def _load_new(source: str, fn_name: str, target: str, key: str) -> Any:
     path = cache_dir() / f"tdsl_{key[:40]}.py"
     data = source.encode("utf-8")
-    if read_regular(path, len(data)) != data:
+    if read_regular(path, len(data)) == data:
+        logs.logger("cache").info("reused %s", path)
+    else:
+        logs.logger("cache").info("wrote %s", path)
         try:
             write_atomic(path, data)
         except OSError as err:

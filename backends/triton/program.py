@@ -10,12 +10,14 @@ Triton's interpreter.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch as _torch
 
+from tiledsl import logs
 from tiledsl.backends.interface import Backend, Kernel
 from tiledsl.binding import BoundCall, eval_shape, torch_dtype
 from tiledsl.diagnostics import InternalError
@@ -265,6 +267,12 @@ class TritonBackend(Backend):
             else:
                 cfg = emitted.launch_config(dims, target)
             options = launch_options(cfg, target)
+            log = logs.logger("launch")
+            if log.isEnabledFor(logging.INFO):
+                log.info("%s (%s) at %s on %s: %s%s", emitted.fn_name, emitted.kernel.template,
+                         ", ".join(f"{k}={v}" for k, v in dims.items()), target,
+                         ", ".join(f"{k}={v}" for k, v in options.items()),
+                         " (autotuned)" if candidates else "")
             if len(self._launches) < 1024:
                 record = Launch(emitted, _arguments(emitted, args), tuple(sorted(dims.items())))
                 self._launches.setdefault((emitted.fn_name, record.arguments, record.dims), record)
