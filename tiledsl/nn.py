@@ -67,12 +67,12 @@ def _normalize(name: str, x: torch.Tensor, shape: tuple[int, ...], *args: Any) -
     return program(name)(rows, *flat).reshape(x.shape)
 
 
-class RMSNorm(nn.Module):
-    """`torch.nn.RMSNorm`: the same arguments, `weight` (when `elementwise_affine`), and
-    `eps=None` meaning `torch.finfo(x.dtype).eps`. The output has the input's dtype."""
+class _Norm(nn.Module):
+    """What torch's RMSNorm and LayerNorm share: `normalized_shape` (an int or a shape, the
+    trailing dims normalized as one row), `eps`, and a `weight` of that shape, initialized
+    to ones, when `elementwise_affine`."""
 
-    def __init__(self, normalized_shape, eps: float | None = None, elementwise_affine: bool = True,
-                 device=None, dtype=None) -> None:
+    def __init__(self, normalized_shape, eps: float | None, elementwise_affine: bool, device, dtype) -> None:
         super().__init__()
         self.normalized_shape = _shape(normalized_shape)
         self.eps = eps
@@ -85,6 +85,18 @@ class RMSNorm(nn.Module):
     def reset_parameters(self) -> None:
         if self.weight is not None:
             nn.init.ones_(self.weight)
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
+
+
+class RMSNorm(_Norm):
+    """`torch.nn.RMSNorm`: the same arguments, `weight` (when `elementwise_affine`), and
+    `eps=None` meaning `torch.finfo(x.dtype).eps`. The output has the input's dtype."""
+
+    def __init__(self, normalized_shape, eps: float | None = None, elementwise_affine: bool = True,
+                 device=None, dtype=None) -> None:
+        super().__init__(normalized_shape, eps, elementwise_affine, device, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
@@ -92,33 +104,21 @@ class RMSNorm(nn.Module):
             return _normalize("rms_norm_unscaled", x, self.normalized_shape, eps)
         return _normalize("rms_norm", x, self.normalized_shape, self.weight, eps)
 
-    def extra_repr(self) -> str:
-        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
 
-
-class LayerNorm(nn.Module):
+class LayerNorm(_Norm):
     """`torch.nn.LayerNorm`: the same arguments (`bias=False` keeps only `weight`) and
     parameters. The output has the input's dtype."""
 
     def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True,
                  bias: bool = True, device=None, dtype=None) -> None:
-        super().__init__()
-        self.normalized_shape = _shape(normalized_shape)
-        self.eps = eps
-        self.elementwise_affine = elementwise_affine
-        if elementwise_affine:
-            self.weight = nn.Parameter(torch.ones(self.normalized_shape, device=device, dtype=dtype))
-            if bias:
-                self.bias = nn.Parameter(torch.zeros(self.normalized_shape, device=device, dtype=dtype))
-            else:
-                self.register_parameter("bias", None)
+        super().__init__(normalized_shape, eps, elementwise_affine, device, dtype)
+        if elementwise_affine and bias:
+            self.bias = nn.Parameter(torch.zeros(self.normalized_shape, device=device, dtype=dtype))
         else:
-            self.register_parameter("weight", None)
             self.register_parameter("bias", None)
 
     def reset_parameters(self) -> None:
-        if self.weight is not None:
-            nn.init.ones_(self.weight)
+        super().reset_parameters()
         if self.bias is not None:
             nn.init.zeros_(self.bias)
 
@@ -129,9 +129,6 @@ class LayerNorm(nn.Module):
         if self.bias is None:
             return _normalize("layer_norm_scaled", x, shape, self.weight, self.eps)
         return _normalize("layer_norm", x, shape, self.weight, self.bias, self.eps)
-
-    def extra_repr(self) -> str:
-        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
 
 
 class SwiGLU(nn.Module):
