@@ -32,7 +32,7 @@ def test_choose_times_once_then_remembers(monkeypatch, tmp_path):
         [(128, 128, 8), (128, 256, 8)]
     timed = []
 
-    def fake_time(cands, launch, deadline):
+    def fake_time(cands, launch, deadline, progress=None):
         timed.append(len(cands))
         return cands[2], True
 
@@ -117,9 +117,12 @@ def test_the_budget_keeps_the_best_so_far_then_the_first_that_fits(monkeypatch, 
     # two candidates fit in 3 s (the second starts at 2 s); the third would start past it
     assert autotune.choose(emitted, dims, candidates, launch=None) is candidates[1]
     assert gpu.measured == candidates[:2]
-    err = capsys.readouterr().err
-    assert err.startswith("tiledsl: autotuned kernel k0 (matmul) at K=256, M=512, N=384 in 4.0 s: ")
-    assert err.rstrip().endswith("(the autotuning budget ran out: best so far)")
+    err = capsys.readouterr().err.splitlines()
+    # a progress line once tuning has run past a second (before the second candidate, at 2 s)
+    assert err[0] == ("tiledsl: autotuning kernel k0 (matmul) at K=256, M=512, N=384: candidate 2 of "
+                      f"{len(candidates)} after 2.0 s (TILEDSL_AUTOTUNE_BUDGET_S bounds it)")
+    assert err[1].startswith("tiledsl: autotuned kernel k0 (matmul) at K=256, M=512, N=384 in 4.0 s: ")
+    assert err[1].endswith("(the autotuning budget ran out: best so far)") and len(err) == 2
     assert not (tmp_path / "autotune.json").exists()  # a later process tunes it properly
     # the budget is spent: another size takes the template's default without timing
     other = {**dims, "M": 4096}
@@ -170,7 +173,7 @@ def tuner(monkeypatch, tmp_path):
     monkeypatch.setattr(autotune, "_spent", [0.0])
     timed = []
 
-    def fake_time(cands, launch, deadline):
+    def fake_time(cands, launch, deadline, progress=None):
         timed.append(len(cands))
         return cands[1], True
 

@@ -159,11 +159,17 @@ def choose(emitted: EmittedKernel, dims: Mapping[str, int], candidates: Sequence
     if left <= 0:  # the budget is spent: the first candidate that fits, untimed
         return next((cfg for cfg in candidates if _fits(cfg, launch)), candidates[0])
     start = time.perf_counter()
-    best, complete = _time(candidates, launch, start + left)
+    sizes = ", ".join(f"{k}={v}" for k, v in dims.items())
+
+    def progress(i: int) -> None:  # once, when tuning has run past a second
+        print(f"tiledsl: autotuning kernel {emitted.kernel.name} ({emitted.kernel.template}) at {sizes}: "
+              f"candidate {i + 1} of {len(candidates)} after {time.perf_counter() - start:.1f} s "
+              "(TILEDSL_AUTOTUNE_BUDGET_S bounds it)", file=sys.stderr)
+
+    best, complete = _time(candidates, launch, start + left, progress)
     elapsed = time.perf_counter() - start
     _spent[0] += elapsed
     if elapsed > 1.0:
-        sizes = ", ".join(f"{k}={v}" for k, v in dims.items())
         note = "" if complete else " (the autotuning budget ran out: best so far)"
         print(f"tiledsl: autotuned kernel {emitted.kernel.name} ({emitted.kernel.template}) at "
               f"{sizes} in {elapsed:.1f} s: {_format(best)}{note}", file=sys.stderr)
@@ -184,12 +190,17 @@ def _format(cfg: LaunchConfig) -> str:
 
 
 def _time(candidates: Sequence[LaunchConfig], launch: Callable[[LaunchConfig], None],
-          deadline: float) -> tuple[LaunchConfig, bool]:
-    """The fastest candidate, and whether every one was timed before `deadline`."""
+          deadline: float, progress: Callable[[int], None] | None = None) -> tuple[LaunchConfig, bool]:
+    """The fastest candidate, and whether every one was timed before `deadline`;
+    `progress(i)` once, before candidate i, when timing has run past a second."""
     best: tuple[float, LaunchConfig] | None = None
+    start, told = time.perf_counter(), progress is None
     for i, cfg in enumerate(candidates):
         if i > 0 and time.perf_counter() > deadline:
             return best[1] if best else candidates[0], False
+        if not told and time.perf_counter() - start > 1.0:
+            progress(i)
+            told = True
         elapsed = _measure(cfg, launch)
         if logs.logger("autotune").isEnabledFor(logging.INFO):
             logs.logger("autotune").info("  candidate %s: %s", _format(cfg),
