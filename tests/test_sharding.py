@@ -63,3 +63,29 @@ def test_sharded_calls_equal_the_unsharded_run_over_two_processes(case):
     worker = Path(__file__).resolve().parent / "sharded_worker.py"
     out = subprocess.run([sys.executable, str(worker), case], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and out.stdout.split() == ["ok"], out.stderr[-4000:]
+
+
+DEFERRED = """
+import os, sys, tempfile, torch, tiledsl
+fn = tiledsl.compile({src!r})
+assert "torch.distributed.tensor" not in sys.modules  # compiling does not import it
+import torch.distributed as dist
+from torch.distributed.tensor import DeviceMesh, Replicate, Shard, distribute_tensor
+with tempfile.TemporaryDirectory() as tmp:
+    dist.init_process_group("gloo", init_method="file://" + os.path.join(tmp, "r"), rank=0, world_size=1)
+    x, w = torch.randn(6, 33), torch.rand(33) + 0.5
+    mesh = DeviceMesh("cpu", [0])
+    out = fn(distribute_tensor(x, mesh, [Shard(0)]), distribute_tensor(w, mesh, [Replicate()]), 1e-5)
+    assert tuple(out.placements) == (Shard(0),), out.placements
+    torch.testing.assert_close(out.full_tensor(), fn(x, w, 1e-5))
+    dist.destroy_process_group()
+print("ok")
+"""
+
+
+def test_rules_of_programs_compiled_before_dtensor_was_imported_are_registered_on_first_use():
+    """Registering rules imports torch.distributed.tensor (0.6 s): a program compiled before
+    it was imported gets its rules when a DTensor first reaches one of its calls."""
+    out = subprocess.run([sys.executable, "-c", DEFERRED.format(src=RMSNORM)], capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0 and out.stdout.split() == ["ok"], out.stderr[-3000:]

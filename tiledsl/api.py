@@ -237,6 +237,7 @@ class Program:
             wrt = self.wants_grad(args)
             if wrt:
                 return torch_op.differentiated(self, wrt, args)
+        torch_op.shard_for(args)
         return self.op(*self._convention.pack(args))
 
     def _positional(self, args: tuple, kwargs: dict) -> tuple:
@@ -517,7 +518,9 @@ class Generic:
         see goes through `fn.op` (torch.compile then compiles a binding in the op's fake
         kernel, never in the traced code)."""
         if _through_op(args, kwargs) and not torch._C._are_functorch_transforms_active():
-            return self.op(*self._convention.pack(self._positional(args, kwargs)))
+            positional = self._positional(args, kwargs)
+            torch_op.shard_for(positional)
+            return self.op(*self._convention.pack(positional))
         return self.for_args(*args, **kwargs)(*args, **kwargs)
 
     def _positional(self, args: tuple, kwargs: dict) -> tuple:

@@ -41,6 +41,7 @@ import functools
 import hashlib
 import keyword
 import os
+import sys
 import threading
 import weakref
 from collections.abc import Sequence
@@ -241,11 +242,29 @@ def register(program: Program | Generic) -> Any:
                 reg = _Registration(name, convention, schema(graph), len(graph.returns) - len(graph.checks),
                                     _fake(graph, convention))
             _REGISTRY[name] = reg
-            if not reg.convention.packed:
-                sharding.register(reg.op, reg.sharding_rules)
+            if "torch.distributed.tensor" in sys.modules:  # else when a DTensor first arrives
+                _shard(reg)
         reg.programs.add(program)
         weakref.finalize(program, _released.append, name)
         return reg.op
+
+
+def _shard(reg: _Registration) -> None:
+    """Register `reg`'s op's DTensor sharding rules (called under _lock)."""
+    if not reg.convention.packed:
+        sharding.register(reg.op, reg.sharding_rules)
+    reg.sharded = True
+
+
+def shard_for(args: Sequence[Any]) -> None:
+    """Before a call with a DTensor argument: the sharding rules of every op registered
+    before `torch.distributed.tensor` was imported (registering them imports it, 0.6 s a
+    process: paid by programs that meet a DTensor, not by every first compile)."""
+    if any(type(a).__name__ == "DTensor" for a in args):
+        with _lock:
+            for reg in list(_REGISTRY.values()):
+                if not reg.sharded:
+                    _shard(reg)
 
 
 def _sweep() -> None:
@@ -275,6 +294,7 @@ class _Registration:
         self.name = name
         self.convention = convention
         self.n_outputs = n_outputs
+        self.sharded = False  # its DTensor sharding rules registered (`_shard`)
         self.programs: weakref.WeakSet[Program | Generic] = weakref.WeakSet()
         lib = torch.library.Library(NAMESPACE, "FRAGMENT")
         lib.define(name + signature)
