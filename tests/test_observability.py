@@ -6,7 +6,6 @@ import shutil
 import subprocess
 import sys
 
-import pytest
 import torch
 from test_cli import cli_process
 
@@ -70,8 +69,3 @@ def test_a_program_shows_its_fusion_in_a_notebook():
         assert "<svg" in svg
     x = torch.randn(2, 17)
     torch.testing.assert_close(fn(x), torch.softmax(x * 2.0, dim=-1))
-
-
-@pytest.mark.parametrize("channel", logs.CHANNELS)
-def test_each_channel_is_a_logger(channel):
-    assert logs.logger(channel).name == f"tiledsl.{channel}"

@@ -453,13 +453,16 @@ class Program:
         """A notebook shows the fusion graph: an SVG where Graphviz is installed, else (None)
         the text of `_repr_pretty_`."""
         import shutil
-        import subprocess
 
         exe = shutil.which("dot")
-        if exe is None:
-            return None
-        result = subprocess.run([exe, "-Tsvg"], input=self.to_dot(), text=True, capture_output=True)
-        return result.stdout if result.returncode == 0 else None
+        result = self._graphviz(exe, ["-Tsvg"]) if exe else None
+        return result.stdout if result is not None and result.returncode == 0 else None
+
+    def _graphviz(self, exe: str, options: list[str]) -> Any:
+        """Graphviz's `exe` run on the fusion graph's DOT text (a CompletedProcess)."""
+        import subprocess
+
+        return subprocess.run([exe, *options], input=self.to_dot(), text=True, capture_output=True)
 
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
         printer.text(repr(self) if cycle else self.explain())
@@ -470,7 +473,6 @@ class Program:
     def draw(self, path: str | os.PathLike, dot_binary: str = "dot") -> Path:
         """Render the fusion graph with Graphviz; the format follows the suffix (.svg, .png, .pdf)."""
         import shutil
-        import subprocess
 
         check_option("draw()", "path", path, "a path", str, os.PathLike)
         out = Path(path)
@@ -481,8 +483,7 @@ class Program:
                 "(Debian/Ubuntu: apt install graphviz; macOS: brew install graphviz; conda: conda "
                 "install graphviz); fn.to_dot() gives the DOT text without it"))
         fmt = out.suffix.lstrip(".") or "svg"
-        result = subprocess.run([exe, f"-T{fmt}", "-o", str(out)], input=self.to_dot(), text=True,
-                                capture_output=True)
+        result = self._graphviz(exe, [f"-T{fmt}", "-o", str(out)])
         if result.returncode != 0:
             raise diag.OptionError(message=f"Graphviz could not draw {out}: {result.stderr.strip()}")
         return out

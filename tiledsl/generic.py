@@ -15,6 +15,7 @@ use and caches it, as sizes are.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,14 +42,14 @@ class Binding:
 
 
 def is_generic(kernel: ast.Kernel) -> bool:
-    return bool(kernel.type_params) or any(_has_ellipsis(t) for t in _types(kernel))
+    return bool(kernel.type_params) or any(has_ellipsis(t) for t in _types(kernel))
 
 
 def _types(kernel: ast.Kernel) -> list[ast.TypeExpr]:
     return [p.type for p in kernel.params] + list(kernel.returns)
 
 
-def _has_ellipsis(t: ast.TypeExpr) -> bool:
+def has_ellipsis(t: ast.TypeExpr) -> bool:
     return any(d.value == ELLIPSIS for d in t.dims or ())
 
 
@@ -88,18 +89,24 @@ def check(kernel: ast.Kernel) -> None:
             if d.value == ELLIPSIS and i:
                 raise diag.RankError(d.span, message="'...' stands for leading dims: it must come first")
     params = [p.type for p in kernel.params]
-    if any(_has_ellipsis(t) for t in kernel.returns) and not any(_has_ellipsis(t) for t in params):
+    if any(has_ellipsis(t) for t in kernel.returns) and not any(has_ellipsis(t) for t in params):
         span = next(d.span for t in kernel.returns for d in t.dims or () if d.value == ELLIPSIS)
         raise diag.RankError(span, message=(
             "the return type has '...' but no parameter does, so no call could bind it"))
 
 
+@functools.cache
+def _of_torch() -> dict[Any, str]:
+    """A torch dtype's name in the language."""
+    from tiledsl.binding import torch_dtype
+
+    return {torch_dtype(d): d.value for d in DTYPES.values() if d.value in PARAM_DTYPES}
+
+
 def bind(kernel: ast.Kernel, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Binding:
     """The binding a call's arguments give (tensors by their dtype and rank); an argument that
     binds nothing is left for the specialized kernel's own checks to refuse."""
-    from tiledsl.binding import torch_dtype
-
-    of_torch = {torch_dtype(d): d.value for d in DTYPES.values() if d.value in PARAM_DTYPES}
+    of_torch = _of_torch()
     names = [p.name for p in kernel.params]
     passed: dict[str, Any] = dict(zip(names, args, strict=False))  # too many: the binder's error
     passed.update((k, v) for k, v in kwargs.items() if k in names)
@@ -112,7 +119,7 @@ def bind(kernel: ast.Kernel, args: Sequence[Any], kwargs: Mapping[str, Any]) -> 
         shape = getattr(value, "shape", None)
         dtype = getattr(value, "dtype", None)
         if p.type.dims is None or shape is None or dtype is None:
-            leads += [0] if p.type.dims is not None and _has_ellipsis(p.type) else []
+            leads += [0] if p.type.dims is not None and has_ellipsis(p.type) else []
             continue
         if p.type.dtype in variables:
             tp = variables[p.type.dtype]
@@ -127,7 +134,7 @@ def bind(kernel: ast.Kernel, args: Sequence[Any], kwargs: Mapping[str, Any]) -> 
                     f"'{other.name}' bound it to {first} here", other.type.dtype_span)], message=(
                     f"argument '{p.name}' is {name}, but dtype variable '{tp.name}' is already {first}"))
             dtypes.setdefault(tp.name, (name, p))
-        if _has_ellipsis(p.type):
+        if has_ellipsis(p.type):
             fixed = len(p.type.dims) - 1
             if len(shape) < fixed:
                 raise diag.ArgumentError(p.type.span, message=(
@@ -169,7 +176,7 @@ def specialize(kernel: ast.Kernel, binding: Binding) -> ast.Kernel:
         return dataclasses.replace(t, dtype=dtypes.get(t.dtype, t.dtype), dims=dims)
 
     params = tuple(dataclasses.replace(p, type=typ(p.type, next(leads, binding.batch)
-                                                   if _has_ellipsis(p.type) else 0))
+                                                   if has_ellipsis(p.type) else 0))
                    for p in kernel.params)
     returns = tuple(typ(t, binding.batch) for t in kernel.returns)
     body = _substitute(kernel.body, dtypes)
@@ -198,17 +205,13 @@ def _substitute(node: Any, dtypes: Mapping[str, str]) -> Any:
     return node
 
 
-def has_ellipsis(t: ast.TypeExpr) -> bool:
-    return _has_ellipsis(t)
-
-
 def signature(kernel: ast.Kernel) -> str:
     """What makes a kernel generic, for messages: `[T: f16 | bf16], '...'`."""
     parts = []
     if kernel.type_params:
         variables = (f"{tp.name}: {' | '.join(tp.dtypes)}" for tp in kernel.type_params)
         parts.append("[" + ", ".join(variables) + "]")
-    if any(_has_ellipsis(t) for t in _types(kernel)):
+    if any(has_ellipsis(t) for t in _types(kernel)):
         parts.append("'...'")
     return ", ".join(parts)
 
@@ -247,7 +250,7 @@ def given(kernel: ast.Kernel, batch: int, dtypes: Mapping[str, str], where: str)
                 f"{where}: {var}={dtype!r} is not one of {' | '.join(variables[var].dtypes)}"))
     if batch < 0:
         raise diag.OptionError(message=f"{where}: '...' stands for 0 or more dims, not {batch}")
-    leads = tuple(batch for p in kernel.params if _has_ellipsis(p.type))
+    leads = tuple(batch for p in kernel.params if has_ellipsis(p.type))
     return Binding(tuple((v, dtypes[v]) for v in variables), batch, leads)
 
 

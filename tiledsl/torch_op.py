@@ -94,21 +94,20 @@ def op_name(program: Program) -> str:
     the same op in every process, so an exported program loads wherever it is compiled."""
     from tiledsl.printer import print_graph
 
-    return _hashed(program.name, print_graph(program.source_graph), program)
+    return _hashed(program.name, print_graph(program.source_graph),
+                   (program.backend, program.pipeline, program.allow_tf32))
 
 
 def generic_op_name(fn: Generic) -> str:
-    """`<kernel>_<hash>` of a generic kernel: its syntax tree without positions, and options."""
+    """`<kernel>_<hash>` of a generic kernel: its syntax tree without positions, and every
+    option of `compile` (they shape each specialization: `check_bounds` adds outputs)."""
     from tiledsl import generic
 
-    return _hashed(fn.name, generic.canonical(fn.kernel), fn)
+    return _hashed(fn.name, generic.canonical(fn.kernel), fn._origin.options)
 
 
-def _hashed(name: str, text: str, program: Any) -> str:
-    options = dict(program._origin.options) if getattr(program, "_origin", None) else {}
-    text = "\n".join((text, getattr(program, "backend", options.get("backend", "")),
-                      str(getattr(program, "pipeline", options.get("pipeline"))),
-                      str(getattr(program, "allow_tf32", options.get("allow_tf32")))))
+def _hashed(name: str, text: str, options: tuple) -> str:
+    text = "\n".join((text, *map(str, options)))
     return f"{name}_{hashlib.sha256(text.encode()).hexdigest()[:12]}"
 
 
@@ -260,7 +259,7 @@ def shard_for(args: Sequence[Any]) -> None:
     """Before a call with a DTensor argument: the sharding rules of every op registered
     before `torch.distributed.tensor` was imported (registering them imports it, 0.6 s a
     process: paid by programs that meet a DTensor, not by every first compile)."""
-    if any(type(a).__name__ == "DTensor" for a in args):
+    if "torch.distributed.tensor" in sys.modules and any(type(a).__name__ == "DTensor" for a in args):
         with _lock:
             for reg in list(_REGISTRY.values()):
                 if not reg.sharded:
@@ -326,11 +325,8 @@ class _Registration:
     def sharding_rules(self, args: Sequence[Any]) -> list[tuple[list[Any], list[Any]]]:
         """DTensor's acceptable placements for a call (`tiledsl.sharding`), from the graph of
         the program the arguments run (DTensor's specs stand for the tensors)."""
-        program = self.program()
-        if not hasattr(program, "source_graph"):  # generic: the specialization they bind
-            program = program.resolve([sharding.SpecView(a) if hasattr(a, "tensor_meta") else a
-                                       for a in args])
-        return sharding.rules(program.source_graph)
+        specs = [sharding.SpecView(a) if hasattr(a, "tensor_meta") else a for a in args]
+        return sharding.rules(self.program().resolve(specs).source_graph)
 
     def _run(self, *op_args: Any) -> Any:
         args = self.convention.unpack(op_args)
