@@ -72,6 +72,34 @@ def test_parameters_broadcast_against_the_batch():
     assert torch.equal(fn(y, x), y + x)
 
 
+@pytest.mark.parametrize("x_shape, g_shape", [((3, 1, 17), (3, 5, 17)), ((1, 113), (2, 7, 113)),
+                                              ((2, 1, 3, 17), (1, 5, 1, 17))])
+def test_leading_dims_of_size_one_broadcast(x_shape, g_shape):
+    """Under `...`, a size-1 leading dim broadcasts against another argument's, as NumPy's
+    do; its gradient is summed back over the broadcast dims."""
+    fn = tiledsl.compile("kernel gate[T: f32 | bf16](x: T[..., N], g: T[..., N]) -> T[..., N] "
+                         "{ return x * sigmoid(g) }")
+    x = randn(*x_shape, dtype=torch.bfloat16, seed=30).requires_grad_()
+    g = randn(*g_shape, dtype=torch.bfloat16, seed=31).requires_grad_()
+    out = fn(x, g)
+    shape = torch.broadcast_shapes(x_shape, g_shape)
+    assert out.shape == shape and out.dtype == torch.bfloat16
+    cot = randn(*shape, dtype=torch.bfloat16, seed=32)
+
+    def reference(dtype):
+        a, b = (t.detach().to(dtype).requires_grad_() for t in (x, g))
+        y = a * torch.sigmoid(b)
+        return (y, *torch.autograd.grad(y, (a, b), cot.to(dtype)))
+
+    ours = (out.detach(), *torch.autograd.grad(out, (x, g), cot))
+    assert ours[1].shape == x_shape and ours[2].shape == g_shape
+    report = testing.compare(ours, reference(torch.float64), reference(torch.bfloat16))
+    assert report.ok, report
+
+    traced = torch.compile(fn, fullgraph=True, dynamic=True, backend="eager")
+    assert torch.equal(traced(x.detach(), g.detach()), out.detach())
+
+
 def test_a_dtype_variable_is_a_dtype_in_the_body():
     fn = tiledsl.compile("kernel f[T: f16 | bf16](x: T[N]) -> f32[N] { return cast(cast(x, f32) * 3.0, T) }")
     x = randn(113, dtype=torch.bfloat16, seed=8)

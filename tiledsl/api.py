@@ -517,7 +517,8 @@ class Generic:
     def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
         """Run the specialization the arguments bind; a call that autograd or a tracer must
         see goes through `fn.op` (torch.compile then compiles a binding in the op's fake
-        kernel, never in the traced code)."""
+        kernel, never in the traced code). Leading dims of size 1 broadcast (`generic.broadcast`)."""
+        args, kwargs = generic.broadcast(self.kernel, args, kwargs)
         if _through_op(args, kwargs) and not torch._C._are_functorch_transforms_active():
             positional = self._positional(args, kwargs)
             torch_op.shard_for(positional)

@@ -6,7 +6,8 @@ A dtype variable (`T`) lists the dtypes it may bind; it binds the dtype of the t
 passed for the parameters declared with it, which must agree. `...`, the first dim of a
 type, binds the leading dims an argument has beyond the declared ones: one batch shape for
 the whole signature, each parameter's right-aligned against it (NumPy's broadcasting: a
-parameter may have fewer leading dims, as a bias has). A binding (`Binding`) turns the
+parameter may have fewer leading dims, as a bias has, or size 1 where another has more,
+which `broadcast` expands without a copy). A binding (`Binding`) turns the
 kernel into a concrete one, the same kernel with the variables and `...` written out
 (`specialize`); `tiledsl.compile` returns a `Generic` that compiles one per binding on first
 use and caches it, as sizes are.
@@ -148,6 +149,37 @@ def bind(kernel: ast.Kernel, args: Sequence[Any], kwargs: Mapping[str, Any]) -> 
         raise diag.ArgumentError(tp.span, message=(
             f"no tensor argument binds dtype variable '{tp.name}'"))
     return Binding(tuple((tp.name, dtypes[tp.name][0]) for tp in kernel.type_params), batch, tuple(leads))
+
+
+def broadcast(kernel: ast.Kernel, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The arguments with each leading dim of size 1 (under `...`) expanded, without a copy
+    (a stride of 0), to the size another argument has there: NumPy's broadcasting, which a
+    specialization, whose batch dims are sizes bound once, does not do itself. Autograd sums
+    an expanded argument's gradient back over its broadcast dims. Sizes that differ and are
+    not 1 are left for the specialization's error."""
+    fixed = {p.name: len(p.type.dims) - 1 for p in kernel.params if p.type.dims and has_ellipsis(p.type)}
+    names = [p.name for p in kernel.params]
+    leading: dict[str, tuple[int, ...]] = {}
+    for name, value in (*zip(names, args, strict=False), *kwargs.items()):
+        shape = getattr(value, "shape", None)
+        if name in fixed and shape is not None and len(shape) >= fixed[name]:
+            leading[name] = tuple(shape[:len(shape) - fixed[name]])
+    if len(leading) < 2 or len(set(leading.values())) == 1:
+        return args, kwargs
+    batch = [1] * max(map(len, leading.values()))
+    for lead in leading.values():
+        for i, n in enumerate(lead, len(batch) - len(lead)):
+            batch[i] = n if batch[i] == 1 else batch[i]
+
+    def expanded(name: str, value: Any) -> Any:
+        lead = leading.get(name)
+        if lead is None:
+            return value
+        target = tuple(b if n == 1 else n for n, b in zip(lead, batch[len(batch) - len(lead):], strict=True))
+        return value if target == lead else value.expand(*target, *value.shape[len(lead):])
+
+    args = tuple(expanded(n, v) for n, v in zip(names, args, strict=False)) + args[len(names):]
+    return args, {k: expanded(k, v) for k, v in kwargs.items()}
 
 
 def batch_names(kernel: ast.Kernel, batch: int) -> tuple[str, ...]:
