@@ -6,13 +6,22 @@ the attention, the rotary embedding, the MLP and the loss are tiledsl programs. 
 block built from torch's modules starts from the same weights; both train for a few steps
 with SGD and their losses are printed side by side.
 
+With --fsdp2 the tiledsl block trains sharded instead: two processes over gloo, each with
+its half of the batch and its half of every parameter (FSDP2's `fully_shard`), beside one
+process training the same block on the whole batch; the losses are printed side by side
+and the parameters of both runs are checked equal at the end.
+
     python examples/train_block.py            # CPU (Triton's interpreter) or a GPU
+    python examples/train_block.py --fsdp2    # two CPU processes over gloo
 """
 
 from __future__ import annotations
 
+import argparse
 import copy
 import math
+import os
+import tempfile
 
 import torch
 import torch.nn.functional as F
@@ -109,5 +118,68 @@ def main(steps: int = 4) -> list[tuple[float, float]]:
     return losses
 
 
+def _fsdp2_rank(rank: int, init: str, steps: int) -> None:
+    """One of the two processes of `sharded`: FSDP2 over gloo on its half of the batch; rank
+    0 also trains the unsharded block on the whole batch (its loss is the mean of the two
+    halves', its gradients their average) and compares."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DeviceMesh
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)
+        single, model = Block("tiledsl"), Block("tiledsl")
+        model.load_state_dict(single.state_dict())
+        g = torch.Generator().manual_seed(1)
+        tokens = torch.randint(0, VOCAB, (2 * BATCH, SEQ + 1), generator=g)
+        inputs, labels = tokens[:, :-1], tokens[:, 1:].clone()
+        labels[0, :3] = -100
+        cos, sin = rotary_tables(2 * BATCH, SEQ, DIM // HEADS)
+        half = slice(rank * BATCH, (rank + 1) * BATCH)
+        mesh = DeviceMesh("cpu", [0, 1])
+        for module in (model.attn_norm, model.mlp, model.mlp_norm, model):
+            fully_shard(module, mesh=mesh)
+        opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, single)]
+        for step in range(steps):
+            opts[0].zero_grad()
+            # each half's mean loss over its targets not ignored, weighted so that the
+            # gradients FSDP2 averages are the whole batch's
+            counted = (labels != -100).sum()
+            mine = (labels[half] != -100).sum()
+            loss = model(inputs[half], labels[half], cos[half], sin[half]) * (2 * mine / counted)
+            loss.backward()
+            opts[0].step()
+            total = loss.detach().clone()
+            dist.all_reduce(total)
+            opts[1].zero_grad()
+            ref = single(inputs, labels, cos, sin)
+            ref.backward()
+            opts[1].step()
+            if rank == 0:
+                print(f"step {step}: loss {total.item() / 2:.6f} (2 processes, FSDP2)  {ref.item():.6f} "
+                      "(1 process)", flush=True)
+        for (name, p), (_, q) in zip(model.named_parameters(), single.named_parameters(), strict=True):
+            torch.testing.assert_close(p.full_tensor().detach(), q.detach(), rtol=1e-4, atol=1e-6, msg=name)
+        dist.barrier()
+        if rank == 0:
+            print("the sharded and unsharded parameters agree", flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+def sharded(steps: int = 3) -> None:
+    """Train the tiledsl block with FSDP2 over two CPU processes (gloo) beside one process."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        init = "file://" + os.path.join(tmp, "rendezvous")
+        mp.start_processes(_fsdp2_rank, args=(init, steps), nprocs=2, start_method="fork")
+
+
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--fsdp2", action="store_true", help="train sharded over two gloo processes")
+    parser.add_argument("--steps", type=int, default=4)
+    args = parser.parse_args()
+    sharded(args.steps) if args.fsdp2 else main(args.steps)

@@ -62,6 +62,8 @@ def _normalize(name: str, x: torch.Tensor, shape: tuple[int, ...], *args: Any) -
     if tuple(x.shape[len(x.shape) - len(shape):]) != shape or x.dim() < len(shape):
         raise diag.ArgumentError(message=(
             f"{name}: expected an input whose last dims are {list(shape)}, got {list(x.shape)}"))
+    if len(shape) == 1:  # no reshape, so the output is no view (FSDP2 warns of those)
+        return program(name)(x, *(a.to(x.dtype) if isinstance(a, torch.Tensor) else a for a in args))
     rows = x.reshape(*x.shape[:x.dim() - len(shape)], math.prod(shape))
     flat = [a.reshape(-1).to(x.dtype) if isinstance(a, torch.Tensor) else a for a in args]
     return program(name)(rows, *flat).reshape(x.shape)
