@@ -184,7 +184,11 @@ def inputs_read(region: Region, values: Iterable[int]) -> list[int]:
 
 
 def dot_precision(dtype: DType, allow_tf32: bool) -> str:
-    """`tl.dot`'s input_precision argument: f32 dots are IEEE unless tf32 is allowed."""
+    """`tl.dot`'s keyword arguments for operands of `dtype`: f32 dots are IEEE unless tf32 is
+    allowed; integer dots accumulate in i32, said explicitly (Triton before 3.9 checks an i32
+    accumulator against the default out_dtype, f32, and refuses it)."""
+    if dtype.is_int:
+        return ", out_dtype=tl.int32"
     if dtype is not DType.F32:
         return ""
     return ', input_precision="tf32"' if allow_tf32 else ', input_precision="ieee"'

@@ -325,7 +325,11 @@ def _not(types, attrs):
 def _render_not(em, op, args, out):
     (x,) = args
     x = em.tensor(x).text
-    return em.assign(f"{x} == 0" if out is Compute.BOOL else f"~{x}", out)
+    if out is Compute.BOOL:
+        return em.assign(f"{x} == 0", out)
+    # u8's complement as an xor with 255: the same instruction, and Triton's interpreter
+    # before 3.9 computes `~` on u8 as an xor with -1, which numpy refuses
+    return em.assign(f"{x} ^ 255" if out is Compute.U8 else f"~{x}", out)
 
 
 define("not", 1, ELEMENTWISE, _not, symbol="~",
