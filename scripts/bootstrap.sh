@@ -72,7 +72,7 @@ imports() {
 
 install_torch() {
     if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-        pip_install torch
+        pip_install "torch>=2.11,<2.16"  # a CUDA build, in pyproject.toml's range
     else
         pip_install torch==2.13.0 || pip_install torch --index-url https://download.pytorch.org/whl/cpu
     fi
