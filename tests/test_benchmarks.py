@@ -89,16 +89,27 @@ def test_run_all_smoke_run(capsys, tmp_path):
     assert rows.count("softmax") == 4 and rows.count("host overhead") == 5
     assert rows.count("fusion_rewrites") == 9 and rows.count("attention_backward") == 12
     assert rows.count("linear_attention") == 6 and rows.count("quantized_gemm") == 2
+    assert rows.count("nn_modules") == 18
     assert "| f16 B=1 H=2 N=77 D=64 causal |" in lines[6] and "SDPA flash n/a | n/a | n/a (no GPU) |" in lines[6]
     backward = [line for line in lines if line.startswith("| attention_backward | f16 B=1 H=2 N=77 D=64 plain |")]
     assert len(backward) == 1 and "backward: SDPA flash / FlexAttention n/a | n/a | n/a (no GPU) |" in backward[0]
     result = json.loads(out_json.read_text())
     assert sorted(result["kernels"]) == ["attention", "attention_backward", "fusion_rewrites", "gemm_epilogue",
-                                         "linear_attention", "quantized_gemm", "softmax"]
+                                         "linear_attention", "nn_modules", "quantized_gemm", "softmax"]
     assert all("bwd_ms" in row and "fwd_bwd_ms" in row if bench == "attention_backward" else "ours_ms" in row
                for bench, rows in result["kernels"].items() for row in rows)
     assert sorted(result["host_overhead"]) == ["attention", "gemm_multiply_multiply", "gqa_attention", "rmsnorm",
                                               "softmax"]
+
+
+def test_nn_modules_smoke_run(capsys):
+    """Each module's forward and backward agrees with torch's before it is timed."""
+    assert load("nn_modules").main(["--device", "cpu", "--quick"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split("|")[0].split() == ["module", "shape", "dtype"]
+    names = [line.split("|")[0].rsplit(None, 2)[0].strip() for line in lines[2:]]
+    assert names == ["RMSNorm", "LayerNorm", "SwiGLU", "CrossEntropyLoss", "apply_rotary", "Attention causal"]
+    assert all(line.split("|")[0].split()[-1] == "float32" for line in lines[2:]), lines
 
 
 def test_quantized_gemm_smoke_run(capsys):
