@@ -16,6 +16,7 @@ timed. Ratios are baseline time / tiledsl time: above 1 means tiledsl is faster.
 
 from __future__ import annotations
 
+import copy
 import math
 import sys
 import types
@@ -44,15 +45,16 @@ def _liger():
     return liger
 
 
-class TorchSwiGLU(nn.Module):
-    def __init__(self, dim: int, hidden: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden, bias=False)
-        self.up_proj = nn.Linear(dim, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dim, bias=False)
+class Eager(nn.Module):
+    """A function of a module run as torch ops: the baseline over a copy of tiledsl's
+    module's own parameters (Hugging Face's LlamaMLP for SwiGLU)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def __init__(self, module: nn.Module, forward: Callable) -> None:
+        super().__init__()
+        self.module, self.fn = copy.deepcopy(module), forward
+
+    def forward(self, *args):
+        return self.fn(self.module, *args)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -100,18 +102,13 @@ def cases(quick: bool, dtype: torch.dtype, device: str) -> list[Case]:
         y[::7] = -100
         return y.to(device)
 
-    swiglu = {}  # one set of weights for the three
+    torch.manual_seed(0)
+    swiglu = module(tnn.SwiGLU(dim, hidden))
 
-    def swiglu_of(kind: str, liger=None) -> nn.Module:
-        if "torch" not in swiglu:
-            torch.manual_seed(0)
-            swiglu["torch"] = module(TorchSwiGLU(dim, hidden))
-        ref = swiglu["torch"]
-        if kind == "torch":
-            return ref
-        m = (tnn.SwiGLU(dim, hidden) if kind == "ours" else liger.LigerSwiGLUMLP(
-            types.SimpleNamespace(hidden_size=dim, intermediate_size=hidden, hidden_act="silu")))
-        module(m).load_state_dict(ref.state_dict())
+    def liger_swiglu(liger) -> nn.Module:
+        m = liger.LigerSwiGLUMLP(types.SimpleNamespace(hidden_size=dim, intermediate_size=hidden,
+                                                       hidden_act="silu"))
+        module(m).load_state_dict(swiglu.state_dict())
         return m
 
     return [
@@ -123,8 +120,9 @@ def cases(quick: bool, dtype: torch.dtype, device: str) -> list[Case]:
              lambda: module(nn.LayerNorm(dim)),
              lambda lg: module(lg.LigerLayerNorm(dim, eps=1e-5, bias=True)),
              lambda g: (tensor(g, rows, dim),), tol),
-        Case("SwiGLU", f"{rows}x{dim}->{hidden}", lambda: swiglu_of("ours"), lambda: swiglu_of("torch"),
-             lambda lg: swiglu_of("liger", lg), lambda g: (tensor(g, rows, dim),), tol),
+        Case("SwiGLU", f"{rows}x{dim}->{hidden}", lambda: swiglu,
+             lambda: Eager(swiglu, lambda m, x: m.down_proj(F.silu(m.gate_proj(x)) * m.up_proj(x))),
+             liger_swiglu, lambda g: (tensor(g, rows, dim),), tol),
         Case("CrossEntropyLoss", f"{rows}x{vocab}", lambda: tnn.CrossEntropyLoss(),
              lambda: nn.CrossEntropyLoss(), lambda lg: lg.LigerCrossEntropyLoss(),
              lambda g: (tensor(g, rows, vocab, scale=2.0), labels(g)), tol),
