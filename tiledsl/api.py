@@ -509,6 +509,7 @@ class Generic:
         self._programs: dict[generic.Binding, Program] = {}
         self._lock = threading.Lock()
         self._names = tuple(p.name for p in kernel.params)
+        self._fixed = generic.fixed_dims(kernel)  # the parameters with `...`, for broadcasting
         self._convention = torch_op.Convention.of_kernel(kernel)
         self.op = torch_op.register(self)
         """This kernel as one PyTorch operator for all its bindings (dtype and rank generic
@@ -518,7 +519,8 @@ class Generic:
         """Run the specialization the arguments bind; a call that autograd or a tracer must
         see goes through `fn.op` (torch.compile then compiles a binding in the op's fake
         kernel, never in the traced code). Leading dims of size 1 broadcast (`generic.broadcast`)."""
-        args, kwargs = generic.broadcast(self.kernel, args, kwargs)
+        if len(self._fixed) > 1:
+            args, kwargs = generic.broadcast(self._names, self._fixed, args, kwargs)
         if _through_op(args, kwargs) and not torch._C._are_functorch_transforms_active():
             positional = self._positional(args, kwargs)
             torch_op.shard_for(positional)

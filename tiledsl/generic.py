@@ -151,14 +151,19 @@ def bind(kernel: ast.Kernel, args: Sequence[Any], kwargs: Mapping[str, Any]) -> 
     return Binding(tuple((tp.name, dtypes[tp.name][0]) for tp in kernel.type_params), batch, tuple(leads))
 
 
-def broadcast(kernel: ast.Kernel, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """The arguments with each leading dim of size 1 (under `...`) expanded, without a copy
-    (a stride of 0), to the size another argument has there: NumPy's broadcasting, which a
-    specialization, whose batch dims are sizes bound once, does not do itself. Autograd sums
-    an expanded argument's gradient back over its broadcast dims. Sizes that differ and are
-    not 1 are left for the specialization's error."""
-    fixed = {p.name: len(p.type.dims) - 1 for p in kernel.params if p.type.dims and has_ellipsis(p.type)}
-    names = [p.name for p in kernel.params]
+def fixed_dims(kernel: ast.Kernel) -> dict[str, int]:
+    """Each parameter with `...`: how many dims its type declares after it."""
+    return {p.name: len(p.type.dims) - 1 for p in kernel.params if p.type.dims and has_ellipsis(p.type)}
+
+
+def broadcast(names: Sequence[str], fixed: Mapping[str, int], args: tuple,
+              kwargs: dict) -> tuple[tuple, dict]:
+    """The arguments (of parameters `names`, those with `...` in `fixed`, as `fixed_dims`
+    gives) with each leading dim of size 1 expanded, without a copy (a stride of 0), to the
+    size another argument has there: NumPy's broadcasting, which a specialization, whose
+    batch dims are sizes bound once, does not do itself. Autograd sums an expanded
+    argument's gradient back over its broadcast dims. Sizes that differ and are not 1 are
+    left for the specialization's error."""
     leading: dict[str, tuple[int, ...]] = {}
     for name, value in (*zip(names, args, strict=False), *kwargs.items()):
         shape = getattr(value, "shape", None)
