@@ -4,7 +4,7 @@ builds, installs and carries the tests, which run from it against that install; 
 metadata declares the license and the torch and Triton versions the suite runs on."""
 
 import email.parser
-import importlib.util
+import importlib.metadata
 import os
 import shutil
 import subprocess
@@ -38,11 +38,24 @@ def _run(*cmd: str, **kwargs) -> subprocess.CompletedProcess:
     return done
 
 
+def _has_backend() -> bool:
+    """Does this environment have the build backend pyproject.toml asks for (setuptools 77
+    or newer, for the SPDX license)? A venv of Python 3.12+ has no setuptools, one of 3.11
+    an older one: then pip builds in its isolated environment."""
+    try:
+        version = importlib.metadata.version("setuptools")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return Version(version) >= Version("77")
+
+
+def _isolation() -> list[str]:
+    return ["--no-build-isolation"] if _has_backend() else []
+
+
 def _install(what: Path, site: Path, cwd: Path) -> None:
-    """pip-install `what` (a wheel, or an sdist pip builds a wheel of) into `site`, with the
-    build backend of this environment where it has one (a venv of Python 3.12+ may not:
-    then pip's isolated build environment)."""
-    isolation = [] if importlib.util.find_spec("setuptools") is None else ["--no-build-isolation"]
+    """pip-install `what` (a wheel, or an sdist pip builds a wheel of) into `site`."""
+    isolation = _isolation()
     _run(sys.executable, "-m", "pip", "install", "--no-deps", *isolation, "-q", "--target", str(site),
          str(what), cwd=cwd)
 
@@ -53,8 +66,7 @@ def _env(site: Path, tmp_path: Path) -> dict[str, str]:
 
 def test_the_wheel_works_installed_without_a_checkout(tmp_path):
     wheels, site = tmp_path / "wheels", tmp_path / "site"
-    isolation = [] if importlib.util.find_spec("setuptools") is None else ["--no-build-isolation"]
-    _run(sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", *isolation, "-q", "-w", str(wheels),
+    _run(sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", *_isolation(), "-q", "-w", str(wheels),
          cwd=tmp_path)
     (wheel,) = wheels.glob("tiledsl-*.whl")
     _install(wheel, site, tmp_path)
@@ -80,7 +92,7 @@ def sdist(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("sdist")
     shutil.copytree(ROOT, tmp / "src", ignore=NOT_IN_A_CLONE)
     env = dict(os.environ)
-    if importlib.util.find_spec("setuptools") is None:  # a venv of Python 3.12+ may have none
+    if not _has_backend():
         _run(sys.executable, "-m", "pip", "install", "-q", "--target", str(tmp / "backend"), "setuptools>=77")
         env["PYTHONPATH"] = str(tmp / "backend")
     name = _run(sys.executable, "-c", BUILD_SDIST, str(tmp), cwd=tmp / "src", env=env).stdout.split()[-1]
