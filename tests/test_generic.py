@@ -77,18 +77,18 @@ def test_parameters_broadcast_against_the_batch():
 def test_leading_dims_of_size_one_broadcast(x_shape, g_shape):
     """Under `...`, a size-1 leading dim broadcasts against another argument's, as NumPy's
     do; its gradient is summed back over the broadcast dims."""
-    fn = tiledsl.compile("kernel gate[T: f32 | bf16](x: T[..., N], g: T[..., N]) -> T[..., N] "
-                         "{ return x * sigmoid(g) }")
+    fn = tiledsl.compile("kernel gate[T: f32 | bf16](x: T[..., N], g: T[..., N], s: f32) -> T[..., N] "
+                         "{ return x * sigmoid(g) * s }")
     x = randn(*x_shape, dtype=torch.bfloat16, seed=30).requires_grad_()
     g = randn(*g_shape, dtype=torch.bfloat16, seed=31).requires_grad_()
-    out = fn(x, g)
+    out = fn(x, g, 0.75)
     shape = torch.broadcast_shapes(x_shape, g_shape)
     assert out.shape == shape and out.dtype == torch.bfloat16
     cot = randn(*shape, dtype=torch.bfloat16, seed=32)
 
     def reference(dtype):
         a, b = (t.detach().to(dtype).requires_grad_() for t in (x, g))
-        y = a * torch.sigmoid(b)
+        y = a * torch.sigmoid(b) * 0.75
         return (y, *torch.autograd.grad(y, (a, b), cot.to(dtype)))
 
     ours = (out.detach(), *torch.autograd.grad(out, (x, g), cot))
@@ -97,7 +97,7 @@ def test_leading_dims_of_size_one_broadcast(x_shape, g_shape):
     assert report.ok, report
 
     traced = torch.compile(fn, fullgraph=True, dynamic=True, backend="eager")
-    assert torch.equal(traced(x.detach(), g.detach()), out.detach())
+    assert torch.equal(traced(x.detach(), g.detach(), 0.75), out.detach())  # (a scalar traced as a SymFloat)
 
 
 def test_a_dtype_variable_is_a_dtype_in_the_body():

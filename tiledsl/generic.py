@@ -164,11 +164,13 @@ def broadcast(names: Sequence[str], fixed: Mapping[str, int], args: tuple,
     batch dims are sizes bound once, does not do itself. Autograd sums an expanded
     argument's gradient back over its broadcast dims. Sizes that differ and are not 1 are
     left for the specialization's error."""
+    import torch
+
     leading: dict[str, tuple[int, ...]] = {}
     for name, value in (*zip(names, args, strict=False), *kwargs.items()):
-        shape = getattr(value, "shape", None)
-        if name in fixed and shape is not None and len(shape) >= fixed[name]:
-            leading[name] = tuple(shape[:len(shape) - fixed[name]])
+        # (isinstance, not hasattr: torch.compile traces this, and a scalar may be a SymFloat)
+        if name in fixed and isinstance(value, torch.Tensor) and value.dim() >= fixed[name]:
+            leading[name] = tuple(value.shape[:value.dim() - fixed[name]])
     if len(leading) < 2 or len(set(leading.values())) == 1:
         return args, kwargs
     batch = [1] * max(map(len, leading.values()))
