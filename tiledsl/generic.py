@@ -21,6 +21,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from tiledsl import ast
 from tiledsl import diagnostics as diag
 from tiledsl.types import DTYPES, PARAM_DTYPES
@@ -164,8 +166,6 @@ def broadcast(names: Sequence[str], fixed: Mapping[str, int], args: tuple,
     batch dims are sizes bound once, does not do itself. Autograd sums an expanded
     argument's gradient back over its broadcast dims. Sizes that differ and are not 1 are
     left for the specialization's error."""
-    import torch
-
     leading: dict[str, tuple[int, ...]] = {}
     for name, value in (*zip(names, args, strict=False), *kwargs.items()):
         # (isinstance, not hasattr: torch.compile traces this, and a scalar may be a SymFloat)

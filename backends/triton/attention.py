@@ -47,7 +47,7 @@ from .base import (
     require_dot_hints,
 )
 from .codegen import Code, Signature, next_pow2
-from .expr import Emitter, Val, dot_precision, inputs_read, literal, with_scalar_operands
+from .expr import Emitter, Val, dot_kwargs, inputs_read, literal, with_scalar_operands
 from .matmul import operand_tile, tile_ptrs
 from .online import NEG_INF
 
@@ -230,7 +230,7 @@ class AttentionProgram:
         with self.tma_or_pointers("k", "kt", self.k_at, self.qk_op.dtype):
             operand_tile(em, region, "kt", k_ptrs, k_mask, self.b_val, self.k_src, set(parts.k_chain),
                          self.scalars, self.qk_op.dtype, index=self.operand_index("k", k_rows, k_cols))
-        body(f"s = tl.dot(q, kt{dot_precision(self.qk_op.dtype, self.allow_tf32)})")
+        body(f"s = tl.dot(q, kt{dot_kwargs(self.qk_op.dtype, self.allow_tf32)})")
         vals = dict(self.outer)
         vals[parts.qk] = Val("s", Compute.F32)
         for i in score_inputs:
@@ -337,10 +337,10 @@ class AttentionProgram:
             with body.indent():
                 body(f"p = {em.widen('p', DType.BF16)}")
         if phase in ("probabilities", "sum"):
-            body(f"acc = tl.dot(p, vt, acc{dot_precision(pv_dtype, self.allow_tf32)})")
+            body(f"acc = tl.dot(p, vt, acc{dot_kwargs(pv_dtype, self.allow_tf32)})")
             return
         body("acc = acc * alpha[:, None]")
-        body(f"acc = tl.dot(p, vt, acc{dot_precision(pv_dtype, self.allow_tf32)})")
+        body(f"acc = tl.dot(p, vt, acc{dot_kwargs(pv_dtype, self.allow_tf32)})")
         body("m_i = m_new")
 
     def descriptors(self, name: str, src: int, chain, dot: DType, tile: tuple[str, str],

@@ -49,7 +49,7 @@ from .base import (
     require_dot_hints,
 )
 from .codegen import Code, Signature, next_pow2
-from .expr import Emitter, Val, dot_precision, inputs_read, literal, with_scalar_operands
+from .expr import Emitter, Val, dot_kwargs, inputs_read, literal, with_scalar_operands
 from .matmul import operand_tile, tile_ptrs
 
 DOT_HINTS = ("BLOCK_M", "BLOCK_N")
@@ -333,7 +333,7 @@ class AttentionBackwardProgram:
             vals[plan.bound_cond] = literal(True, Compute.BOOL)
         first, second = ("a", "b") if self.own == "rm" else ("b", "a")
         for j, d in enumerate(plan.dots):
-            precision = dot_precision(self.dot_dtype(j), self.allow_tf32)
+            precision = dot_kwargs(self.dot_dtype(j), self.allow_tf32)
             body(f"s{j} = tl.dot(dot{j}_{first}, dot{j}_{second}{precision})")
             vals[d.matmul] = Val(f"s{j}", Compute.F32)
         wanted = with_scalar_operands(region, plan.score_ops, vals) - vals.keys()
@@ -373,7 +373,7 @@ class AttentionBackwardProgram:
                                  f"[{self.blocks[walk]}, BLOCK_P{j}]")
                 self.operand(f"y{j}", ptrs, mask, p.y, source, dot)
                 y = f"y{j}"
-            body(f"acc{j} = tl.dot(x{j}, {y}, acc{j}{dot_precision(dot, self.allow_tf32)})")
+            body(f"acc{j} = tl.dot(x{j}, {y}, acc{j}{dot_kwargs(dot, self.allow_tf32)})")
 
     def inside(self) -> str:
         """The score tile's elements inside the sequences (rows below M, keys below N)."""

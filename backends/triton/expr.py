@@ -183,7 +183,7 @@ def inputs_read(region: Region, values: Iterable[int]) -> list[int]:
     return list(found)
 
 
-def dot_precision(dtype: DType, allow_tf32: bool) -> str:
+def dot_kwargs(dtype: DType, allow_tf32: bool) -> str:
     """`tl.dot`'s keyword arguments for operands of `dtype`: f32 dots are IEEE unless tf32 is
     allowed; integer dots accumulate in i32, said explicitly (Triton before 3.9 checks an i32
     accumulator against the default out_dtype, f32, and refuses it)."""

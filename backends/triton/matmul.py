@@ -47,7 +47,7 @@ from .base import (
     sm_count,
 )
 from .codegen import Code, Signature, TensorRef, next_pow2
-from .expr import Emitter, Val, dot_precision, literal
+from .expr import Emitter, Val, dot_kwargs, literal
 
 DOT_HINTS = ("BLOCK_M", "BLOCK_N", "BLOCK_K")
 OPERAND_BLOCKS = (("BLOCK_M", "BLOCK_K"), ("BLOCK_K", "BLOCK_N"))  # the a and b tiles
@@ -244,7 +244,7 @@ class GemmProgram:
                                           self.dots[which]):
                     self.operand(name, which, "a_mask" if which == 0 else "b_mask")
             for acc, name in zip(accs, names[1:], strict=True):
-                body(f"{acc} = tl.dot(a, {name}, {acc}{self.precision()})")
+                body(f"{acc} = tl.dot(a, {name}, {acc}{self.dot_kwargs()})")
             for which, (name, src) in enumerate(zip(names, self.sources, strict=True)):
                 if self.gathered(which):  # loaded through the indices, no pointers to move
                     continue
@@ -271,8 +271,8 @@ class GemmProgram:
     def accumulators(self) -> list[str]:
         return ["acc", *(f"acc{i}" for i in range(1, len(self.matmuls)))]
 
-    def precision(self) -> str:
-        return dot_precision(self.dots[0], self.allow_tf32)
+    def dot_kwargs(self) -> str:
+        return dot_kwargs(self.dots[0], self.allow_tf32)
 
     def tile(self, ref: TensorRef, rank: int, rows: str, cols: str, shape: str) -> str:
         return tile_ptrs(ref, rank, self.bnames, rows, cols, shape)
