@@ -111,3 +111,29 @@ def test_dropout_attention_compiles_for_sm90_without_spills(d):
     every = aot.inspect_program(fn, {"B": 4, "H": 16, "M": 4096, "N": 4096, "D": d}, {"seed": 3},
                                 every_candidate=True)
     assert len(every) > 1 and all(c.spill_bytes == 0 and c.config["BLOCK_N"] <= 64 for c in every), every
+
+
+@pytest.mark.parametrize("rate", ["p", "0.25"])
+def test_returned_dropped_weights_are_the_ones_p_at_v_multiplies(rate):
+    """Hugging Face's eager attention in training returns `w = dropout(softmax(...))` beside
+    `w @ v`: the second walk over the keys that stores w applies the dropout too (it stored
+    the plain softmax, and p @ v multiplied it: no element dropped)."""
+    scalar = ", p: f32" if rate == "p" else ""
+    fn = tiledsl.compile(f"""
+    kernel attn(q: f32[B, H, M, D], k: f32[B, H, N, D], v: f32[B, H, N, D], mask: f32[B, 1, M, N]{scalar},
+                seed: i64) -> (f32[B, H, M, D], f32[B, H, M, N]) {{
+        w = dropout(softmax(q @ k.T * rsqrt(D) + mask, axis=-1), {rate}, seed)
+        return w @ v, w
+    }}""")
+    q, k, v = qkv(1, 2, 37, 53, 32, "f32", seed=5)
+    mask = randn(1, 1, 37, 53, dtype=torch.float32, seed=8)
+    args = (q, k, v, mask, *((0.25,) if rate == "p" else ()), 11)
+    _, (out, w) = run_checked(fn, *args)
+    assert [k.template for k in fn.kernels] == ["attention"]
+    p = torch.softmax(q.double() @ k.double().transpose(-1, -2) / 32 ** 0.5 + mask.double(), -1)
+    kept = w != 0
+    assert abs(kept.double().mean().item() - 0.75) < 0.03  # 3,922 Bernoulli(0.75) draws: sd 0.007
+    assert (w.double() - p / 0.75)[kept].abs().max().item() < 1e-6
+    assert (out.double() - w.double() @ v.double()).abs().max().item() < 1e-5
+    report = testing.check_grads(fn, *args, generator=gen(0))
+    assert report.ok, report

@@ -266,6 +266,7 @@ class AttentionProgram:
             body(f"t = {t}")
         if phase == "probabilities":
             body("p = tl.exp2(t - m_fin2[:, None]) * inv[:, None]")
+            self.modify_probabilities(vals)  # P returned is the modified one p @ v reads
             (j,) = [j for j, v in enumerate(region.outputs) if v == parts.p_out]
             t_p = self.value_type(parts.p_out)
             ptrs = tile_ptrs(self.outs[j], t_p.rank, self.bnames, "rm[:, None]", "rn[None, :]",
@@ -283,15 +284,22 @@ class AttentionProgram:
             if phase == "stats":
                 body("m_i = m_new")
                 return
-            if parts.p_ops:  # linear in p: on the block's p, its sum already in the normaliser
-                vals[parts.softmax] = Val("p", Compute.F32)
-                needed = set().union(*(region.depends(x) for x in parts.p_ops))
-                # with the score ops they read that this block skipped (an exact mask's index)
-                todo = (*parts.score_ops, *parts.p_ops)
-                self.run(vals, tuple(v for v in todo if v in needed and v not in vals), "score")
-                modified = vals[region.ops[parts.pv - self.n_in].operands[0]]
-                body(f"p = {em.tensor(em.convert(modified, Compute.F32)).text}")
+            self.modify_probabilities(vals)  # its sum already in the normaliser
         self.pv_step(masked, phase)
+
+    def modify_probabilities(self, vals: dict[int, Val]) -> None:
+        """`p` becomes what p @ v reads: the ops linear in the probabilities (dropout's
+        mask and scale) applied to this key block's p, with the score ops they read that the
+        block skipped (an exact mask's index). Nothing when there are none."""
+        region, parts = self.region, self.parts
+        if not parts.p_ops:
+            return
+        vals[parts.softmax] = Val("p", Compute.F32)
+        needed = set().union(*(region.depends(x) for x in parts.p_ops))
+        todo = (*parts.score_ops, *parts.p_ops)
+        self.run(vals, tuple(v for v in todo if v in needed and v not in vals), "score")
+        modified = vals[region.ops[parts.pv - self.n_in].operands[0]]
+        self.body(f"p = {self.em.tensor(self.em.convert(modified, Compute.F32)).text}")
 
     def sum_step(self, vals: dict[int, Val], masked: bool) -> None:
         """With no softmax: p, the scores' function, and the sums over the keys at this key
