@@ -8,6 +8,7 @@ import torch
 
 import tiledsl
 from helpers import randn
+from tiledsl import testing
 
 RMS = """kernel rms(x: f32[N, D], w: f32[D], eps: f32) -> f32[N, D] {
     r = rsqrt(mean(x * x, axis=-1, keepdims=true) + eps)
@@ -18,12 +19,43 @@ RMS = """kernel rms(x: f32[N, D], w: f32[D], eps: f32) -> f32[N, D] {
 def test_the_op_is_named_by_kernel_and_content_and_registered_once():
     fn, again = tiledsl.compile(RMS), tiledsl.compile(RMS)
     assert fn.op is again.op
-    assert str(fn.op).startswith("tiledsl.rms_") and len(fn.op._opname) == len("rms_") + 12
+    assert str(fn.op).startswith("tiledsl.rms_") and len(fn.op._opname) == len("rms_") + 64
     assert str(fn.op._schema).endswith("(Tensor x, Tensor w, float eps) -> Tensor")
     other = tiledsl.compile(RMS.replace("+ eps", "+ eps * 2.0"))
     assert other.op is not fn.op
     x, w = randn(17, 33), randn(33)
     torch.testing.assert_close(fn.op(x, w, 1e-5), fn(x, w, 1e-5), rtol=0, atol=0)
+
+
+def test_programs_a_short_hash_would_merge_are_two_ops():
+    """`softmax(x) * c` for these two constants shared one op under a 48-bit name (a
+    birthday search finds such pairs in minutes): autograd ran the first one's kernels for
+    the second. The name is the whole SHA-256, and each op runs its own program."""
+    source = "kernel k(x: f32[M, N]) -> f32[M, N] {{ return softmax(x, axis=-1) * {c} }}"
+    constants = (16455470, 24233931)
+    fns = [tiledsl.compile(source.format(c=c)) for c in constants]
+    assert fns[0].op is not fns[1].op
+    x = randn(3, 17)
+    for fn, c in zip(fns, constants, strict=True):
+        torch.testing.assert_close(fn.op(x).double(), torch.softmax(x.double(), -1) * c, rtol=1e-6, atol=0)
+        report = testing.check_grads(fn, x)  # through fn.op: x requires a gradient
+        assert report.ok, report
+
+
+def test_a_name_collision_is_refused_not_served_by_the_other_program(monkeypatch):
+    """Were two programs' names ever equal (every digest made equal here), registration
+    compares the text hashed and refuses the second: one name is one program."""
+    from tiledsl import torch_op
+
+    monkeypatch.setattr(torch_op, "_digest", lambda text: "0" * 64)
+    first = tiledsl.compile(RMS)
+    assert tiledsl.compile(RMS).op is first.op  # the same program: the same op
+    with pytest.raises(tiledsl.TileDSLError) as err:
+        tiledsl.compile(RMS.replace("x * r * w", "x * r * w * 2.0"))
+    assert err.value.message == (
+        "internal compiler error: 'rms' and another live program hash to the same op name "
+        f"torch.ops.tiledsl.rms_{'0' * 64}; their graphs differ, so neither may run the "
+        "other's kernels")
 
 
 def test_opcheck_passes_on_a_program_and_its_derived_ops():

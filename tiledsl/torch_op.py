@@ -24,8 +24,9 @@ Each `Program` is registered, through `torch.library`, as a custom op with
 - a vmap rule (`torch.vmap`): one call per batch element, outputs stacked.
   The autograd function has `setup_context`, so `torch.func.grad` works too.
 
-The name is the kernel's name and a hash of its graph IR (no source name, comment
-or line position) and compile options: the same program, compiled twice or from
+The name is the kernel's name and the SHA-256 of its graph IR (no source name, comment
+or line position) and compile options, all 64 hex digits; registration compares the text
+hashed, so two programs never share an op (a collision is refused): the same program, compiled twice or from
 another file, gives the same op, in any process. A generic kernel (`tiledsl.generic`)
 is one op for all its bindings, named by its syntax tree without positions. Every live
 program of that name is remembered weakly; when the last one is collected its
@@ -88,27 +89,41 @@ def _reset_after_fork() -> None:
 os.register_at_fork(after_in_child=_reset_after_fork)
 
 
-def op_name(program: Program) -> str:
-    """`<kernel>_<hash>` of the program's graph IR (no source name, comment, whitespace or
-    line position enters it) and options: the same program, from any file or as text, is
-    the same op in every process, so an exported program loads wherever it is compiled."""
+@dataclass(frozen=True)
+class Identity:
+    """What an op stands for: its name, `<kernel>_<sha256>` (all 64 hex digits: a shorter
+    hash can be made to collide by a birthday search over a program's constants), and the
+    text hashed, which registration compares so that one name is never two programs."""
+
+    name: str
+    text: str
+
+
+def identity(program: Program) -> Identity:
+    """The program's graph IR (no source name, comment, whitespace or line position enters
+    it) and options: the same program, from any file or as text, is the same op in every
+    process, so an exported program loads wherever it is compiled."""
     from tiledsl.printer import print_graph
 
     return _hashed(program.name, print_graph(program.source_graph),
                    (program.backend, program.pipeline, program.allow_tf32))
 
 
-def generic_op_name(fn: Generic) -> str:
-    """`<kernel>_<hash>` of a generic kernel: its syntax tree without positions, and every
-    option of `compile` (they shape each specialization: `check_bounds` adds outputs)."""
+def generic_identity(fn: Generic) -> Identity:
+    """A generic kernel's: its syntax tree without positions, and every option of `compile`
+    (they shape each specialization: `check_bounds` adds outputs)."""
     from tiledsl import generic
 
     return _hashed(fn.name, generic.canonical(fn.kernel), fn._origin.options)
 
 
-def _hashed(name: str, text: str, options: tuple) -> str:
-    text = "\n".join((text, *map(str, options)))
-    return f"{name}_{hashlib.sha256(text.encode()).hexdigest()[:12]}"
+def _hashed(name: str, text: str, options: tuple) -> Identity:
+    text = "\n".join((name, text, *map(str, options)))
+    return Identity(f"{name}_{_digest(text)}", text)
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -225,20 +240,28 @@ def register(program: Program | Generic) -> Any:
     from tiledsl.api import Generic
 
     generic = isinstance(program, Generic)
-    name = generic_op_name(program) if generic else op_name(program)
+    ident = generic_identity(program) if generic else identity(program)
+    name = ident.name
     with _lock:
         _sweep()
         reg = _REGISTRY.get(name)
+        if reg is not None and reg.text != ident.text:
+            # a hash collision: serving this program's calls with the other's kernels would
+            # be silently wrong, so it gets no op (its plain calls still run it)
+            raise diag.InternalError(program.source_graph.span if not generic else program.kernel.span,
+                                     message=(f"'{program.name}' and another live program hash to the "
+                                              f"same op name torch.ops.{NAMESPACE}.{name}; their graphs "
+                                              "differ, so neither may run the other's kernels"))
         if reg is None:
             if generic:
                 convention = Convention.of_kernel(program.kernel)
-                reg = _Registration(name, convention, f"({convention.arguments()}) -> "
+                reg = _Registration(ident, convention, f"({convention.arguments()}) -> "
                                     f"{_returns(len(program.kernel.returns))}", len(program.kernel.returns),
                                     None)
             else:
                 graph = program.source_graph
                 convention = Convention.of(graph)
-                reg = _Registration(name, convention, schema(graph), len(graph.returns) - len(graph.checks),
+                reg = _Registration(ident, convention, schema(graph), len(graph.returns) - len(graph.checks),
                                     _fake(graph, convention))
             _REGISTRY[name] = reg
             if "torch.distributed.tensor" in sys.modules:  # else when a DTensor first arrives
@@ -288,9 +311,10 @@ class _Registration:
     """One op: its library (the registrations), its calling convention, and the live programs
     that run it (weakly: the first one alive runs a call; all compute the same thing)."""
 
-    def __init__(self, name: str, convention: Convention, signature: str, n_outputs: int,
+    def __init__(self, ident: Identity, convention: Convention, signature: str, n_outputs: int,
                  fake: Any | None) -> None:
-        self.name = name
+        self.name = name = ident.name
+        self.text = ident.text  # what the name hashes: a program of this name must have it
         self.convention = convention
         self.n_outputs = n_outputs
         self.sharded = False  # its DTensor sharding rules registered (`_shard`)
