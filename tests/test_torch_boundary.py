@@ -353,3 +353,44 @@ def test_second_order_backward_of_attention_sinks_compiles():
     fn = tiledsl.compile(Path(__file__).parent.parent / "examples" / "attention_sinks.tdsl")
     second = fn.backward.backward
     assert second.kernels and all(k.source for k in second.kernels)
+
+
+# --- in-place changes after a call ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("change", ["relu_", "ReLU(inplace=True)", "+= r"])
+def test_an_output_changed_in_place_does_not_break_a_backward_that_does_not_read_it(change):
+    """RMSNorm's backward reads x, w and the saved 1/rms, not its output: the output is not
+    saved, so changing it in place (as a model's activation or residual does) is allowed,
+    as with torch's RMSNorm, and the gradients are torch's."""
+    import tiledsl.nn as tnn
+
+    x, r = randn(5, 17), randn(5, 17)
+
+    def run(norm: torch.nn.Module, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
+        xg = x.to(dtype).clone().requires_grad_()
+        h = norm(xg)
+        if change == "relu_":
+            torch.relu_(h)
+        elif change == "ReLU(inplace=True)":
+            h = torch.nn.ReLU(inplace=True)(h)
+        else:
+            h += r.to(h.dtype)
+        (h * r.to(h.dtype)).sum().backward()
+        return xg.grad, norm.weight.grad
+
+    ours = run(tnn.RMSNorm(17, eps=1e-5))
+    golden = run(torch.nn.RMSNorm(17, eps=1e-5).double(), torch.float64)
+    eager = run(torch.nn.RMSNorm(17, eps=1e-5))
+    for o, g, e in zip(ours, golden, eager, strict=True):
+        assert (o.double() - g).abs().max() <= 2 * (e.double() - g).abs().max() + 1e-5
+
+
+def test_an_input_the_backward_reads_changed_in_place_is_refused_as_torch_refuses_it():
+    fn = tiledsl.compile(RMS)
+    x, w = randn(4, 9).requires_grad_(), randn(9).requires_grad_()
+    x2 = x * 1.0  # not a leaf: it may change in place
+    y = fn(x2, w, 1e-5)
+    x2.mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()

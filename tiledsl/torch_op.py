@@ -454,11 +454,18 @@ class _Differentiated(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+        """Saves the inputs and, of the outputs, those the backward reads (and the values it
+        saves): a caller may change any other output in place (`torch.relu_(h)`, `h += r`)
+        as torch's own ops allow. (Every derived backward reads its inputs, if only for their
+        sizes, and a double backward runs the training forward on them again.)"""
         training, *args = inputs
         d = training.derivation
         ctx.training, ctx.n_args = training, len(args)
         ctx.scalars = {i: a for i, a in enumerate(args) if not isinstance(a, torch.Tensor)}
-        ctx.save_for_backward(*[a for a in args if isinstance(a, torch.Tensor)], *output)
+        read = {s.index for s in d.sources if s.kind == "output"}
+        ctx.outs = [k for k in range(len(output)) if k >= d.n_outputs or k in read]
+        ctx.save_for_backward(*[a for a in args if isinstance(a, torch.Tensor)],
+                              *[output[k] for k in ctx.outs])
         ctx.mark_non_differentiable(*[o for k, o in enumerate(output)
                                       if k >= d.n_outputs or k not in d.differentiable_outputs])
 
@@ -470,7 +477,9 @@ class _Differentiated(torch.autograd.Function):
         args: list[Any] = []
         for i in range(ctx.n_args):
             args.append(ctx.scalars[i] if i in ctx.scalars else stored.pop(0))
-        results, saved = stored[:d.n_outputs], stored[d.n_outputs:]
+        kept = dict(zip(ctx.outs, stored, strict=True))
+        results = [kept.get(k) for k in range(d.n_outputs)]  # None: not read
+        saved = [kept[k] for k in range(d.n_outputs, d.n_outputs + len(d.saved))]
         if d.saved and torch.is_grad_enabled() and any(
                 isinstance(a, torch.Tensor) and a.requires_grad for a in args):
             # create_graph: the saved values depend on the inputs too; recomputed through the
