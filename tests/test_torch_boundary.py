@@ -394,3 +394,26 @@ def test_an_input_the_backward_reads_changed_in_place_is_refused_as_torch_refuse
     x2.mul_(2.0)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.sum().backward()
+
+
+def test_an_input_made_under_inference_mode_feeds_a_module_whose_weight_trains():
+    """torch's RMSNorm takes such an input (it saves nothing of it); autograd cannot save
+    an inference tensor, so the call saves a copy of it: the weight's gradient is torch's."""
+    import tiledsl.nn as tnn
+
+    with torch.inference_mode():
+        x = randn(6, 17) * 1.5
+    ours, golden = tnn.RMSNorm(17, eps=1e-5), torch.nn.RMSNorm(17, eps=1e-5).double()
+    g = randn(6, 17)
+    (ours(x) * g).sum().backward()
+    (golden(x.double()) * g.double()).sum().backward()
+    eager = torch.nn.RMSNorm(17, eps=1e-5)
+    (eager(x) * g).sum().backward()
+    err, yardstick = [(w.grad.double() - golden.weight.grad).abs().max() for w in (ours.weight, eager.weight)]
+    assert err <= 2 * yardstick + 1e-5
+    fn = tiledsl.compile(RMS)
+    w = randn(17).requires_grad_()
+    (fn(x, w, 1e-5) * g).sum().backward()
+    wd = w.detach().double().requires_grad_()
+    (rms64(x, wd, 1e-5) * g.double()).sum().backward()
+    torch.testing.assert_close(w.grad.double(), wd.grad, rtol=1e-5, atol=1e-5)

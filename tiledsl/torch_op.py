@@ -464,7 +464,10 @@ class _Differentiated(torch.autograd.Function):
         ctx.scalars = {i: a for i, a in enumerate(args) if not isinstance(a, torch.Tensor)}
         read = {s.index for s in d.sources if s.kind == "output"}
         ctx.outs = [k for k in range(len(output)) if k >= d.n_outputs or k in read]
-        ctx.save_for_backward(*[a for a in args if isinstance(a, torch.Tensor)],
+        # an input made under torch.inference_mode() cannot be saved, and cannot change in
+        # place out of it either, but could inside another such block: saved as a copy
+        ctx.save_for_backward(*[a.clone() if a.is_inference() else a
+                                for a in args if isinstance(a, torch.Tensor)],
                               *[output[k] for k in ctx.outs])
         ctx.mark_non_differentiable(*[o for k, o in enumerate(output)
                                       if k >= d.n_outputs or k not in d.differentiable_outputs])
