@@ -607,17 +607,22 @@ def _unshared(outs: tuple, taken: set[int], contiguous: bool = False) -> tuple:
 
 
 def _through_op(args: tuple, kwargs: dict) -> bool:
-    """Must this call go through the dispatcher: is torch.compile/export tracing it, does an
-    input need a gradient, or is an input a tensor subclass (FakeTensor, a functional or
-    proxy tensor of a tracer)?"""
+    """Must this call go through the dispatcher: is torch.compile/export tracing it, is a
+    dispatch mode active (make_fx's tracer in real mode, a FlopCounterMode: it sees plain
+    tensors, and a direct run would show it the kernels' own aten calls, not the op), does
+    an input need a gradient, is an input a tensor subclass (FakeTensor, a functional or
+    proxy tensor of a tracer), or is autocast on for an input's device?"""
 
     if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
         return True  # (vmap's and func.grad's tensors are wrappers the kernels cannot read)
+    if torch._C._len_torch_dispatch_stack() or torch._ops._len_torch_dispatch_stack_pre_dispatch():
+        return True
     grad = torch.is_grad_enabled()
     for a in (*args, *kwargs.values()):
         if isinstance(a, torch.Tensor) and ((grad and a.requires_grad)
-                                            or type(a) not in (torch.Tensor, torch.nn.Parameter)):
-            return True
+                                            or type(a) not in (torch.Tensor, torch.nn.Parameter)
+                                            or torch.is_autocast_enabled(a.device.type)):
+            return True  # (the op's Autocast kernel casts the arguments: `torch_op.autocast_args`)
     return False
 
 

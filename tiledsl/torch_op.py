@@ -329,6 +329,8 @@ class _Registration:
         torch.library.register_vmap(qualified, self._vmap, lib=lib)
         self.lib = lib
         self.op = getattr(getattr(torch.ops, NAMESPACE), name).default
+        for device_type in ("cpu", "cuda"):
+            _register_autocast(self, device_type)
 
     def program(self) -> Program | Generic:
         for program in self.programs:
@@ -385,6 +387,77 @@ class _Registration:
         if self.n_outputs == 1:
             return outs[0], 0
         return outs, (0,) * self.n_outputs
+
+
+def _register_autocast(reg: _Registration, device_type: str) -> None:
+    """Under `torch.autocast(device_type)` the op casts its floating-point tensor arguments
+    (`autocast_args`), then runs below autocast. Registered as torch.library.register_autocast
+    does (a kernel, and the same for the Python dispatcher torch.compile traces with)."""
+    key_name = "Autocast" + torch._C._dispatch_key_for_device(device_type)
+    key = getattr(torch._C.DispatchKey, key_name)
+
+    def cast_and_run(*op_args: Any) -> Any:
+        args = reg.convention.unpack(op_args)
+        cast = autocast_args(reg.program(), args, torch.get_autocast_dtype(device_type), device_type)
+        with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(key)):
+            return reg.op(*reg.convention.pack(cast))
+
+    reg.op.py_impl(key)(cast_and_run)
+    reg.lib.impl(reg.name, lambda _keyset, *op_args: cast_and_run(*op_args), key_name, with_keyset=True)
+
+
+def autocast_args(program: Program | Generic, args: Sequence[Any], dtype: torch.dtype,
+                  device_type: str) -> tuple:
+    """The arguments a call under autocast runs with. Only floating-point tensors on the
+    autocast device change, as torch's autocast casts:
+    - a parameter of a declared dtype (`x: f16[N]`) takes its tensor cast to that dtype;
+    - the parameters a dtype variable types (`x: T[..., K]`) take the autocast dtype when the
+      kernel multiplies matrices (torch's matmul-class ops: `linear`, `matmul`) and T may be
+      it; otherwise the widest of their dtypes (torch's promote ops), so a bf16 activation
+      meets an f32 weight."""
+    from tiledsl.api import Generic
+    from tiledsl.types import DTYPES
+
+    def floating(a: Any) -> bool:
+        return isinstance(a, torch.Tensor) and a.is_floating_point() and a.device.type == device_type
+
+    if not isinstance(program, Generic):
+        graph = program.source_graph
+        declared = [torch_dtype(graph.op(p).dtype) for p in graph.params]
+        return tuple(a.to(t) if floating(a) and t.is_floating_point else a
+                     for a, t in zip(args, declared, strict=True))
+    kernel = program.kernel
+    variables = {tp.name: [torch_dtype(DTYPES[d]) for d in tp.dtypes] for tp in kernel.type_params}
+    targets: dict[str, torch.dtype] = {}
+    for name, choices in variables.items():
+        typed = [a.dtype for a, p in zip(args, kernel.params, strict=True) if p.type.dtype == name and floating(a)]
+        if _multiplies_matrices(kernel) and dtype in choices:
+            targets[name] = dtype
+        elif typed:
+            widest = functools.reduce(torch.promote_types, typed)
+            if widest in choices:
+                targets[name] = widest
+    out = []
+    for a, p in zip(args, kernel.params, strict=True):
+        t = targets.get(p.type.dtype) if p.type.dtype in variables else torch_dtype(DTYPES[p.type.dtype])
+        out.append(a.to(t) if floating(a) and t is not None and t.is_floating_point else a)
+    return tuple(out)
+
+
+def _multiplies_matrices(node: Any) -> bool:
+    """Does a syntax tree hold a matmul (`a @ b`)?"""
+    from dataclasses import fields, is_dataclass
+
+    from tiledsl import ast
+
+    if isinstance(node, ast.Binary) and node.op == "@":
+        return True
+    if isinstance(node, tuple | list):
+        return any(_multiplies_matrices(n) for n in node)
+    if is_dataclass(node) and type(node).__module__ == ast.__name__:
+        return any(_multiplies_matrices(getattr(node, f.name)) for f in fields(node)
+                   if not f.name.endswith("span"))
+    return False
 
 
 def differentiated(program: Program, wrt: tuple[int, ...], args: Sequence[Any]) -> Any:
