@@ -325,7 +325,7 @@ def test_fp8_b_comes_k_major_once():
     copy (`EmittedKernel.k_major`), read through the transposed descriptor, so the loop moves
     no tile through shared memory by hand (68 shared-memory ops a K step when it did). A
     tensor already K-major, or on the CPU (the interpreter), is passed as it is; a GPU
-    tensor's copy is kept until the tensor is written."""
+    tensor is copied at every call (a kept copy could go stale: the next test)."""
     from tiledsl.backends.triton.launch import k_major
 
     fn = tiledsl.compile(EXAMPLES / "gemm_fp8_scaled.tdsl")
@@ -345,6 +345,34 @@ def test_fp8_b_comes_k_major_once():
     assert k_major(batched, 1).stride(1) == 1 and k_major(batched, 1).shape == batched.shape
     cpu = torch.randn(96, 160)
     assert k_major(cpu, -2) is cpu
+
+
+def test_an_fp8_weight_changed_through_its_data_is_never_multiplied_stale(monkeypatch):
+    """`w.data.copy_(new)` and `w.data = new` change a weight without changing its id or its
+    version: a K-major copy kept between calls by (id, version) multiplied by the old
+    weight. Here the CPU takes the GPU's path (b copied K-major) through the interpreter."""
+    from tiledsl.backends.triton import launch
+
+    monkeypatch.setattr(launch, "K_MAJOR_DEVICES", ("cpu",))
+    fn = tiledsl.compile(EXAMPLES / "gemm_fp8_scaled.tdsl")
+    gen = torch.Generator().manual_seed(3)
+
+    def f8(*shape):
+        return torch.randn(shape, generator=gen).to(torch.float8_e4m3fn)
+
+    a, rows, cols = f8(17, 48), torch.rand(17, 1, generator=gen), torch.rand(1, 33, generator=gen)
+    w = torch.nn.Parameter(f8(48, 33), requires_grad=False)
+
+    def check():
+        golden = (a.double() @ w.detach().double()) * rows.double() * cols.double()
+        torch.testing.assert_close(fn(a, w, rows, cols).double(), golden.to(torch.bfloat16).double(),
+                                   rtol=2 ** -7, atol=1e-5)
+
+    check()
+    w.data.copy_(f8(48, 33))
+    check()
+    w.data = f8(48, 33)
+    check()
 
 
 def test_a_16_bit_tanh_is_one_hardware_op():

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import math
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -273,29 +272,22 @@ def argument_function(emitted: EmittedKernel, reads: Sequence[Read], outputs: Se
     return namespace["args"]
 
 
-# K-major copies of tensors the caller passed otherwise, kept while the tensor lives and is
-# unchanged (a weight is transposed once): id -> (the tensor, its version, the copy)
-_K_MAJOR: dict[int, tuple[Any, int, Any]] = {}
+# devices whose kernels read a B operand through a K-major descriptor (the interpreter gains
+# nothing from a copy)
+K_MAJOR_DEVICES = ("cuda",)
 
 
 def k_major(t: Any, axis: int) -> Any:
     """`t` with `axis` (the K dim of a B operand) contiguous: `t` itself where it already is
-    (or on the CPU, where the interpreter gains nothing), else a copy laid out so, with the
-    same shape and values. A GPU tensor's copy is kept for later calls until the tensor is
-    freed or written (its version changes)."""
+    (or on the CPU), else a copy laid out so, with the same shape and values, made on every
+    call. No copy is kept between calls: a weight changed through `w.data.copy_(new)` or
+    `w.data = new` keeps its id and version, so nothing could tell a kept copy stale. A
+    caller passes B K-major (`w.t().contiguous().t()`, as torch._scaled_mm asks of its
+    second operand) to skip the copy."""
     axis %= t.dim()
-    if t.device.type == "cpu" or t.stride(axis) == 1 or t.shape[axis] == 1:
+    if t.device.type not in (*K_MAJOR_DEVICES, "meta") or t.stride(axis) == 1 or t.shape[axis] == 1:
         return t
-    cached = _K_MAJOR.get(id(t))
-    version = t._version
-    if cached is not None and cached[0]() is t and cached[1] == version:
-        return cached[2]
-    copy = t.movedim(axis, -1).contiguous().movedim(-1, axis)
-    if t.device.type != "meta":
-        if cached is None or cached[0]() is not t:  # a written tensor keeps its finalizer
-            weakref.finalize(t, _K_MAJOR.pop, id(t), None)
-        _K_MAJOR[id(t)] = (weakref.ref(t), version, copy)
-    return copy
+    return t.movedim(axis, -1).contiguous().movedim(-1, axis)
 
 
 def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
