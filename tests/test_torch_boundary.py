@@ -417,3 +417,25 @@ def test_an_input_made_under_inference_mode_feeds_a_module_whose_weight_trains()
     wd = w.detach().double().requires_grad_()
     (rms64(x, wd, 1e-5) * g.double()).sum().backward()
     torch.testing.assert_close(w.grad.double(), wd.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_torch_jit_trace_records_the_op_of_a_program_and_of_a_tiledsl_nn_module():
+    """Under torch.jit.trace a call goes through the op (the trace records
+    `tiledsl::<kernel>_<hash>`, not the kernels' launches; sizes are traced values, which
+    the launch planner's generated argument code could not take: a NameError)."""
+    import warnings
+
+    import tiledsl.nn as tnn
+
+    fn = tiledsl.compile(RMS)
+    x, w = randn(3, 17), randn(17)
+    traced = torch.jit.trace(lambda x, w: fn(x, w, 1e-5), (x, w))
+    assert f"tiledsl::{fn.op._opname}" in str(traced.graph)
+    x2 = randn(5, 17)
+    torch.testing.assert_close(traced(x2, w).double(), rms64(x2, w, 1e-5), rtol=1e-5, atol=1e-6)
+    norm = tnn.RMSNorm(17, eps=1e-5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)  # the module's shape check
+        module = torch.jit.trace(norm, (x,))
+    torch.testing.assert_close(module(x2), norm(x2), rtol=0, atol=0)
+    torch.testing.assert_close(module(x2).double(), rms64(x2, norm.weight.detach(), 1e-5), rtol=1e-5, atol=1e-6)

@@ -617,6 +617,8 @@ def _through_op(args: tuple, kwargs: dict) -> bool:
         return True  # (vmap's and func.grad's tensors are wrappers the kernels cannot read)
     if torch._C._len_torch_dispatch_stack() or torch._ops._len_torch_dispatch_stack_pre_dispatch():
         return True
+    if torch._C._get_tracing_state() is not None:  # torch.jit.trace records the op, not its kernels
+        return True
     grad = torch.is_grad_enabled()
     for a in (*args, *kwargs.values()):
         if isinstance(a, torch.Tensor) and ((grad and a.requires_grad)
