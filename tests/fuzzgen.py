@@ -532,6 +532,8 @@ def run_grads(program: Program) -> Outcome:
     try:
         fn = tiledsl.compile(program.source)
     except tiledsl.TileDSLError as err:
+        if isinstance(err, tiledsl.diagnostics.InternalError) or err.line < 1:
+            return Outcome("fail", f"compile: {err}")
         return Outcome("rejected", err.message)
     if not fn.differentiable:
         return Outcome("nograd", "no floating-point tensor parameter")

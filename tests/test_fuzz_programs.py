@@ -218,6 +218,22 @@ def test_a_miss_at_every_nearby_input_is_a_finding(monkeypatch):
     assert fuzzgen.run(program).status == "fail"
 
 
+@pytest.mark.parametrize("runner", ["run", "run_grads"])
+def test_an_internal_error_at_compile_is_a_finding_not_a_rejection(monkeypatch, runner):
+    """The gradient fuzzer counted a compile's internal error as a rejection, like a located
+    refusal, so it could run any number of programs "with no internal error"."""
+    import tiledsl
+
+    program = fuzzgen.generate(random.Random("0:1"), seed=1)
+
+    def broken(*args, **kwargs):
+        raise tiledsl.diagnostics.InternalError(message="ImportError: a pass broke")
+
+    monkeypatch.setattr(tiledsl, "compile", broken)
+    outcome = getattr(fuzzgen, runner)(program)
+    assert outcome.status == "fail" and "internal compiler error: ImportError" in outcome.detail
+
+
 @pytest.mark.parametrize("seed, sums", [("2803:122", 6), ("2804:840", 2)])
 def test_a_gradient_summed_over_several_axes_is_one_reduction_rounded_once(seed, sums):
     """Gradient fuzzer, seed 2803, program 122: z's gradient through `min(z, axis=0)` is the
