@@ -611,7 +611,8 @@ def _through_op(args: tuple, kwargs: dict) -> bool:
     dispatch mode active (make_fx's tracer in real mode, a FlopCounterMode: it sees plain
     tensors, and a direct run would show it the kernels' own aten calls, not the op), does
     an input need a gradient, is an input a tensor subclass (FakeTensor, a functional or
-    proxy tensor of a tracer), or is autocast on for an input's device?"""
+    proxy tensor of a tracer), is torch.jit.trace recording, or is autocast on for an
+    input's device?"""
 
     if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
         return True  # (vmap's and func.grad's tensors are wrappers the kernels cannot read)
