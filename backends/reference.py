@@ -91,14 +91,25 @@ def _materialize(v: Any, dtype: DType, float64: bool, device) -> torch.Tensor:
 
 
 def _tensor(v: Any, dtype: torch.dtype) -> torch.Tensor:
-    return v.to(dtype) if isinstance(v, torch.Tensor) else torch.tensor(v, dtype=dtype)
+    if isinstance(v, torch.Tensor):
+        return v.to(dtype)
+    if isinstance(v, int) and not isinstance(v, bool) and not dtype.is_floating_point \
+            and dtype is not torch.bool:  # a Python int wraps into an integer type, as a cast does
+        return torch.tensor(v, dtype=torch.int64).to(dtype)
+    return torch.tensor(v, dtype=dtype)
 
 
 def eval_op(op: Op, args: list[Any], dims: Mapping[str, int], float64: bool) -> Any:
-    """One op with torch semantics; weak results stay Python scalars, computed in double
-    precision like the Python arithmetic they stand for."""
-    weak_double = op.weak and op.dtype.is_float and op.kind != "cast"  # a cast still rounds
-    out_dtype = torch.float64 if weak_double else compute_dtype(op.dtype, float64)
+    """One op with torch semantics; weak results stay Python scalars, computed like the
+    Python arithmetic they stand for: floats in double precision, integers in i64 (a
+    product of sizes past 2^31 does not wrap)."""
+    weak_wide = op.weak and op.kind != "cast"  # a cast still rounds (or wraps)
+    if weak_wide and op.dtype.is_float:
+        out_dtype = torch.float64
+    elif weak_wide and op.dtype.is_int:
+        out_dtype = torch.int64
+    else:
+        out_dtype = compute_dtype(op.dtype, float64)
     if op.kind == "const":
         return op.attr("value")
     if op.kind == "dim":

@@ -138,9 +138,10 @@ def result_dtype(types: Sequence[TensorType]) -> DType:
 
 class Compute(enum.Enum):
     """The type a value computes in inside a kernel (the numerics contract, design section 5):
-    floats in f32, weak floats in f64 like the Python arithmetic they stand for, integers in
-    their own width and signedness (i8, u8, i16, i32, i64: they wrap as torch's do), bools in
-    i1. Values round to their dtype only when stored."""
+    floats in f32, integers in their own width and signedness (i8, u8, i16, i32, i64: they
+    wrap as torch's do), bools in i1; weak values like the Python arithmetic they stand for,
+    floats in f64 and integers in i64 (a product of sizes, `M * N`, past 2^31 does not wrap).
+    Values round to their dtype only when stored, or cast."""
 
     F32 = "f32"
     F64 = "f64"
@@ -173,8 +174,13 @@ def compute_type(dtype: DType) -> Compute:
 
 
 def value_compute(t: TensorType) -> Compute:
-    """The compute type of a value of type `t`: weak floats compute in f64."""
-    return Compute.F64 if t.weak and t.dtype.is_float else compute_type(t.dtype)
+    """The compute type of a value of type `t`: weak floats compute in f64, weak integers
+    (literals, dims used as values, arithmetic on them) in i64."""
+    if t.weak and t.dtype.is_float:
+        return Compute.F64
+    if t.weak and t.dtype.is_int:
+        return Compute.I64
+    return compute_type(t.dtype)
 
 
 def all_weak(types: Sequence[TensorType]) -> bool:

@@ -1,8 +1,9 @@
 """Elementwise ops as Triton statements, shared by every template.
 
 Inside a kernel every value computes in its `Compute` type: floats in fp32,
-weak floats in fp64, integers in int32, bools in int1 (the numerics contract:
-rounded once, at the store). Literals stay Python literals so Triton folds
+integers in their own width, bools in int1, and weak (Python-scalar-like) values
+as Python computes them, floats in fp64 and integers in int64 (the numerics
+contract: rounded once, at the store). Literals stay Python literals so Triton folds
 them; everything else is assigned to a fresh compiler-owned name `v<n>`.
 
 What each op renders to is its `triton` entry in the op registry
@@ -225,9 +226,10 @@ def literal(value: object, cat: Compute) -> Val:
         text = "True" if v else "False"
     elif cat.is_int:
         v = int(value)
-        if cat in NARROW:  # torch wraps a scalar into a narrow tensor's type
-            lo, hi = DType(cat.value).int_range
-            v = (v - lo) % (hi - lo + 1) + lo
+        # torch wraps a scalar into a narrow tensor's type (Triton refuses a literal outside
+        # it), and an explicit cast wraps a value into its type (Triton would widen it)
+        lo, hi = DType(cat.value).int_range
+        v = (v - lo) % (hi - lo + 1) + lo
         text = str(v) if v >= 0 else f"({v})"
     else:
         v = float(value)
@@ -285,16 +287,22 @@ class Emitter:
             return f"{text}.to(tl.float16)"
         return text
 
-    def scalar(self, name: str, dtype: DType) -> Val:
+    def scalar(self, name: str, dtype: DType, weak: bool = False) -> Val:
         """A by-value kernel argument, as a 0-d tensor. Floats: the interpreter hands them
-        over as Python floats, which have no `.to()`. Integers: Triton's launcher compiles
-        an argument equal to 1 in as a constant, which has no `.to()` either. Bools arrive
-        as i32 (0/1): Triton 3.6's interpreter mis-stores Python bool arguments."""
+        over as Python floats, which have no `.to()`; a scalar parameter declared f16 or
+        bf16 is used at f32, not rounded to its dtype (torch's Python scalar with a
+        half-precision tensor). Integers: Triton's launcher compiles an argument equal to 1
+        in as a constant, which has no `.to()` either; a weak one (a dim's size) computes in
+        i64. Bools arrive as i32 (0/1): Triton 3.6's interpreter mis-stores Python bool
+        arguments."""
         if dtype.is_float:
             # -0.0 is the sum's identity (+0.0 + -0.0 would lose an argument's sign)
             value = self.assign(f"tl.full([], -0.0, tl.float32) + {name}", Compute.F32)
             return Val(value.text, value.cat, uniform=True)
-        cat = compute_type(dtype) if dtype.is_int else Compute.I32
+        if dtype.is_int:
+            cat = value_compute(TensorType(dtype, (), weak))
+        else:
+            cat = Compute.I32
         value = self.assign(f"tl.full([], 0, {TRITON_TYPE[cat]}) + {name}", cat)
         if cat in NARROW:  # the argument arrives as an i32, which the sum promotes to
             value = self.assign(f"{value.text}.to({TRITON_TYPE[cat]})", cat)
@@ -407,7 +415,7 @@ class Emitter:
                 continue
             op = rop.op
             if op.kind == "const":
-                vals[vid] = literal(op.attr("value"), compute_type(op.dtype))
+                vals[vid] = literal(op.attr("value"), value_compute(op.type))
             elif op.kind == "index":
                 vals[vid] = index(op)
             elif ops.is_elementwise(op.kind):

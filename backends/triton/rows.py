@@ -216,7 +216,7 @@ class RowProgram:
     def load(self, i: int) -> Val:
         t = self.region.inputs[i].type
         if i in self.scalars:
-            return self.em.scalar(self.scalars[i], t.dtype)
+            return self.em.scalar(self.scalars[i], t.dtype, t.weak)
         ptr, mask = self.access(self.refs[i], i)
         if ptr is None:
             ptr, mask = self.refs[i].ptr, None
@@ -295,9 +295,8 @@ class RowProgram:
         grouped = em.fresh("g")
         self.body(f"{grouped} = tl.reshape({xm}, {groups})")
         total = self.collapse(red, cat, grouped)  # [groups, 1, width]
-        narrow = ".to(tl.float32)" if self.wide(v) else ""
-        spread = em.assign(f"tl.reshape(tl.broadcast_to({total}, {groups}), [BLOCK_O, {width}]){narrow}", cat)
-        return self.finalized(spread, red, str(self.plan.shape[self.plan.across]))
+        spread = em.assign(f"tl.reshape(tl.broadcast_to({total}, {groups}), [BLOCK_O, {width}])", cat)
+        return self.finalized(spread, red, str(self.plan.shape[self.plan.across]), self.wide(v))
 
     def scanned(self, v: int) -> bool:
         """Is `v` a scan along the row?"""
@@ -406,10 +405,15 @@ class RowProgram:
     def wide(self, v: int) -> bool:
         return ops.in_f64(self.op(v))
 
-    def finalized(self, total: Val, red: Reduction, length: str | None = None) -> Val:
-        if red.finalize is None:
-            return total
-        return self.em.assign(red.finalize.format(total=total.text, length=length or self.length), F32)
+    def finalized(self, total: Val, red: Reduction, length: str | None = None, wide: bool = False) -> Val:
+        """The result from a row's merged `total` (f64 where `wide`: a mean divides it by
+        the row's exact length there, its one rounding to f32 after)."""
+        text = total.text
+        if red.finalize is not None:
+            text = "(" + red.finalize.format(total=text, length=length or self.length) + ")"
+        if wide:
+            return self.em.assign(f"{text}.to(tl.float32)", total.cat)
+        return total if red.finalize is None else self.em.assign(text, F32)
 
     # --- selections: topk, sort -------------------------------------------------------------
     # A row's element becomes an i64 key that orders as the selection wants and is unique:
@@ -639,8 +643,7 @@ class RowProgram:
                 x = em.assign(f"{em.tensor(x).text}.to(tl.float64)", F32)
             xm = self.masked(x, self.identity(red.identity, cat), mask)
             total = self.collapse(red, cat, xm)
-            return self.finalized(em.assign(total + (".to(tl.float32)" if self.wide(v) else ""), cat), red,
-                                  length)
+            return self.finalized(em.assign(total, cat), red, length, self.wide(v))
         # softmax and logsumexp: the online recurrence in one step
         xm = self.masked(x, NEG_INF, mask)
         m = em.assign(f"tl.max({xm}, axis=1)[:, None]", F32)
@@ -809,9 +812,8 @@ class RowProgram:
         elif red.index:
             row_vals[v] = self.position(red, state["cat"], state["acc"], f"{state['acc']}_i")
         else:
-            narrow = ".to(tl.float32)" if self.wide(v) else ""
-            total = em.assign(self.collapse(red, state["cat"], state["acc"]) + narrow, state["cat"])
-            row_vals[v] = self.finalized(total, red)
+            total = em.assign(self.collapse(red, state["cat"], state["acc"]), state["cat"])
+            row_vals[v] = self.finalized(total, red, wide=self.wide(v))
 
     def store(self, vals: dict[int, Val], full: bool, skip: frozenset[int] = frozenset()) -> None:
         for j, v in enumerate(self.region.outputs):

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from tiledsl import diagnostics as diag
-from tiledsl.types import Compute, DType, TensorType
+from tiledsl.types import Compute, DType, TensorType, compute_type
 
 from .core import BParam, Category, Infer, Reads, RuleError, define
 from .render import any_of, in_wide_type, is_rounded_to_bf16, unary
@@ -214,12 +214,15 @@ def _cast(types, attrs):
 
 def _render_cast(em, op, args, out):
     """A cast to f16/bf16/f8 rounds there, because the user asked for it; the value then
-    computes in f32 again."""
+    computes in f32 again. A cast to an integer wraps into it there, even where the result
+    computes wider (a weak one, in i64)."""
     (x,) = args
     if op.dtype.is_float and op.dtype.itemsize < 4:
         v = em.tensor(em.convert(x, Compute.F32))
         v = em.assign(em.widen(em.narrow(v.text, op.dtype), op.dtype), Compute.F32)
         return em.convert(v, out)
+    if op.dtype.is_int:
+        return em.convert(em.convert(x, compute_type(op.dtype)), out)
     return em.convert(x, out)
 
 
