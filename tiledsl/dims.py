@@ -7,13 +7,21 @@ parenthesised atom), so shapes still compare structurally:
 `concat(x[..., D // 2:], x[..., :D // 2])` has the dim `D - (D // 2) + (D // 2)`,
 which is "D". Expressions are built with `Lin` arithmetic in sema and read back
 with `parse` (a walk over Python's own expression syntax that accepts only
-names, integers, +, -, * and //), so evaluating one at call time never runs text.
+names, integers, +, -, *, // and %), so evaluating one at call time never runs text.
+
+Work is bounded by the size of the expression as written: a product of sums is
+multiplied out only while the result stays small (`EXPAND_LIMIT` characters), else it
+is kept as a product of parenthesised sums (`(A + B) * (C + D)`), and a `%` whose
+expansion `a - (a // b) * b` would be large stays one atom (`(a % b)`). Either form has
+the same value at every size; only the structural comparison of two such dims is less
+complete, and dims it cannot prove equal are checked equal at the call.
 """
 
 from __future__ import annotations
 
 import ast
 import functools
+import math
 import operator
 import re
 from collections.abc import Callable, Mapping
@@ -66,12 +74,20 @@ class Lin:
             return self.scale(other.const)
         if self.is_const:
             return other.scale(self.const)
-        out = Lin((), 0)
+        if _expanded_size(self, other) > EXPAND_LIMIT:
+            return _factored(self, other)
+        out: dict[str, int] = {}
+        const = 0
         for a, c in (*self.terms, ("", self.const)):
             for b, d in (*other.terms, ("", other.const)):
+                if c * d == 0:
+                    continue
                 atom = " * ".join(sorted((*factors(a), *factors(b))))
-                out = out + (Lin(((atom, c * d),), 0) if atom else Lin((), c * d))
-        return out
+                if atom:
+                    out[atom] = out.get(atom, 0) + c * d
+                else:
+                    const += c * d
+        return Lin._make(out, const)
 
     def __floordiv__(self, other: Lin) -> Lin:
         if other.is_const:
@@ -85,7 +101,10 @@ class Lin:
         return Lin(((f"({_operand(self)} // {_operand(other)})", 1),), 0)
 
     def __mod__(self, other: Lin) -> Lin:
-        return self - (self // other) * other
+        out = self - (self // other) * other
+        if not out.is_const and _size(out) > EXPAND_LIMIT:  # nested `%` would double each time
+            return Lin(((f"({_operand(self)} % {_operand(other)})", 1),), 0)
+        return out
 
     def dim(self) -> Dim:
         """The shape entry: an int, a symbol, or the canonical text."""
@@ -93,8 +112,42 @@ class Lin:
             return self.const
         if len(self.terms) == 1 and self.terms[0][1] == 1 and not self.const \
                 and self.terms[0][0].startswith("(") and len(factors(self.terms[0][0])) == 1:
-            return self.terms[0][0][1:-1]  # one floor division: "D // 2"
+            return self.terms[0][0][1:-1]  # one floor division or kept `%`: "D // 2"
         return text(self)
+
+
+# The most characters a product of sums is multiplied out to (a few dozen terms): past it the
+# product stays factored, so a program's dims grow with its text, never exponentially.
+EXPAND_LIMIT = 512
+
+
+def _size(x: Lin) -> int:
+    """About the length of `text(x)`."""
+    return sum(len(a) + 6 for a, _ in x.terms) + (6 if x.const else 0)
+
+
+def _expanded_size(x: Lin, y: Lin) -> int:
+    """About the length of `text(x * y)` multiplied out, without multiplying it out."""
+    nx, ny = len(x.terms) + (x.const != 0), len(y.terms) + (y.const != 0)
+    return ny * _size(x) + nx * _size(y)
+
+
+def _content(x: Lin) -> tuple[int, list[str]]:
+    """x as `g * product of factors`: g the signed gcd of its coefficients (the first term's
+    sign), the factors those of its atom when it is one term, else the parenthesised sum."""
+    g = math.gcd(*(c for _, c in x.terms), x.const)
+    if x.terms[0][1] < 0:
+        g = -g
+    if len(x.terms) == 1 and not x.const:
+        return g, factors(x.terms[0][0])
+    return g, [f"({text(Lin(tuple((a, c // g) for a, c in x.terms), x.const // g))})"]
+
+
+def _factored(x: Lin, y: Lin) -> Lin:
+    """x * y kept as one product atom whose sums stay in parentheses (`(A + B) * (C + D)`)."""
+    gx, fx = _content(x)
+    gy, fy = _content(y)
+    return Lin(((" * ".join(sorted((*fx, *fy))), gx * gy),), 0)
 
 
 def factors(atom: str) -> list[str]:
@@ -135,9 +188,29 @@ def text(x: Lin) -> str:
 
 def never_zero(x: Lin) -> bool:
     """Is a difference of element counts nonzero at every size? Its atoms are products of
-    dims, each at least 1 at any call, so terms of one sign never cancel."""
+    dims, each at least 1 at any call, so terms of one sign never cancel. An atom with a
+    factor that can be 0 or negative (a kept `%`, a kept sum of mixed signs) decides nothing."""
+    if not all(_positive(a) for a, _ in x.terms):
+        return False
     signs = {c > 0 for _, c in x.terms} | ({x.const > 0} if x.const else set())
     return len(signs) == 1
+
+
+def _positive(atom: str) -> bool:
+    """Is a product atom at least 1 at any size (as `never_zero` counts its factors: symbols
+    and floor divisions are; a kept sum is when its terms are; a kept `%` may be 0)?"""
+    for f in factors(atom):
+        if not f.startswith("("):
+            continue
+        tree = _tree(f)
+        if isinstance(tree, ast.BinOp) and isinstance(tree.op, ast.FloorDiv):
+            continue
+        if isinstance(tree, ast.BinOp) and isinstance(tree.op, ast.Mod):
+            return False
+        inner = parse(f[1:-1])
+        if inner.const < 0 or not all(c > 0 and _positive(a) for a, c in inner.terms):
+            return False
+    return True
 
 
 def is_symbol(dim: Dim) -> bool:
@@ -174,12 +247,12 @@ def _tree(dim: str) -> ast.AST:
 
 
 _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
-           ast.FloorDiv: operator.floordiv}
+           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod}
 
 
 def _fold(node: ast.AST, name: Callable[[str], Any], number: Callable[[int], Any]) -> Any:
     """Evaluate a dim expression's tree with `name` for symbols and `number` for integers
-    (only names, integers, unary minus, +, -, * and // are accepted)."""
+    (only names, integers, unary minus, +, -, *, // and % are accepted)."""
     if isinstance(node, ast.Name):
         return name(node.id)
     if isinstance(node, ast.Constant) and type(node.value) is int:
@@ -191,13 +264,14 @@ def _fold(node: ast.AST, name: Callable[[str], Any], number: Callable[[int], Any
     raise ValueError(f"not a dim expression: {ast.unparse(node)!r}")
 
 
-_KINDS = {ast.Add: "add", ast.Sub: "sub", ast.Mult: "mul", ast.FloorDiv: "floordiv"}
+_KINDS = {ast.Add: "add", ast.Sub: "sub", ast.Mult: "mul", ast.FloorDiv: "floordiv",
+          ast.Mod: "mod"}
 
 
 def build(dim: Dim, name: Callable[[str], Any], number: Callable[[int], Any],
           op: Callable[..., Any]) -> Any:
     """Build a dim expression out of graph values: `name` for a symbol, `number` for an
-    integer, `op(kind, *operands)` for "neg", "add", "sub", "mul" and "floordiv"."""
+    integer, `op(kind, *operands)` for "neg", "add", "sub", "mul", "floordiv" and "mod"."""
     def walk(node: ast.AST) -> Any:
         if isinstance(node, ast.Name):
             return name(node.id)
