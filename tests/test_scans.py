@@ -176,6 +176,76 @@ def test_linear_scan_gradients(reverse):
     assert report.ok, report
 
 
+def special_scan_inputs(special, n, axis, reverse, seed):
+    """a in (0, 1) with `special` at the first element the scan reads in row 0 (its a[0],
+    which the recurrence multiplies by h[-1] = 0), and a NaN midway along row 1 (an inf there
+    is ±inf in the loop, but the associative scan regroups inf * (u + v) as inf * u + inf * v,
+    NaN where u and v differ in sign: docs/language.md says so)."""
+    shape = (3, n) if axis == 1 else (n, 3)
+    a, b = torch.sigmoid(randn(*shape, seed=seed)), randn(*shape, seed=seed + 1)
+    first = n - 1 if reverse else 0
+    at = (lambda row, t: (row, t)) if axis == 1 else (lambda row, t: (t, row))
+    a[at(0, first)] = special
+    a[at(1, n // 2)] = float("nan")
+    return a, b
+
+
+def loop_of(a, b, axis, reverse):
+    """h[t] = a[t] * h[t - 1] + b[t] from h[-1] = 0, in a's dtype (from the end when reverse)."""
+    if reverse:
+        return loop_of(a.flip(axis), b.flip(axis), axis, False).flip(axis)
+    a, b = a.movedim(axis, 0), b.movedim(axis, 0)
+    h, out = torch.zeros_like(b[0]), []
+    for t in range(b.shape[0]):
+        h = a[t] * h + b[t]
+        out.append(h)
+    return torch.stack(out).movedim(0, axis)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("axis, n", [(1, 1), (1, 17), (0, 113), (1, 4099)])
+@pytest.mark.parametrize("special", [float("nan"), float("inf"), -float("inf")])
+def test_linear_scan_multiplies_a_first_by_h_before_it_which_is_0(special, axis, n, reverse):
+    """h[0] = a[0] * 0 + b[0]: NaN where a[0] is NaN or inf (the kernel started from b[0]);
+    a special value later in a row follows the recurrence too. One chunk, two chunks (4099)
+    and a size-1 axis, either way."""
+    a, b = special_scan_inputs(special, n, axis, reverse, seed=n)
+    src = (f"kernel f(a: f32[M, N], b: f32[M, N]) -> f32[M, N] {{ return linear_scan(a, b, axis={axis}, "
+           f"reverse={str(reverse).lower()}) }}")
+    out = tiledsl.compile(src)(a, b)
+    golden, eager = loop_of(a.double(), b.double(), axis, reverse), loop_of(a, b, axis, reverse)
+    assert torch.equal(out.isnan(), golden.isnan())
+    report = testing.compare(out, golden, eager)
+    assert report.ok, report
+    row0 = out[0] if axis == 1 else out[:, 0]
+    assert row0.isnan().all()
+    assert torch.equal(tiledsl.compile(src, backend="reference")(a, b).isnan(), golden.isnan())
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("special", [float("nan"), float("inf")])
+def test_linear_scan_gradients_with_a_special_first_element_are_torchs(special, reverse):
+    """torch autograd of the loop in float64: da[0] = dh[0] * h[-1] = 0, da[t] = dh[t] *
+    h[t-1] NaN after a NaN state, db = dh."""
+    a, b = special_scan_inputs(special, 17, 0, reverse, seed=9)
+    g = randn(17, 3, seed=11)
+    fn = tiledsl.compile(f"""kernel f(a: f32[M, N], b: f32[M, N]) -> f32[M, N] {{
+        return linear_scan(a, b, axis=0, reverse={str(reverse).lower()})
+    }}""")
+
+    def grads(f, dtype):
+        x, y = a.to(dtype).requires_grad_(True), b.to(dtype).requires_grad_(True)
+        return torch.autograd.grad(f(x, y), (x, y), g.to(dtype))
+
+    got = grads(fn, torch.float32)
+    golden = grads(lambda x, y: loop_of(x, y, 0, reverse), torch.float64)
+    eager = grads(lambda x, y: loop_of(x, y, 0, reverse), torch.float32)
+    for out, gold in zip(got, golden, strict=True):
+        assert torch.equal(out.isnan(), gold.isnan())
+    report = testing.compare(got, golden, eager)
+    assert report.ok, report
+
+
 def test_scan_fuses_with_its_producers_and_consumers():
     x, w = randn(17, 113), randn(113)
     fn, _ = run_checked("""kernel f(x: f32[M, N], w: f32[N]) -> (f32[M, N], f32[M]) {

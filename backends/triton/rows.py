@@ -249,9 +249,11 @@ class RowProgram:
                     vals[v] = self.scan(v, [vals[x] for x in self.operands(v)])
             elif (scan := ops.OPS[op.kind].scan) is not None and not self.is_row_op(v):
                 if all(x in vals for x in self.operands(v)):  # along a size-1 axis: one element
-                    xs = [vals[x] for x in self.operands(v)]
-                    vals[v] = self.finalized_scan(scan, self.lifted(scan, xs, self.reduce_cat(v)),
-                                                  self.reduce_cat(v))
+                    xs, cat = [vals[x] for x in self.operands(v)], self.reduce_cat(v)
+                    lifted = self.lifted(scan, xs, cat)
+                    if scan.start is not None:
+                        lifted = self.started(scan, lifted, cat)
+                    vals[v] = self.finalized_scan(scan, lifted, cat)
             elif self.is_row_op(v) and self.plan.source(v) in self.plan.selected:
                 if self.plan.source(v) in vals:  # a reduction of the k a topk selected
                     x = self.plan.source(v)
@@ -310,8 +312,12 @@ class RowProgram:
         f32 cumsum and cumprod accumulate in f64, like a sum."""
         em, cat, kind = self.em, self.reduce_cat(v), self.op(v).kind
         scan = ops.OPS[kind].scan
+        lifted = self.lifted(scan, xs, cat)
+        if scan.start is not None:
+            last = f"{self.length} - 1" if self.op(v).attr("reverse") else "0"
+            lifted = self.started(scan, lifted, cat, f"(r == {last})[None, :]")
         parts = []
-        for x, identity in zip(self.lifted(scan, xs, cat), scan.identity, strict=True):
+        for x, identity in zip(lifted, scan.identity, strict=True):
             if self.wide(v):
                 x = em.assign(f"{em.tensor(x).text}.to(tl.float64)", F32)
             parts.append(self.masked(x, self.identity(identity, cat)))
@@ -342,6 +348,17 @@ class RowProgram:
             return xs
         fields = {f"x{i}": self.em.tensor(x).text for i, x in enumerate(xs)}
         return [self.em.assign(p.format(**fields), cat) for p in scan.lift]
+
+    def started(self, scan: Scan, parts: list[Val], cat: Compute, first: str | None = None) -> list[Val]:
+        """The partials of the row's first element (where `first` holds; every element when
+        None) combined with the state the row starts from (`Scan.start`)."""
+        start = [self.identity(s, cat) for s in scan.start]
+        texts = [self.em.tensor(p).text for p in parts]
+        combined = self.combined(scan, start, texts)
+        if first is None:
+            return [self.em.assign(c, cat) for c in combined]
+        return [self.em.assign(f"tl.where({first}, {c}, {t})", cat)
+                for c, t in zip(combined, texts, strict=True)]
 
     def finalized_scan(self, scan: Scan, parts: list[Val], cat: Compute, wide: bool = False) -> Val:
         narrow = ".to(tl.float32)" if wide else ""

@@ -160,6 +160,11 @@ class Scan:
     collapse: str | None = None
     # an f32 result accumulates in f64, as a sum does
     wide: bool = False
+    # the partials of the state a row starts from, combined on the left of its first element
+    # (its last with `reverse=true`); None: the identity, which changes nothing. A recurrence
+    # from h[-1] = 0 is not the identity function: linear_scan's first element is
+    # a[0] * 0 + b[0], NaN where a[0] is NaN or inf
+    start: tuple[float, ...] | None = None
 
 
 Infer = Callable[[tuple[TensorType, ...], Mapping[str, Any]], TensorType]

@@ -454,9 +454,11 @@ _LOG_ADD_EXP = (_M, f"tl.where({{a0}} == {_M}, 1.0, tl.exp({{a0}} - {_M})) * {{a
 _scan("logcumsumexp", 1, _logcumsumexp, torch.logcumsumexp, _d_logcumsumexp, Scan(
     _LOG_ADD_EXP, (-math.inf, 0.0), lift=("{x0}", "1.0"), finalize="{p0} + tl.log({p1})"))
 # linear_scan(a, b): h[t] = a[t] * h[t-1] + b[t], h[-1] = 0; its partials are (the product
-# of a, h) over a stretch of the row
+# of a, h) over a stretch of the row, and a row starts from the constant function h = 0
+# (0, 0), so its first element is a[0] * 0 + b[0] (NaN where a[0] is NaN or inf, as the
+# recurrence says)
 _scan("linear_scan", 2, _linear_scan, _linear_scan_reference, _d_linear_scan, Scan(
-    ("{a0} * {b0}", "{b0} * {a1} + {b1}"), (1.0, 0.0), finalize="{p1}"))
+    ("{a0} * {b0}", "{b0} * {a1} + {b1}"), (1.0, 0.0), finalize="{p1}", start=(0.0, 0.0)))
 
 
 # --- selection ------------------------------------------------------------------------
