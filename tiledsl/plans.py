@@ -398,6 +398,13 @@ class AttentionPlan:
             check.expect(v, (None,), "q, k or v")
         for v in (*self.score_ops, *self.p_ops, *self.lse, *self.epilogue):
             check.kind(v)
+        # the score tile has q @ k.T, the inputs and what the score ops compute: a value of an
+        # operand's prologue exists on its operand's tile only
+        at_tile = {self.qk, *self.score_ops}
+        for v in self.score_ops:
+            for o in check.operands(v):
+                if o not in at_tile and check.kind(o) not in (None, "const"):
+                    check.fail(f"its score op {v} reads {o}, which the score tile does not compute")
         for v in self.lse_casts:
             check.expect(v, ("cast",), "widening of the scores")
 

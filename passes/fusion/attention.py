@@ -54,13 +54,23 @@ def attention_plan(region: Region, spec: AttentionSpec) -> AttentionPlan:
     clones = [x for x in ops if x not in members and x not in q_chain | k_chain | v_chain
               and ops[x].op.kind != "const"]
     before = set().union(*(region.depends(x) for x in spec.score_ops))
+    # values an operand's prologue computes that another role reads too (the sequence of a
+    # token, whose block table row its keys are gathered at and whose length its mask reads):
+    # the prologue computes them on its operand's tile only, so the role reading them computes
+    # them again at its own tile, as it does its clones
+    shared = _shared_prologue(region, q_chain | k_chain | v_chain, (qk, pv))
+    at_scores = _reads(region, spec.score_ops, {qk})
+    at_p = _reads(region, spec.p_ops, {qk, *([] if sm is None else [sm])}) - at_scores
     # what the probabilities' ops compute that the score modification reads too (an index)
     # runs with the scores
     score_ops = tuple(x for x in ops
-                      if x in spec.score_ops or (x in clones or x in spec.p_ops) and x in before)
+                      if x in spec.score_ops or (x in clones or x in spec.p_ops) and x in before
+                      or x in shared and x in at_scores)
     after_p = set().union(*(region.depends(x) for x in spec.p_ops)) - before
-    p_ops = tuple(x for x in ops if x in after_p and (x in spec.p_ops or x in clones))
-    epilogue = tuple(x for x in ops if x in spec.epilogue or x in clones and x not in before | after_p)
+    p_ops = tuple(x for x in ops if x in after_p and (x in spec.p_ops or x in clones)
+                  or x in shared and x in at_p)
+    epilogue = tuple(x for x in ops if x in spec.epilogue or x in clones and x not in before | after_p
+                     or x in shared and x not in at_scores | at_p)
     transposes = sum(ops[v].op.kind == "transpose" for v in k_chain if v >= n_in)
     if sm is None:
         bound, cond = _vanishing_bound(region, [scores, *summed])
@@ -76,6 +86,30 @@ def attention_plan(region: Region, spec: AttentionSpec) -> AttentionPlan:
                          p if sm is not None and p in region.outputs else None, spec.lse_casts,
                          row_sums=spec.row_sums, bound_cond=cond, v_chain=v_chain,
                          v_source=operand_source(region, v_chain) if v_chain else None, p_ops=p_ops)
+
+
+def _shared_prologue(region: Region, chains: frozenset[int], dots: tuple[int, int]) -> set[int]:
+    """The ops of the operands' prologues (`chains`) that an op outside them other than the
+    two dots reads, with the prologue ops they are computed from."""
+    n_in = len(region.inputs)
+    read = {o for k, r in enumerate(region.ops) if n_in + k not in chains and n_in + k not in dots
+            for o in r.operands if o in chains and o >= n_in}
+    found = set().union(*(region.depends(o) for o in read))
+    return {x for x in found if x >= n_in and region.ops[x - n_in].op.kind != "const"}
+
+
+def _reads(region: Region, roots, stop: set[int]) -> set[int]:
+    """The values `roots` are computed from (themselves included) without going through the
+    values `stop` (q @ k.T: its operands are loaded tiles, not values of the score tile)."""
+    n_in = len(region.inputs)
+    out, todo = set(), [v for v in roots if v not in stop]
+    while todo:
+        v = todo.pop()
+        if v not in out:
+            out.add(v)
+            if v >= n_in:
+                todo.extend(o for o in region.ops[v - n_in].operands if o not in stop)
+    return out
 
 
 def attention_backward_plan(region: Region, spec: AttentionBackwardSpec) -> AttentionBackwardPlan:
