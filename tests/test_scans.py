@@ -246,6 +246,17 @@ def test_linear_scan_gradients_with_a_special_first_element_are_torchs(special, 
     assert report.ok, report
 
 
+@pytest.mark.parametrize("reverse", ["false", "true"])
+def test_logcumsumexp_gradient_past_exp_overflow(reverse):
+    """Its adjoint is a linear scan whose first factor, exp(y) at the row's last element,
+    overflows past y = 88; the recurrence multiplies it by h[-1] = 0, so it is 0 there."""
+    x = randn(5, 17, seed=12) + 95.0
+    fn = tiledsl.compile(f"kernel f(x: f32[M, N]) -> f32[M, N] {{ return logcumsumexp(x, axis=1, "
+                         f"reverse={reverse}) }}")
+    report = testing.check_grads(fn, x, generator=gen(0))
+    assert report.ok, report
+
+
 def test_scan_fuses_with_its_producers_and_consumers():
     x, w = randn(17, 113), randn(113)
     fn, _ = run_checked("""kernel f(x: f32[M, N], w: f32[N]) -> (f32[M, N], f32[M]) {

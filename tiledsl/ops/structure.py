@@ -354,13 +354,18 @@ def _linear_scan_reference(a: torch.Tensor, b: torch.Tensor, axis: int) -> torch
 def _shifted(d, v: int, k: int, fill: float) -> int:
     """`v` (of the scan's shape) read k places on along the scan's axis, `fill` past either
     end: a gather at the shifted index."""
+    inside, index = _shift(d, k)
+    return d.where(inside, d.call("take", v, *index), d.c(fill))
+
+
+def _shift(d, k: int) -> tuple[int, list[int]]:
+    """Whether the position k places on along the scan's axis is inside it, and its index."""
     shape = d.x_type(0).shape
     ax = d.attr("axis") % len(shape)
     index = [d.call("index", axis=a, shape=tuple(n if j == a else 1 for j, n in enumerate(shape)))
              for a in range(len(shape))]
     at = index[ax] = d.add(index[ax], d.c(k))
-    inside = d.call("and", d.call("ge", at, d.c(0)), d.call("lt", at, d.axis_size()))
-    return d.where(inside, d.call("take", v, *index), d.c(fill))
+    return d.call("and", d.call("ge", at, d.c(0)), d.call("lt", at, d.axis_size())), index
 
 
 def _step(d) -> int:
@@ -398,10 +403,13 @@ def _d_cumulative_extremum(d, wanted):
 def _d_logcumsumexp(d, wanted):
     """g_i = sum_{j >= i} g_j * exp(x_i - y_j) = exp(x_i - y_i) * s_i, with the linear scan
     the other way s_i = g_i + exp(y_i - y_{i+1}) * s_{i+1} (factors <= 1); 0 where x is
-    -inf."""
+    -inf. The last element's factor multiplies the scan's h[-1] = 0: it is 0 (exp(y_i)
+    there would overflow past y = 88, and inf * 0 is NaN)."""
     y, k = d.y, _step(d)
     y_next = _shifted(d, y, k, 0.0)
+    inside, _ = _shift(d, k)
     decay = d.where(d.call("eq", y, d.c(-math.inf)), d.c(0.0), d.call("exp", d.sub(y, y_next)))
+    decay = d.where(inside, decay, d.c(0.0))
     s = d.call("linear_scan", decay, d.g, axis=d.attr("axis"), reverse=not d.attr("reverse"))
     x = d.x(0)
     return (d.where(d.call("eq", x, d.c(-math.inf)), d.c(0.0),
