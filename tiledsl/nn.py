@@ -24,7 +24,8 @@ __all__ = ["RMSNorm", "LayerNorm", "SwiGLU", "CrossEntropyLoss", "apply_rotary",
 
 _FILES = {"rms_norm": "norms", "rms_norm_unscaled": "norms", "layer_norm": "norms",
           "layer_norm_scaled": "norms", "layer_norm_unscaled": "norms", "swiglu": "mlp",
-          "swiglu_biased": "mlp", "rotary": "rotary", "cross_entropy": "loss"}
+          "swiglu_biased": "mlp", "rotary": "rotary", "cross_entropy": "loss",
+          "cross_entropy_smoothed": "loss"}
 
 
 def _compile(name: str) -> Any:
@@ -165,7 +166,8 @@ class CrossEntropyLoss(nn.Module):
     """`torch.nn.CrossEntropyLoss` for class-index targets: `ignore_index`,
     `label_smoothing` and `reduction` ("mean" over the targets not ignored, "sum",
     "none"); classes at dim 1 of an input of rank > 2, as torch's. Per-class `weight` and
-    probability targets are not supported (refused with an error)."""
+    probability targets are not supported (refused with an error). -inf logits (a padded
+    vocabulary, masked tokens) give torch's results."""
 
     def __init__(self, weight: torch.Tensor | None = None, size_average=None, ignore_index: int = -100,
                  reduce=None, reduction: str = "mean", label_smoothing: float = 0.0) -> None:
@@ -192,8 +194,12 @@ class CrossEntropyLoss(nn.Module):
         classes = input.shape[1] if input.dim() > 1 else input.shape[0]
         logits = input.movedim(1, -1) if input.dim() > 2 else input
         logits = logits.reshape(-1, classes)
-        loss = program("cross_entropy")(logits, target.reshape(-1).long(), self.ignore_index,
-                                        float(self.label_smoothing))
+        labels = target.reshape(-1).long()
+        if self.label_smoothing > 0:
+            loss = program("cross_entropy_smoothed")(logits, labels, self.ignore_index,
+                                                     float(self.label_smoothing))
+        else:  # torch's plain path: the smoothing term, inf in a row with a -inf logit, not computed
+            loss = program("cross_entropy")(logits, labels, self.ignore_index)
         if self.reduction == "none":
             shape = target.shape if input.dim() > 1 else ()
             return loss.reshape(shape).to(input.dtype)
