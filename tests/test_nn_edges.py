@@ -1,9 +1,11 @@
 """tiledsl.nn at its edges: -inf logits give torch's cross-entropy (forward and gradient,
-with and without label smoothing)."""
+with and without label smoothing), and torch.fx's symbolic_trace and make_fx (real mode)
+trace a model holding the modules into a graph that runs as the model does eagerly."""
 
 import pytest
 import torch
-from test_nn import assert_matches
+from test_nn import SDPA, HFRotary, LlamaMLP, _perturbed, assert_matches
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from helpers import randn
 from tiledsl import nn as tnn
@@ -11,6 +13,7 @@ from tiledsl import testing
 
 INF = float("inf")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+CAUSAL = "where(index(s, -1) <= index(s, -2), s, -inf)"
 
 
 # --- cross-entropy with -inf logits ---------------------------------------------------------
@@ -77,8 +80,9 @@ def test_cross_entropy_gives_an_ignored_row_of_minus_inf_no_gradient():
     labels = torch.randint(0, 13, (7,), generator=torch.Generator().manual_seed(42))
     labels[2] = -100
     grads, outs = [], []
-    for module, cast in ((tnn.CrossEntropyLoss(), lambda t: t), (torch.nn.CrossEntropyLoss(), torch.Tensor.double),
-                         (torch.nn.CrossEntropyLoss(), lambda t: t)):
+    runs = ((tnn.CrossEntropyLoss(), lambda t: t), (torch.nn.CrossEntropyLoss(), torch.Tensor.double),
+            (torch.nn.CrossEntropyLoss(), lambda t: t))
+    for module, cast in runs:
         x = cast(logits).requires_grad_()
         out = module(x, labels)
         outs.append(out)
@@ -89,3 +93,90 @@ def test_cross_entropy_gives_an_ignored_row_of_minus_inf_no_gradient():
     rows = [0, 1, 3, 4, 5, 6]
     report = testing.compare(grads[0][rows], grads[1][rows], grads[2][rows])
     assert report.ok, report
+
+
+# --- torch.fx ---------------------------------------------------------------------------------
+
+
+class Block(torch.nn.Module):
+    """Every tiledsl.nn module and apply_rotary in one model (`lib="tiledsl"`), or torch's
+    and Hugging Face's equivalents (`lib="torch"`), with a torch Linear among them."""
+
+    def __init__(self, lib: str) -> None:
+        super().__init__()
+        self.ours = lib == "tiledsl"
+        nn = tnn if self.ours else torch.nn
+        self.norm = nn.RMSNorm(24, eps=1e-6)
+        self.ln = nn.LayerNorm(24)
+        self.mlp = tnn.SwiGLU(24, 40, bias=True) if self.ours else LlamaMLP(24, 40, bias=True)
+        self.attn = tnn.Attention(CAUSAL) if self.ours else SDPA(causal=True)
+        self.head = torch.nn.Linear(24, 29)
+        self.loss = nn.CrossEntropyLoss(label_smoothing=0.1)
+
+    def forward(self, x, labels, cos, sin):
+        h = self.ln(self.norm(x))
+        h = h + self.mlp(h)
+        q = h.view(2, 7, 2, 12).transpose(1, 2)
+        q, k = tnn.apply_rotary(q, q, cos, sin) if self.ours else HFRotary()(q, q, cos, sin)
+        a = self.attn(q, k, q).transpose(1, 2).reshape(14, 24)
+        return self.loss(self.head(a), labels)
+
+
+def _blocks() -> tuple[Block, Block]:
+    torch.manual_seed(47)  # nn.Linear's initialization draws from the global generator
+    ours = _perturbed(Block("tiledsl"), 48)
+    theirs = Block("torch")
+    theirs.load_state_dict(ours.state_dict())
+    return ours, theirs
+
+
+def _inputs(seed: int) -> tuple[torch.Tensor, ...]:
+    labels = torch.randint(0, 29, (14,), generator=torch.Generator().manual_seed(seed))
+    labels[::4] = -100
+    angles = randn(2, 7, 6, seed=seed + 1)
+    emb = torch.cat((angles, angles), dim=-1)
+    return randn(2, 7, 24, seed=seed + 2), labels, emb.cos(), emb.sin()
+
+
+def _runs_as_eager(graph, ours: Block, theirs: Block, inputs: tuple, grads: bool) -> None:
+    """`graph` on new inputs: ours' output bit for bit (and the parameters' gradients, when
+    `grads`), which passes the oracle against torch's block (float64 golden)."""
+    out, eager = graph(*inputs), ours(*inputs)
+    assert torch.equal(out, eager)
+    golden = [x.double() if x.is_floating_point() else x for x in inputs]
+    report = testing.compare(out, theirs.double()(*golden), theirs.float()(*inputs))
+    assert report.ok, report
+    if grads:
+        params = list(ours.parameters())
+        for g, e in zip(torch.autograd.grad(out, params), torch.autograd.grad(eager, params), strict=True):
+            assert torch.equal(g, e)
+
+
+def test_symbolic_trace_records_each_tiledsl_nn_call_as_one_node():
+    """torch.fx.symbolic_trace traces a model holding tiledsl.nn modules (it failed inside
+    RMSNorm's forward, reading a Proxy's dtype): each module call, and apply_rotary, is one
+    call_function node of the function the module's forward calls, torch.nn.functional's
+    way; the graph shares the model's parameters and differentiates as it does."""
+    ours, theirs = _blocks()
+    graph = torch.fx.symbolic_trace(ours)
+    called = [n.target for n in graph.graph.nodes if n.op == "call_function"
+              and getattr(n.target, "__module__", None) == "tiledsl.nn"]
+    assert called == [tnn.rms_norm, tnn.layer_norm, tnn.swiglu, tnn.apply_rotary, tnn.attention,
+                      tnn.cross_entropy]
+    _runs_as_eager(graph, ours, theirs, _inputs(49), grads=True)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_make_fx_traces_the_custom_ops(grad):
+    """make_fx in real mode records each call as its torch.ops.tiledsl op. With no input
+    needing a gradient the call used to run its kernels directly, under make_fx's dispatch
+    mode, which then traced the Triton interpreter's own aten calls and failed on a storage
+    argument; any dispatch mode now sends the call through the op."""
+    ours, theirs = _blocks()
+    ours.requires_grad_(grad)
+    graph = make_fx(ours)(*_inputs(50))
+    ops = [n.target for n in graph.graph.nodes if isinstance(n.target, torch._ops.OpOverload)]
+    assert len([op for op in ops if op.namespace == "tiledsl"]) == 6
+    assert {op.namespace for op in ops} == {"aten", "tiledsl"}
+    assert torch.ops.aten.set_.source_Storage_storage_offset not in ops
+    _runs_as_eager(graph, ours, theirs, _inputs(51), grads=False)

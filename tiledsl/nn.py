@@ -5,22 +5,33 @@
 The modules take the constructor arguments of the torch modules they replace and have the
 same parameters and `state_dict` keys, so a model swaps them in (or loads a checkpoint)
 unchanged. Each call runs the specialization its arguments bind (dtype and rank), through
-one PyTorch operator per program: autograd, torch.compile and torch.export see it.
+one PyTorch operator per program: autograd, torch.compile, torch.export and make_fx see it.
+
+Each module's forward is one call of a function here (`rms_norm`, `layer_norm`, `swiglu`,
+`cross_entropy`, `apply_rotary`, `attention`), as torch's modules call
+torch.nn.functional. Those functions take part in torch's `__torch_function__` protocol as
+torch.nn.functional's do, so `torch.fx.symbolic_trace` records each call as one node (a
+module holding these is traced; the node runs the function on real tensors) instead of
+running the function on its proxies.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
+from collections.abc import Callable
 from importlib import resources
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
+from torch.overrides import handle_torch_function, has_torch_function
 
 from tiledsl import diagnostics as diag
 
-__all__ = ["RMSNorm", "LayerNorm", "SwiGLU", "CrossEntropyLoss", "apply_rotary", "Attention", "program"]
+__all__ = ["RMSNorm", "LayerNorm", "SwiGLU", "CrossEntropyLoss", "apply_rotary", "Attention", "program",
+           "rms_norm", "layer_norm", "swiglu", "cross_entropy", "attention"]
 
 _FILES = {"rms_norm": "norms", "rms_norm_unscaled": "norms", "layer_norm": "norms",
           "layer_norm_scaled": "norms", "layer_norm_unscaled": "norms", "swiglu": "mlp",
@@ -52,6 +63,26 @@ def program(name: str) -> Any:
     return fn
 
 
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _overridable(fn: F) -> F:
+    """`fn` with torch.nn.functional's `__torch_function__` protocol: a call given an
+    argument that overrides it (torch.fx's Proxy under `symbolic_trace`), or made under a
+    TorchFunctionMode, is handed to that. `symbolic_trace` then records the call as one node
+    whose target is this function, where it would otherwise run `fn` on its proxies (which
+    have no dtype to read nor data for a kernel)."""
+
+    @functools.wraps(fn)
+    def overridable(*args: Any, **kwargs: Any) -> Any:
+        relevant = (*args, *kwargs.values())
+        if has_torch_function(relevant):
+            return handle_torch_function(overridable, relevant, *args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return overridable  # type: ignore[return-value]
+
+
 def _shape(normalized_shape: int | tuple[int, ...] | list[int] | torch.Size) -> tuple[int, ...]:
     if isinstance(normalized_shape, numbers.Integral):
         return (int(normalized_shape),)
@@ -68,6 +99,129 @@ def _normalize(name: str, x: torch.Tensor, shape: tuple[int, ...], *args: Any) -
     rows = x.reshape(*x.shape[:x.dim() - len(shape)], math.prod(shape))
     flat = [a.reshape(-1).to(x.dtype) if isinstance(a, torch.Tensor) else a for a in args]
     return program(name)(rows, *flat).reshape(x.shape)
+
+
+@_overridable
+def rms_norm(input: torch.Tensor, normalized_shape: int | tuple[int, ...] | list[int] | torch.Size,  # noqa: A002
+             weight: torch.Tensor | None = None, eps: float | None = None) -> torch.Tensor:
+    """`torch.nn.functional.rms_norm`: over the trailing dims `normalized_shape`, `eps=None`
+    meaning `torch.finfo(input.dtype).eps`; the output has the input's dtype."""
+    shape = _shape(normalized_shape)
+    eps = torch.finfo(input.dtype).eps if eps is None else eps
+    if weight is None:
+        return _normalize("rms_norm_unscaled", input, shape, eps)
+    return _normalize("rms_norm", input, shape, weight, eps)
+
+
+@_overridable
+def layer_norm(input: torch.Tensor, normalized_shape: int | tuple[int, ...] | list[int] | torch.Size,  # noqa: A002
+               weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+               eps: float = 1e-5) -> torch.Tensor:
+    """`torch.nn.functional.layer_norm`: over the trailing dims `normalized_shape`; the
+    output has the input's dtype."""
+    shape = _shape(normalized_shape)
+    if weight is None and bias is not None:  # no library kernel of its own: a weight of ones
+        weight = torch.ones_like(bias)
+    if weight is None:
+        return _normalize("layer_norm_unscaled", input, shape, eps)
+    if bias is None:
+        return _normalize("layer_norm_scaled", input, shape, weight, eps)
+    return _normalize("layer_norm", input, shape, weight, bias, eps)
+
+
+@_overridable
+def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+           gate_bias: torch.Tensor | None = None, up_bias: torch.Tensor | None = None,
+           down_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`down(silu(gate(x)) * up(x))` with nn.Linear's weights (`gate`, `up`: [hidden, dim];
+    `down`: [dim, hidden]) and biases (the three or none)."""
+    biases = (gate_bias, up_bias, down_bias)
+    if all(b is None for b in biases):
+        return program("swiglu")(x, gate, up, down)
+    if any(b is None for b in biases):
+        raise diag.ArgumentError(message=(
+            "tiledsl.nn.swiglu: give the three biases (gate_bias, up_bias, down_bias) or none"))
+    return program("swiglu_biased")(x, gate, gate_bias, up, up_bias, down, down_bias)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hugging Face's `apply_rotary_pos_emb(q, k, cos, sin)` (rotate-half): q `[B, H, S, D]`,
+    k `[B, KH, S, D]`, cos and sin `[B, S, D]` (broadcast over the heads); one kernel for
+    both."""
+    return program("rotary")(q, k, cos, sin)
+
+
+apply_rotary = _overridable(apply_rotary)
+
+
+def _loss_options(who: str, reduction: str, label_smoothing: float) -> None:
+    if reduction not in ("mean", "sum", "none"):
+        raise diag.OptionError(message=(
+            f"{who}: reduction must be 'mean', 'sum' or 'none', got {reduction!r}"))
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise diag.OptionError(message=(
+            f"{who}: label_smoothing must be in [0, 1], got {label_smoothing}"))
+
+
+@_overridable
+def cross_entropy(input: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,  # noqa: A002
+                  reduction: str = "mean", label_smoothing: float = 0.0) -> torch.Tensor:
+    """`torch.nn.functional.cross_entropy` for class-index targets (see `CrossEntropyLoss`)."""
+    _loss_options("tiledsl.nn.cross_entropy", reduction, label_smoothing)
+    if target.is_floating_point():
+        raise diag.ArgumentError(message=(
+            "tiledsl.nn.cross_entropy: class-index targets only (probability targets are not "
+            "supported)"))
+    classes = input.shape[1] if input.dim() > 1 else input.shape[0]
+    logits = input.movedim(1, -1) if input.dim() > 2 else input
+    logits = logits.reshape(-1, classes)
+    labels = target.reshape(-1).long()
+    if label_smoothing > 0:
+        loss = program("cross_entropy_smoothed")(logits, labels, ignore_index, float(label_smoothing))
+    else:  # torch's plain path: the smoothing term, inf in a row with a -inf logit, not computed
+        loss = program("cross_entropy")(logits, labels, ignore_index)
+    if reduction == "none":
+        return loss.reshape(target.shape if input.dim() > 1 else ()).to(input.dtype)
+    total = loss.sum()
+    if reduction == "mean":
+        total = total / (labels != ignore_index).sum()
+    return total.to(input.dtype)
+
+
+_ATTENTION = """kernel attention[T: f16 | bf16 | f32](q: T[..., M, D], k: T[..., N, D],
+                                                  v: T[..., N, DV]) -> T[..., M, DV] {{
+    s = q @ k.T * rsqrt(D)
+    s = {score_mod}
+    return softmax(s, axis=-1) @ v
+}}"""
+# each score_mod's program, compiled once per process (an Attention module and the
+# `attention` nodes of a traced graph find the same one)
+_ATTENTION_PROGRAMS: dict[str | None, Any] = {}
+
+
+def _attention_program(score_mod: str | None) -> Any:
+    fn = _ATTENTION_PROGRAMS.get(score_mod)
+    if fn is not None:
+        return fn
+    import tiledsl
+
+    if score_mod is not None and not isinstance(score_mod, str):
+        raise diag.OptionError(message=(
+            f"tiledsl.nn.Attention: score_mod must be DSL text (a str), got {type(score_mod).__name__}"))
+    fn = tiledsl.compile(_ATTENTION.format(score_mod="s" if score_mod is None else f"({score_mod})"))
+    if len(fn.kernel.body) != 3:  # the text was more than one expression
+        raise diag.OptionError(message=(
+            f"tiledsl.nn.Attention: score_mod must be one expression, got '{score_mod}'"))
+    _ATTENTION_PROGRAMS[score_mod] = fn
+    return fn
+
+
+@_overridable
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              score_mod: str | None = None) -> torch.Tensor:
+    """`Attention(score_mod)(q, k, v)` as a function (each `score_mod` compiled on first use)."""
+    return _attention_program(score_mod)(q, k, v)
 
 
 class _Norm(nn.Module):
@@ -102,10 +256,7 @@ class RMSNorm(_Norm):
         super().__init__(normalized_shape, eps, elementwise_affine, device, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
-        if self.weight is None:
-            return _normalize("rms_norm_unscaled", x, self.normalized_shape, eps)
-        return _normalize("rms_norm", x, self.normalized_shape, self.weight, eps)
+        return rms_norm(x, self.normalized_shape, self.weight, self.eps)
 
 
 class LayerNorm(_Norm):
@@ -126,12 +277,7 @@ class LayerNorm(_Norm):
             nn.init.zeros_(self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = self.normalized_shape
-        if self.weight is None:
-            return _normalize("layer_norm_unscaled", x, shape, self.eps)
-        if self.bias is None:
-            return _normalize("layer_norm_scaled", x, shape, self.weight, self.eps)
-        return _normalize("layer_norm", x, shape, self.weight, self.bias, self.eps)
+        return layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
 
 
 class SwiGLU(nn.Module):
@@ -149,17 +295,7 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         g, u, d = self.gate_proj, self.up_proj, self.down_proj
-        if g.bias is None:
-            return program("swiglu")(x, g.weight, u.weight, d.weight)
-        return program("swiglu_biased")(x, g.weight, g.bias, u.weight, u.bias, d.weight, d.bias)
-
-
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Hugging Face's `apply_rotary_pos_emb(q, k, cos, sin)` (rotate-half): q `[B, H, S, D]`,
-    k `[B, KH, S, D]`, cos and sin `[B, S, D]` (broadcast over the heads); one kernel for
-    both."""
-    return program("rotary")(q, k, cos, sin)
+        return swiglu(x, g.weight, u.weight, d.weight, g.bias, u.bias, d.bias)
 
 
 class CrossEntropyLoss(nn.Module):
@@ -176,45 +312,13 @@ class CrossEntropyLoss(nn.Module):
             raise diag.OptionError(message=(
                 "tiledsl.nn.CrossEntropyLoss: per-class weight and the deprecated size_average/reduce "
                 "are not supported"))
-        if reduction not in ("mean", "sum", "none"):
-            raise diag.OptionError(message=(
-                f"tiledsl.nn.CrossEntropyLoss: reduction must be 'mean', 'sum' or 'none', got {reduction!r}"))
-        if not 0.0 <= label_smoothing <= 1.0:
-            raise diag.OptionError(message=(
-                f"tiledsl.nn.CrossEntropyLoss: label_smoothing must be in [0, 1], got {label_smoothing}"))
+        _loss_options("tiledsl.nn.CrossEntropyLoss", reduction, label_smoothing)
         self.ignore_index = ignore_index
         self.reduction = reduction
         self.label_smoothing = label_smoothing
 
     def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:  # noqa: A002 - torch's
-        if target.is_floating_point():
-            raise diag.ArgumentError(message=(
-                "tiledsl.nn.CrossEntropyLoss: class-index targets only (probability targets are not "
-                "supported)"))
-        classes = input.shape[1] if input.dim() > 1 else input.shape[0]
-        logits = input.movedim(1, -1) if input.dim() > 2 else input
-        logits = logits.reshape(-1, classes)
-        labels = target.reshape(-1).long()
-        if self.label_smoothing > 0:
-            loss = program("cross_entropy_smoothed")(logits, labels, self.ignore_index,
-                                                     float(self.label_smoothing))
-        else:  # torch's plain path: the smoothing term, inf in a row with a -inf logit, not computed
-            loss = program("cross_entropy")(logits, labels, self.ignore_index)
-        if self.reduction == "none":
-            shape = target.shape if input.dim() > 1 else ()
-            return loss.reshape(shape).to(input.dtype)
-        total = loss.sum()
-        if self.reduction == "mean":
-            total = total / (target != self.ignore_index).sum()
-        return total.to(input.dtype)
-
-
-_ATTENTION = """kernel attention[T: f16 | bf16 | f32](q: T[..., M, D], k: T[..., N, D],
-                                                  v: T[..., N, DV]) -> T[..., M, DV] {{
-    s = q @ k.T * rsqrt(D)
-    s = {score_mod}
-    return softmax(s, axis=-1) @ v
-}}"""
+        return cross_entropy(input, target, self.ignore_index, self.reduction, self.label_smoothing)
 
 
 class Attention(nn.Module):
@@ -227,21 +331,11 @@ class Attention(nn.Module):
 
     def __init__(self, score_mod: str | None = None) -> None:
         super().__init__()
-        import tiledsl
-
-        if score_mod is not None and not isinstance(score_mod, str):
-            raise diag.OptionError(message=(
-                f"tiledsl.nn.Attention: score_mod must be DSL text (a str), got {type(score_mod).__name__}"))
+        self.program = _attention_program(score_mod)
         self.score_mod = score_mod
-        text = _ATTENTION.format(score_mod="s" if score_mod is None else f"({score_mod})")
-        self.program = tiledsl.compile(text)
-        body = self.program.kernel.body
-        if len(body) != 3:  # the text was more than one expression
-            raise diag.OptionError(message=(
-                f"tiledsl.nn.Attention: score_mod must be one expression, got '{score_mod}'"))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return self.program(q, k, v)
+        return attention(q, k, v, self.score_mod)
 
     def extra_repr(self) -> str:
         return f"score_mod={self.score_mod!r}"
