@@ -117,6 +117,7 @@ def eval_op(op: Op, args: list[Any], dims: Mapping[str, int], float64: bool) -> 
     opdef = ops.OPS[op.kind]
     attrs = op.attr_map
     attrs.pop(ops.ACCUMULATE, None)  # how a kernel accumulates (sum-precision): torch sums as it does
+    attrs.pop("pair", None)  # max/min's values of torch's pair: where their gradient goes
     if "shape" in attrs:  # index: its shape with the dims bound
         attrs["shape"] = tuple(evaluate(d, dims) for d in attrs["shape"])
     if "k" in attrs:  # topk: how many, bound

@@ -246,7 +246,8 @@ class KeepReducedDim(Pattern):
             return True
         if _reduced_along(graph, r, at) != "reduction":
             return False
-        rewriter.replace(node, b.op(rop.kind, graph.operand_edges(r), rop.span, axis=at, keepdims=True))
+        rewriter.replace(node, b.op(rop.kind, graph.operand_edges(r), rop.span,
+                                    **(rop.attr_map | {"axis": at, "keepdims": True})))
         return True
 
 

@@ -64,3 +64,46 @@ def test_unpacking_errors_name_the_statement(stmt, error):
     with pytest.raises(TileDSLError) as err:
         tiledsl.compile(src)
     assert str(err.value).splitlines()[0] == error
+
+
+PAIR_GRADS = """
+kernel f(x: f16[M, N]) -> (f16[M], f16[1, N], f16[M], f16[M, N]) {
+    v, i = max(x, -1)
+    w, j = min(x, axis=0, keepdims=true)
+    u, k = max(x * 2.0, axis=1)
+    return v, w, max(x, -1), x - u[:, None]
+}"""
+
+
+def pair_grads_in_torch(x, cotangents):
+    """torch's: the pair's values (torch.max/min with a dim) send the gradient to the index
+    alone; amax shares it between ties."""
+    x = x.detach().requires_grad_(True)
+    outs = (torch.max(x, -1).values, torch.min(x, 0, keepdim=True).values, torch.amax(x, -1),
+            x - torch.max(x * 2.0, 1).values[:, None])
+    (grad,) = torch.autograd.grad(outs, (x,), cotangents)
+    return grad
+
+
+@pytest.mark.parametrize("m, n", [(17, 33), (113, 5), (1, 64)])
+def test_the_gradient_of_a_pairs_values_goes_to_its_index_as_torchs(m, n):
+    """Many ties (f16 values rounded to a few integers): each row's gradient goes to the
+    first maximum (the index returned), not shared between the tied ones; a plain max
+    (amax) still shares it. Checked against torch autograd in float64 and in f16."""
+    x = (randn(m, n, seed=m + n) * 2.0).round().half()
+    fn = tiledsl.compile(PAIR_GRADS)
+    cotangents = [randn(*t.shape, seed=7 + i).half() for i, t in enumerate(fn(x))]
+    xg = x.detach().requires_grad_(True)
+    (got,) = torch.autograd.grad(fn(xg), (xg,), cotangents)
+    golden = pair_grads_in_torch(x.double(), [c.double() for c in cotangents])
+    eager = pair_grads_in_torch(x, cotangents)
+    report = testing.compare(got, golden, eager)
+    assert report.ok, report
+    # each row's pair gradient lands on one element: the first maximum
+    xs = x.detach().requires_grad_(True)
+    (alone,) = torch.autograd.grad(tiledsl.compile("""kernel f(x: f16[M, N]) -> f16[M] {
+        v, i = max(x, -1)
+        return v
+    }""")(xs), (xs,), torch.ones(m, dtype=torch.float16))
+    assert torch.equal((alone != 0).sum(-1), torch.ones(m, dtype=torch.int64))
+    assert torch.equal(alone.argmax(-1), x.max(-1).indices)

@@ -18,7 +18,7 @@ from tiledsl.builtins import BUILTINS, REQUIRED, TILE_HINTS, TORCH_SPELLINGS, BP
 from tiledsl.dims import Lin
 from tiledsl.dims import symbols as dim_symbols
 from tiledsl.indexing import Indexing, axis_arg, const_bool, const_int
-from tiledsl.ir import Graph
+from tiledsl.ir import Graph, make_attrs
 from tiledsl.parser import LITERAL_WORDS
 from tiledsl.source import Span
 from tiledsl.types import (
@@ -377,6 +377,10 @@ class _KernelBuilder:
                 "one integer: the indices are positions along one axis"))
         values = self._call_reduce(e, b, args)
         op = self.graph.op(values)
+        # the pair's values send their gradient to the indices' position, as torch.max(x,
+        # dim)'s do (a plain max shares it between ties, as torch.amax)
+        op = op.replace(attrs=make_attrs(**op.attr_map, pair=True))
+        self.graph.set_op(values, op)
         (x,) = self.graph.operands(values)
         indices = self.b.user_op("arg" + e.func, [(x, args["x"].span)], e.span, axis=op.attr("axis"),
                                  keepdims=op.attr("keepdims"))

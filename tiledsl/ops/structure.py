@@ -217,7 +217,16 @@ def _d_extremum(d, wanted):
     the result. The result is taken again from the operand as the backward has it, not
     saved: an operand recomputed there may round otherwise than in the forward's fused
     kernel (an attention's output with a sink, stored in 16 bits from f32 there, from f16
-    factors here), and no element would equal the saved result (fuzz finding s3:338)."""
+    factors here), and no element would equal the saved result (fuzz finding s3:338).
+    The values of torch's pair (`values, indices = max(x, axis)`, attribute `pair`) are
+    torch.max(x, dim)'s: the gradient goes to the position of the indices alone (the
+    first extremum, or the first NaN), taken again from the operand likewise."""
+    if d.attr("pair"):
+        axis = d.attr("axis")
+        at = d.call("arg" + d.op.kind, d.x(0), axis=axis, keepdims=True)
+        shape = d.x_type(0).shape
+        hit = d.call("eq", d.call("index", axis=axis % len(shape), shape=shape), at)
+        return (d.where(hit, d.keep(d.g), d.c(0.0)),)
     top = d.call(d.op.kind, d.x(0), axis=d.attr("axis"), keepdims=True)
     hit = d.call("eq", d.x(0), top)
     count = d.call("sum", d.call("cast", hit, dtype=d.op.dtype), axis=d.attr("axis"), keepdims=True)
