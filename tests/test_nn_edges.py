@@ -1,6 +1,11 @@
 """tiledsl.nn at its edges: -inf logits give torch's cross-entropy (forward and gradient,
-with and without label smoothing), and torch.fx's symbolic_trace and make_fx (real mode)
-trace a model holding the modules into a graph that runs as the model does eagerly."""
+with and without label smoothing), a target that is neither a class nor ignore_index is an
+error as in torch, and torch.fx's symbolic_trace and make_fx (real mode) trace a model
+holding the modules into a graph that runs as the model does eagerly."""
+
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -8,6 +13,7 @@ from test_nn import SDPA, HFRotary, LlamaMLP, _perturbed, assert_matches
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from helpers import randn
+from tiledsl import diagnostics as diag
 from tiledsl import nn as tnn
 from tiledsl import testing
 
@@ -93,6 +99,91 @@ def test_cross_entropy_gives_an_ignored_row_of_minus_inf_no_gradient():
     rows = [0, 1, 3, 4, 5, 6]
     report = testing.compare(grads[0][rows], grads[1][rows], grads[2][rows])
     assert report.ok, report
+
+
+# --- targets outside the classes ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad, ignore_index, smoothing", [(7, -100, 0.0), (-1, -100, 0.0), (5, -100, 0.1),
+                                                          (-100, -1, 0.0), (-3, 3, 0.1)])
+def test_cross_entropy_refuses_a_target_outside_the_classes(bad, ignore_index, smoothing):
+    """torch raises IndexError ("Target 7 is out of bounds.") for a target outside [0, C)
+    that is not ignore_index (-1 and -100 included, unless one is ignore_index); tiledsl's
+    error is an IndexError too, naming the target, the classes and ignore_index."""
+    logits = randn(6, 5, seed=43)
+    labels = torch.tensor([0, 4, bad, 2, ignore_index, 1])
+    kw = {"ignore_index": ignore_index, "label_smoothing": smoothing}
+    with pytest.raises(IndexError) as theirs:
+        torch.nn.CrossEntropyLoss(**kw)(logits, labels)
+    assert str(theirs.value) == f"Target {bad} is out of bounds."
+    with pytest.raises(tnn.TargetError) as info:
+        tnn.CrossEntropyLoss(**kw)(logits, labels)
+    assert isinstance(info.value, IndexError) and isinstance(info.value, diag.TileDSLError)
+    assert info.value.message == (f"tiledsl.nn.cross_entropy: target {bad} is out of bounds for 5 classes "
+                                  f"(targets are 0 to 4, or ignore_index {ignore_index})")
+
+
+def test_cross_entropy_checks_targets_at_dim_1_and_takes_minus_one_as_ignore_index():
+    """Classes at dim 1: -1 as ignore_index is ignored, as torch's; with the default
+    ignore_index it and an 11 of 11 classes are out of bounds, the first (in the targets'
+    order) named, as torch names it."""
+    logits = randn(2, 11, 3, 7, seed=44)
+    labels = torch.randint(0, 11, (2, 3, 7), generator=torch.Generator().manual_seed(45))
+    labels[1, 2, 3] = -1
+    for reduction in ("mean", "none"):
+        kw = {"reduction": reduction, "ignore_index": -1}
+        assert_matches(tnn.CrossEntropyLoss(**kw), torch.nn.CrossEntropyLoss(**kw), logits, labels)
+    labels[0, 1, 5] = 11
+    with pytest.raises(IndexError) as theirs:
+        torch.nn.CrossEntropyLoss()(logits, labels)
+    assert str(theirs.value) == "Target 11 is out of bounds."
+    with pytest.raises(tnn.TargetError) as info:
+        tnn.CrossEntropyLoss()(logits, labels)
+    assert info.value.message == ("tiledsl.nn.cross_entropy: target 11 is out of bounds for 11 classes "
+                                  "(targets are 0 to 10, or ignore_index -100)")
+
+
+def test_cross_entropy_checks_targets_in_a_traced_graph():
+    """Traced (make_fx, torch.compile), the check is torch._assert_async, kept in the graph:
+    a bad target raises RuntimeError when the graph runs on the CPU (a device-side assert on
+    CUDA); good targets give torch's loss."""
+    loss = tnn.CrossEntropyLoss(label_smoothing=0.1)
+    logits = randn(9, 5, seed=46)
+    good = torch.tensor([0, 4, 3, -100, 2, 1, 1, 0, 4])
+    bad = good.clone()
+    bad[6] = 5
+    graph = make_fx(loss)(logits, good)
+    assert torch.ops.aten._assert_async.msg in [n.target for n in graph.graph.nodes]
+    compiled = torch.compile(loss, fullgraph=True)
+    theirs = torch.nn.CrossEntropyLoss(label_smoothing=0.1)
+    for fn in (graph, compiled):
+        report = testing.compare(fn(logits, good), theirs(logits.double(), good), theirs(logits, good))
+        assert report.ok, report
+        with pytest.raises(RuntimeError) as info:
+            fn(logits, bad)
+        assert str(info.value) == ("tiledsl.nn.cross_entropy: a target is out of bounds (targets are class "
+                                   "indices, 0 to the number of classes - 1, or ignore_index -100)")
+
+
+@pytest.mark.gpu
+def test_cross_entropy_checks_targets_on_cuda_without_a_sync():
+    """On CUDA the check is a device-side assert: no host sync (CUDA's sync debug mode would
+    raise on one), and a bad target fails the process's CUDA context at the next sync, as
+    torch's own cross-entropy does (so it runs in a child process)."""
+    labels = torch.tensor([0, 4, 3, -100, 2], device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        tnn._check_targets(labels, 5, -100)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    script = ("import torch, tiledsl.nn as tnn\n"
+              "logits = torch.randn(5, 5, device='cuda')\n"
+              "tnn.CrossEntropyLoss()(logits, torch.tensor([0, 4, 3, 7, 2], device='cuda'))\n"
+              "torch.cuda.synchronize()\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert proc.returncode != 0 and "device-side assert triggered" in proc.stderr, proc.stderr
 
 
 # --- torch.fx ---------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from torch.overrides import handle_torch_function, has_torch_function
 from tiledsl import diagnostics as diag
 
 __all__ = ["RMSNorm", "LayerNorm", "SwiGLU", "CrossEntropyLoss", "apply_rotary", "Attention", "program",
-           "rms_norm", "layer_norm", "swiglu", "cross_entropy", "attention"]
+           "rms_norm", "layer_norm", "swiglu", "cross_entropy", "attention", "TargetError"]
 
 _FILES = {"rms_norm": "norms", "rms_norm_unscaled": "norms", "layer_norm": "norms",
           "layer_norm_scaled": "norms", "layer_norm_unscaled": "norms", "swiglu": "mlp",
@@ -155,6 +155,43 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
 apply_rotary = _overridable(apply_rotary)
 
 
+class TargetError(diag.TileDSLError, IndexError):
+    """A class-index target of cross-entropy outside its classes. torch raises IndexError
+    ("Target 7 is out of bounds."); this is an IndexError too, so code catching torch's
+    catches it."""
+
+    template = ("tiledsl.nn.cross_entropy: target {target} is out of bounds for {classes} classes "
+                "(targets are 0 to {last}, or ignore_index {ignore_index})")
+
+
+def _check_targets(labels: torch.Tensor, classes: int, ignore_index: int) -> None:
+    """torch's rule: a target is a class, 0 to classes - 1, or ignore_index. Unchecked, the
+    kernel's gather would read a negative one from the end and one past the end as 0, and
+    give a plausible loss.
+
+    Not the compiler's `check_bounds`: it accepts [-C, C) (a negative index counts from the
+    end, as NumPy's), and it reads its counts on the host after every call, a device sync
+    on CUDA (and a program with it is no CUDA graph). On the CPU, where reading the flag
+    costs nothing, the check raises `TargetError` naming the first bad target, as torch's
+    CPU kernel does. On CUDA, and whenever a call goes through the op (`_through_op`: under
+    torch.compile, make_fx or torch.jit.trace, where a host branch would be baked into the
+    graph or break it; under autocast too), it is `torch._assert_async`: a device-side
+    assert, as torch's CUDA kernel has, with no sync; it fails at the next sync
+    ("device-side assert triggered"), or raises RuntimeError with the message below on the
+    CPU."""
+    from tiledsl.api import _through_op
+
+    valid = ((labels >= 0) & (labels < classes)) | (labels == ignore_index)
+    if labels.device.type == "cpu" and not _through_op((labels,), {}):
+        if not valid.all():
+            raise TargetError(target=int(labels[~valid][0]), classes=classes, last=classes - 1,
+                              ignore_index=ignore_index)
+        return
+    torch._assert_async(valid.all(), (
+        "tiledsl.nn.cross_entropy: a target is out of bounds (targets are class indices, 0 to "
+        f"the number of classes - 1, or ignore_index {ignore_index})"))
+
+
 def _loss_options(who: str, reduction: str, label_smoothing: float) -> None:
     if reduction not in ("mean", "sum", "none"):
         raise diag.OptionError(message=(
@@ -167,7 +204,8 @@ def _loss_options(who: str, reduction: str, label_smoothing: float) -> None:
 @_overridable
 def cross_entropy(input: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,  # noqa: A002
                   reduction: str = "mean", label_smoothing: float = 0.0) -> torch.Tensor:
-    """`torch.nn.functional.cross_entropy` for class-index targets (see `CrossEntropyLoss`)."""
+    """`torch.nn.functional.cross_entropy` for class-index targets (see `CrossEntropyLoss`).
+    A target that is neither a class nor `ignore_index` is an error (`_check_targets`)."""
     _loss_options("tiledsl.nn.cross_entropy", reduction, label_smoothing)
     if target.is_floating_point():
         raise diag.ArgumentError(message=(
@@ -177,6 +215,7 @@ def cross_entropy(input: torch.Tensor, target: torch.Tensor, ignore_index: int =
     logits = input.movedim(1, -1) if input.dim() > 2 else input
     logits = logits.reshape(-1, classes)
     labels = target.reshape(-1).long()
+    _check_targets(labels, classes, ignore_index)
     if label_smoothing > 0:
         loss = program("cross_entropy_smoothed")(logits, labels, ignore_index, float(label_smoothing))
     else:  # torch's plain path: the smoothing term, inf in a row with a -inf logit, not computed
@@ -303,7 +342,9 @@ class CrossEntropyLoss(nn.Module):
     `label_smoothing` and `reduction` ("mean" over the targets not ignored, "sum",
     "none"); classes at dim 1 of an input of rank > 2, as torch's. Per-class `weight` and
     probability targets are not supported (refused with an error). -inf logits (a padded
-    vocabulary, masked tokens) give torch's results."""
+    vocabulary, masked tokens) give torch's results; a target that is neither a class nor
+    `ignore_index` raises `TargetError` (an IndexError) on the CPU, and is a device-side
+    assert on CUDA or in a traced graph, as torch's (see `_check_targets`)."""
 
     def __init__(self, weight: torch.Tensor | None = None, size_average=None, ignore_index: int = -100,
                  reduce=None, reduction: str = "mean", label_smoothing: float = 0.0) -> None:
