@@ -240,3 +240,69 @@ def test_autotune_json_that_cannot_be_saved_leaves_no_temp_file(tuner, capsys, m
         "this process only\n")
     assert json.loads(file.read_text()) == {"other": {"BLOCK_M": 64}}  # untouched
     assert choose() is CANDIDATES[1] and timed == [len(CANDIDATES)]  # remembered in memory
+
+
+# --- processes tuning at once keep each other's choices ------------------------------------------
+
+SAVER = """
+import os, sys, time
+from tiledsl.backends.triton import autotune
+worker, count, start = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+open(f"{start}.ready{worker}", "w").close()
+while not os.path.exists(start):
+    time.sleep(0.001)
+for i in range(count):
+    autotune._save_disk(f"kernel{worker}-{i}|M=512|test-gpu", {"BLOCK_M": 64 + i, "num_warps": worker})
+"""
+
+
+def test_concurrent_processes_saving_choices_keep_every_one(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    cache, start = tmp_path / "cache", tmp_path / "start"
+    cache.mkdir(mode=0o700)
+    env = {**os.environ, "TILEDSL_CACHE_DIR": str(cache)}
+    workers, count = 4, 30
+    procs = [subprocess.Popen([sys.executable, "-c", SAVER, str(w), str(count), str(start)], env=env,
+                              stderr=subprocess.PIPE, text=True) for w in range(workers)]
+    deadline = time.monotonic() + 240
+    while len(list(tmp_path.glob("start.ready*"))) < workers and time.monotonic() < deadline:
+        time.sleep(0.01)
+    start.touch()  # every worker is imported and waiting: they save at once
+    errors = [p.communicate(timeout=240)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0] * workers, errors
+    assert errors == [""] * workers
+    saved = json.loads((cache / "autotune.json").read_text())
+    assert saved == {f"kernel{w}-{i}|M=512|test-gpu": {"BLOCK_M": 64 + i, "num_warps": w}
+                     for w in range(workers) for i in range(count)}
+    assert not list(cache.glob(".tmp-*"))
+    assert stat.S_IMODE(os.stat(cache / "autotune.json.lock").st_mode) == 0o600
+
+
+def test_a_lock_file_that_is_not_a_file_does_not_stop_saving(tuner, capsys):
+    path, _ = tuner
+    (path / "autotune.json.lock").mkdir()
+    assert choose() is CANDIDATES[1]
+    assert json.loads((path / "autotune.json").read_text()) == {KEY: BEST}
+    err = capsys.readouterr().err
+    assert err.startswith(f"tiledsl: cannot lock {path / 'autotune.json.lock'} (") and err.endswith(
+        "); saving autotuning choices without it\n") and err.count("\n") == 1
+
+
+def test_saving_without_fcntl_still_saves(tuner, monkeypatch):
+    import builtins
+
+    path, _ = tuner
+    real_import = builtins.__import__
+
+    def no_fcntl(name, *args, **kwargs):
+        if name == "fcntl":
+            raise ImportError("No module named 'fcntl'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_fcntl)
+    assert choose() is CANDIDATES[1]
+    assert json.loads((path / "autotune.json").read_text()) == {KEY: BEST}
+    assert not (path / "autotune.json.lock").exists()

@@ -14,7 +14,8 @@ bucket times each candidate and keeps the fastest:
   Choices made on a spent budget are not saved, so a later process tunes them;
 - tuning that takes over a second prints one line on stderr.
 Choices are cached in memory and in `autotune.json` in the kernel cache
-directory (plain JSON, written atomically), keyed by the kernel's cache key,
+directory (plain JSON, read again and written atomically under a lock on
+`autotune.json.lock`, so processes tuning at once keep each other's choices), keyed by the kernel's cache key,
 the size bucket and the device name. That file is data, never trusted: one
 that is not a regular file, not a JSON object, or holds entries of the wrong
 shape is ignored (its kernels are tuned again; one line on stderr), and one
@@ -25,14 +26,16 @@ times is harmless.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import stat
 import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -123,15 +126,48 @@ def _is_choice(value: Any) -> bool:
 
 
 def _save_disk(key: str, choice: dict[str, Any]) -> None:
-    """Add one choice to `autotune.json`; a failure (a full disk) keeps it for this process only."""
-    data = _load_disk()
-    data[key] = choice
+    """Add one choice to `autotune.json`; a failure (a full disk) keeps it for this process only.
+    Other processes tune and save too: the file is read again and replaced under an exclusive
+    lock (`_locked`), so a choice another process saved meanwhile is kept, never overwritten
+    by a copy read before it was there."""
     path = _path()
     try:
-        write_atomic(path, json.dumps(data, indent=1, sort_keys=True).encode())
+        with _locked(path.with_name(path.name + ".lock")):
+            data = _load_disk()
+            data[key] = choice
+            write_atomic(path, json.dumps(data, indent=1, sort_keys=True).encode())
     except OSError as err:
         _warn(f"cannot save autotuning choices to {path}: {err.strerror or err}; they are kept for this "
               "process only")
+
+
+@contextlib.contextmanager
+def _locked(lock: Path) -> Iterator[None]:
+    """Hold an exclusive `flock` on the file `lock` (made if missing, mode 0600; it stays,
+    empty). Where there is no fcntl (Windows), or the lock file cannot be used (something
+    other than a regular file in its place), the save goes ahead unlocked, with one line on
+    stderr for the latter."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
+                     | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0), 0o600)
+    except OSError as err:
+        _warn(f"cannot lock {lock} ({err.strerror or err}); saving autotuning choices without it")
+        yield
+        return
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            _warn(f"cannot lock {lock} (not a regular file); saving autotuning choices without it")
+            yield
+            return
+        fcntl.flock(fd, fcntl.LOCK_EX)  # released when fd is closed, or the process dies
+        yield
+    finally:
+        os.close(fd)
 
 
 def _warn(message: str) -> None:
