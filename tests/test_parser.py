@@ -199,3 +199,40 @@ def test_chained_comparison_parses_for_a_later_error():
 def test_depth_is_recorded():
     e = ret("((a + b) * c) - a")
     assert e.depth == 4
+
+
+BIDI_NOTE = ("note: this codepoint changes the order in which text is shown, so the program a reader "
+             "sees can differ from the one compiled (Trojan Source, CVE-2021-42574); if its presence "
+             "wasn't intentional, remove it")
+
+
+@pytest.mark.parametrize("codepoint", [chr(c) for c in (*range(0x202A, 0x202F), *range(0x2066, 0x206A))])
+@pytest.mark.parametrize("line, where, column", [
+    ("    return x  # admin: {c} }} return x * 0.0 {c}", "comment", 24),
+    ('    return gelu(x, approximate="tanh{c}")', "string", 37),
+    ("    return x{c}", "code", 13),
+])
+def test_bidi_overrides_and_isolates_are_refused_where_they_stand(codepoint, line, where, column):
+    """Trojan Source (CVE-2021-42574): a bidi control reorders what an editor shows, so a
+    comment or string can show code that is not the code compiled. rustc refuses them in
+    comments and literals; so does tiledsl, and anywhere else. The shown line escapes it."""
+    src = "kernel f(x: f32[N]) -> f32[N] {\n" + line.format(c=codepoint) + "\n}\n"
+    err = syntax_error(src)
+    name = {0x202A: "LEFT-TO-RIGHT EMBEDDING", 0x202B: "RIGHT-TO-LEFT EMBEDDING",
+            0x202C: "POP DIRECTIONAL FORMATTING", 0x202D: "LEFT-TO-RIGHT OVERRIDE",
+            0x202E: "RIGHT-TO-LEFT OVERRIDE", 0x2066: "LEFT-TO-RIGHT ISOLATE",
+            0x2067: "RIGHT-TO-LEFT ISOLATE", 0x2068: "FIRST STRONG ISOLATE",
+            0x2069: "POP DIRECTIONAL ISOLATE"}[ord(codepoint)]
+    lines = str(err).splitlines()
+    assert lines[0] == (f"p.tdsl:2:{column}: error: unicode codepoint changing visible direction of text "
+                        f"present in {where}: U+{ord(codepoint):04X} {name}")
+    assert lines[1] == "    " + line.format(c=f"\\u{ord(codepoint):04x}")
+    assert lines[3] == BIDI_NOTE
+    assert all(codepoint not in text for text in lines)
+
+
+def test_other_unicode_in_comments_and_strings_is_fine():
+    """Only the bidi controls are refused: an accented comment, or a right-to-left script
+    without controls (its order is the text's own), parses."""
+    src = "kernel f(x: f32[N]) -> f32[N] {  # café, \u05e9\u05dc\u05d5\u05dd\n    return x\n}\n"
+    assert len(body(src)) == 1

@@ -136,11 +136,30 @@ def test_gemm_epilogues_calling_f64_slow_paths_take_tiles_that_do_not_spill(body
      "literal), got weak f32"),
     ("rand(x, x)", "<string>:1:45: error: a seed is an integer scalar (an i32 or i64 parameter, or a "
      "literal), got f32[M]"),
-    ("dropout(x, 1.5, 0)", "<string>:1:56: error: the probability of dropout must be between 0 and 1, "
-     "got 1.5"),
+    ("dropout(x, 1.5, 0)", "<string>:1:56: error: dropout probability has to be between 0 and 1, "
+     "but got 1.5"),
+    ("dropout(x, -0.5, 0)", "<string>:1:56: error: dropout probability has to be between 0 and 1, "
+     "but got -0.5"),
+    ("dropout(x, 0.5 * 3, 0)", "<string>:1:56: error: dropout probability has to be between 0 and 1, "
+     "but got 1.5"),
+    ("dropout(x, 2, 0)", "<string>:1:56: error: dropout probability has to be between 0 and 1, "
+     "but got 2"),
+    ("dropout(x, -inf, 0)", "<string>:1:56: error: dropout probability has to be between 0 and 1, "
+     "but got -inf"),
     ("dropout(cast(x, i32), 0.5, 0)", "<string>:1:53: error: dropout needs a float value, got i32[M]"),
 ])
 def test_random_errors(src, error):
     with pytest.raises(TileDSLError) as err:
         tiledsl.compile(f"kernel f(x: f32[M]) -> f32[M] {{ return cast({src}, f32) }}")
     assert str(err.value).splitlines()[0] == error
+
+
+def test_a_scalar_parameter_p_carries_dropouts_bounds_for_the_call():
+    """A p given at the call cannot be checked at compile time: the parameter records the
+    range torch's dropout asks of it and where it is used, for the binder to check."""
+    fn = tiledsl.compile("kernel f(x: f32[M], p: f32) -> f32[M] {\n    return dropout(x, p, 0)\n}")
+    graph = fn.source_graph
+    ((lo, hi, what, span),) = graph.op(graph.params[1]).attr("bounds")
+    assert (lo, hi, what, span.location(), span.text) == (0.0, 1.0, "dropout probability", "<string>:2:12",
+                                                          "dropout(x, p, 0)")
+    assert graph.op(graph.params[0]).attr("bounds") is None

@@ -143,6 +143,13 @@ class LimitError(TileDSLError):
     template = "{what} exceeds the limit of {limit}"
 
 
+class BidiCodepointError(ParseError):
+    """A Unicode bidi override or isolate in the text (Trojan Source, CVE-2021-42574):
+    rustc's `text_direction_codepoint_in_comment`/`_in_literal`, refused."""
+
+    template = "unicode codepoint changing visible direction of text present in {where}: {codepoint}"
+
+
 # --- names and calls ----------------------------------------------------------
 
 
@@ -204,6 +211,12 @@ class UnpackError(TileDSLError):
 
 class ConstantExpected(TileDSLError):
     template = "{what} must be {expected}"
+
+
+class DropoutProbabilityError(TileDSLError):
+    """torch's F.dropout refusal, word for word."""
+
+    template = "dropout probability has to be between 0 and 1, but got {value}"
 
 
 # --- types and shapes ---------------------------------------------------------

@@ -10,6 +10,8 @@ tree is built.
 from __future__ import annotations
 
 import functools
+import re
+import unicodedata
 from collections.abc import Iterator
 from importlib import resources
 
@@ -21,6 +23,7 @@ from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput
 from tiledsl import ast
 from tiledsl.builtins import BUILTINS, TORCH_SPELLINGS
 from tiledsl.diagnostics import (
+    BidiCodepointError,
     EmptySourceError,
     LimitError,
     Note,
@@ -449,6 +452,40 @@ def normalize_newlines(text: str) -> str:
     return text.replace("\r\n", "\n").replace("\r", "\n") if "\r" in text else text
 
 
+# Unicode's explicit bidi embeddings, overrides and isolates (LRE RLE PDF LRO RLO, LRI RLI
+# FSI PDI): they reorder how a line is shown, so a comment or string can show code that is
+# not the code compiled (Trojan Source, CVE-2021-42574). rustc refuses the same set.
+BIDI_CODEPOINTS = re.compile("[\u202a-\u202e\u2066-\u2069]")
+_BIDI_NOTE = ("this codepoint changes the order in which text is shown, so the program a reader "
+              "sees can differ from the one compiled (Trojan Source, CVE-2021-42574); if its "
+              "presence wasn't intentional, remove it")
+
+
+def refuse_bidi(source: Source) -> None:
+    """A located error at the first bidi codepoint of the text, naming where it stands: in
+    a comment, in a string, or in code."""
+    text = source.text
+    found = BIDI_CODEPOINTS.search(text)
+    if found is None:
+        return
+    first = found.start()
+    where, quote = "code", None
+    for i in range(text.rfind("\n", 0, first) + 1, first):
+        ch = text[i]
+        if quote is not None:
+            quote = None if ch == quote else quote
+        elif ch in "\"'":
+            quote = ch
+        elif ch == "#":
+            where = "comment"
+            break
+    if quote is not None:
+        where = "string"
+    ch = text[first]
+    raise BidiCodepointError(Span(source, first, first + 1), [Note(_BIDI_NOTE)], where=where,
+                             codepoint=f"U+{ord(ch):04X} {unicodedata.name(ch)}")
+
+
 def parse(text: str, name: str = "<string>") -> ast.Program:
     """Parse program text into an AST, raising `TileDSLError` on any problem."""
     if len(text) > MAX_SOURCE_CHARS:
@@ -456,6 +493,7 @@ def parse(text: str, name: str = "<string>") -> ast.Program:
                          limit=MAX_SOURCE_CHARS)
     text = normalize_newlines(text)
     source = Source(text, name)
+    refuse_bidi(source)
     try:
         tree = _lark().parse(text)
     except UnexpectedInput as err:

@@ -493,10 +493,7 @@ class _KernelBuilder:
         if not t.dtype.is_float:
             raise diag.DTypeError(xspan, message=f"dropout needs a float value, got {t}")
         p, pspan = self._value(args, "p")
-        given = self.graph.op(p)
-        if given.kind == "const" and not 0.0 <= given.attr("value") <= 1.0:
-            raise diag.ConstantExpected(pspan, what="the probability of dropout",
-                                        expected=f"between 0 and 1, got {given.attr('value')}")
+        self._probability(p, pspan, e.span)
         u = self._random(x, self._value(args, "seed"), e.span, "uniform")
         keep = self.b.user_op("ge", [(u, e.span), (p, pspan)], e.span)
         one = self.b.const(1.0, DType.F32, e.span)
@@ -508,6 +505,19 @@ class _KernelBuilder:
         if self.graph.op(out).dtype is not t.dtype:  # a p given as an f32 parameter
             out = self.b.user_op("cast", [(out, e.span)], e.span, dtype=t.dtype)
         return out
+
+    def _probability(self, p: int, pspan: Span, span: Span) -> None:
+        """dropout's p outside [0, 1] is refused as torch refuses it: a p of literals here;
+        a scalar parameter at each call (its `bounds`, which the binder checks)."""
+        value = _folded(self.graph, p)
+        if value is not None:
+            if not 0.0 <= value <= 1.0:
+                raise diag.DropoutProbabilityError(pspan, value=value)
+            return
+        op = self.graph.op(p)
+        if op.kind == "param":
+            bounds = (*op.attr("bounds", ()), (0.0, 1.0, "dropout probability", span))
+            self.graph.set_op(p, op.replace(attrs=make_attrs(**(op.attr_map | {"bounds": bounds}))))
 
     def _random(self, x: int, seed: tuple[int, Span], span: Span, dist: str) -> int:
         """`random` at each element's flat (row-major) position in x, an i64."""
@@ -593,6 +603,24 @@ def _bind(b: Builtin, call: ast.Call) -> dict[str, ast.Expr]:
         if arg is not None and p.kind == "value" and isinstance(arg, ast.StrLit):
             raise diag.DTypeError(arg.span, message=f"'{p.name}' of '{b.name}' cannot be a string")
     return bound
+
+
+def _folded(graph: Graph, node: int) -> object:
+    """The value of a weak scalar expression of literals (`-0.5`, `0.5 * 3`), folded as
+    Python computes it; None for anything else."""
+    op = graph.op(node)
+    if op.kind == "const":
+        return op.attr("value")
+    fold = ops.OPS[op.kind].fold if op.kind in ops.OPS else None
+    if fold is None or not op.weak or op.shape or not ops.is_elementwise(op.kind):
+        return None
+    values = [_folded(graph, o) for o in graph.operands(node)]
+    if any(v is None for v in values):
+        return None
+    try:
+        return fold(*values, **op.attr_map)
+    except (ArithmeticError, ValueError, TypeError):
+        return None
 
 
 def _constant(expr: ast.Expr | None, param: BParam, func: str) -> object:
