@@ -80,8 +80,12 @@ def compute_dtype(dtype: DType, float64: bool) -> torch.dtype:
 def _to_mode(value: Any, param: Op, float64: bool) -> Any:
     if isinstance(value, torch.Tensor):
         return value.to(compute_dtype(param.dtype, float64))
-    # a scalar parameter is a 0-dim tensor (it is not weak)
-    return torch.tensor(value, dtype=compute_dtype(param.dtype, float64))
+    # a scalar parameter is a 0-dim tensor (it is not weak); a float one is held at f32
+    # whatever its declared float dtype, not rounded to f16 or bf16: torch computes with a
+    # Python scalar so beside a half-precision tensor (in f32, rounding the result once),
+    # and so do the kernels, which take it as an f32 argument
+    dtype = torch.float32 if param.dtype.is_float and not float64 else compute_dtype(param.dtype, float64)
+    return torch.tensor(value, dtype=dtype)
 
 
 def _materialize(v: Any, dtype: DType, float64: bool, device) -> torch.Tensor:
