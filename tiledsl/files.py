@@ -12,6 +12,7 @@ only up to that bound.
 from __future__ import annotations
 
 import os
+import re
 import stat
 from pathlib import Path
 from typing import BinaryIO
@@ -23,19 +24,43 @@ MAX_SOURCE_BYTES = 4 * MAX_SOURCE_CHARS  # the most UTF-8 bytes a program within
 _CHUNK = 1 << 20
 
 
+# A kernel's declaration, `kernel NAME(` or `kernel NAME[T: ...](`: what every program has
+# and no file name does (`runs/{exp}/kernel.tdsl` has none)
+_DECLARATION = re.compile(r"\bkernel\s+\w+\s*[\[(]")
+
+
 def load_source(source: str | os.PathLike) -> tuple[str, str]:
-    """(text, display name) of program text or a path to a .tdsl file. A one-line string
-    without a brace that ends in .tdsl or names something that exists (a file, or a
-    device such as /dev/stdin) is a path."""
+    """(text, display name) of program text or a path to a .tdsl file. A path object is a
+    path; a string is a path when it names something that exists (a file, or a device such
+    as /dev/stdin: braces and newlines are allowed in file names), or when it is one line
+    ending in `.tdsl` with no kernel declaration in it (so `runs/{exp}/k.tdsl` is a path,
+    and a missing one says so: "cannot read ...: No such file or directory"). Any other
+    string is program text."""
     from tiledsl.api import check_option  # api imports this module
 
     check_option("compile()", "source", source, "program text or a path", str, os.PathLike)
-    if isinstance(source, os.PathLike) or (
-        "\n" not in source and "{" not in source
-        and (source.endswith(".tdsl") or os.path.exists(source))
-    ):
+    if isinstance(source, os.PathLike) or is_path(source):
         return read_program(Path(source))
     return source, "<string>"
+
+
+def is_path(source: str) -> bool:
+    """Is a string given to `compile()` a path (`load_source`'s rule)?"""
+    one_line = "\n" not in source and "\r" not in source
+    if one_line and source.endswith(".tdsl") and not _DECLARATION.search(source):
+        return True
+    return _exists(source)
+
+
+def _exists(source: str) -> bool:
+    """Does `source` name something (a dangling link too)? Program text is rarely a
+    possible file name (at most 4096 bytes, no NUL), so this is mostly not asked."""
+    if len(source) > 4096 or "\0" in source:
+        return False
+    try:
+        return os.path.lexists(source)
+    except (OSError, ValueError):  # a name that cannot be encoded
+        return False
 
 
 def read_program(path: Path) -> tuple[str, str]:
