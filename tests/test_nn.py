@@ -207,7 +207,8 @@ def test_modules_refuse_what_they_do_not_support():
                                   "size_average/reduce are not supported")
     with pytest.raises(diag.ArgumentError) as info:
         tnn.CrossEntropyLoss()(randn(4, 3), torch.rand(4, 3))
-    assert "probability targets are not supported" in info.value.message
+    assert info.value.message == ("tiledsl.nn.cross_entropy: class-index targets only (probability targets "
+                                  "are not supported)")
     with pytest.raises(diag.ArgumentError) as info:
         tnn.RMSNorm(8)(randn(4, 7))
     assert info.value.message == "rms_norm: expected an input whose last dims are [8], got [4, 7]"
@@ -216,6 +217,42 @@ def test_modules_refuse_what_they_do_not_support():
     assert info.value.message == "tiledsl.nn.Attention: score_mod must be one expression, got 's)\\n    t = (s'"
     with pytest.raises(diag.UnexpectedTokenError):
         tnn.Attention("s }")
+
+
+class Functional(torch.nn.Module):
+    """`fn(x, *params)`, the params as parameters (so the oracle checks their gradients)."""
+
+    def __init__(self, fn, *params: torch.Tensor) -> None:
+        super().__init__()
+        self.fn = fn
+        self.params = torch.nn.ParameterList(params)
+
+    def forward(self, x):
+        return self.fn(x, *self.params)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_functions_are_torch_nn_functionals(dtype):
+    """The functions the modules' forwards call, against torch.nn.functional's (layer_norm
+    with a bias and no weight too, which no module of either makes) and against the gated
+    MLP written with F.linear."""
+    x = randn(3, 5, 33, dtype=dtype, seed=60) * 2 + 0.5
+    w, b = (randn(33, dtype=dtype, seed=s) * 0.5 + 1 for s in (61, 62))
+    cases = [
+        (lambda x, w: tnn.rms_norm(x, 33, w, 1e-6), lambda x, w: F.rms_norm(x, (33,), w, 1e-6), [w]),
+        (lambda x, w, b: tnn.layer_norm(x, (33,), w, b), lambda x, w, b: F.layer_norm(x, (33,), w, b), [w, b]),
+        (lambda x, b: tnn.layer_norm(x, (33,), bias=b), lambda x, b: F.layer_norm(x, (33,), bias=b), [b]),
+        (lambda x: tnn.layer_norm(x, [5, 33], eps=1e-3), lambda x: F.layer_norm(x, [5, 33], eps=1e-3), []),
+    ]
+    gate, up, down = (randn(*shape, dtype=dtype, seed=63 + i) * 0.2
+                      for i, shape in enumerate(((40, 33), (40, 33), (33, 40))))
+    cases.append((tnn.swiglu, lambda x, g, u, d: F.linear(F.silu(F.linear(x, g)) * F.linear(x, u), d),
+                  [gate, up, down]))
+    for ours, theirs, params in cases:
+        assert_matches(Functional(ours, *params), Functional(theirs, *params), x)
+    with pytest.raises(diag.ArgumentError) as info:
+        tnn.swiglu(x, gate, up, down, gate_bias=b)
+    assert info.value.message == "tiledsl.nn.swiglu: give the three biases (gate_bias, up_bias, down_bias) or none"
 
 
 def test_library_programs_are_readable_generic_programs():

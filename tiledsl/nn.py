@@ -63,10 +63,10 @@ def program(name: str) -> Any:
     return fn
 
 
-F = TypeVar("F", bound=Callable[..., Any])
+_Fn = TypeVar("_Fn", bound=Callable[..., Any])
 
 
-def _overridable(fn: F) -> F:
+def _overridable(fn: _Fn) -> _Fn:
     """`fn` with torch.nn.functional's `__torch_function__` protocol: a call given an
     argument that overrides it (torch.fx's Proxy under `symbolic_trace`), or made under a
     TorchFunctionMode, is handed to that. `symbolic_trace` then records the call as one node
@@ -144,15 +144,13 @@ def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Te
     return program("swiglu_biased")(x, gate, gate_bias, up, up_bias, down, down_bias)
 
 
+@_overridable
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Hugging Face's `apply_rotary_pos_emb(q, k, cos, sin)` (rotate-half): q `[B, H, S, D]`,
     k `[B, KH, S, D]`, cos and sin `[B, S, D]` (broadcast over the heads); one kernel for
     both."""
     return program("rotary")(q, k, cos, sin)
-
-
-apply_rotary = _overridable(apply_rotary)
 
 
 class TargetError(diag.TileDSLError, IndexError):
