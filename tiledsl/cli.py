@@ -566,13 +566,25 @@ def _cmd_check(args) -> int:
     text, name = _read(args.file)
     program = parse(text, name)
     for k in program.kernels:
-        if generic.is_generic(k):  # every dtype binding, with one leading dim
+        if generic.is_generic(k):  # its dtype bindings (or a covering set), one leading dim
             generic.check(k)
-            bindings = generic.every_binding(k)
-            for b in bindings:
-                analyze(generic.specialize(k, b))
-            print(f"{name}: kernel '{k.name}' ok ({len(bindings)} bindings: "
-                  + "; ".join(str(b) for b in bindings) + ")")
+            checked = generic.check_bindings(k)
+            for b in checked.bindings:
+                try:
+                    analyze(generic.specialize(k, b))
+                except diag.TileDSLError as err:
+                    err.notes += (diag.Note(f"with the binding {b}"),)
+                    raise
+            n = len(checked.bindings)
+            if checked.coverage == "every":
+                print(f"{name}: kernel '{k.name}' ok ({n} bindings: "
+                      + "; ".join(str(b) for b in checked.bindings) + ")")
+            else:
+                what = ("every pair of dtypes of two variables" if checked.coverage == "pairs"
+                        else "every dtype of each variable")
+                total = (str(checked.total) if checked.total < 10**18
+                         else f"about 10^{math.floor(math.log10(checked.total))}")
+                print(f"{name}: kernel '{k.name}' ok ({n} bindings of {total}: {what})")
             continue
         analyze(k)
         print(f"{name}: kernel '{k.name}' ok")

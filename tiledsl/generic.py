@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +26,7 @@ import torch
 
 from tiledsl import ast
 from tiledsl import diagnostics as diag
-from tiledsl.types import DTYPES, PARAM_DTYPES
+from tiledsl.types import DTYPES, MAX_RANK, PARAM_DTYPES
 
 ELLIPSIS = "..."
 
@@ -289,8 +290,23 @@ def given(kernel: ast.Kernel, batch: int, dtypes: Mapping[str, str], where: str)
                 f"{where}: {var}={dtype!r} is not one of {' | '.join(variables[var].dtypes)}"))
     if batch < 0:
         raise diag.OptionError(message=f"{where}: '...' stands for 0 or more dims, not {batch}")
+    _check_rank(kernel, batch)
     leads = tuple(batch for p in kernel.params if has_ellipsis(p.type))
     return Binding(tuple((v, dtypes[v]) for v in variables), batch, leads)
+
+
+def _check_rank(kernel: ast.Kernel, batch: int) -> None:
+    """Refuse a binding whose `...` makes some type's rank pass `MAX_RANK` before its batch
+    dims are named (a binding of 10^8 dims would build 10^8 names first): the rank-limit
+    error sema gives for that type, at the first such type (parameters, then results)."""
+    for t in _types(kernel):
+        if has_ellipsis(t) and len(t.dims) - 1 + batch > MAX_RANK:
+            raise diag.LimitError(t.span, what=f"rank {len(t.dims) - 1 + batch}", limit=MAX_RANK)
+
+
+# Digits of a `--bind ...=N` read as a number: any more name a rank past every limit, and
+# int() of thousands of digits is refused by Python (or slow).
+_MAX_BATCH_DIGITS = 18
 
 
 def parse_binding(kernel: ast.Kernel, text: str) -> Binding:
@@ -303,9 +319,16 @@ def parse_binding(kernel: ast.Kernel, text: str) -> Binding:
         if not eq:
             raise diag.OptionError(message=f"--bind {text}: give NAME=VALUE pairs, e.g. T=bf16,...=2")
         if name == ELLIPSIS:
-            if not value.isdigit():
-                raise diag.OptionError(message=f"--bind {text}: '...' takes a number of dims, got {value!r}")
-            batch = int(value)
+            # ASCII digits only: str.isdigit() takes '²' and '١', which int() refuses or reads
+            if not (value.isascii() and value.isdigit()):
+                raise diag.OptionError(message=(
+                    f"--bind {text}: '...' takes a number of dims, got {value[:40]!r}"))
+            digits = value.lstrip("0") or "0"
+            if len(digits) > _MAX_BATCH_DIGITS:
+                raise diag.OptionError(message=(
+                    f"--bind {text[:80]}...: '...' takes a number of dims; {len(digits)} digits "
+                    f"pass the rank limit of {MAX_RANK}"))
+            batch = int(digits)
         else:
             dtypes[name] = value
     return given(kernel, batch, dtypes, f"--bind {text}")
@@ -318,3 +341,40 @@ def every_binding(kernel: ast.Kernel, batch: int = 1) -> list[Binding]:
     names = [tp.name for tp in kernel.type_params]
     return [given(kernel, batch, dict(zip(names, combo, strict=True)), "check")
             for combo in itertools.product(*(tp.dtypes for tp in kernel.type_params))]
+
+
+# `tiledsl check` checks every combination of a kernel's dtypes up to this many; past it, a
+# covering set (eight variables of eleven dtypes each are 2 * 10^8 combinations)
+CHECK_EVERY = 64
+# ... in which every two variables' dtypes meet, while there are at most this many such pairs
+# (about 18 variables of eleven dtypes; the set is a few hundred bindings); past it, one in
+# which each variable takes each of its dtypes
+CHECK_PAIRS = 20_000
+
+
+@dataclass(frozen=True, slots=True)
+class CheckSet:
+    """The bindings `tiledsl check` checks, of `total` combinations: "every" one, a set in
+    which every pair of dtypes of two variables occurs ("pairs"), or one in which every
+    dtype of every variable does ("dtypes")."""
+
+    bindings: tuple[Binding, ...]
+    total: int
+    coverage: str
+
+
+def check_bindings(kernel: ast.Kernel, batch: int = 1) -> CheckSet:
+    """The bindings to check a generic kernel with, without enumerating more than
+    CHECK_EVERY combinations (`tiledsl.covering`)."""
+    from tiledsl import covering
+
+    domains = [len(tp.dtypes) for tp in kernel.type_params]
+    total = math.prod(domains)
+    if total <= CHECK_EVERY:
+        return CheckSet(tuple(every_binding(kernel, batch)), total, "every")
+    if covering.pair_count(domains) <= CHECK_PAIRS:
+        rows, coverage = covering.pairwise(domains), "pairs"
+    else:
+        rows, coverage = covering.each_choice(domains), "dtypes"
+    return CheckSet(tuple(given(kernel, batch, {tp.name: tp.dtypes[c] for tp, c in zip(
+        kernel.type_params, row, strict=True)}, "check") for row in rows), total, coverage)
