@@ -14,19 +14,23 @@
     tiledsl passes                 the registered passes
 
 Every subcommand that reads a program takes `-k/--kernel NAME` for files with
-several kernels. Errors print as compiler diagnostics and exit with status 1.
+several kernels. Errors print as compiler diagnostics and exit with status 1; so does a
+standard output that cannot be written (`tiledsl: write error: ...`), and a reader that
+went away (`| head`) ends a command quietly, with status 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import functools
 import math
 import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -37,7 +41,8 @@ from tiledsl.dims import evaluate
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tiledsl", description="tiledsl: tile DSL -> fused Triton kernels")
-    p.add_argument("-V", "--version", action="version", version=_version())
+    p.add_argument("-V", "--version", action=_VersionAction, nargs=0,
+                   help="print tiledsl's version and those of torch, Triton and Python, and exit")
     sub = p.add_subparsers(dest="command", required=True)
 
     def program_command(name: str, help_text: str) -> argparse.ArgumentParser:
@@ -90,6 +95,16 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+class _VersionAction(argparse.Action):
+    """--version, whose text (torch's and Triton's versions) is found only when asked for:
+    building the parser must import neither (importing Triton reads TRITON_INTERPRET, which
+    `tiledsl ptx` must clear first)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(_version())
+        parser.exit()
+
+
 def _version() -> str:
     """tiledsl's version and those of what it runs on."""
     import platform
@@ -104,14 +119,91 @@ def _version() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    """Run one command. Its output goes through `_Stdout`: a failed write to standard output
+    (a full disk, a closed descriptor) is one line on stderr and status 1, like coreutils'
+    `write error`; a reader that went away (`| head`) ends the command quietly with status 1,
+    as Python's documentation of SIGPIPE advises."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    stdout = sys.stdout
+    sys.stdout = checked = _Stdout(stdout)
     try:
-        return _COMMANDS[args.command](args)
+        try:
+            code = _dispatch(argv)
+        except SystemExit:  # argparse's --help and --version, and its usage errors
+            checked.flush()
+            raise
+        checked.flush()
+        return code
     except diag.TileDSLError as err:
         print(str(err), file=sys.stderr)
         return 1
-    except BrokenPipeError:  # e.g. `tiledsl triton f.tdsl | head`
-        return 0
+    except BrokenPipeError:
+        _discard(stdout)
+        return 1
+    except _WriteError as err:
+        _discard(stdout)
+        print(f"tiledsl: write error: {os.strerror(err.errno)}", file=sys.stderr)
+        return 1
+    finally:
+        sys.stdout = stdout
+
+
+def _dispatch(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "ptx" and _triton_interprets():
+        return _ptx_in_fresh_process(args, argv)
+    return _COMMANDS[args.command](args)
+
+
+class _WriteError(Exception):
+    """Standard output could not be written (`errno`: why)."""
+
+    def __init__(self, errno_: int) -> None:
+        super().__init__(errno_)
+        self.errno = errno_
+
+
+class _Stdout:
+    """Standard output for one command: writes go to `stream`, and a failed one raises
+    `_WriteError` (a closed descriptor, where Python made `sys.stdout` None, is EBADF), so
+    `main` can tell them from every other OSError. A broken pipe stays a BrokenPipeError.
+    Anything else (`encoding`, `isatty`) is the stream's."""
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        return self._do(lambda stream: stream.write(text))
+
+    def flush(self) -> None:
+        self._do(lambda stream: stream.flush())
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+    def _do(self, action):
+        if self._stream is None:
+            raise _WriteError(errno.EBADF)
+        try:
+            return action(self._stream)
+        except BrokenPipeError:
+            raise
+        except OSError as err:
+            raise _WriteError(err.errno or errno.EIO) from None
+
+
+def _discard(stream) -> None:
+    """Drop what `stream` still buffers: its descriptor is pointed at /dev/null, so the
+    interpreter's final flush neither fails again nor prints a traceback."""
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):  # not a file (a test's StringIO), or None
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
 
 
 def _read(path: str) -> tuple[str, str]:
@@ -440,17 +532,18 @@ def _cmd_ptx(args) -> int:
     # Triton reads TRITON_INTERPRET whenever @triton.jit runs, for its own standard library
     # when triton.language is imported: set, every kernel would be an InterpretedFunction,
     # which triton.compile cannot lower. ptx compiles kernels and runs none, so it needs no
-    # interpreter; nothing has imported Triton yet (this module imports it lazily).
+    # interpreter. `main` has made sure that no Triton imported with it set is loaded here.
     os.environ.pop("TRITON_INTERPRET", None)
     from tiledsl.backends.triton.aot import inspect_program_compiled
 
     arch = _gpu_arch(args.arch)
-    fn = _compile(args)
-    dims = _run_dims(fn, args.dims, limit=False)
-    inspections = inspect_program_compiled(fn, dims, _run_scalars(fn, args.scalar), args.all, arch)
+    with _dump_directory(args.dump) as dump:  # refused before anything is compiled
+        fn = _compile(args)
+        dims = _run_dims(fn, args.dims, limit=False)
+        inspections = inspect_program_compiled(fn, dims, _run_scalars(fn, args.scalar), args.all, arch)
+        if dump is not None:
+            _dump(dump, args.dump, inspections)
     reports = [i.report for i in inspections]
-    if args.dump:
-        _dump(Path(args.dump), inspections)
     if args.json:
         print(json.dumps({"kernels": [r.as_dict() for r in reports]}))
         return 0
@@ -464,6 +557,40 @@ def _cmd_ptx(args) -> int:
     return 0
 
 
+def _triton_interprets() -> bool:
+    """Was Triton already imported in this process with TRITON_INTERPRET=1 set (its standard
+    library built for the interpreter, so nothing here can compile for a GPU)? Whatever
+    imported it (a caller of `main`, a future import in tiledsl itself), `main` then runs
+    `ptx` in a fresh process."""
+    standard = sys.modules.get("triton.language.standard")
+    if standard is None:
+        return False
+    from triton.runtime.jit import JITFunction
+
+    return not isinstance(getattr(standard, "cdiv", None), JITFunction)
+
+
+def _ptx_in_fresh_process(args, argv: Sequence[str]) -> int:
+    """`tiledsl ptx ARGV` in a child process without TRITON_INTERPRET, its output and status
+    passed on as this process's (its program text read here when it is standard input)."""
+    import tiledsl
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = str(Path(tiledsl.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (root, env.get("PYTHONPATH"))))
+    source = None
+    if args.file == "-":
+        from tiledsl.files import read_stream
+
+        source = read_stream(getattr(sys.stdin, "buffer", None))[0].encode()
+    result = subprocess.run([sys.executable, "-m", "tiledsl.cli", *argv], env=env, input=source,
+                            stdin=subprocess.DEVNULL if source is None else None,
+                            capture_output=True, check=False)
+    sys.stderr.write(result.stderr.decode(errors="replace"))
+    sys.stdout.write(result.stdout.decode(errors="replace"))
+    return result.returncode
+
+
 def _loop_line(loop: dict) -> str:
     """One line of a kernel's loop profile."""
     mma = ", ".join(f"{n} {shape}" for shape, n in loop["mma"].items()) or "no mma"
@@ -475,25 +602,65 @@ def _loop_line(loop: dict) -> str:
             f"{m['memory']}: {m['bound']}-bound")
 
 
-def _dump(directory: Path, inspections: list) -> None:
+@contextlib.contextmanager
+def _dump_directory(text: str | None) -> Iterator[Path | None]:
+    """The `--dump DIR` directory, made (with its parents) and written to once before the
+    command compiles anything, so that a file or an unwritable place there is refused at
+    once; the directories made are removed again if the command fails."""
+    if text is None:
+        yield None
+        return
+    path = Path(text)
+    made = []  # the directories this makes, innermost first
+    for p in (path, *path.parents):
+        if os.path.lexists(p):
+            break
+        made.append(p)
+    try:
+        if os.path.lexists(path) and not path.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as err:
+        _remove_empty(made)
+        raise diag.OptionError(message=(
+            f"--dump {text}: cannot write files there ({err.strerror or err})")) from None
+    try:
+        yield path
+    except BaseException:
+        _remove_empty(made)
+        raise
+
+
+def _remove_empty(directories: list[Path]) -> None:
+    for d in directories:
+        with contextlib.suppress(OSError):
+            d.rmdir()
+
+
+def _dump(directory: Path, text: str, inspections: list) -> None:
     """Each kernel's compiled forms and report, as <kernel>.<ext>; with several
     configurations of one kernel (--all), <kernel>_c<i>.<ext>."""
     import json
 
-    directory.mkdir(parents=True, exist_ok=True)
     seen: dict[str, int] = {}
     for inspection in inspections:
         name = inspection.report.name
         seen[name] = seen.get(name, -1) + 1
         stem = name if seen[name] == 0 and sum(i.report.name == name for i in inspections) == 1 \
             else f"{name}_c{seen[name]}"
-        for ext, text in inspection.asm.items():
-            path = directory / f"{stem}.{ext}"
-            if isinstance(text, bytes):
-                path.write_bytes(text)
-            else:
-                path.write_text(text)
-        (directory / f"{stem}.json").write_text(json.dumps(inspection.report.as_dict(), indent=1) + "\n")
+        files = [(f"{stem}.{ext}", data) for ext, data in inspection.asm.items()]
+        files.append((f"{stem}.json", json.dumps(inspection.report.as_dict(), indent=1) + "\n"))
+        for filename, data in files:
+            try:
+                if isinstance(data, bytes):
+                    (directory / filename).write_bytes(data)
+                else:
+                    (directory / filename).write_text(data)
+            except OSError as err:  # a full disk, the directory removed meanwhile
+                raise diag.OptionError(message=(
+                    f"--dump {text}: cannot write {filename} ({err.strerror or err})")) from None
 
 
 def _gpu_arch(text: str) -> int:
