@@ -258,28 +258,49 @@ class GemmPlan:
 
 
 @dataclass(frozen=True, slots=True)
+class IndexSum:
+    """`i * i_coefficient + j * j_coefficient + sum(sign * value) + constant`: a sum the
+    mask computes in i32 from the query index i, the key index j and integer scalars (each
+    value as i32). Where some call's sizes or scalars carry it past i32 it wraps, as torch's
+    does, and the mask stops meaning its bound: the kernel keeps the bound only while every
+    such sum stays inside i32 for all the call's rows and keys (it walks every key with the
+    mask otherwise)."""
+
+    i_coefficient: int
+    j_coefficient: int
+    offsets: tuple[tuple[int, int], ...]
+    constant: int
+
+
+@dataclass(frozen=True, slots=True)
 class KeyBound:
     """A mask `where(i + a >= j + b, s, -inf)` (or >, or the mirrored <=, <) keeps key j
     of query row i only while j <= i + a - b (j < for strict): key blocks past the last
-    row's bound are skipped. `offsets` are (sign, value id) terms of a - b, `strict`
-    subtracts one more. `lower`: a second conjunct `j >= i + offsets + constant` (a
-    sliding window's start), whose blocks before the first row's start are skipped too.
-    `exact`: the mask's condition is these comparisons alone (no other conjunct), so a key
-    block inside the bounds for every row needs no mask."""
+    row's bound are skipped. `offsets` are (sign, value id) terms of a - b, each value
+    taken as i32 (as the mask's i32 arithmetic takes it), `strict` subtracts one more; the
+    kernel computes the bound where it cannot overflow (in int64 but for small literals).
+    `lower`: a second conjunct `j >= i + offsets + constant` (a sliding window's start),
+    whose blocks before the first row's start are skipped too. `exact`: the mask's
+    condition is these comparisons alone (no other conjunct), so a key block inside the
+    bounds for every row needs no mask. `checks`: the sums of the mask's index arithmetic
+    (of both bounds) that could wrap in i32; the bound holds at a call only while none does."""
 
     offsets: tuple[tuple[int, int], ...]
     constant: int
     strict: bool
     exact: bool = False
     lower: LowerBound | None = None
+    checks: tuple[IndexSum, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class LowerBound:
-    """Row i keeps key j only while j >= i + sum(sign * value) + constant."""
+    """Row i keeps key j only while j >= i + sum(sign * value) + constant (each value as
+    i32). `checks` as `KeyBound`'s, for this comparison."""
 
     offsets: tuple[tuple[int, int], ...]
     constant: int
+    checks: tuple[IndexSum, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -634,10 +655,19 @@ def _bound(bound: KeyBound | None, name: Name) -> str:
         text = "".join(f" {'+' if s > 0 else '-'} {name(v)}" for s, v in offsets)
         return text + (f" {'+' if constant > 0 else '-'} {abs(constant)}" if constant else "")
 
+    def index_sum(c: IndexSum) -> str:
+        parts = [f"{'-' if k < 0 else ''}{'' if abs(k) == 1 else f'{abs(k)} * '}{axis}"
+                 for axis, k in (("i", c.i_coefficient), ("j", c.j_coefficient)) if k]
+        return " + ".join(parts).replace("+ -", "- ") + terms(c.offsets, c.constant)
+
     text = f"j {'<' if bound.strict else '<='} i{terms(bound.offsets, bound.constant)}"
     if bound.lower is not None:
         text += f" and j >= i{terms(bound.lower.offsets, bound.lower.constant)}"
-    return text + (" exactly" if bound.exact else "")
+    text += " exactly" if bound.exact else ""
+    if bound.checks:
+        fit = "fits" if len(bound.checks) == 1 else "fit"
+        text += " while " + " and ".join(index_sum(c) for c in bound.checks) + f" {fit} i32"
+    return text
 
 
 def _layout(layout: Layout) -> str:

@@ -19,16 +19,19 @@ Columns past the sequence end are masked to -inf, head dims are padded to a powe
 two (BLOCK_D >= 16, tl.dot's smallest) with zeros. When the last op before
 the softmax is a mask with a known key bound (`causal`, or any
 `index(-2) + a >= index(-1) + b`), key blocks past the bound of the block's
-last row are not visited, and query blocks run heaviest first.
+last row are not visited, and query blocks run heaviest first. The bound is computed
+where it cannot overflow, and kept only while the mask's i32 sums cannot wrap at the
+call (`bound_offsets`): otherwise every key block is walked with the mask.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from tiledsl.dims import evaluate
 from tiledsl.ir import KernelOp, Op
-from tiledsl.plans import AttentionPlan
+from tiledsl.plans import AttentionPlan, KeyBound
 from tiledsl.types import Compute, DType
 
 from . import online, tma
@@ -52,6 +55,7 @@ from .matmul import operand_tile, tile_ptrs
 from .online import NEG_INF
 
 LOG2E = 1.4426950408889634
+I32_MIN, I32_MAX = DType.I32.int_range
 # score ops whose registers count (several of them per score spill 128-key tiles)
 TRANSCENDENTAL = ("exp", "exp2", "log", "log2", "sin", "cos", "tan", "tanh", "sigmoid", "erf")
 LN2 = 0.6931471805599453
@@ -159,6 +163,8 @@ class AttentionProgram:
                 outer[i] = self.load(i, "score")
         self.run(outer, tuple(v for v in parts.score_ops if self.value_type(v).rank == 0), "score")
         self.outer = outer
+        self.offsets = None if parts.bound is None else \
+            bound_offsets(body, em, outer, parts.bound, self.M, self.N)
         self.fold = self.scale_fold() if parts.softmax is not None else None
         if self.fold is not None:  # the scale and the base-2 conversion, one multiply per score
             scale = em.tensor(em.convert(self.fold[1], Compute.F32))
@@ -176,26 +182,30 @@ class AttentionProgram:
         # the key blocks every row of this program keeps whole come first, with no masks
         # (no key tail, and no mask where the mask is the plan's bound alone); the rest
         # (the tail block, the blocks a mask cuts through) evaluate every mask
-        lower = parts.bound.lower if parts.bound is not None else None
+        offsets = self.offsets
+        lower = offsets.lower if offsets is not None else None
         start = "0"
         if lower is not None:
             # a window's start: blocks before the first row's are skipped; for an exact mask
             # the blocks before the last row's start are cut by it
             start = "n_lo"
             body(f"n_hi = {self.key_limit()}")
-            body(f"n_lo = tl.maximum(0, pid_m * BLOCK_M{self.offset_text(lower.offsets, lower.constant)})"
-                 " // BLOCK_N * BLOCK_N")
+            n_lo = f"tl.maximum(0, pid_m * BLOCK_M{lower.text()}) // BLOCK_N * BLOCK_N"
+            body(f"n_lo = {offsets.limit(f'tl.minimum({self.N}, {n_lo})' if offsets.wide else n_lo)}")
             if parts.bound.exact:
                 start = "n_in"
-                last_row = f"(pid_m + 1) * BLOCK_M - 1{self.offset_text(lower.offsets, lower.constant)}"
-                body(f"n_in = tl.minimum(tl.maximum(n_lo, (tl.maximum(0, {last_row}) + BLOCK_N - 1) "
-                     "// BLOCK_N * BLOCK_N), n_hi)")
+                last_row = f"(pid_m + 1) * BLOCK_M - 1{lower.text()}"
+                body("n_in = " + offsets.limit(f"tl.minimum(tl.maximum(n_lo, (tl.maximum(0, {last_row}) "
+                                               "+ BLOCK_N - 1) // BLOCK_N * BLOCK_N), n_hi)"))
                 body("for n0 in range(n_lo, n_in, BLOCK_N):")
                 with body.indent():
                     self.key_block(masked=True, score_inputs=score_inputs, phase=first)
         body(f"n_full = {self.full_blocks_end()}")
         if start != "0":
             body(f"n_full = tl.maximum({start}, n_full)")
+        if offsets is not None and offsets.ok is not None and parts.bound.exact:
+            # where the mask's arithmetic wraps at this call, no block runs without the mask
+            body(f"n_full = tl.where({offsets.ok}, n_full, {start})")
         body(f"for n0 in range({start}, n_full, BLOCK_N):")
         with body.indent():
             self.key_block(masked=False, score_inputs=score_inputs, phase=first)
@@ -387,32 +397,26 @@ class AttentionProgram:
             return x, literal(op.attr("value"), Compute.F32)
         return None
 
-    def bound_offset(self) -> str:
-        """The mask bound's `a - b` (minus one when strict) as source text: row i keeps keys
-        j <= i + offset."""
-        bound = self.parts.bound
-        return self.offset_text(bound.offsets, bound.constant - int(bound.strict))
-
-    def offset_text(self, offsets, constant: int) -> str:
-        return offset_text(self.em, self.outer, offsets, constant)
-
     def key_limit(self) -> str:
         """How far this program walks the keys: all of them, or up to a mask's bound (the
         last row's, exclusive)."""
-        if self.parts.bound is None:
+        offsets = self.offsets
+        if offsets is None:
             return self.N
-        return f"tl.minimum({self.N}, tl.maximum(0, (pid_m + 1) * BLOCK_M{self.bound_offset()}))"
+        last_row = f"(pid_m + 1) * BLOCK_M{offsets.upper.text()}"
+        return offsets.limit(f"tl.minimum({self.N}, tl.maximum(0, {last_row}))")
 
     def full_blocks_end(self) -> str:
         """Where the key blocks that need no mask end: the last whole block of keys, and
         for an exact mask bound the last block the first row keeps whole."""
         whole = f"{self.N} // BLOCK_N * BLOCK_N"
-        bound = self.parts.bound
-        if bound is None:
+        offsets = self.offsets
+        if offsets is None:
             return whole
-        first_row = (f"pid_m * BLOCK_M + 1{self.bound_offset()}" if bound.exact
-                     else self.key_limit())
-        return f"tl.minimum({whole}, tl.maximum(0, {first_row}) // BLOCK_N * BLOCK_N)"
+        if not self.parts.bound.exact:
+            return f"tl.minimum({whole}, tl.maximum(0, {self.key_limit()}) // BLOCK_N * BLOCK_N)"
+        first_row = f"pid_m * BLOCK_M + 1{offsets.upper.text()}"
+        return offsets.limit(f"tl.minimum({whole}, tl.maximum(0, {first_row}) // BLOCK_N * BLOCK_N)")
 
     def normalisers(self) -> None:
         """1 / the row sums, once the recurrence is finished. All masked: l_i == 0, output 0,
@@ -645,12 +649,97 @@ def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKer
     return emitted.with_candidates(candidates)
 
 
-def offset_text(em: Emitter, outer: Mapping[int, Val], offsets, constant: int, sign: int = 1) -> str:
-    """` + s1 - s2 + 3` (each term times `sign`): a mask bound's scalar terms, known for the
-    whole program (`outer`), then its constant."""
-    text = ""
-    for s, v in offsets:
-        text += f" {'-' if s * sign < 0 else '+'} {em.tensor(outer[v]).text}"
-    if constant:
-        text += f" {'-' if constant * sign < 0 else '+'} {abs(constant)}"
-    return text
+# a bound's literal offset this small keeps `(pid_m + 1) * BLOCK_M + offset` inside int32:
+# dims are below 2^31 - 2^20 where a kernel computes in int32 (`launch.DIM_LIMIT`) and blocks
+# hold at most 2^16 rows; a larger one, or one with scalars, is an int64 scalar
+SMALL_OFFSET = 2**19
+# the walk's limits computed from int64 offsets, back in the type of the kernel's indices
+INDEX_TYPE = "tl.int64 if WIDE else tl.int32"
+
+
+@dataclass(frozen=True, slots=True)
+class Offset:
+    """A mask bound's offset as source text: a literal, or (`name`) an int64 scalar that the
+    kernel computes before its walk."""
+
+    constant: int = 0
+    name: str | None = None
+
+    def text(self, sign: int = 1) -> str:
+        """` + offset` (` - offset` for `sign` -1), to follow a block's first or last row."""
+        if self.name is not None:
+            return f" {'-' if sign < 0 else '+'} {self.name}"
+        c = self.constant * sign
+        return f" {'-' if c < 0 else '+'} {abs(c)}" if c else ""
+
+
+@dataclass(frozen=True, slots=True)
+class BoundOffsets:
+    """What a walk's limits read of a mask bound (`KeyBound`): row i keeps keys
+    j <= i + upper and j >= i + lower; `ok` names the flag that the mask's i32 sums do not
+    wrap at this call (None: none can), without which every key is kept and masked."""
+
+    upper: Offset
+    lower: Offset | None
+    ok: str | None
+
+    @property
+    def wide(self) -> bool:
+        return self.upper.name is not None
+
+    def limit(self, text: str) -> str:
+        """A walk's limit computed from the offsets: int64 from int64 ones, so back in the
+        kernel's index type (its value is a key or query position, in range)."""
+        return f"({text}).to({INDEX_TYPE})" if self.wide else text
+
+
+def bound_offsets(body: Code, em: Emitter, outer: Mapping[int, Val], bound: KeyBound, rows: str,
+                  keys: str) -> BoundOffsets:
+    """Emit before the walk what its limits need of a mask bound, and return it: the
+    offsets, small literals or int64 scalars (`kb_hi`, `kb_lo`: there the bound cannot
+    overflow; each scalar is taken as i32, as the mask's arithmetic takes it), and where a
+    sum of the mask could wrap (`KeyBound.checks`) the flag `kb_ok` that none does at this
+    call: each sum's extremes over the call's `rows` and `keys` lie inside i32. Where it is
+    false the offsets keep every key (j <= i + keys, j >= i - rows): the mask decides alone."""
+    lower = bound.lower
+    upper_constant = bound.constant - int(bound.strict)
+    constants = [upper_constant] + ([lower.constant] if lower is not None else [])
+    if not bound.checks and not bound.offsets and (lower is None or not lower.offsets) \
+            and all(abs(c) <= SMALL_OFFSET for c in constants):
+        return BoundOffsets(Offset(upper_constant), None if lower is None else Offset(lower.constant), None)
+
+    terms: dict[int, str] = {}
+
+    def int64(offsets, constant: int) -> str:
+        text = f"tl.full([], {constant}, tl.int64)"
+        for sign, v in offsets:
+            if v not in terms:
+                terms[v] = em.tensor(em.convert(em.convert(outer[v], Compute.I32), Compute.I64)).text
+            text += f" {'-' if sign < 0 else '+'} {terms[v]}"
+        return text
+
+    ok = None
+    if bound.checks:
+        body(f"kb_rows = tl.full([], 0, tl.int64) + {rows}")
+        body(f"kb_keys = tl.full([], 0, tl.int64) + {keys}")
+        fits = []
+        for k, c in enumerate(bound.checks):
+            body(f"kb_sum{k} = {int64(c.offsets, c.constant)}")
+            ends = {"lo": f"kb_sum{k}", "hi": f"kb_sum{k}"}
+            for coefficient, size in ((c.i_coefficient, "kb_rows"), (c.j_coefficient, "kb_keys")):
+                if coefficient:  # the index runs over [0, size - 1]
+                    times = "" if abs(coefficient) == 1 else f"{abs(coefficient)} * "
+                    ends["hi" if coefficient > 0 else "lo"] += \
+                        f" {'+' if coefficient > 0 else '-'} {times}({size} - 1)"
+            fits.append(f"({ends['lo']} >= {I32_MIN}) & ({ends['hi']} <= {I32_MAX})")
+        ok = "kb_ok"
+        body(f"kb_ok = {' & '.join(fits)}")
+
+    def scalar(name: str, offsets, constant: int, keep_all: str) -> Offset:
+        text = int64(offsets, constant)
+        body(f"{name} = {text}" if ok is None else f"{name} = tl.where({ok}, {text}, {keep_all})")
+        return Offset(name=name)
+
+    upper = scalar("kb_hi", bound.offsets, upper_constant, "kb_keys")
+    low = None if lower is None else scalar("kb_lo", lower.offsets, lower.constant, "-kb_rows")
+    return BoundOffsets(upper, low, ok)

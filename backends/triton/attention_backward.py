@@ -33,7 +33,7 @@ from tiledsl.ir import KernelOp, Op
 from tiledsl.plans import AttentionBackwardPlan, ScoreProduct
 from tiledsl.types import Compute, DType, TensorType, value_compute
 
-from .attention import LOG2E, TRANSCENDENTAL, offset_text
+from .attention import LOG2E, TRANSCENDENTAL, bound_offsets
 from .base import (
     EmittedKernel,
     Hints,
@@ -184,6 +184,8 @@ class AttentionBackwardProgram:
         self.rank = len(self.score_shape)
         self.walk_axis = self.rank - (2 if plan.over == "queries" else 1)  # the score axis walked
         self.outer = self.program_scalars()
+        self.offsets = None if plan.bound is None else \
+            bound_offsets(body, self.em, self.outer, plan.bound, self.M, self.N)
         start, end = self.walk_range(walk_size)
         summed = [j for j, r in enumerate(plan.reductions) if self.walk_axis in r.axes]
         with ExitStack() as loops:
@@ -303,23 +305,28 @@ class AttentionBackwardProgram:
         upper key bound (causal), the blocks every row of the program keeps whole run
         without the mask's `where`s, as the forward's do; the others evaluate it. A block
         starts at `start` plus a multiple of its size."""
-        bound, plan = self.plan.bound, self.plan
+        bound, plan, offsets = self.plan.bound, self.plan, self.offsets
         if bound is None or not bound.exact or bound.lower is not None or plan.bound_cond is None:
             return [(start, end, False)]
-        upper = bound.offsets, bound.constant - int(bound.strict)
+        upper = offsets.upper
         body = self.body
         if plan.over == "queries":
             # key block [n0, n0 + BLOCK_N): rows i >= n0 + BLOCK_N - 1 - a keep all of it
             body(f"w_first = {start}")
-            first_row = f"(pid_o + 1) * BLOCK_N - 1{self.offset_text(*upper, sign=-1)}"
+            first_row = f"(pid_o + 1) * BLOCK_N - 1{upper.text(sign=-1)}"
             body(f"w_inside = tl.maximum(0, {first_row} - w_first)")
-            body(f"w_inside = tl.minimum({end}, w_first + (w_inside + BLOCK_M - 1) // BLOCK_M * BLOCK_M)")
+            body("w_inside = " + offsets.limit(
+                f"tl.minimum({end}, w_first + (w_inside + BLOCK_M - 1) // BLOCK_M * BLOCK_M)"))
+            if offsets.ok is not None:  # the mask's arithmetic wraps: no block skips it
+                body(f"w_inside = tl.where({offsets.ok}, w_inside, {end})")
             # the blocks kept whole first: the loop most of the walk runs comes first in the
             # code, as in the keys kernel (and the one `tiledsl ptx` profiles)
             return [("w_inside", end, True), ("w_first", "w_inside", False)]
         # query block [m0, m0 + BLOCK_M): keys j <= m0 + a are kept by all of its rows
-        body(f"w_inside = tl.minimum({end}, tl.maximum(0, pid_o * BLOCK_M + 1{self.offset_text(*upper)})"
-             " // BLOCK_N * BLOCK_N)")
+        body("w_inside = " + offsets.limit(
+            f"tl.minimum({end}, tl.maximum(0, pid_o * BLOCK_M + 1{upper.text()}) // BLOCK_N * BLOCK_N)"))
+        if offsets.ok is not None:
+            body(f"w_inside = tl.where({offsets.ok}, w_inside, 0)")
         return [("0", "w_inside", True), ("w_inside", end, False)]
 
     def step(self, unmasked: bool = False) -> None:
@@ -462,25 +469,25 @@ class AttentionBackwardProgram:
     def walk_range(self, size: str) -> tuple[str, str]:
         """Where the walk starts and ends: every block, or those a mask bound keeps (the
         plan's `bound`: row i keeps keys j <= i + a, and with a lower bound j >= i + b)."""
-        bound = self.plan.bound
-        if bound is None:
+        offsets = self.offsets
+        if offsets is None:
             return "0", size
-        upper = bound.offsets, bound.constant - int(bound.strict)
-        lower = (bound.lower.offsets, bound.lower.constant) if bound.lower is not None else None
+        upper, lower = offsets.upper, offsets.lower
+
+        def start_at(text: str) -> str:  # int64 offsets can put a start past the walk
+            return offsets.limit(f"tl.minimum({size}, {text})" if offsets.wide else text)
+
         if self.plan.over == "queries":  # key block [n0, n1): rows i >= n0 - a, i < n1 - b
-            start = f"tl.maximum(0, pid_o * BLOCK_N{self.offset_text(*upper, sign=-1)})"
+            start = start_at(f"tl.maximum(0, pid_o * BLOCK_N{upper.text(sign=-1)})")
             if lower is None:
                 return start, size
-            end = f"(pid_o + 1) * BLOCK_N{self.offset_text(*lower, sign=-1)}"
-            return start, f"tl.minimum({size}, tl.maximum(0, {end}))"
+            end = f"(pid_o + 1) * BLOCK_N{lower.text(sign=-1)}"
+            return start, offsets.limit(f"tl.minimum({size}, tl.maximum(0, {end}))")
         # query block [m0, m1): keys j < m1 + a, j >= m0 + b
-        end = f"tl.minimum({size}, tl.maximum(0, (pid_o + 1) * BLOCK_M{self.offset_text(*upper)}))"
+        end = offsets.limit(f"tl.minimum({size}, tl.maximum(0, (pid_o + 1) * BLOCK_M{upper.text()}))")
         if lower is None:
             return "0", end
-        return f"tl.maximum(0, pid_o * BLOCK_M{self.offset_text(*lower)})", end
-
-    def offset_text(self, offsets, constant: int, sign: int = 1) -> str:
-        return offset_text(self.em, self.outer, offsets, constant, sign)
+        return start_at(f"tl.maximum(0, pid_o * BLOCK_M{lower.text()})"), end
 
     def indices_of(self, shape) -> list[str | None]:
         """Index expressions of a value of `shape` read at the score tile (right-aligned)."""

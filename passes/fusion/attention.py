@@ -18,12 +18,14 @@ from tiledsl.ir import Op, Region
 from tiledsl.plans import (
     AttentionBackwardPlan,
     AttentionPlan,
+    IndexSum,
     KeyBound,
     LowerBound,
     ScoreDot,
     ScoreProduct,
     ScoreReduction,
 )
+from tiledsl.types import DType, result_dtype
 
 from .spec import AttentionBackwardSpec, AttentionSpec
 
@@ -337,7 +339,8 @@ def _cond_bound(region: Region, cond: int, rank: int) -> KeyBound | None:
             exact = False
     if upper is None:
         return None
-    return dataclasses.replace(upper, exact=exact, lower=lower)
+    checks = upper.checks + (lower.checks if lower is not None else ())
+    return dataclasses.replace(upper, exact=exact, lower=lower, checks=checks)
 
 
 def _conjuncts(region: Region, cond: int) -> list[int]:
@@ -350,57 +353,84 @@ def _conjuncts(region: Region, cond: int) -> list[int]:
 def _comparison_bound(region: Region, cond: int, rank: int) -> KeyBound | LowerBound | None:
     """A comparison of linear forms in the query index i and key index j (`i + a >= j + b`,
     `i - j < w`, `j > i - w`, ...) whose difference is `i - j + c` (an upper bound on key j)
-    or `j - i + c` (a lower one)."""
+    or `j - i + c` (a lower one). The comparison and the sums it compares are i32 (torch's
+    types: an index with a literal or a 0-d scalar of any integer type stays i32), so each
+    scalar is taken as i32 and the sums that could wrap are the bound's `checks`; a
+    comparison in another type (a float, an i64 tensor) gives no bound."""
     n_in = len(region.inputs)
     if cond < n_in:
         return None
     rop = region.ops[cond - n_in]
-    if rop.op.kind not in ("ge", "gt", "le", "lt"):
+    if rop.op.kind not in ("ge", "gt", "le", "lt") \
+            or result_dtype([region.value_type(o) for o in rop.operands]) is not DType.I32:
         return None
-    lhs, rhs = (_linear(region, v, rank) for v in rop.operands)
+    sums: list[IndexSum] = []
+    lhs, rhs = (_linear(region, v, rank, sums) for v in rop.operands)
     if lhs is None or rhs is None:
         return None
     if rop.op.kind in ("le", "lt"):
         lhs, rhs = rhs, lhs
     strict = rop.op.kind in ("gt", "lt")
-    # lhs - rhs >= 0 (> 0 when strict)
+    # lhs - rhs >= 0 (> 0 when strict): exact, both sides being the i32 values the mask compares
     axes, terms, const = _combine(lhs, rhs, -1)
     i, j = rank - 2, rank - 1
     if axes == {i: 1, j: -1}:  # j <= i + terms + const
-        return KeyBound(terms, const, strict)
+        return KeyBound(terms, const, strict, checks=tuple(sums))
     if axes == {i: -1, j: 1}:  # j >= i - terms - const (+1 when strict)
-        return LowerBound(tuple((-s, v) for s, v in terms), -const + strict)
+        return LowerBound(tuple((-s, v) for s, v in terms), -const + strict, tuple(sums))
     return None
 
 
 Linear = tuple[dict[int, int], tuple[tuple[int, int], ...], int]
+I32_MIN, I32_MAX = DType.I32.int_range
+# the largest index: a dim of an i32 index has at most 2^31 - 1 positions
+INDEX_MAX = I32_MAX - 1
 
 
-def _linear(region: Region, value: int, rank: int) -> Linear | None:
+def _linear(region: Region, value: int, rank: int, sums: list[IndexSum]) -> Linear | None:
     """`sum(coefficient * index(axis)) + sum(sign * scalar) + constant` as (coefficients by
     axis, scalar terms, constant), or None. Integer scalars known for the whole kernel are
-    terms; the template computes them before the key loop."""
+    terms; the template computes them before the key loop. An i32 sum of an index that some
+    sizes or scalars could carry past i32 (`i + 1`, `i + w`) joins `sums`, to be checked
+    at the call; a sum in another type, or of an index along another axis, gives None."""
     n_in = len(region.inputs)
     if _is_scalar(region, value):
         c = _const(region, value)
         if c is None:
             return {}, ((1, value),), 0
-        return ({}, (), int(c)) if float(c).is_integer() else None
+        # an integer literal in i32 arithmetic is its value wrapped into i32, as torch takes it
+        return ({}, (), _wrap_i32(int(c))) if float(c).is_integer() else None
     if value < n_in:
         return None
     rop = region.ops[value - n_in]
     op: Op = rop.op
     if op.kind == "index":
-        return {op.attr("axis") + rank - len(op.shape): 1}, (), 0
+        axis = op.attr("axis") % len(op.shape)
+        if op.shape[axis] == 1:  # along a size-1 axis the index is 0
+            return {}, (), 0
+        return {axis + rank - len(op.shape): 1}, (), 0
+    if op.kind not in ("neg", "add", "sub") or op.dtype is not DType.I32:
+        return None
     if op.kind == "neg":
-        inner = _linear(region, rop.operands[0], rank)
-        return None if inner is None else _combine(({}, (), 0), inner, -1)
-    if op.kind in ("add", "sub"):
-        x, y = (_linear(region, o, rank) for o in rop.operands)
-        if x is None or y is None:
-            return None
-        return _combine(x, y, -1 if op.kind == "sub" else 1)
-    return None
+        inner = _linear(region, rop.operands[0], rank, sums)
+        found = None if inner is None else _combine(({}, (), 0), inner, -1)
+    else:
+        x, y = (_linear(region, o, rank, sums) for o in rop.operands)
+        found = None if x is None or y is None else _combine(x, y, -1 if op.kind == "sub" else 1)
+    if found is None or not set(found[0]) <= {rank - 2, rank - 1}:
+        return None
+    axes, terms, const = found
+    i, j = axes.get(rank - 2, 0), axes.get(rank - 1, 0)
+    # the sum's extremes over every index and every i32 value of its scalars
+    lowest = (min(0, i) + min(0, j)) * INDEX_MAX + sum(I32_MIN if s > 0 else -I32_MAX for s, _ in terms)
+    highest = (max(0, i) + max(0, j)) * INDEX_MAX + sum(I32_MAX if s > 0 else -I32_MIN for s, _ in terms)
+    if lowest + const < I32_MIN or highest + const > I32_MAX:
+        sums.append(IndexSum(i, j, terms, const))
+    return found
+
+
+def _wrap_i32(c: int) -> int:
+    return (c - I32_MIN) % 2**32 + I32_MIN
 
 
 def _combine(x: Linear, y: Linear, sign: int) -> Linear:
