@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from test_cli import RMSNORM, cli, cli_process
 
 ROOT = Path(__file__).parent.parent

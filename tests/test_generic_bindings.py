@@ -8,9 +8,9 @@ import math
 import time
 
 import pytest
+from test_cli import cli
 
 import tiledsl
-from test_cli import cli
 from tiledsl import covering
 from tiledsl import diagnostics as diag
 from tiledsl.types import PARAM_DTYPES
@@ -116,7 +116,7 @@ def test_check_finds_an_error_only_a_pair_of_dtypes_makes_and_names_the_binding(
     # alone (f16 with f16, f32 with f32, i8 with i8) would never meet it
     names = "ABCDEFGH"
     choices = " | ".join(("f16", "f32", "i8"))
-    params = ", ".join([f"a: A[M, K]", f"b: B[K, N]"] + [f"{n.lower()}: {n}[N]" for n in names[2:]])
+    params = ", ".join(["a: A[M, K]", "b: B[K, N]"] + [f"{n.lower()}: {n}[N]" for n in names[2:]])
     rest = " + ".join(f"cast({n.lower()}, f32)" for n in names[2:])
     path = tmp_path / "pairs.tdsl"
     path.write_text(f"kernel k[{', '.join(f'{n}: {choices}' for n in names)}]({params}) -> f32[M, N] {{\n"
@@ -132,7 +132,7 @@ def test_check_finds_an_error_only_a_pair_of_dtypes_makes_and_names_the_binding(
 @pytest.mark.parametrize("domains", [[2, 2], [3, 3, 3], [11] * 8, [2, 11, 3, 1, 5, 7], [4] * 12, [1], [5]])
 def test_pairwise_rows_cover_every_pair(domains):
     rows = covering.pairwise(domains)
-    assert all(len(r) == len(domains) and all(0 <= c < d for c, d in zip(r, domains)) for r in rows)
+    assert all(len(r) == len(domains) and all(0 <= c < d for c, d in zip(r, domains, strict=True)) for r in rows)
     assert covering.covers_pairs(rows, domains)
     for i, d in enumerate(domains):  # and every choice
         assert {r[i] for r in rows} == set(range(d))
