@@ -624,9 +624,16 @@ def _through_op(args: tuple, kwargs: dict) -> bool:
     for a in (*args, *kwargs.values()):
         if isinstance(a, torch.Tensor) and ((grad and a.requires_grad)
                                             or type(a) not in (torch.Tensor, torch.nn.Parameter)
-                                            or torch.is_autocast_enabled(a.device.type)):
+                                            or _autocasting(a.device.type)):
             return True  # (the op's Autocast kernel casts the arguments: `torch_op.autocast_args`)
     return False
+
+
+def _autocasting(device_type: str) -> bool:
+    """Is torch.autocast on for this device type (the ones the ops' Autocast kernels are
+    registered for: `torch_op._register_autocast`)? A meta tensor's is not asked about:
+    torch raises for a device autocast does not know."""
+    return device_type in torch_op.AUTOCAST_DEVICES and torch.is_autocast_enabled(device_type)
 
 
 class CapturedCall:

@@ -75,6 +75,7 @@ _RESERVED = {"self", "out", "Tensor", "float", "int", "bool", "str", "None", "No
 _PACKED = (("Tensor", "Tensor[]", "tensors"), ("float", "float[]", "floats"),
            ("int", "int[]", "ints"), ("bool", "bool[]", "bools"))
 
+AUTOCAST_DEVICES = ("cpu", "cuda")  # the device types whose autocast the ops take part in
 _lock = threading.RLock()  # guards _REGISTRY; every registration runs under it
 _REGISTRY: dict[str, _Registration] = {}  # op name -> its registration
 _released: list[str] = []  # names whose last program was collected, released at the next register
@@ -329,7 +330,7 @@ class _Registration:
         torch.library.register_vmap(qualified, self._vmap, lib=lib)
         self.lib = lib
         self.op = getattr(getattr(torch.ops, NAMESPACE), name).default
-        for device_type in ("cpu", "cuda"):
+        for device_type in AUTOCAST_DEVICES:
             _register_autocast(self, device_type)
 
     def program(self) -> Program | Generic:
