@@ -12,9 +12,8 @@ import pytest
 import torch
 
 import tiledsl
-from tiledsl import testing
-
 from helpers import randn
+from tiledsl import testing
 
 PRODUCTS = """
 kernel f(a: f32[M], b: f32[N]) -> (f32[M], f32[M], f32[M], i64[M]) {
