@@ -163,3 +163,22 @@ def test_a_scalar_parameter_p_carries_dropouts_bounds_for_the_call():
     assert (lo, hi, what, span.location(), span.text) == (0.0, 1.0, "dropout probability", "<string>:2:12",
                                                           "dropout(x, p, 0)")
     assert graph.op(graph.params[0]).attr("bounds") is None
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("p", [1.5, -0.1, float("nan")])
+def test_a_dropout_probability_given_at_the_call_outside_0_1_is_refused_naming_it(backend, p):
+    """torch.nn.functional.dropout refuses such a p; so does the call, plain or through
+    autograd, pointing at the parameter with a note at the dropout that reads it."""
+    fn = tiledsl.compile("kernel f(x: f32[M], p: f32) -> f32[M] {\n    return dropout(x, p, 0)\n}",
+                         backend=backend)
+    x = torch.randn(17, generator=torch.Generator().manual_seed(0))
+    for grad in (False, True):
+        with pytest.raises(TileDSLError) as err:
+            fn(x.clone().requires_grad_(grad), p)
+        lines = str(err.value).splitlines()
+        assert lines[0] == (f"<string>:1:21: error: argument 'p': dropout probability has to be between "
+                            f"0 and 1, but got {p}")
+        assert lines[3] == "<string>:2:12: note: used as the dropout probability here"
+    kept = fn(x, 0.0)
+    assert torch.equal(kept, x) and torch.equal(fn(x, 1.0), torch.zeros(17))

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tiledsl.diagnostics import ArgumentError, did_you_mean
+from tiledsl.diagnostics import ArgumentError, Note, did_you_mean
 from tiledsl.dims import evaluate
 from tiledsl.ir import Graph
 from tiledsl.types import DType, TensorType, format_shape
@@ -113,6 +113,7 @@ def bind(graph: Graph, args: Sequence[Any], kwargs: Mapping[str, Any]) -> BoundC
         t: TensorType = op.attr("type")
         if op.attr("scalar"):
             values.append(_scalar(value, name, t, op.span, torch))
+            _check_bounds(op, name, values[-1])
             continue
         if not isinstance(value, torch.Tensor):
             raise ArgumentError(op.span, message=(
@@ -183,6 +184,8 @@ class Binder:
         self._tensor, self._strided = torch.Tensor, torch.strided
         self._grad = torch.is_grad_enabled
         self.rules = dim_rules(graph)
+        # scalar parameters with bounds (sema's `bounds`: dropout's p), checked every call
+        self.bounded = tuple((i, p.attr("bounds")) for i, p in enumerate(params) if p.attr("bounds"))
 
     def __call__(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> BoundCall:
         given = list(args)
@@ -229,9 +232,21 @@ class Binder:
                 return bind(self.graph, args, kwargs)
         values = [float(v) if shape is None and type(v) is int and dtype.is_float else v
                   for v, (dtype, shape) in zip(given, self.params, strict=True)]
+        for i, bounds in self.bounded:
+            if not all(lo <= values[i] <= hi for lo, hi, _, _ in bounds):
+                return bind(self.graph, args, kwargs)  # which raises, naming the parameter
         if self.rules is not None:
             self.rules(dims)
         return BoundCall(values, dims, device)
+
+
+def _check_bounds(op, name: str, value: Any) -> None:
+    """A scalar argument outside a range its program declares (sema's `bounds`: dropout's
+    p in [0, 1]), refused as torch refuses it, naming the parameter."""
+    for lo, hi, what, span in op.attr("bounds", ()):
+        if not lo <= value <= hi:
+            raise ArgumentError(op.span, [Note(f"used as the {what} here", span)], message=(
+                f"argument '{name}': {what} has to be between {lo:g} and {hi:g}, but got {value}"))
 
 
 def _in_range(value: int, bounds: tuple[int, int]) -> bool:
