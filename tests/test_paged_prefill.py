@@ -9,6 +9,7 @@ import torch
 
 import tiledsl
 from helpers import run_checked
+from tiledsl import testing
 
 # seq: the sequence a token belongs to (how many sequences end at or before it); ctx: the
 # keys of its sequence before its query chunk; a token at position t - cu_query_lens[seq]
@@ -121,3 +122,13 @@ def test_a_score_op_reading_a_value_only_a_prologue_computes_fails_verification(
     monkeypatch.setattr(attention, "_shared_prologue", lambda *args: set())
     with pytest.raises(tiledsl.TileDSLError, match="which the score tile does not compute"):
         tiledsl.compile(CHUNKED_PREFILL, verify=True)
+
+
+def test_chunked_prefill_gradients_through_the_gathers():
+    """Its backward (the cache's gradients scattered back through the block table) against
+    float64 autograd of the reference."""
+    fn = tiledsl.compile(CHUNKED_PREFILL.replace("f16", "f32"))
+    q, k_cache, v_cache, *rest = batch([1, 17, 5], [37, 17, 53], 16, 4, (2,), 16, seed=3)
+    report = testing.check_grads(fn, q.float(), k_cache.float(), v_cache.float(), *rest)
+    assert report.ok, report
+    assert "attention_backward" in [k.template for k in fn.backward.kernels]
