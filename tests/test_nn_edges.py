@@ -121,6 +121,9 @@ def test_cross_entropy_refuses_a_target_outside_the_classes(bad, ignore_index, s
     assert isinstance(info.value, IndexError) and isinstance(info.value, diag.TileDSLError)
     assert info.value.message == (f"tiledsl.nn.cross_entropy: target {bad} is out of bounds for 5 classes "
                                   f"(targets are 0 to 4, or ignore_index {ignore_index})")
+    # the same under autocast and with a logit needing a gradient: no tracer, the host check
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(tnn.TargetError):
+        tnn.CrossEntropyLoss(**kw)(logits.clone().requires_grad_(), labels)
 
 
 def test_cross_entropy_checks_targets_at_dim_1_and_takes_minus_one_as_ignore_index():

@@ -607,26 +607,31 @@ def _unshared(outs: tuple, taken: set[int], contiguous: bool = False) -> tuple:
 
 
 def _through_op(args: tuple, kwargs: dict) -> bool:
-    """Must this call go through the dispatcher: is torch.compile/export tracing it, is a
-    dispatch mode active (make_fx's tracer in real mode, a FlopCounterMode: it sees plain
-    tensors, and a direct run would show it the kernels' own aten calls, not the op), does
-    an input need a gradient, is an input a tensor subclass (FakeTensor, a functional or
-    proxy tensor of a tracer), is torch.jit.trace recording, or is autocast on for an
-    input's device?"""
-
-    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
-        return True  # (vmap's and func.grad's tensors are wrappers the kernels cannot read)
-    if torch._C._len_torch_dispatch_stack() or torch._ops._len_torch_dispatch_stack_pre_dispatch():
-        return True
-    if torch._C._get_tracing_state() is not None:  # torch.jit.trace records the op, not its kernels
+    """Must this call go through the dispatcher: is it traced (`traced`), does an input need
+    a gradient, or is autocast on for an input's device (the op's Autocast kernel casts the
+    arguments: `torch_op.autocast_args`)?"""
+    if traced(args, kwargs):
         return True
     grad = torch.is_grad_enabled()
-    for a in (*args, *kwargs.values()):
-        if isinstance(a, torch.Tensor) and ((grad and a.requires_grad)
-                                            or type(a) not in (torch.Tensor, torch.nn.Parameter)
-                                            or _autocasting(a.device.type)):
-            return True  # (the op's Autocast kernel casts the arguments: `torch_op.autocast_args`)
-    return False
+    return any(isinstance(a, torch.Tensor) and ((grad and a.requires_grad) or _autocasting(a.device.type))
+               for a in (*args, *kwargs.values()))
+
+
+def traced(args: tuple, kwargs: dict) -> bool:
+    """Is a tracer watching this call, so that it must see the op and nothing may branch on
+    the values on the host: torch.compile/export, a dispatch mode (make_fx's tracer in real
+    mode, a FlopCounterMode: it sees plain tensors, and a direct run would show it the
+    kernels' own aten calls), torch.func's transforms (vmap's and func.grad's tensors are
+    wrappers the kernels cannot read), torch.jit.trace, or an input that is a tensor
+    subclass (FakeTensor, a functional or proxy tensor)?"""
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return True
+    if torch._C._len_torch_dispatch_stack() or torch._ops._len_torch_dispatch_stack_pre_dispatch():
+        return True
+    if torch._C._get_tracing_state() is not None:
+        return True
+    return any(isinstance(a, torch.Tensor) and type(a) not in (torch.Tensor, torch.nn.Parameter)
+               for a in (*args, *kwargs.values()))
 
 
 def _autocasting(device_type: str) -> bool:

@@ -171,16 +171,15 @@ def _check_targets(labels: torch.Tensor, classes: int, ignore_index: int) -> Non
     end, as NumPy's), and it reads its counts on the host after every call, a device sync
     on CUDA (and a program with it is no CUDA graph). On the CPU, where reading the flag
     costs nothing, the check raises `TargetError` naming the first bad target, as torch's
-    CPU kernel does. On CUDA, and whenever a call goes through the op (`_through_op`: under
+    CPU kernel does. On CUDA, and whenever a tracer watches the call (`api.traced`: under
     torch.compile, make_fx or torch.jit.trace, where a host branch would be baked into the
-    graph or break it; under autocast too), it is `torch._assert_async`: a device-side
-    assert, as torch's CUDA kernel has, with no sync; it fails at the next sync
-    ("device-side assert triggered"), or raises RuntimeError with the message below on the
-    CPU."""
-    from tiledsl.api import _through_op
+    graph or break it), it is `torch._assert_async`: a device-side assert, as torch's CUDA
+    kernel has, with no sync; it fails at the next sync ("device-side assert triggered"),
+    or raises RuntimeError with the message below on the CPU."""
+    from tiledsl.api import traced
 
     valid = ((labels >= 0) & (labels < classes)) | (labels == ignore_index)
-    if labels.device.type == "cpu" and not _through_op((labels,), {}):
+    if labels.device.type == "cpu" and not traced((labels,), {}):
         if not valid.all():
             raise TargetError(target=int(labels[~valid][0]), classes=classes, last=classes - 1,
                               ignore_index=ignore_index)
