@@ -497,6 +497,39 @@ def test_the_max_of_a_recomputed_value_finds_its_elements_again():
     assert dx.ok and dw.ok, str(report)
 
 
+RUNNING_EXTREMA = {
+    # a projection scaled per row (a dequantization scale), then a running max: the GEMM's
+    # epilogue multiplies its f32 accumulator and rounds once, the backward multiplies the
+    # saved f16 product
+    "scaled-projection": ("""kernel f(x: {dt}[M, K], w: {dt}[K, N], scale: {dt}[M, 1]) -> f32[M, N] {{
+        return cummax((x @ w) * scale, axis=-1)
+    }}""", {"x": (37, 45), "w": (45, 71), "scale": (37, 1)}),
+    # attention with a sink (gpt-oss), the running min from the right of its output
+    "attention-with-a-sink": ("""kernel f(x: {dt}[M, N], z: {dt}[M, 1], w: {dt}[N, N]) -> f32[M, N] {{
+        s = x @ w.T * rsqrt(N)
+        m = maximum(max(s, axis=-1, keepdims=true), z)
+        e = exp(s - m)
+        p = e / (sum(e, axis=-1, keepdims=true) + exp(z - m))
+        return cummin(p @ w, axis=1, reverse=true)
+    }}""", {"x": (33, 113), "z": (33, 1), "w": (113, 113)}),
+}
+
+
+@pytest.mark.parametrize("dt", ["f16", "bf16"])
+@pytest.mark.parametrize("program", sorted(RUNNING_EXTREMA))
+def test_a_running_extremum_of_a_recomputed_value_finds_its_positions_again(program, dt):
+    """cummax's and cummin's gradient goes to the positions where the operand equals the
+    running extremum, scanned again from the operand as the backward recomputes it: a
+    forward kernel computes the operand from its f32 accumulator and rounds once, the
+    backward from 16-bit factors, so compared with the saved result it matched at few
+    positions and the gradient went to the wrong ones (fuzz finding 0:534, an attention
+    with a sink: x's gradient 0.214 off, eager's 3e-4; the scaled projection, x's 4.1
+    off)."""
+    src, shapes = RUNNING_EXTREMA[program]
+    args = {name: randn(*shape, seed=k, dtype=DTYPES[dt]) for k, (name, shape) in enumerate(shapes.items())}
+    grads_ok(src.format(dt=dt), **args)
+
+
 @pytest.mark.parametrize("dt", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("batch", [(2, 17), (3, 1, 5)])
 def test_a_linear_layers_weight_gradient_is_one_gemm_over_every_row(dt, batch):

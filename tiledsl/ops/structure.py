@@ -400,9 +400,15 @@ def _d_cumprod(d, wanted):
 def _d_cumulative_extremum(d, wanted):
     """torch's: each g_j goes to the position of the extremum at j, the latest of equal ones
     (a NaN is one): where x_i is the running extremum, the sum of g over the positions up to
-    the next such one, a linear scan the other way that restarts at each."""
+    the next such one, a linear scan the other way that restarts at each. The running
+    extremum is scanned again from the operand as the backward has it, as `_d_extremum`
+    takes the extremum again: compared with the saved result, an operand recomputed here
+    from 16-bit factors (an attention's output with a sink, rounded once from f32 in the
+    forward's kernel) matched it nowhere along most rows, and their gradient went to the
+    wrong positions (fuzz finding 0:534, x's gradient 0.214 off where eager's is 3e-4)."""
     x, k = d.x(0), _step(d)
-    new = d.call("or", d.call("eq", x, d.y), d.call("isnan", x))
+    y = d.call(d.op.kind, x, axis=d.attr("axis"), reverse=d.attr("reverse"))
+    new = d.call("or", d.call("eq", x, y), d.call("isnan", x))
     keep = d.call("cast", d.call("not", new), dtype=d.op.dtype)
     s = d.call("linear_scan", _shifted(d, keep, k, 0.0), d.g, axis=d.attr("axis"),
                reverse=not d.attr("reverse"))
