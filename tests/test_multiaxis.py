@@ -168,3 +168,19 @@ def test_softmax_along_one_of_the_row_axes_is_its_own_kernel():
     assert ("  [fuse-rows] refused: sub (line 3) -> softmax (line 4): softmax runs along one of the row "
             "program's axes only [rule: tile]") in fn.explain().splitlines()
     run_checked(fn, randn(3, 5, 17))
+
+
+@pytest.mark.parametrize("row_op", ["softmax", "cumsum"])
+@pytest.mark.parametrize("width", [2, 3])
+def test_a_reduction_across_the_rows_of_a_program_of_literal_sizes(row_op, width):
+    """A row program along axis 0 whose max runs across its rows along a literal dim, every
+    size a literal and no argument with a size or stride (z is [1]): its rows are indexed
+    in int32 and it takes no WIDE flag. (Fuzz finding 0:4981: the row program read WIDE to
+    widen its program id whenever its row count was not a bare number, and `(1 * 4)`, the
+    rows padded to whole groups, is not; a NameError in the kernel.)"""
+    pieces = ", ".join(["z[:, None]", "(z * 0.5)[:, None]", "tanh(z)[:, None]"][:width])
+    fn = tiledsl.compile(f"kernel f(z: f32[1]) -> f32[1] {{ return max({row_op}(concat({pieces}, axis=1), "
+                         "axis=0), axis=1) }")
+    (kernel,) = fn.kernels
+    assert kernel.template == "rows" and "WIDE" not in kernel.source
+    run_checked(fn, randn(1))

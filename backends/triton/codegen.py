@@ -213,6 +213,13 @@ class Signature:
             return name
         return self._add(name, TmaReady(index, swapped, role))
 
+    def wide(self) -> str:
+        """The flag `Wide`, declared once: a body that reads it asks for it here, so no
+        kernel names a flag its signature lacks."""
+        if not any(isinstance(spec, Wide) for _, spec in self.params):
+            self._add("WIDE", Wide())
+        return "WIDE"
+
     def widening(self) -> list[str]:
         """`if WIDE:` and the casts that make every size and stride argument int64, so every
         index and offset computed from them is (see `Wide`); nothing for a kernel without
@@ -220,8 +227,7 @@ class Signature:
         names = [n for n, spec in self.params if isinstance(spec, Stride | DimSize | Numel)]
         if not names:
             return []
-        self._add("WIDE", Wide())
-        return ["if WIDE:", *(f"    {n} = tl.cast({n}, tl.int64)" for n in names)]
+        return [f"if {self.wide()}:", *(f"    {n} = tl.cast({n}, tl.int64)" for n in names)]
 
     def render(self, fn_name: str) -> str:
         names = [f"{n}: tl.constexpr" if isinstance(spec, FLAGS) else n for n, spec in self.params]

@@ -573,8 +573,8 @@ class RowProgram:
         # the rows' indices in int32 where every tensor fits it (not WIDE; a number of rows
         # known to the compiler is small): dividing them into the row dims' indices is then
         # an int32 division, not a call of int64's
-        if not rows.isdigit():
-            body("if WIDE:")
+        if not all(isinstance(shape[d], int) for d in self.kept):
+            body(f"if {sig.wide()}:")
             with body.indent():
                 body("pid = pid.to(tl.int64)")
         body("o = pid * BLOCK_O + tl.arange(0, BLOCK_O)")
