@@ -16,6 +16,7 @@ pass rewrites those into the ops the templates run online:
     m + log(sum(exp(x - m), axis, keepdims=true))  -> logsumexp(x, axis, keepdims=true)
     e / (sum(e, axis, keepdims=true) + exp(sink - m))
                                 -> softmax(x, axis) * sigmoid(logsumexp(x, axis) - sink)
+                                   (the factor in f32, of the f32 logsumexp)
     exp(x - logsumexp(x, axis, keepdims=true))     -> softmax(x, axis)
     (e @ v) / sum(e, -1, keepdims=true)            -> softmax(x, -1) @ v
 
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 from tiledsl.ir import Edge, Graph, Op
 from tiledsl.passes.registry import Pass, PassContext, register
 from tiledsl.passes.rewrite import Pattern, Rewriter, apply_patterns
-from tiledsl.types import broadcast_shapes
+from tiledsl.types import DType, broadcast_shapes
 
 
 def _is(graph: Graph, node: int, kind: str) -> bool:
@@ -168,7 +169,12 @@ class RecognizeSinkSoftmax(Pattern):
     """e / (sum(e) + exp(sink - m)), e = exp(x - m): a softmax whose denominator has one more
     logit, `sink`, that no value is weighted by (gpt-oss's attention sinks), with m the row
     max or the max of it and the sink. It equals softmax(x) * sigmoid(logsumexp(x) - sink):
-    an online softmax and a factor per row, which attention applies to its output."""
+    an online softmax and a factor per row, which attention applies to its output. In a
+    16-bit program the factor is computed in f32, from the f32 logsumexp (which the
+    attention kernel has and a flash backward saves anyway), and rounded once: its
+    derivative sigmoid * (1 - sigmoid) loses the sink's share 1 - sigmoid to cancellation
+    when the sigmoid, or the logsumexp under it, is rounded to 16 bits (the sink's gradient
+    missed the oracle by up to 10x: fuzz findings s3:1142, across:666)."""
 
     def apply(self, graph: Graph, node: int, op: Op, rewriter: Rewriter) -> bool:
         if op.kind != "div" or not op.dtype.is_float:
@@ -201,8 +207,11 @@ class RecognizeSinkSoftmax(Pattern):
             return False
         b, span = rewriter.build, op.span
         sm = b.op("softmax", [x], span, axis=axis)
-        lse = b.op("logsumexp", [x], span, axis=axis, keepdims=True)
+        wide = x if xt.dtype is DType.F32 else (b.op("cast", [x], span, dtype=DType.F32), 0)
+        lse = b.op("logsumexp", [wide], span, axis=axis, keepdims=True)
         keep = b.op("sigmoid", [b.op("sub", [lse, sink], span)], span)
+        if op.dtype is not DType.F32:
+            keep = b.op("cast", [keep], span, dtype=op.dtype)
         rewriter.replace(node, b.op("mul", [sm, keep], span))
         return True
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import tiledsl
-from helpers import gen, randn
+from helpers import gen, randn, run_checked
 from tiledsl import testing
 from tiledsl.backends.triton import aot
 
@@ -170,6 +170,26 @@ def test_probabilities_of_saved_scores_are_not_operand_prologues():
     assert templates(fn) == ["attention_backward", "attention_backward"]
 
 
+def test_a_product_reading_the_scores_broadcast_over_a_batch_axis_is_not_the_kernels():
+    # `p @ wb` with p: [M, N] and wb: [H, N, D] multiplies the same scores once per head, and
+    # the kernels own one batch element of the scores each (an internal error before: wb's
+    # tile was addressed with the scores' batch indices; fuzz finding 0:2984). Alone it is a
+    # GEMM of the stored p; beside a product the kernels serve, it refuses the space
+    fn, _ = run_checked("""kernel f(x: f32[M, N], w: f32[N, N], wb: f32[H, N, N]) -> f32[H, M, N] {
+    return exp(x @ w) @ wb
+}""", randn(17, 33), randn(33, 33, scale=0.2), randn(3, 33, 33, scale=0.2))
+    assert templates(fn) == ["matmul", "matmul"]
+    fn, _ = run_checked("""kernel f(q: f32[M, D], k: f32[N, D], v: f32[N, D], wb: f32[H, N, D]) -> (f32[M, D], f32[H, M, D]) {
+    p = exp(q @ k.T)
+    return p @ v, p @ wb
+}""", randn(17, 16), randn(33, 16, scale=0.3), randn(33, 16), randn(3, 33, 16))
+    assert templates(fn) == ["matmul", "matmul", "matmul"]
+    assert [str(r) for r in fn.remarks if r.pass_name == "fuse-attention-backward"] == [
+        "[fuse-attention-backward] refused: exp (line 2) -> matmul (line 3): matmul (line 3) reads exp "
+        "(line 2) of the attention backward's scores broadcast from [M, N] to the batch of its [H, M, D], "
+        "and the kernels run one program per batch element of the scores [rule: other-index]"]
+
+
 @pytest.mark.parametrize("dt", ["bf16", "f32"])
 def test_attention_sinks_gradients(dt):
     # gpt-oss's sink logit: normalized to softmax(s) * sigmoid(lse - sink), the row factor
@@ -181,6 +201,29 @@ def test_attention_sinks_gradients(dt):
     q, k, v = qkv(2, 3, 17, 33, 16, dt)
     grads_ok(fn, q, k, v, randn(3, 1, 1, dtype=DTYPES[dt], seed=8))
     assert templates(fn.backward) == ["rows", "attention_backward", "attention_backward", "rows"]
+
+
+@pytest.mark.parametrize("dt", ["f16", "bf16"])
+def test_a_sinks_gradient_keeps_the_precision_of_its_small_share(dt):
+    """The sink's gradient is the row's gradient times sigmoid * (1 - sigmoid), the sink's
+    share 1 - sigmoid a few percent here (scores sharpened, sinks below the rows' logsumexp).
+    online-softmax computed the factor in the program's dtype, from a logsumexp rounded to it:
+    1 - sigmoid then kept 2^-12 of absolute error from the rounded sigmoid and 2^-9 from the
+    logsumexp, and the sink's gradient missed the oracle (f16: 2.0e-4 against 8.7e-5; bf16:
+    8.2e-4 against 3.2e-4; fuzz findings s3:1142 and across:666, up to 10x). The factor is
+    computed in f32 from the f32 logsumexp now."""
+    fn = tiledsl.compile(f"""
+    kernel attn(q: {dt}[H, M, D], k: {dt}[H, N, D], v: {dt}[H, N, D], sink: {dt}[H, 1, 1]) -> {dt}[H, M, D] {{
+        s = q @ k.T * rsqrt(D)
+        m = maximum(max(s, axis=-1, keepdims=true), sink)
+        e = exp(s - m)
+        p = e / (sum(e, axis=-1, keepdims=true) + exp(sink - m))
+        return p @ v
+    }}""")
+    t = DTYPES[dt]
+    q, k, v = randn(3, 33, 40, dtype=t, seed=1, scale=2.0), randn(3, 113, 40, dtype=t, seed=2), \
+        randn(3, 113, 40, dtype=t, seed=3)
+    grads_ok(fn, q, k, v, (randn(3, 1, 1, seed=4) - 1.0).to(t))
 
 
 def test_diff_attention_backward_is_derived_from_the_distributed_form():

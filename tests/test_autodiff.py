@@ -482,8 +482,9 @@ def test_the_max_of_a_recomputed_value_finds_its_elements_again():
     sink, which the forward's fused kernel rounds to f16 once from f32 and the backward
     recomputes from f16 factors, so its elements need not equal the forward's saved max
     (fuzz finding s3:338: x's gradient 0.0159 and w's 0.97 from the golden, where eager's
-    are 0.0018). Known and still open: z's (the sink's) gradient misses the bound by 2-7x
-    in this program and in the findings s3:1142, s3:2013 and across:666."""
+    are 0.0018). z's (the sink's) gradient missed the bound by 7x here, and by up to 10x in
+    the findings s3:1142 and across:666, until online-softmax computed the sink's factor in
+    f32 (tests/filecheck/online-softmax.tdsl)."""
     fn = tiledsl.compile("""kernel f(x: f16[M, N], z: f16[M, 1], w: f16[N, N]) -> f32[M, N] {
         s = x @ w.T * rsqrt(N)
         m = maximum(max(s, axis=-1, keepdims=true), z)
@@ -493,8 +494,7 @@ def test_the_max_of_a_recomputed_value_finds_its_elements_again():
     }""")
     x, z, w = randn(33, 113, seed=1), randn(33, 1, seed=2), randn(113, 113, seed=3)
     report = testing.check_grads(fn, x=x.half(), z=z.half(), w=w.half())
-    dx, _, dw = report.outputs
-    assert dx.ok and dw.ok, str(report)
+    assert report.ok, str(report)
 
 
 RUNNING_EXTREMA = {

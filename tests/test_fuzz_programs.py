@@ -285,3 +285,26 @@ def test_a_running_max_of_an_attention_output_with_a_sink_takes_its_gradient_whe
     program = fuzzgen.generate(random.Random("0:534"), seed=534)
     assert "cummax(((exp((x @ concat(w[N // 2:]" in program.source  # the program pinned
     assert fuzzgen.run_grads(program).status == "pass"
+
+
+def test_a_gemm_prologue_reading_a_mean_another_kernel_stored():
+    """Seed 0, program 3740: `minimum(minimum(x, t0), 1.0 / N) @ w` with t0 the mean of y, a
+    0-d tensor a row kernel stores; the GEMM's prologue read every rank-0 input as a by-value
+    argument (an internal error: KeyError)."""
+    program = fuzzgen.generate(random.Random("0:3740"), seed=3740)
+    assert "(minimum(minimum(x, t0), (1.0 / N)) @ w)" in program.source  # the program pinned
+    assert fuzzgen.run(program).status == "pass"
+
+
+
+@pytest.mark.parametrize("seed", ["s3:1142", "across:666"])
+def test_the_gradient_of_an_attention_sink_keeps_its_precision_in_bf16(seed):
+    """Gradient fuzzer, streams s3 and across: bf16 attention with a sink logit per row
+    (z), under a gate and an RMS scale (s3:1142) or scans and reductions (across:666); z's
+    gradient missed the oracle by 10x and 2.5x: the sink's factor, sigmoid(lse - z), was
+    computed in bf16 from a bf16 logsumexp, and its derivative's 1 - sigmoid cancelled. It
+    is computed in f32 from the f32 logsumexp."""
+    base, i = seed.split(":")
+    program = fuzzgen.generate(random.Random(seed), seed=int(i))
+    assert program.dtype == "bf16" and "exp(z - maximum(max(" in program.source  # the program pinned
+    assert fuzzgen.run_grads(program).status == "pass"
