@@ -162,6 +162,25 @@ def test_a_reduced_row_read_along_the_row_is_refused():
     assert [(r.pass_name, r.rule) for r in fn.remarks] == [("fuse-rows", "other-index")]
 
 
+@pytest.mark.parametrize("operand", ["a", "b"])
+def test_a_gemm_prologue_reads_a_0d_tensor_another_kernel_stored(operand):
+    # the mean is a 0-d tensor a row kernel stores, not a by-value argument: the GEMM's
+    # prologue read it as one and failed (an internal error, KeyError; fuzz finding 0:3740)
+    prologue = {"a": "minimum(x, mean(y)) @ w", "b": "x @ minimum(w, mean(y))"}[operand]
+    fn, _ = run_checked(f"kernel f(x: f32[M, N], y: f32[N], w: f32[N, N]) -> f32[M, N] {{ return {prologue} }}",
+                        randn(17, 33), randn(33), randn(33, 33, scale=0.2))
+    assert structure(fn) == [("rows", ["mean"]), ("matmul", ["minimum", "matmul"])]
+
+
+def test_attention_operand_prologues_read_a_0d_tensor_another_kernel_stored():
+    fn, _ = run_checked("""kernel f(q: f32[B, H, M, D], k: f32[B, H, N, D], v: f32[B, H, N, D], y: f32[D]) -> f32[B, H, M, D] {
+    t = mean(y)
+    return softmax(minimum(q, t) @ minimum(k, t).T, axis=-1) @ v
+}""", randn(2, 3, 17, 16), randn(2, 3, 33, 16), randn(2, 3, 33, 16), randn(16))
+    assert structure(fn) == [("rows", ["mean"]),
+                             ("attention", ["minimum", "minimum", "transpose", "matmul", "softmax", "matmul"])]
+
+
 def test_fusion_never_changes_results_against_the_unfused_program():
     src = PROGRAMS["layernorm"][0].format(dt="f32")
     x, w, b = randn(17, 113), randn(113), randn(113)

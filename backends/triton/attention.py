@@ -147,11 +147,16 @@ class AttentionProgram:
             "v": None if self.gathered["v"] else self.descriptors(
                 "v", self.v_val, {self.v_val}, self.pv_op.dtype, ("BLOCK_N", "BLOCK_DV")),
         }
+        # the rank-0 inputs the operand prologues read (a by-value scale, a 0-d tensor another
+        # kernel stored), read once per program
+        chains = set(parts.q_chain) | set(parts.k_chain) | set(parts.v_chain)
+        self.prologue_scalars = {i: self.load(i, "score") for i in sorted(chains)
+                                 if i < self.n_in and region.inputs[i].type.rank == 0}
         with self.tma_or_pointers("q", "q", ("pid_m * BLOCK_M", "0"), self.qk_op.dtype):
             operand_tile(em, region, "q", self.operand_ptrs("q", self.q_src, "rm[:, None]", "rd[None, :]",
                                                             "[BLOCK_M, BLOCK_D]"),
                          f"(rm[:, None] < {M}) & (rd[None, :] < {D})",
-                         self.a_val, self.q_src, set(parts.q_chain), self.scalars, self.qk_op.dtype,
+                         self.a_val, self.q_src, set(parts.q_chain), self.prologue_scalars, self.qk_op.dtype,
                          index=self.operand_index("q", "rm[:, None]", "rd[None, :]"))
 
         # values known for the whole program: scalars, rank-0 tensors, inputs that do not
@@ -239,7 +244,8 @@ class AttentionProgram:
         k_mask = f"(rd[:, None] < {D}) & (rn[None, :] < {N})" if masked else f"rd[:, None] < {D}"
         with self.tma_or_pointers("k", "kt", self.k_at, self.qk_op.dtype):
             operand_tile(em, region, "kt", k_ptrs, k_mask, self.b_val, self.k_src, set(parts.k_chain),
-                         self.scalars, self.qk_op.dtype, index=self.operand_index("k", k_rows, k_cols))
+                         self.prologue_scalars, self.qk_op.dtype,
+                         index=self.operand_index("k", k_rows, k_cols))
         body(f"s = tl.dot(q, kt{dot_kwargs(self.qk_op.dtype, self.allow_tf32)})")
         vals = dict(self.outer)
         vals[parts.qk] = Val("s", Compute.F32)
@@ -346,7 +352,7 @@ class AttentionProgram:
         v_mask = f"(rn[:, None] < {N}) & (rdv[None, :] < {DV})" if masked else f"rdv[None, :] < {DV}"
         with self.tma_or_pointers("v", "vt", ("n0", "0"), self.pv_op.dtype):
             operand_tile(em, region, "vt", v_ptrs, v_mask, self.v_val, self.v_val,
-                         set(self.parts.v_chain) or {self.v_val}, self.scalars, self.pv_op.dtype,
+                         set(self.parts.v_chain) or {self.v_val}, self.prologue_scalars, self.pv_op.dtype,
                          index=self.operand_index("v", "rn[:, None]", "rdv[None, :]"))
         pv_dtype = self.pv_op.dtype
         body(f"p = {em.narrow('p', pv_dtype)}")

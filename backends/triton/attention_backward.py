@@ -176,14 +176,15 @@ class AttentionBackwardProgram:
             body(f"rk{j} = tl.arange(0, BLOCK_K{j})")
         for j in range(len(plan.products)):
             body(f"rp{j} = tl.arange(0, BLOCK_P{j})")
-        # the tiles of the owned side, loaded once
+        # the rank-0 inputs and score ops (the prologues' and score ops' scalars), then the
+        # tiles of the owned side, loaded once
+        self.outer = self.program_scalars()
         for j in range(len(plan.dots)):
             self.dot_operand(j, fixed=True)
         for j in range(len(plan.products)):
             body(f"acc{j} = tl.zeros([{own_block}, BLOCK_P{j}], dtype=tl.float32)")
         self.rank = len(self.score_shape)
         self.walk_axis = self.rank - (2 if plan.over == "queries" else 1)  # the score axis walked
-        self.outer = self.program_scalars()
         self.offsets = None if plan.bound is None else \
             bound_offsets(body, self.em, self.outer, plan.bound, self.M, self.N)
         start, end = self.walk_range(walk_size)
@@ -266,7 +267,7 @@ class AttentionBackwardProgram:
             self.to_dot(name, self.value_type(source).dtype, dot)
             return
         chain = self.region.depends(value) - {source}
-        operand_tile(self.em, self.region, name, ptrs, mask, value, source, chain, self.scalars, dot)
+        operand_tile(self.em, self.region, name, ptrs, mask, value, source, chain, self.outer, dot)
 
     def dot_dtype(self, j: int) -> DType:
         """The dtype score dot j multiplies in: its own, or, for an f32 dot of two f16 (or
@@ -455,8 +456,8 @@ class AttentionBackwardProgram:
     # --- helpers -------------------------------------------------------------------------------
 
     def program_scalars(self) -> dict[int, Val]:
-        """The score ops' scalars (a scale, a mask bound's offset), computed once before the
-        walk."""
+        """The rank-0 inputs and the score ops' scalars (a scale, a mask bound's offset),
+        computed once before the operand tiles and the walk."""
         region, outer = self.region, {}
         wanted = with_scalar_operands(region, [v for v in self.plan.score_ops
                                                if self.value_type(v).rank == 0], outer)

@@ -83,7 +83,7 @@ def tile_ptrs(ref: TensorRef, rank: int, bnames: list[str | None], rows: str, co
 
 
 def operand_tile(em: Emitter, region: Region, name: str, ptrs: str | None, mask: str, value: int, src: int,
-                 chain: set[int], scalars: Mapping[int, str], dot: DType,
+                 chain: set[int], scalars: Mapping[int, Val], dot: DType,
                  vectors: Mapping[int, str] | None = None, keep: dict[int, Val] | None = None,
                  index: Callable[[Op], Val] | None = None) -> str:
     """Load a dot operand tile of `src` into `name`, apply the prologue `chain` (the values
@@ -91,9 +91,12 @@ def operand_tile(em: Emitter, region: Region, name: str, ptrs: str | None, mask:
     pointers already account for) in f32, and bring it to the dot's dtype. The prologue
     result is masked back to 0 outside the tile, so tails add nothing to the dot.
 
-    `vectors`: inputs read along K (an A prologue's `g: [K]`), as source text of their
-    loaded value for this step; `keep`: when given, the chain's values are left there, with
-    any values it already names computed too (a GEMM's row statistics of the same tile).
+    `scalars`: the value of every rank-0 input the chain reads, which the template reads
+    once before its loops: a by-value argument, or a 0-d tensor another kernel stored (a
+    mean the prologue scales by), loaded. `vectors`: inputs read along K (an A prologue's
+    `g: [K]`), as source text of their loaded value for this step; `keep`: when given, the
+    chain's values are left there, with any values it already names computed too (a GEMM's
+    row statistics of the same tile).
     `index`: the operand is gathered (`ptrs` None): the chain's `index` ops at the tile, whose
     gather loads it (masked, at the addresses it computes) from the tensors it gathers from."""
     body, n_in = em.code, len(region.inputs)
@@ -109,7 +112,7 @@ def operand_tile(em: Emitter, region: Region, name: str, ptrs: str | None, mask:
                 if vectors is not None and i in vectors:
                     vals[i] = em.load(vectors[i], region.inputs[i].type)
                 else:
-                    vals[i] = em.scalar(scalars[i], region.inputs[i].type.dtype)
+                    vals[i] = scalars[i]
         for v in sorted(v for v in wanted if v >= n_in):
             rop = region.ops[v - n_in]
             if rop.op.kind == "transpose":
@@ -178,6 +181,10 @@ class GemmProgram:
         self.K = sig.size(a_type.shape[-1])
         for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M"):
             sig.constexpr(name)
+        # the rank-0 inputs the operand prologues read, read once per program
+        read = set().union(*self.prologues, self.plan.stat_chain)
+        self.prologue_scalars = {i: self.scalar_input(i) for i in sorted(read)
+                                 if i < self.n_in and region.inputs[i].type.rank == 0}
 
         body(f"tiles_m = tl.cdiv({M}, BLOCK_M)")
         body(f"tiles_n = tl.cdiv({N}, BLOCK_N)")
@@ -306,11 +313,12 @@ class GemmProgram:
                     else:  # one element per batch (a head's scale): always there, no tile mask
                         tiles[i] = f"tl.load({ref.ptr} + {ref.offset(idx)})"
             return operand_tile(self.em, self.region, name, None, mask, value, self.sources[which],
-                                self.prologues[which], self.scalars, self.dots[which], tiles,
+                                self.prologues[which], self.prologue_scalars, self.dots[which], tiles,
                                 index=self.b_index)
         if which != 0:
             return operand_tile(self.em, self.region, name, f"{name}_ptrs", mask, value,
-                                self.sources[which], self.prologues[which], self.scalars, self.dots[which])
+                                self.sources[which], self.prologues[which], self.prologue_scalars,
+                                self.dots[which])
         # A: its prologue may read vectors along K, and the row statistics are summed from
         # the same tile
         region, n_in = self.region, self.n_in
@@ -330,7 +338,7 @@ class GemmProgram:
                 vectors[i] = f"tl.load({ref.ptr} + {offset}, mask=kmask[None, :], other=0.0)"
         keep = dict.fromkeys(self.plan.stat_chain) if self.stats else None
         operand_tile(self.em, region, name, f"{name}_ptrs", mask, value, self.sources[0],
-                     self.prologues[0], self.scalars, self.dots[0], vectors, keep)
+                     self.prologues[0], self.prologue_scalars, self.dots[0], vectors, keep)
         for j, v in enumerate(self.stats):
             (x,) = region.ops[v - n_in].operands
             term = self.em.tensor(self.em.convert(keep[x], Compute.F32)).text
@@ -381,10 +389,8 @@ class GemmProgram:
         for i, inp in enumerate(region.inputs):
             if i in skip or not self._used_in_epilogue(i, skip):
                 continue
-            if inp.scalar:
-                vals[i] = em.scalar(self.scalars[i], inp.type.dtype)
-            elif i in self.zero_dim:
-                vals[i] = em.load(f"tl.load({self.zero_dim[i]})", inp.type)
+            if inp.type.rank == 0:
+                vals[i] = self.scalar_input(i)
             else:
                 vals[i] = self.load_d(i, inp.type.shape, rank)
 
@@ -400,6 +406,14 @@ class GemmProgram:
             ptrs = self.tile(c, rank, "rm[:, None]", "rn[None, :]", "[BLOCK_M, BLOCK_N // 2]")
             body(f"tl.store({ptrs}, {em.store_value(vals[v], region.value_type(v))}, "
                  f"mask={tile_mask})")
+
+    def scalar_input(self, i: int) -> Val:
+        """Rank-0 input `i`: a by-value argument, or the one element of a 0-d tensor another
+        kernel stored."""
+        inp = self.region.inputs[i]
+        if inp.scalar:
+            return self.em.scalar(self.scalars[i], inp.type.dtype)
+        return self.em.load(f"tl.load({self.zero_dim[i]})", inp.type)
 
     def _used_in_epilogue(self, i: int, skip: set[int]) -> bool:
         """Does the epilogue read input `i` element for element (a gathered input is read
