@@ -308,3 +308,13 @@ def test_the_gradient_of_an_attention_sink_keeps_its_precision_in_bf16(seed):
     program = fuzzgen.generate(random.Random(seed), seed=int(i))
     assert program.dtype == "bf16" and "exp(z - maximum(max(" in program.source  # the program pinned
     assert fuzzgen.run_grads(program).status == "pass"
+
+
+def test_a_product_reading_the_scores_broadcast_over_heads_is_not_the_attention_backwards():
+    """Seed 0, program 2984: `(z / (abs(t2) + 1.0)) @ wb` with t2 the exp of an [M, N] GEMM and
+    wb: [H, N, N]; the attention backward's analysis took it as a product of a score space,
+    whose kernels own one batch element of the [M, N] scores (an internal error: zip() argument
+    2 is longer than argument 1, addressing wb's tile)."""
+    program = fuzzgen.generate(random.Random("0:2984"), seed=2984)
+    assert "t4 = tanh(((z / (abs(t2) + 1.0)) @ wb))" in program.source  # the program pinned
+    assert fuzzgen.run(program).status == "pass"

@@ -38,7 +38,7 @@ from tiledsl.passes.fusion.attention import reduction_axes
 from tiledsl.passes.fusion.legality import GroupPlan, describe_node
 from tiledsl.passes.fusion.remarks import Refusal, Rule, describe
 from tiledsl.passes.regions import is_by_value, is_clonable
-from tiledsl.types import DType
+from tiledsl.types import DType, format_shape
 
 VIEWS = ("transpose", "slice", "reshape")  # the runtime's views (`ViewStep`), no kernel
 NARROW = (DType.F16, DType.BF16)
@@ -221,6 +221,12 @@ def _derive(graph: Graph, dots: list[int], space: set[int], order: dict[int, int
                 stored.append(n)
     if refusal is not None:
         n, user = refusal
+        if is_op(graph, user, "matmul") and _broadcasts_scores(graph, user, n):
+            return None, (Refusal(Rule.OTHER_INDEX, (
+                f"{describe_node(graph, user)} reads {describe_node(graph, n)} of the attention backward's "
+                f"scores broadcast from {format_shape(graph.op(n).shape)} to the batch of its "
+                f"{format_shape(graph.op(user).shape)}, and the kernels run one program per batch "
+                "element of the scores")), graph.op(n), graph.op(user))
         return None, (Refusal(Rule.MATERIALIZE, (
             f"{describe_node(graph, user)} reads {describe_node(graph, n)} of the attention backward's "
             "scores, and is neither a product summed over the queries or the keys nor a return or "
@@ -347,17 +353,29 @@ def _needs_whole(graph: Graph, user: int) -> bool:
 
 def _product(graph: Graph, node: int) -> Product | None:
     """A matmul that contracts a computed value x of rank >= 2 with a tensor read as it is:
-    `x.T @ y` and `y.T @ x` sum over x's rows, `x @ y` over its columns."""
+    `x.T @ y` and `y.T @ x` sum over x's rows, `x @ y` over its columns. Not one that reads
+    x broadcast along a batch axis (`_broadcasts_scores`)."""
     if not is_op(graph, node, "matmul"):
         return None
     a, b = graph.operands(node)
     if swaps_last(graph, a) and _computed(graph, x := graph.operands(a)[0]) and _outside(graph, b, x):
-        return Product(node, x, "queries", a)
-    if _computed(graph, b) and swaps_last(graph, a) and _outside(graph, a, b):
-        return Product(node, b, "queries", None)
-    if _computed(graph, a) and _outside(graph, b, a):
-        return Product(node, a, "keys", None)
-    return None
+        found = Product(node, x, "queries", a)
+    elif _computed(graph, b) and swaps_last(graph, a) and _outside(graph, a, b):
+        found = Product(node, b, "queries", None)
+    elif _computed(graph, a) and _outside(graph, b, a):
+        found = Product(node, a, "keys", None)
+    else:
+        return None
+    return None if _broadcasts_scores(graph, node, found.x) else found
+
+
+def _broadcasts_scores(graph: Graph, matmul: int, x: int) -> bool:
+    """Does `matmul` read score value `x` broadcast along a batch axis, its result having
+    batch elements x lacks (`exp(x @ w) @ wb` with x: [M, N], wb: [H, N, N])? The kernels
+    run one program per batch element of the scores and a block of its rows or keys, and
+    accumulate one product tile there; a product over more batch elements would need the
+    scores recomputed for each of them."""
+    return graph.op(matmul).shape[:-2] != graph.op(x).shape[:-2]
 
 
 def _outside(graph: Graph, y: int, x: int) -> bool:
