@@ -6,7 +6,8 @@ Recognised by the algebra of the graph, not by a pattern of the derivation: a
 one or more matmuls of that shape whose operands come from outside ("score
 dots", recomputed per tile from their operand tiles), and read outside only by
 *products* that contract one of its two axes with a tensor: `x.T @ y` or
-`y.T @ x` (summed over the queries M) and `x @ y` (summed over the keys N).
+`y.T @ x` (summed over the queries M) and `x @ y` (summed over the keys N), each of
+the scores' batch (not one reading them broadcast along a batch axis of y).
 A score-space value read any other way (a bias gradient, returned
 probabilities) is stored per tile by one of the kernels, or, read by a chain of
 sums (a broadcast bias's gradient), summed per tile and added into the result;
