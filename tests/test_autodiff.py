@@ -106,6 +106,23 @@ def test_where_relu_abs_clamp_follow_torch_subgradients():
         torch.testing.assert_close(a.grad, b.grad)
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_relu_passes_the_gradient_at_a_nan_as_torch(backend):
+    """torch's threshold_backward zeroes the gradient where relu's result is <= 0, so at a
+    NaN result it passes; the rule tested `result > 0` and sent 0 there (here x's gradient
+    in row 3, whose product with w is NaN, was 46 off). Fuzz finding s3:2013: a row masked
+    with -inf through a matmul is inf - inf = NaN, and z's gradient was 0 where torch's is
+    NaN."""
+    fn = tiledsl.compile("""kernel f(x: f32[M, N], w: f32[N, N]) -> f32[M, N] {
+        return relu(x @ w) @ w
+    }""", backend=backend)
+    x = randn(17, 33, seed=1)
+    x[3, 5] = float("nan")  # row 3 of x @ w is NaN
+    x[7, 2] = float("inf")  # row 7 is inf and -inf
+    report = testing.check_grads(fn, x, randn(33, 33, seed=2), generator=gen(0))
+    assert report.ok, report
+
+
 REDUCTIONS = ["sum", "mean", "max", "min", "logsumexp"]
 
 

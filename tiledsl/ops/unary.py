@@ -201,10 +201,11 @@ define("neg", 1, ELEMENTWISE, _signed("-"), symbol="-", fold=operator.neg, refer
 define("abs", 1, ELEMENTWISE, _signed("abs"), params=(X,), fold=abs, reference=torch.abs,
        triton=unary("tl.abs({x})"), cheap=True,
        vjp=lambda d, w: (d.mul(d.g, d.call("sign", d.x(0))),))
-# torch's threshold_backward: the gradient passes where the result is positive (0 at 0)
+# torch's threshold_backward: the gradient is 0 where the result is at most 0 and passes
+# elsewhere, a NaN included (a test `result > 0` stopped it there: 0 where torch has NaN)
 define("relu", 1, ELEMENTWISE, _signed("relu"), params=(X,), fold=lambda a: max(a, type(a)(0)),
        reference=torch.relu, triton=_render_relu, cheap=True,
-       vjp=lambda d, w: (d.where(d.call("gt", d.y, d.c(0)), d.g, d.c(0.0)),))
+       vjp=lambda d, w: (d.where(d.call("le", d.y, d.c(0)), d.c(0.0), d.g),))
 
 
 def _cast(types, attrs):
