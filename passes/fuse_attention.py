@@ -29,7 +29,10 @@ Refused, with a recorded rule: softmax along another axis than the keys
 ("tile"), scores or probabilities that something else needs whole (a
 reduction over the keys other than the softmax, a second consumer, a
 transposed read: "materialize"), scores that come from two matmuls ("op"),
-and anything that would create a cycle. The ops are then left to the other
+and anything that would create a cycle, such as probabilities modified by a
+statistic of their own row (a sink's factor `sigmoid(logsumexp(s) - sink)`
+still on p, where hoist-row-scale did not run: the kernel modifies each key
+block's p before the row's logsumexp is known). The ops are then left to the other
 fusion passes and the program still runs correctly. Must run before
 fuse-epilogue and fuse-rows, which would otherwise take the pieces.
 """
@@ -38,6 +41,8 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+
+import networkx as nx
 
 from tiledsl import ops
 from tiledsl.ir import Graph, Op
@@ -60,24 +65,27 @@ class FuseAttention(Pass):
 
     def run(self, graph: Graph, ctx: PassContext) -> None:
         plan = GroupPlan(graph)
+        refused: set[int] = set()  # softmaxes whose attention a recorded refusal explains
         for node in graph.topo_order():
             if plan.grouped(node):
                 continue
-            found = None
+            found, said = None, len(ctx.remarks)
             if _is(graph, node, "softmax"):
                 found = _Match(graph, plan, node, ctx.remarks).members()
+                if found is None and len(ctx.remarks) > said:
+                    refused.add(node)
             elif _is(graph, node, "matmul"):
                 found = _Match(graph, plan, node, ctx.remarks).chain()
             if found is not None:
                 plan.add_group(*found)
-        _unmatched(graph, plan, ctx.remarks)
+        _unmatched(graph, plan, ctx.remarks, refused)
         rewrite_groups(plan)
 
 
-def _unmatched(graph: Graph, plan: GroupPlan, remarks: list) -> None:
+def _unmatched(graph: Graph, plan: GroupPlan, remarks: list, refused: set[int]) -> None:
     """Say why a matmul whose left operand is computed from a softmax is not attention: the
     pattern looked for is `softmax(scores) @ v` (through ops linear in p), and the probabilities
-    reach this matmul through other ops."""
+    reach this matmul through other ops. Not for a softmax whose refusal is recorded already."""
     for mm in graph.topo_order():
         if not _is(graph, mm, "matmul") or plan.grouped(mm):
             continue
@@ -90,6 +98,8 @@ def _unmatched(graph: Graph, plan: GroupPlan, remarks: list) -> None:
                 continue
             seen.add(n)
             if op.kind == "softmax" and not plan.grouped(n) and n != a:
+                if n in refused:
+                    break
                 refusal = Refusal(Rule.OP, f"attention is softmax(scores) @ v, the softmax along the "
                                   f"keys read by the matmul directly or through ops linear in it (casts, "
                                   f"products, where(c, p, 0)); here it "
@@ -141,6 +151,14 @@ class _Match:
         if found is None:
             return None
         qk, chain = found
+        late = self._from_the_scores(p_ops, sm, x)
+        if late is not None:
+            n, o = late
+            return self.refuse(Rule.CYCLE, o, n, (
+                f"{describe_node(graph, n)} modifies the probabilities by {describe_node(graph, o)}, which "
+                "is computed from a reduction of the scores over the keys (a row statistic such as their "
+                "logsumexp, final only after the last key block); the kernel modifies each key block's "
+                "probabilities as it walks the keys"))
         lse = self._logsumexps(x, len(op.shape) - 1)
         sums = self._key_sums([qk, *chain], len(op.shape) - 1)
         if p_ops:
@@ -282,6 +300,33 @@ class _Match:
         if len(chain) == 1 and _is(graph, p, "cast"):
             return p, []  # the one cast the kernel's narrowing of P is
         return p, chain
+
+    def _from_the_scores(self, p_ops: list[int], sm: int, x: int) -> tuple[int, int] | None:
+        """An op on the probabilities and its other operand computed from a reduction of the
+        scores `x` over the keys (a sink's factor sigmoid(logsumexp(x) - sink) left on p when
+        hoist-row-scale did not move it past p @ v): the kernel applies the ops to each key
+        block's p inside its loop, where such a row statistic is not known yet. Elementwise
+        ops of the scores (`where(s > t, p, 0)`) it computes at the block."""
+        graph = self.graph
+        chain = {sm, *p_ops}
+
+        def reduces_the_scores(o: int) -> bool:
+            stack, seen = [o], set()
+            while stack:
+                n = stack.pop()
+                if n in seen or n == x or x not in nx.ancestors(graph.nx, n):
+                    continue
+                seen.add(n)
+                if not ops.is_elementwise(graph.op(n).kind):
+                    return True
+                stack.extend(graph.operands(n))
+            return False
+
+        for n in p_ops:
+            for o in graph.operands(n):
+                if o not in chain and reduces_the_scores(o):
+                    return n, o
+        return None
 
     def _p_side(self, p_ops: list[int], members: set[int]) -> list[int]:
         """The side values of the ops on the probabilities that only the kernel reads (a

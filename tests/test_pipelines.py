@@ -224,3 +224,17 @@ def test_a_half_precision_value_stored_between_kernels_compares_as_torch_does(dt
     report = testing.check(fn, z, x)
     assert report.ok, report
     torch.testing.assert_close(fn(z, x), fn.reference(z, x), rtol=0, atol=0)
+
+
+def test_a_sinks_factor_left_on_the_probabilities_is_not_a_probability_modification():
+    """Without fuse-epilogue after it, hoist-row-scale leaves gpt-oss's sink factor
+    sigmoid(logsumexp(s) - sink) on the bf16 probabilities, and fuse-attention took the
+    product for a probability modification, which the kernel applies to each key block's p
+    before the row's logsumexp exists (an internal error in the template: 'NoneType' object
+    is not iterable). It is refused (cycle): the softmax and the two matmuls are kernels of
+    their own."""
+    pipeline = ",".join(p for p in DEFAULT if p != "fuse-epilogue")
+    fn = check_pipeline("attention_sinks", pipeline)
+    assert [k.template for k in fn.kernels] == ["matmul", "rows", "matmul"]
+    assert any(r.pass_name == "fuse-attention" and "a row statistic such as their logsumexp" in str(r)
+               for r in fn.remarks)
