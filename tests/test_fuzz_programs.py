@@ -318,3 +318,14 @@ def test_a_product_reading_the_scores_broadcast_over_heads_is_not_the_attention_
     program = fuzzgen.generate(random.Random("0:2984"), seed=2984)
     assert "t4 = tanh(((z / (abs(t2) + 1.0)) @ wb))" in program.source  # the program pinned
     assert fuzzgen.run(program).status == "pass"
+
+
+def test_a_row_program_of_literal_sizes_reducing_across_its_rows_declares_what_it_reads():
+    """Seed 0, program 4981: `max(cumsum(tanh(concat(...)), axis=0), axis=-1)` of a constant
+    [1, 1, 3] (index(z, 1) is 0), a row program with no size or stride argument whose rows
+    are padded to groups of 4 ('(1 * 4)' rows): it read the WIDE flag, which only kernels
+    with such arguments declare (NameError in the interpreter). See test_multiaxis."""
+    program = fuzzgen.generate(random.Random("0:4981"), seed=4981)
+    assert "max(cumsum(tanh(concat((index(z, 1) * 0.01)[..., None]" in program.source  # the program pinned
+    assert fuzzgen.run(program).status == "pass"
+
