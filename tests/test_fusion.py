@@ -34,7 +34,7 @@ PROGRAMS = {
     "row_col_scales": (
         "kernel f(a: {dt}[M, K], b: {dt}[K, N], rs: f32[M, 1], cs: f32[1, N]) -> {dt}[M, N] {{\n"
         "    return (a @ b) * rs * cs\n}}",
-        [("matmul", ["matmul", "mul", "mul", "cast"])],
+        [("matmul", ["matmul", "cast", "mul", "mul", "cast"])],
         lambda dt, m, k, n: [randn(m, k, dtype=dt), randn(k, n, dtype=dt), randn(m, 1), randn(1, n)]),
     "gelu_linear": (
         "kernel f(x: {dt}[M, K], w: {dt}[N, K], bias: {dt}[N]) -> {dt}[M, N] {{\n"

@@ -329,3 +329,11 @@ def test_a_row_program_of_literal_sizes_reducing_across_its_rows_declares_what_i
     assert "max(cumsum(tanh(concat((index(z, 1) * 0.01)[..., None]" in program.source  # the program pinned
     assert fuzzgen.run(program).status == "pass"
 
+
+def test_a_half_precision_sum_an_f32_where_promotes_is_rounded_to_its_dtype():
+    """Seed 0, program 3754: an f32 `where` reading a bf16 sum of softmax probabilities (99,
+    their count, in torch's bf16) in the kernel that sums them: the sum was read unrounded,
+    0.0967 off (the oracle's tolerance 1e-5, eager exact). See test_pipelines."""
+    program = fuzzgen.generate(random.Random("0:3754"), seed=3754)
+    assert "sum(sum(sum(softmax(concat(t0[..., None]" in program.source  # the program pinned
+    assert fuzzgen.run(program).status == "pass"

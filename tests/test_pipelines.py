@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import tiledsl
-from helpers import randn
+from helpers import randn, run_checked
 from tiledsl import testing
 from tiledsl.api import DEFAULT_PIPELINE
 from tiledsl.passes.registry import REGISTRY, parse_pipeline
@@ -224,6 +224,26 @@ def test_a_half_precision_value_stored_between_kernels_compares_as_torch_does(dt
     report = testing.check(fn, z, x)
     assert report.ok, report
     torch.testing.assert_close(fn(z, x), fn.reference(z, x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("pipeline", ["canonicalize", None], ids=["unfused", "default"])
+@pytest.mark.parametrize("dt", ["f16", "bf16"])
+def test_a_half_precision_value_an_f32_op_promotes_is_read_as_torch_reads_it(dt, pipeline):
+    """Fuzz finding 0:3754, minimized: the sum of a softmax's probabilities is N; torch's f16 or
+    bf16 sum rounds to it exactly, however the probabilities rounded. Stored by a kernel of
+    its own (unfused), the sum was rounded so; summed in the kernel of the f32 add that
+    promotes it (the default pipeline), it was not, and the result kept the probabilities'
+    roundings (bf16: 9.6e-4 off, the oracle's tolerance 1.4e-5 with eager exact). A computed
+    16-bit value an op reads in a wider type is read at its dtype, through a cast sema puts
+    there, so both pipelines agree with torch."""
+    torch_dt = {"f16": torch.float16, "bf16": torch.bfloat16}[dt]
+    fn = tiledsl.compile(f"""kernel f(x: {dt}[M, N], y: f32[M, N]) -> f32[M, N] {{
+        return y + sum(softmax(x, axis=0), axis=(0, 1))
+    }}""", pipeline=pipeline)
+    for m, n in ((1, 1), (17, 33), (113, 17)):
+        run_checked(fn, randn(m, n, dtype=torch_dt), randn(m, n), sm90=False)
+    if pipeline is None:  # the softmax along the columns, then the sum and the add
+        assert [k.template for k in fn.kernels] == ["rows", "rows"]
 
 
 def test_a_sinks_factor_left_on_the_probabilities_is_not_a_probability_modification():

@@ -76,10 +76,25 @@ def test_sema_infers_types_like_torch():
     assert types_of("""
     kernel f(x: f16[M, N], b: bf16[N], s: f32, i: i32[M, 1]) -> f32[M, N] {
         y = x * s            # a 0-dim f32 does not promote an f16 tensor
-        z = y + b            # f16 + bf16 -> f32
+        z = y + b            # f16 + bf16 -> f32, computed y read at its f16 value
         w = i / 2            # true division of ints -> f32
         return z * w
-    }""") == ["mul:f16[M, N]", "add:f32[M, N]", "div:f32[M, 1]", "mul:f32[M, N]"]
+    }""") == ["mul:f16[M, N]", "cast:f16[M, N]", "add:f32[M, N]", "div:f32[M, 1]", "mul:f32[M, N]"]
+
+
+def test_sema_reads_a_computed_half_value_a_wider_op_promotes_at_its_dtype():
+    """torch promotes a 16-bit value; a kernel holds it in f32 and rounds it only where it
+    stores or casts it, so sema reads it through a cast to its own type (in `y + s`,
+    `s > y` and the f32 `where`). Not a parameter or a view of one, an operand compared in
+    its own type (`s > 1.0`), or an explicit cast, which widens the value held."""
+    assert types_of("""
+    kernel f(x: bf16[M, N], y: f32[M, N], z: bf16[N]) -> (f32[M, N], bool[M, N], bool[M, N], f32[M, N],
+                                                        f32[M, N]) {
+        s = x * 2.0
+        return y + s, s > y, s > 1.0, where(x > 0.0, y, s), cast(s, f32) + x + z[None, :]
+    }""") == ["mul:bf16[M, N]", "cast:bf16[M, N]", "add:f32[M, N]", "cast:bf16[M, N]", "gt:bool[M, N]",
+              "gt:bool[M, N]", "gt:bool[M, N]", "cast:bf16[M, N]", "where:f32[M, N]", "cast:f32[M, N]",
+              "add:f32[M, N]", "slice:bf16[1, N]", "add:f32[M, N]"]
 
 
 def test_sema_literal_and_dim_values_are_weak():

@@ -24,12 +24,29 @@ from tiledsl.dims import Lin, sizes_decide
 from tiledsl.dims import build as build_dim
 from tiledsl.ir import Edge, Graph, Op, make_attrs
 from tiledsl.source import Span
-from tiledsl.types import DType, TensorType
+from tiledsl.types import DType, TensorType, result_dtype
 
 if TYPE_CHECKING:
     from tiledsl.passes.rewrite import Rewriter
 
 Value = int | Edge  # a node (its result 0) or (node, result index) of a kernel
+
+
+# the float types a kernel holds in f32 and rounds only where it stores them, or casts
+HALF = (DType.F16, DType.BF16)
+
+
+def _read_as(kind: str, types: Sequence[TensorType], t: TensorType) -> tuple[DType | None, ...]:
+    """The dtype an op of type `t` reads each operand in, as its `Reads` says (None: as it
+    is; an explicit cast reads its operand as it is too, and rounds to its own type)."""
+    reads = ops.OPS[kind].reads
+    if kind == "cast" or reads is ops.Reads.OPERAND:
+        return (None,) * len(types)
+    if reads is ops.Reads.COMPARE:
+        return (result_dtype(types),) * len(types)
+    if reads is ops.Reads.SELECT:
+        return (None,) + (t.dtype,) * (len(types) - 1)
+    return (t.dtype,) * len(types)
 
 
 class IllTypedOp(diag.InternalError):
@@ -78,7 +95,32 @@ class Builder:
             notes = [diag.Note(f"this operand is {types[i]}", operands[i][1])
                      for i in err.operands if i < len(operands)]
             raise err.cls(span, notes, **err.fields) from None
-        return self._add(kind, t, [n for n, _ in operands], span, attrs)
+        return self._add(kind, t, self._promoted(kind, operands, types, t), span, attrs)
+
+    def _promoted(self, kind: str, operands: Sequence[tuple[int, Span]], types: Sequence[TensorType],
+                  t: TensorType) -> list[int]:
+        """The operands of the user's op, each computed f16 or bf16 value that it reads in a
+        wider type (beside an f32 tensor, compared with one) read through a cast to its own
+        type: torch promotes the 16-bit value, which a kernel holding it in f32 rounds only
+        where it stores it or casts it, so without the cast the result would depend on
+        whether the value's kernel stores it (docs/language.md, Numerics). The compiler's own
+        ops (`op`) widen the value a kernel holds, as an explicit cast does."""
+        return [self.op("cast", [n], s, dtype=ty.dtype) if want not in (None, ty.dtype)
+                and ty.dtype in HALF and not ty.weak and not self._holds(n, ty.dtype) else n
+                for (n, s), ty, want in zip(operands, types, _read_as(kind, types, t), strict=True)]
+
+    def _holds(self, node: int, dtype: DType, depth: int = 8) -> bool:
+        """Does `node` hold a value of `dtype` exactly, as kernels read it: a parameter, a
+        cast to `dtype` (where a kernel rounds), or elements moved from one (a view, a
+        gather, a `where` of two)?"""
+        op = self.graph.op(node)
+        if op.kind == "param" or op.kind == "cast" and op.dtype is dtype:
+            return True
+        moved = ops.category(op.kind) is ops.Category.LAYOUT or op.kind in ("expand", "take", "where")
+        if not moved or depth == 0:
+            return False
+        sources = self.graph.operands(node)[1:] if op.kind == "where" else self.graph.operands(node)[:1]
+        return all(self._holds(s, dtype, depth - 1) for s in sources)
 
     def _agreed(self, kind: str, operands: Sequence[tuple[int, Span]], types: Sequence[TensorType],
                 err: ops.RuleError) -> list[tuple[int, Span]] | None:
