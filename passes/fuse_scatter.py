@@ -11,7 +11,10 @@ The result of a `put` is a kernel boundary: what reads it (x + the sum) is
 another kernel.
 
 Refused, with a recorded rule: a producer some op outside the kernel reads too
-("materialize": it would have to be stored over the space of another kernel), a
+("materialize": it would have to be stored over the space of another kernel; a `put`
+of the space reading it counts as inside, since it joins, unless it writes values
+computed from a put's result of the space: that put cannot join a kernel whose
+result it waits for, a chain of scatters sharing indices), a
 producer the kernel would read through a view or broadcast ("other-index"), a
 reader of a `put`'s result ("op"). Runs before fuse-elementwise, which would
 otherwise store the producers.
@@ -21,7 +24,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tiledsl.ir import Graph
+import networkx as nx
+
+from tiledsl.ir import Graph, Op
 from tiledsl.passes.fusion.grow import Admission, elementwise_candidate, fuse_groups
 from tiledsl.passes.fusion.legality import GroupPlan, describe_node, reads_other_index
 from tiledsl.passes.fusion.remarks import Refusal, Rule
@@ -54,6 +59,18 @@ def _space(graph: Graph, put: int) -> tuple:
     return graph.result_type(*graph.operand_edges(put)[0]).shape
 
 
+def _joins(graph: Graph, node: int, space) -> bool:
+    """Will `node`, a reader outside the group, join it next? A `put` of the space does,
+    unless what it writes or where is computed from a put's result of the space (one of the
+    group's, or one that joins with it): the kernel would wait for its own result (the
+    scatter_add of a scatter_add sharing its indices; fuzz finding 0:13094). Decided from the
+    graph, not from the group grown so far, since a put joining later can close the cycle."""
+    if graph.op(node).kind != "put" or _space(graph, node) != space:
+        return False
+    return not any(isinstance(graph.op(a), Op) and graph.op(a).kind == "put" and _space(graph, a) == space
+                   for a in nx.ancestors(graph.nx, node))
+
+
 def _admit(graph: Graph, group: set[int], cand: int, space) -> Refusal | None:
     if graph.op(cand).kind == "put":
         if _space(graph, cand) != space:
@@ -64,11 +81,13 @@ def _admit(graph: Graph, group: set[int], cand: int, space) -> Refusal | None:
     if reads:
         return Refusal(Rule.OP, f"it reads {describe_node(graph, reads[0])}'s result, which the "
                        "scatter kernel completes only when it ends")
-    outside = [u for u, _ in graph.users(cand) if u not in group and not (
-        graph.op(u).kind == "put" and _space(graph, u) == space)]  # (such a put joins next)
+    outside = [u for u, _ in graph.users(cand) if u not in group and not _joins(graph, u, space)]
     if outside:
+        why = ""
+        if graph.op(outside[0]).kind == "put" and _space(graph, outside[0]) == space:
+            why = ", and cannot join it: its values or indices are computed from a scatter's result"
         return Refusal(Rule.MATERIALIZE, f"{describe_node(graph, outside[0])} outside the scatter "
-                       "reads it too")
+                       f"reads it too{why}")
     if not broadcasts_to(graph.op(cand).shape, space):
         return Refusal(Rule.TILE, f"its shape {format_shape(graph.op(cand).shape)} does not "
                        f"broadcast to the scatter's {format_shape(space)}")

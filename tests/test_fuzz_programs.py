@@ -341,3 +341,13 @@ def test_a_half_precision_sum_an_f32_where_promotes_is_rounded_to_its_dtype():
     program = fuzzgen.generate(random.Random("0:3754"), seed=3754)
     assert "sum(sum(sum(softmax(concat(t0[..., None]" in program.source  # the program pinned
     assert fuzzgen.run(program).status == "pass"
+
+
+def test_a_scatter_add_of_a_scatter_add_sharing_its_indices_keeps_them_outside_both():
+    """Seed 0, program 13094: `scatter_add(t, abs(k) % M, t * 0.5, 0)` with t a scatter_add at
+    the same indices; fuse-scatter took the index expressions into t's kernel as though the
+    second put, which reads t, would join it, and the kernel stored them as puts (an internal
+    error: zip() argument 2 is longer than argument 1). See test_scatter."""
+    program = fuzzgen.generate(random.Random("0:13094"), seed=13094)
+    assert "scatter_add(scatter_add(x, abs(k) % M, x * 0.5, 0), abs(k) % M" in program.source  # the program pinned
+    assert fuzzgen.run(program).status == "pass"

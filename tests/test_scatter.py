@@ -118,6 +118,27 @@ def test_scatter_add_and_index_add_gradients(n):
     grads_ok(fn, randn(3, n, dtype=torch.bfloat16), idx, randn(3, n, dtype=torch.bfloat16))
 
 
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("dt", ["f32", "bf16"])
+def test_a_scatter_add_of_a_scatter_add_at_the_same_indices(n, dt):
+    """Fuzz finding 0:13094: the second put writes values computed from the first one's
+    result, so it cannot join its kernel; the index expressions both read were taken into
+    the first kernel as though it would, and stored there as if they were puts (an internal
+    error: zip() argument 2 is longer than argument 1). They stay outside both, stored once."""
+    src = f"""kernel f(x: {dt}[M, N], k: i32[M, N]) -> {dt}[M, N] {{
+    i = abs(k) % M
+    return scatter_add(x, i, scatter_add(x, i, x, 0) * 0.5, 0)
+}}"""
+    x, k = randn(n, 2 * n + 1, dtype=F16[dt]), indices(3 * n + 2, n, 2 * n + 1, seed=n, low=-3 * n - 2)
+    fn, _ = run_checked(src, x, k.int())
+    assert [k.template for k in fn.kernels] == ["pointwise", "pointwise", "indexed", "indexed", "pointwise"]
+    # a parameter's indices: the positions along the other axis are the shared producer
+    fn, _ = run_checked(src.replace("abs(k) % M", "k"), x, k.abs().remainder(n).int())
+    assert [k.template for k in fn.kernels] == ["pointwise", "indexed", "indexed", "pointwise"]
+    if dt == "f32":
+        grads_ok(fn, x, k.abs().remainder(n).int())
+
+
 def test_a_scatter_into_one_element_adds_every_lane():
     """Fuzzer, fills stream, program 204: the gradient of a pad of a [1, 1] mean read back at
     one element is a put whose indices are all constants: each lane adds through a pointer
