@@ -415,9 +415,12 @@ class GatherAlongRow(Pattern):
         size = b.size(shape[axis], span)
         negative = b.op("lt", [at, b.const(0, i_type.dtype, span)], span)
         wrapped = b.op("where", [negative, b.op("add", [at, size], span), at], span)
-        items = [("range", 0, d, 1, d) for d in op.shape]
-        items.insert(axis, ("new",))
-        wrapped = b.op("slice", [wrapped], span, items=tuple(items))
+        if op.shape:  # the index of each element of the result, read along the gathered axis
+            items = [("range", 0, d, 1, d) for d in op.shape]
+            items.insert(axis, ("new",))
+            wrapped = b.op("slice", [wrapped], span, items=tuple(items))
+        # a 0-d index (one element of a vector) broadcasts as it is: it is computed where it
+        # is read, so there is no tensor to view (`softmax(y)[i]`; fuzz finding 0:8159)
         small = tuple(d if k == axis else 1 for k, d in enumerate(shape))
         hit = b.op("eq", [b.op("index", [], span, axis=axis, shape=small), wrapped], span)
         zero = b.const(0, graph.result_type(v, res).dtype, span)

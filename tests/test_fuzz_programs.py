@@ -351,3 +351,13 @@ def test_a_scatter_add_of_a_scatter_add_sharing_its_indices_keeps_them_outside_b
     program = fuzzgen.generate(random.Random("0:13094"), seed=13094)
     assert "scatter_add(scatter_add(x, abs(k) % M, x * 0.5, 0), abs(k) % M" in program.source  # the program pinned
     assert fuzzgen.run(program).status == "pass"
+
+
+def test_a_row_program_selects_one_element_of_a_vector_at_its_0d_index_unviewed():
+    """Seed 0, program 8159: `concat(prod(...)[..., None], tanh(prod(...))[..., None], ...)`
+    of a [1] product, read at its element 0: canonicalize made the gather a selecting sum
+    and viewed its 0-d index as [1], a view of a constant no kernel stores (an internal
+    error: 'const' reached the Triton backend outside a kernel). See test_indexing."""
+    program = fuzzgen.generate(random.Random("0:8159"), seed=8159)
+    assert "t1 = (mean(min(max(concat(prod((1.0 + 0.1 * tanh(y))" in program.source  # the program pinned
+    assert fuzzgen.run(program).status == "pass"

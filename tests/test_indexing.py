@@ -183,6 +183,26 @@ def test_cross_entropy_with_gather_and_an_ignore_index_is_one_row_kernel(n):
     assert torch.allclose(out.double(), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("n", [1, 17, 113])
+@pytest.mark.parametrize("dt", ["f32", "bf16"])
+def test_one_element_of_a_vector_a_row_program_computes_is_selected_at_a_0d_index(n, dt):
+    """`softmax(y)[i]`: the gather becomes the row program's sum selecting the element, which
+    compares the positions with the index itself, 0-d, broadcast as it is. The index was
+    viewed as [1], and a view of a scalar expression, computed where it is read, reads no
+    tensor (an internal error: 'const' reached the Triton backend outside a kernel). Fuzz
+    finding 0:8159, minimized to the concat of a product and its tanh (a gather of p at 0)."""
+    tdt = {"f32": torch.float32, "bf16": torch.bfloat16}[dt]
+    src = f"kernel f(y: {dt}[N], i: i32) -> {dt}[N] {{ return y * softmax(y)[i] + cumsum(y)[-1 - i] }}"
+    for i in sorted({0, n // 2, n - 1, -1, -n}):
+        fn, _ = run_checked(src, randn(n, dtype=tdt), i)
+    assert [k.template for k in fn.kernels] == ["rows"]
+    src = f"""kernel f(y: {dt}[N]) -> {dt}[N] {{
+    p = prod(1.0 + 0.1 * tanh(y), axis=-1, keepdims=true)
+    return y + min(concat(p[..., None], tanh(p)[..., None], axis=-1), axis=-1)
+}}"""
+    run_checked(src, randn(n, dtype=tdt))
+
+
 def test_advanced_indexing_follows_numpy_placement():
     src = """
     kernel f(t: f32[T, H, D], i: i32[K], j: i32[K]) -> (f32[K, H, D], f32[T, K], f32[K, H]) {
