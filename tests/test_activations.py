@@ -3,6 +3,8 @@ across every region of each (past softplus's threshold, around the hard ones' +-
 negative for logsigmoid and the elus), gradients at exactly the kinks (torch's convention
 there), fusion into a GEMM epilogue, sm_90 compilation, and their keyword diagnostics."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -84,6 +86,50 @@ def test_gradients_at_the_kinks_follow_torchs_conventions():
         ref = x.double().requires_grad_(True)
         torch_fn(ref).backward(torch.ones_like(ref))
         assert torch.allclose(leaf.grad.double(), ref.grad, rtol=1e-6, atol=1e-7), call
+
+
+# every activation with a piecewise or thresholded derivative (the CASES, relu, relu6 as
+# hardtanh(0, 6), gelu, silu) with its breakpoints: each is checked there and at NaN, +-inf, +-0
+EDGE_CASES = [
+    *[(call, fn, edges) for (call, fn), edges in zip(CASES, [
+        [20.0], [2.5], [-40.0], [], [], [], [], [], [], [], [], [-1.0, 1.0], [-3.0, 0.5],
+        [-3.0, 3.0], [-3.0, 3.0], [20.0], []], strict=True)],
+    ("relu(x)", torch.relu, []),
+    ("hardtanh(x, min_val=0, max_val=6)", F.relu6, [6.0]),
+    ("gelu(x)", F.gelu, []),
+    ('gelu(x, approximate="tanh")', lambda x: F.gelu(x, approximate="tanh"), []),
+    ("silu(x)", F.silu, []),
+]
+
+
+def torch_gradient(torch_fn, x: torch.Tensor) -> torch.Tensor:
+    """torch's gradient in float64 along a unit cotangent, one element at a time: its
+    elementwise formulas (its CUDA kernels', and its CPU kernels' on a scalar). The CPU
+    kernels of elu, hardtanh and hardswish test the other side of the kink in their vector
+    loops, so at a NaN they give NaN, 0, NaN there and the scale, g, g on a tensor's
+    last elements: which one depends on where the NaN lies."""
+    grads = []
+    for v in x.double().flatten().tolist():
+        t = torch.tensor([v], dtype=torch.float64, requires_grad=True)
+        grads += torch.autograd.grad(torch_fn(t), t, torch.ones_like(t))
+    return torch.cat(grads).reshape(x.shape)
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("dt", ["f32", "bf16"])
+@pytest.mark.parametrize("call, torch_fn, edges", EDGE_CASES, ids=[c for c, _, _ in EDGE_CASES])
+def test_gradient_at_nan_infinities_zero_and_breakpoints_is_torchs(call, torch_fn, edges, dt, backend):
+    """elu, selu and celu pass g times the scale at a NaN (they sent it to the exponential:
+    NaN), hardsigmoid 0 (it let it through as g / 6), softsign is NaN at +-inf (0, the limit),
+    as torch's; NaN at the same places, and the values."""
+    x = torch.tensor([math.nan, math.inf, -math.inf, 0.0, -0.0, *edges], dtype=DTYPES[dt])[None]
+    fn = tiledsl.compile(f"kernel f(x: {dt}[M, N]) -> {dt}[M, N] {{ return {call} }}", backend=backend)
+    leaf = x.clone().requires_grad_(True)
+    (ours,) = torch.autograd.grad(fn(leaf), leaf, torch.ones_like(leaf))
+    expected = torch_gradient(torch_fn, x)
+    assert torch.equal(ours.isnan(), expected.isnan()), (call, x, ours, expected)
+    tol = {"f32": 2e-6, "bf16": 1.6e-2}[dt]
+    torch.testing.assert_close(ours.double(), expected, rtol=tol, atol=tol, equal_nan=True)
 
 
 def test_large_negative_inputs_do_not_overflow():

@@ -1,5 +1,9 @@
 """Activation functions, as torch.nn.functional defines them and torch's derivatives.yaml
-differentiates them (the convention at each kink is torch's).
+differentiates them (the convention at each kink is torch's). At a NaN or an infinite input
+a gradient is what torch's elementwise formula gives, its CUDA kernels' and its CPU
+kernels' on a scalar: the side of the kink a NaN takes is the one its test sends it to
+(`x <= 0 ? below : above` passes it above). torch's CPU vector loops of elu, hardtanh and
+hardswish test the other side, so on a CPU tensor the answer depends on where a NaN lies.
 
 Integer and bool inputs compute in f32, f16/bf16 ones in f32, and f32 ones with a
 transcendental in f64 (their error then stays below an f32 ulp), like the math builtins in
@@ -124,13 +128,14 @@ def _elu_render(alpha, scale: float, input_scale):
 
 
 def _elu_vjp(alpha, scale: float, input_scale):
-    """torch's elu_backward of the input: g * scale above 0, g * alpha * scale * input_scale
-    * exp(x * input_scale) at and below."""
+    """torch's elu_backward of the input: g * alpha * scale * input_scale * exp(x *
+    input_scale) at and below 0, g * scale elsewhere, a NaN input included (its test is
+    `x <= 0`; testing `x > 0` sent a NaN to the exponential: NaN where torch has the scale)."""
 
     def vjp(d, wanted):
         x, a, s = d.x(0), alpha(d), input_scale(d)
         below = _scaled(d, d.call("exp", _scaled(d, x, s)), a * scale * s)
-        return (d.where(d.call("gt", x, d.c(0.0)), _scaled(d, d.g, scale), d.mul(d.g, below)),)
+        return (d.where(d.call("le", x, d.c(0.0)), d.mul(d.g, below), _scaled(d, d.g, scale)),)
 
     return vjp
 
@@ -218,10 +223,12 @@ def _render_hardswish(em, op, args, out):
 
 
 def _d_hardsigmoid(d, wanted):
-    """torch's hardsigmoid_backward: g / 6 strictly inside (-3, 3), else 0."""
+    """torch's hardsigmoid_backward: g / 6 strictly inside (-3, 3), else 0, a NaN input
+    included (it tests `-3 < x < 3`; testing the outside, `x <= -3 or x >= 3`, let a NaN
+    through as g / 6)."""
     x, zero = d.x(0), d.c(0.0)
-    inside = d.where(d.call("ge", x, d.c(3.0)), zero, d.div(d.g, d.c(6.0)))
-    return (d.where(d.call("le", x, d.c(-3.0)), zero, inside),)
+    inside = d.where(d.call("lt", x, d.c(3.0)), d.div(d.g, d.c(6.0)), zero)
+    return (d.where(d.call("gt", x, d.c(-3.0)), inside, zero),)
 
 
 def _d_hardswish(d, wanted):
@@ -247,8 +254,12 @@ def _render_softsign(em, op, args, out):
 
 
 def _d_softsign(d, wanted):
-    s = d.add(d.c(1.0), d.call("abs", d.x(0)))
-    return (d.div(d.g, d.mul(s, s)),)
+    """g / (1 + |x|)^2, and NaN at an infinite x as torch's: its softsign is x / (1 + |x|),
+    differentiated by the quotient rule, which is inf / inf there (the form here, exact
+    where the quotient rule cancels, would give the limit 0)."""
+    x = d.x(0)
+    s = d.add(d.c(1.0), d.call("abs", x))
+    return (d.where(d.call("isinf", x), d.c(math.nan), d.div(d.g, d.mul(s, s))),)
 
 
 _activation("softsign", lambda a: a / (1 + abs(a)), F.softsign, _render_softsign, _d_softsign)
