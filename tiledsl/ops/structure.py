@@ -592,18 +592,8 @@ def _transpose(types, attrs):
     return TensorType(x.dtype, tuple(shape), x.weak)
 
 
-def _viewed(x: TensorType, what: str) -> None:
-    """A view reads a tensor in place; a 0-d value is computed where it is read (a constant or
-    a scalar expression, cloned into each kernel: there is nothing to view) and broadcasts
-    as it is. Sema refuses such a subscript or reshape; a rewrite must not build one."""
-    if x.rank == 0:
-        raise RuleError(diag.IndexingError, (0,), message=(
-            f"a 0-d value ({x}) cannot be {what}; it broadcasts as it is"))
-
-
 def _slice(types, attrs):
     (x,) = types
-    _viewed(x, "indexed")
     shape = []
     for item in attrs["items"]:
         if item[0] == "range":
@@ -646,7 +636,6 @@ def format_items(items) -> str:
 
 def _reshape(types, attrs):
     (x,) = types
-    _viewed(x, "reshaped")
     return TensorType(x.dtype, tuple(attrs["shape"]), x.weak)
 
 
