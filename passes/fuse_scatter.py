@@ -28,7 +28,7 @@ import networkx as nx
 
 from tiledsl.ir import Graph, Op
 from tiledsl.passes.fusion.grow import Admission, elementwise_candidate, fuse_groups
-from tiledsl.passes.fusion.legality import GroupPlan, describe_node, reads_other_index
+from tiledsl.passes.fusion.legality import Group, GroupPlan, describe_node, reads_other_index
 from tiledsl.passes.fusion.remarks import Refusal, Rule
 from tiledsl.passes.fusion.spec import ScatterSpec
 from tiledsl.passes.registry import Pass, PassContext, register
@@ -59,19 +59,20 @@ def _space(graph: Graph, put: int) -> tuple:
     return graph.result_type(*graph.operand_edges(put)[0]).shape
 
 
-def _joins(graph: Graph, node: int, space) -> bool:
+def _joins(graph: Graph, group: Group, node: int, space) -> bool:
     """Will `node`, a reader outside the group, join it next? A `put` of the space does,
-    unless what it writes or where is computed from a put's result of the space (one of the
-    group's, or one that joins with it): the kernel would wait for its own result (the
-    scatter_add of a scatter_add sharing its indices; fuzz finding 0:13094). Decided from the
-    graph, not from the group grown so far, since a put joining later can close the cycle."""
-    if graph.op(node).kind != "put" or _space(graph, node) != space:
+    unless another kernel of this pass took it already, or what it writes or where is
+    computed from a put's result of the space (one of the group's, or one that joins with
+    it): the kernel would wait for its own result (the scatter_add of a scatter_add sharing
+    its indices; fuzz finding 0:13094). Decided from the graph, not from the group grown so
+    far, since a put joining later can close the cycle."""
+    if graph.op(node).kind != "put" or _space(graph, node) != space or group.plan.grouped(node):
         return False
     return not any(isinstance(graph.op(a), Op) and graph.op(a).kind == "put" and _space(graph, a) == space
                    for a in nx.ancestors(graph.nx, node))
 
 
-def _admit(graph: Graph, group: set[int], cand: int, space) -> Refusal | None:
+def _admit(graph: Graph, group: Group, cand: int, space) -> Refusal | None:
     if graph.op(cand).kind == "put":
         if _space(graph, cand) != space:
             return Refusal(Rule.TILE, f"it writes values of shape {format_shape(_space(graph, cand))}, "
@@ -81,11 +82,12 @@ def _admit(graph: Graph, group: set[int], cand: int, space) -> Refusal | None:
     if reads:
         return Refusal(Rule.OP, f"it reads {describe_node(graph, reads[0])}'s result, which the "
                        "scatter kernel completes only when it ends")
-    outside = [u for u, _ in graph.users(cand) if u not in group and not _joins(graph, u, space)]
+    outside = [u for u, _ in graph.users(cand) if u not in group and not _joins(graph, group, u, space)]
     if outside:
-        why = ""
-        if graph.op(outside[0]).kind == "put" and _space(graph, outside[0]) == space:
-            why = ", and cannot join it: its values or indices are computed from a scatter's result"
+        why, u = "", outside[0]
+        if graph.op(u).kind == "put" and _space(graph, u) == space:
+            why = (", and is another scatter kernel's" if group.plan.grouped(u) else
+                   ", and cannot join it: its values or indices are computed from a scatter's result")
         return Refusal(Rule.MATERIALIZE, f"{describe_node(graph, outside[0])} outside the scatter "
                        f"reads it too{why}")
     if not broadcasts_to(graph.op(cand).shape, space):

@@ -137,6 +137,16 @@ def test_a_scatter_add_of_a_scatter_add_at_the_same_indices(n, dt):
     assert [k.template for k in fn.kernels] == ["pointwise", "indexed", "indexed", "pointwise"]
     if dt == "f32":
         grads_ok(fn, x, k.abs().remainder(n).int())
+    # the index expressions read by a put a kernel formed before (a) and by one that cannot
+    # join it (after b): they stay outside the second too
+    src = f"""kernel f(x: {dt}[M, N], k: i32[M, N], j: i32[M, N]) -> ({dt}[M, N], {dt}[M, N]) {{
+    i = abs(k) % M
+    a = scatter_add(x, i, x, 0)
+    b = scatter_add(x, j, x * 2.0, 0)
+    return a, scatter_add(x, i, b * 0.5, 0)
+}}"""
+    fn, _ = run_checked(src, x, k.int(), indices(n, n, 2 * n + 1, seed=n + 1).int())
+    assert [k.template for k in fn.kernels].count("indexed") == 3
 
 
 def test_a_scatter_into_one_element_adds_every_lane():
