@@ -12,9 +12,9 @@ another kernel.
 
 Refused, with a recorded rule: a producer some op outside the kernel reads too
 ("materialize": it would have to be stored over the space of another kernel; a `put`
-of the space reading it counts as inside, since it joins, unless it writes values
-computed from a put's result of the space: that put cannot join a kernel whose
-result it waits for, a chain of scatters sharing indices), a
+of the space reading it counts as inside, since it joins, unless another scatter kernel
+took it already or it writes values computed from a put's result of the space: that put
+cannot join a kernel whose result it waits for, a chain of scatters sharing indices), a
 producer the kernel would read through a view or broadcast ("other-index"), a
 reader of a `put`'s result ("op"). Runs before fuse-elementwise, which would
 otherwise store the producers.
