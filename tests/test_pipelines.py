@@ -258,3 +258,18 @@ def test_a_sinks_factor_left_on_the_probabilities_is_not_a_probability_modificat
     assert [k.template for k in fn.kernels] == ["matmul", "rows", "matmul"]
     assert any(r.pass_name == "fuse-attention" and "a row statistic such as their logsumexp" in str(r)
                for r in fn.remarks)
+
+
+def test_attention_backward_refuses_a_space_whose_op_reads_its_own_row_sum():
+    """With no fuse-attention before it, `o = softmax(q @ k.T) @ v` is a score dot to
+    fuse-attention-backward (linear attention's form), and `o * sum(o)` a score op reading
+    the dot's row sum. The analysis took that sum for one the kernels accumulate per tile
+    and add into a result, which a score op cannot read before the walk ends: the plan found
+    no result for it (KeyError: 4 in attention_backward_plan, an internal error; also with
+    fuse-rows or hoist-row-scale after it). The space is refused (cycle)."""
+    fn = check_pipeline("attention_row_stat_matmul", "fuse-attention-backward")
+    assert [k.template for k in fn.kernels] == ["matmul", "rows", "matmul", "rows", "pointwise", "matmul"]
+    assert [str(r) for r in fn.remarks if r.pass_name == "fuse-attention-backward"] == [
+        "[fuse-attention-backward] refused: sum (line 4) -> mul (line 4): mul (line 4) reads sum (line 4), a "
+        "sum of the attention backward's scores that the kernels add their tiles into, complete only after "
+        "them [rule: cycle]"]

@@ -238,6 +238,16 @@ def _derive(graph: Graph, dots: list[int], space: set[int], order: dict[int, int
         return None, (Refusal(Rule.MATERIALIZE, (
             f"{describe_node(graph, user)} reads the raw scores {describe_node(graph, n)}, which the "
             "attention backward kernels recompute per tile and never store")), graph.op(n), graph.op(user))
+    for _, chain in reduced:
+        # the kernels add each tile's sum into the chain's result as they walk: it is
+        # complete only after them, so a score op reading it (`o * sum(o)` of a product
+        # `o = p @ v` taken for a dot when no fuse-attention ran first) cannot be computed
+        reader = next((u for u, _ in graph.users(chain[-1]) if u in space or u in dot_set), None)
+        if reader is not None:
+            return None, (Refusal(Rule.CYCLE, (
+                f"{describe_node(graph, reader)} reads {describe_node(graph, chain[-1])}, a sum of the "
+                "attention backward's scores that the kernels add their tiles into, complete only "
+                "after them")), graph.op(chain[-1]), graph.op(reader))
     found = ScoreSpace(dots, space, products, stored, reduced, _batch_sums(graph, products, dots))
     # (prologues are copied into the kernels, `own-prologues`: they read loaded tensors)
     members = [n for n in found.members(graph, "queries") + found.members(graph, "keys")
