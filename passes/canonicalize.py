@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from tiledsl import ops
 from tiledsl.builder import Builder
 from tiledsl.indexing import reindex, slice_source
-from tiledsl.ir import Graph, Op
+from tiledsl.ir import Edge, Graph, Op
 from tiledsl.ops import Reads
 from tiledsl.passes.fusion.score_space import swaps_last
 from tiledsl.passes.registry import Pass, PassContext, register
@@ -73,6 +73,11 @@ def _read_as(op: Op, types: tuple[TensorType, ...]) -> tuple[DType | None, ...]:
     return (_as_python(op.dtype),) * len(types)
 
 
+def _is_param(graph: Graph, node: int) -> bool:
+    op = graph.op(node)
+    return isinstance(op, Op) and op.kind == "param"
+
+
 def const_value(graph: Graph, node: int):
     op = graph.op(node)
     return op.attr("value") if isinstance(op, Op) and op.kind == "const" else None
@@ -113,12 +118,12 @@ class RemoveIdentity(Pattern):
         if op.kind not in _IDENTITY:
             return False
         unit, commutes = _IDENTITY[op.kind]
-        lhs, rhs = graph.operands(node)
+        lhs, rhs = graph.operand_edges(node)
         candidates = [(lhs, rhs)] + ([(rhs, lhs)] if commutes else [])
         for keep, other in candidates:
-            v = const_value(graph, other)
+            v = const_value(graph, other[0])
             if v is not None and not isinstance(v, bool) and v == unit \
-                    and graph.op(keep).type == op.type:
+                    and graph.result_type(*keep) == op.type:
                 rewriter.replace(node, keep)
                 return True
         return False
@@ -153,10 +158,10 @@ class RemoveNoOpCast(Pattern):
     def apply(self, graph: Graph, node: int, op: Op, rewriter: Rewriter) -> bool:
         if op.kind != "cast":
             return False
-        (x,) = graph.operands(node)
-        x_op = graph.op(x)
-        if x_op.type != op.type:
+        (x,) = graph.operand_edges(node)
+        if graph.result_type(*x) != op.type:
             return False
+        x_op = graph.op(x[0])
         if op.dtype in (DType.F16, DType.BF16) and not (isinstance(x_op, Op) and x_op.kind == "param"):
             return False
         rewriter.replace(node, x)
@@ -173,8 +178,8 @@ class CancelInvolution(Pattern):
         inner_op = graph.op(inner)
         if not isinstance(inner_op, Op) or inner_op.kind != op.kind or inner_op.attrs != op.attrs:
             return False
-        (x,) = graph.operands(inner)
-        if graph.op(x).type != op.type:
+        (x,) = graph.operand_edges(inner)
+        if graph.result_type(*x) != op.type:
             return False
         rewriter.replace(node, x)
         return True
@@ -191,13 +196,14 @@ class ReduceAlongOne(Pattern):
     def apply(self, graph: Graph, node: int, op: Op, rewriter: Rewriter) -> bool:
         if op.kind not in self.KINDS:
             return False
-        (x,) = graph.operands(node)
-        shape = graph.op(x).shape
+        (x,) = graph.operand_edges(node)
+        x_type = graph.result_type(*x)
+        shape = x_type.shape
         axis = op.attr("axis") % len(shape)
         if shape[axis] != 1:
             return False
         b = rewriter.build
-        value = x if graph.op(x).dtype is op.dtype else b.op("cast", [x], op.span, dtype=op.dtype)
+        value = x if x_type.dtype is op.dtype else b.op("cast", [x], op.span, dtype=op.dtype)
         if not op.attr("keepdims"):
             items = tuple(("at", 0) if k == axis else ("range", 0, d, 1, d) for k, d in enumerate(shape))
             value = b.op("slice", [value], op.span, items=items)
@@ -216,7 +222,7 @@ class ViewOfFill(Pattern):
         (x,) = graph.operands(node)
         x_op = graph.op(x)
         if not (isinstance(x_op, Op) and x_op.kind == "expand"
-                and graph.op(graph.operands(x)[0]).type.rank == 0):
+                and graph.result_type(*graph.operand_edges(x)[0]).rank == 0):
             return False
         rewriter.replace(node, rewriter.build.op("expand", graph.operand_edges(x), op.span, shape=op.shape))
         return True
@@ -330,16 +336,18 @@ class TransposedOperand(Pattern):
         x_op = graph.op(x)
         if not isinstance(x_op, Op) or not ops.is_elementwise(x_op.kind) or graph.users(x) != [(node, 0)]:
             return False
-        tensors = [o for o in graph.operands(x) if graph.op(o).type.rank > 0]
+        tensors = [e for e in graph.operand_edges(x) if graph.result_type(*e).rank > 0]
         # a quantized weight's dequantization: an op of an integer parameter (a computed
         # value's transpose is a product's own business: the attention backward reads `ds.T`
         # as a transposed score-space value; fuse-attention takes `(k * c).T` as it is)
-        if len(tensors) != 1 or graph.op(tensors[0]).shape != x_op.shape or x_op.kind == "index" \
-                or graph.op(tensors[0]).kind != "param" or not graph.op(tensors[0]).dtype.is_int:
+        if len(tensors) != 1 or x_op.kind == "index" or not _is_param(graph, tensors[0][0]):
+            return False
+        w_type = graph.result_type(*tensors[0])
+        if w_type.shape != x_op.shape or not w_type.dtype.is_int:
             return False
         b = rewriter.build
         moved = b.op("transpose", [tensors[0]], op.span, **op.attr_map)
-        operands = [moved if o == tensors[0] else o for o in graph.operands(x)]
+        operands = [moved if e == tensors[0] else e for e in graph.operand_edges(x)]
         rewriter.replace(node, b.op(x_op.kind, operands, x_op.span, **x_op.attr_map))
         return True
 
@@ -376,12 +384,12 @@ def _zero_at_zero(graph: Graph, node: int, op: Op) -> bool:
     fold = ops.OPS[op.kind].fold if op.kind in ops.OPS else None
     if fold is None or op.kind == "take" or not ops.is_elementwise(op.kind):
         return False
-    operands = graph.operands(node)
-    tensors = [k for k, o in enumerate(operands) if graph.op(o).type.rank > 0]
-    if len(tensors) != 1 or graph.op(operands[tensors[0]]).type.shape != op.shape:
+    types = [graph.result_type(*e) for e in graph.operand_edges(node)]
+    tensors = [k for k, t in enumerate(types) if t.rank > 0]
+    if len(tensors) != 1 or types[tensors[0]].shape != op.shape:
         return False
-    zero = {DType.BOOL: False}.get(graph.op(operands[tensors[0]]).type.dtype, 0)
-    args = [zero if k == tensors[0] else const_value(graph, o) for k, o in enumerate(operands)]
+    zero = {DType.BOOL: False}.get(types[tensors[0]].dtype, 0)
+    args = [zero if k == tensors[0] else const_value(graph, o) for k, o in enumerate(graph.operands(node))]
     if any(a is None for a in args):
         return False
     try:
@@ -405,7 +413,7 @@ class GatherAlongRow(Pattern):
             return False
         (v, res), *indices = graph.operand_edges(node)
         shape = graph.result_type(v, res).shape
-        axis = _gathered_axis(graph, [i for i, _ in indices], shape, op.shape)
+        axis = _gathered_axis(graph, indices, shape, op.shape)
         if axis is None or not _computed_along(graph, v, axis):
             return False
         b = rewriter.build
@@ -429,7 +437,7 @@ class GatherAlongRow(Pattern):
         return True
 
 
-def _gathered_axis(graph: Graph, indices: list[int], shape: tuple, out: tuple) -> int | None:
+def _gathered_axis(graph: Graph, indices: list[Edge], shape: tuple, out: tuple) -> int | None:
     """The one axis a gather of a value of `shape` reads at computed indices, every other
     axis read at its own index (the gather's result is the value without that axis); None
     for any other gather."""
@@ -437,12 +445,12 @@ def _gathered_axis(graph: Graph, indices: list[int], shape: tuple, out: tuple) -
         return None
 
     def own(k: int, at: int) -> bool:  # axis k read at the result's index along `at`
-        i_op = graph.op(indices[k])
+        i_op = graph.op(indices[k][0])
         return isinstance(i_op, Op) and i_op.kind == "index" and i_op.attr("axis") == at \
             and len(i_op.shape) == len(out) and i_op.shape[at] == shape[k]
 
     for axis in range(len(shape)):
-        if graph.op(indices[axis]).type.shape == out and all(
+        if graph.result_type(*indices[axis]).shape == out and all(
                 own(k, k if k < axis else k - 1) for k in range(len(shape)) if k != axis):
             return axis
     return None
@@ -459,8 +467,8 @@ def _computed_along(graph: Graph, node: int, axis: int, depth: int = 8) -> bool:
         return op.attr("axis") == axis and (category is not ops.Category.REDUCTION or op.attr("keepdims"))
     if depth == 0 or not ops.is_elementwise(op.kind) or op.kind == "take":
         return False
-    return any(graph.op(o).type.rank == op.type.rank and _computed_along(graph, o, axis, depth - 1)
-               for o in graph.operands(node))
+    return any(graph.result_type(*e).rank == op.type.rank and _computed_along(graph, e[0], axis, depth - 1)
+               for e in graph.operand_edges(node))
 
 
 class ViewOfGather(Pattern):
@@ -479,8 +487,12 @@ class ViewOfGather(Pattern):
             return False
         (src,) = graph.operands(node)
         take = graph.op(src)
-        if not isinstance(take, Op) or take.kind != "take" or any(
-                ops.category(graph.op(u).kind) is not ops.Category.LAYOUT for u, _ in graph.users(src)):
+        if not isinstance(take, Op) or take.kind != "take" or not all(
+                isinstance(u := graph.op(n), Op) and ops.category(u.kind) is ops.Category.LAYOUT
+                for n, _ in graph.users(src)):
+            return False
+        x, *indices = graph.operand_edges(src)
+        if not all(_reindexable(graph, i) for i, _ in indices):
             return False
         b = rewriter.build
         coords = _view_coords(b, op, take.shape)
@@ -493,12 +505,29 @@ class ViewOfGather(Pattern):
             return reindex(b, v, [None if d == 1 else coords[lead + k] for k, d in enumerate(v_shape)],
                            op.span)
 
-        x, *indices = graph.operands(src)
-        gathered = b.op("take", [x, *(at(i) for i in indices)], take.span)
+        gathered = b.op("take", [x, *(at(i) for i, _ in indices)], take.span)
         if b.types([gathered])[0] != op.type:
             return False
         rewriter.replace(node, gathered)
         return True
+
+
+def _reindexable(graph: Graph, node: int) -> bool:
+    """Can `reindex` read index tensor `node` again at other positions: is every value it
+    walks through (elementwise ops and slices, and what they read) an op, not a kernel an
+    earlier pass formed?"""
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        op = graph.op(n)
+        if not isinstance(op, Op):
+            return False
+        if op.type.rank and (ops.is_elementwise(op.kind) or op.kind == "slice"):
+            stack.extend(graph.operands(n))
+    return True
 
 
 def _view_coords(b: Builder, op: Op, source: Shape) -> list[int]:
@@ -565,11 +594,11 @@ class RemoveIdentityGather(Pattern):
     def apply(self, graph: Graph, node: int, op: Op, rewriter: Rewriter) -> bool:
         if op.kind != "take":
             return False
-        x, *indices = graph.operands(node)
-        x_type = graph.op(x).type
+        x, *indices = graph.operand_edges(node)
+        x_type = graph.result_type(*x)
         if x_type != op.type:
             return False
-        for k, (i, d) in enumerate(zip(indices, x_type.shape, strict=True)):
+        for k, ((i, _), d) in enumerate(zip(indices, x_type.shape, strict=True)):
             i_op = graph.op(i)
             own = (isinstance(i_op, Op) and i_op.kind == "index" and i_op.attr("axis") == k
                    and i_op.type.rank == x_type.rank and i_op.shape[k] == d)

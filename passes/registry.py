@@ -41,6 +41,12 @@ class PassContext:
 
 @dataclass(frozen=True)
 class Pass:
+    """One pass. Any pipeline of registered passes compiles (docs/api.md), so a pass may
+    run after any other and meet kernels an earlier pass formed: it leaves them as they
+    are. A `KernelOp` is a producer of values, each typed by `Graph.result_type(node, res)`
+    of the edge that reads it, never an op to match or rewrite; a pass reads a value's
+    type through its edge and an operand's kind only where it is an `Op`."""
+
     name: ClassVar[str] = ""
 
     def run(self, graph: Graph, ctx: PassContext) -> None:  # pragma: no cover - abstract

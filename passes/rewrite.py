@@ -4,6 +4,12 @@ A `Pattern` looks at one node and its neighbours and either rewrites through
 the `Rewriter` (returning True) or leaves the graph alone (returning False).
 The driver owns traversal, the worklist, the fixpoint and the bookkeeping:
 nodes whose operands changed are revisited, replaced nodes are erased.
+
+The driver hands a pattern ops only, never a kernel an earlier pass formed (any
+pipeline is valid, `passes/registry.py`). A neighbour may be one: a pattern reads a
+neighbour's type through its edge (`Graph.result_type(node, res)`, a kernel has a type
+per result), matches a neighbour's kind only when it is an `Op`, and replaces with
+the edge it read, not the node.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from tiledsl.builder import Builder
-from tiledsl.ir import Graph, Op
+from tiledsl.ir import Edge, Graph, Op
 
 
 class Rewriter:
@@ -29,12 +35,14 @@ class Rewriter:
         self.worklist.append(node)
         self.changed = True
 
-    def replace(self, old: int, new: int) -> None:
-        """Use `new` wherever `old` was used, then erase `old` (and what only it used)."""
+    def replace(self, old: int, new: int | Edge) -> None:
+        """Use `new` wherever `old` was used, then erase `old` (and what only it used).
+        `new` is a node (its result 0) or a (node, result) value: one result of a kernel."""
+        node, res = new if isinstance(new, tuple) else (new, 0)
         users = [u for u, _ in self.graph.users(old)]
-        self.graph.replace_uses(old, new)
+        self.graph.replace_uses(old, node, res)
         self.worklist.extend(users)
-        self.worklist.append(new)
+        self.worklist.append(node)
         self._erase_dead(old)
         self.changed = True
 

@@ -273,3 +273,40 @@ def test_attention_backward_refuses_a_space_whose_op_reads_its_own_row_sum():
         "[fuse-attention-backward] refused: sum (line 4) -> mul (line 4): mul (line 4) reads sum (line 4), a "
         "sum of the attention backward's scores that the kernels add their tiles into, complete only after "
         "them [rule: cycle]"]
+
+
+def test_canonicalize_after_fuse_epilogue_reads_a_kernel_result_as_a_value():
+    """gpt-oss's row max of scores a GEMM kernel computed: canonicalize's patterns read an
+    operand's type from its node ('KernelOp' object has no attribute 'shape', an internal
+    error; attention_row_stat_matmul's row sum too). They read it through the edge, as the
+    kernel types each result, and match an operand's kind only when it is an op: a sum
+    along a size-1 axis of a kernel's result is a view of it, the kernel left as it is."""
+    fn = check_pipeline("attention_sinks", "fuse-epilogue,canonicalize")
+    assert [k.template for k in fn.kernels][:2] == ["matmul", "rows"]
+    fn = tiledsl.compile("kernel f(x: f32[M, K], w: f32[K, 1]) -> f32[M] {\n    return sum(x @ w, axis=1)\n}",
+                         pipeline="fuse-epilogue,canonicalize", verify=True)
+    g = torch.Generator().manual_seed(0)
+    assert testing.check(fn, torch.randn(17, 19, generator=g), torch.randn(19, 1, generator=g)).ok
+    assert [k.template for k in fn.kernels] == ["matmul"]
+    assert sorted(op.kind for _, op in fn.graph.nodes(data="op") if not isinstance(op, tiledsl.ir.KernelOp)) == [
+        "param", "param", "return", "slice"]
+
+
+def test_recompute_after_fuse_epilogue_moves_no_slice_of_a_kernel_result():
+    """paged_decode's `(softmax(s) @ v)[:, :, 0, :]` slices a GEMM kernel's result, which
+    recompute read as an elementwise op to move the slice through ('KernelOp' object has no
+    attribute 'shape', an internal error). A kernel's result is stored, its slice a view:
+    the slice stays, and a chain reading a kernel's result (`h * sum(h)` of a GEMM's h) is
+    not moved either, a kernel's result being no value a clone can read as it is."""
+    fn = check_pipeline("paged_decode", "fuse-epilogue,recompute")
+    assert [k.template for k in fn.kernels] == ["pointwise", "matmul", "pointwise", "rows", "matmul"]
+    src = """kernel f(x: f32[M, K], w: f32[K, N]) -> f32[M, 3] {
+    h = x @ w
+    return (h * sum(h, axis=1, keepdims=true))[:, :3]
+}"""
+    fn = tiledsl.compile(src, pipeline="fuse-epilogue,recompute", verify=True)
+    g = torch.Generator().manual_seed(0)
+    assert testing.check(fn, torch.randn(17, 19, generator=g), torch.randn(19, 5, generator=g)).ok
+    assert not [r for r in fn.remarks if r.pass_name == "recompute"]
+    # (the returned slice is copied out by a kernel of its own)
+    assert [k.template for k in fn.kernels] == ["matmul", "rows", "pointwise", "pointwise"]
