@@ -29,7 +29,10 @@ can recompute. Moved when every op on the way is elementwise (not `index`, whose
 position, nor a gather), it reaches no other value (a row statistic: the moved ops would
 run over the slice's shape, where no row program reads them), and the chain costs at most
 `RECOMPUTE_BUDGET` operation units per element.
-Must run before the fusion passes.
+Runs before the fusion passes, which read its marks. After one, it leaves the kernels
+formed as they are: a slice of a kernel's result is a view of a stored tensor, a chain
+reading one is not moved (a kernel's result is no value a clone reads as it is), and a
+value a kernel reads is not recomputed (its reader is no elementwise op).
 """
 
 from __future__ import annotations
@@ -196,9 +199,11 @@ def _feeds_prologue(graph: Graph, n: int) -> bool:
 def _move_slice(graph: Graph, node: int, ctx: PassContext) -> None:
     """Compute a slice of an elementwise value from slices of its operands (see the module)."""
     (src,) = graph.operands(node)
+    if not _movable(graph, src):  # (a kernel's result is stored: its slice is a view)
+        return
     items = _items_for(graph.op(node).attr("items"), graph.op(src).shape)
     chain: dict[int, None] = {}  # the elementwise ops computed again, in dependency order
-    if items is None or not _movable(graph, src) or not _slice_plan(graph, src, items, chain):
+    if items is None or not _slice_plan(graph, src, items, chain):
         return
     units = sum(op_units(graph.op(n).kind) for n in chain)
     if recompute_refusal(units):
@@ -266,7 +271,9 @@ def _slice_plan(graph: Graph, n: int, items, chain: dict[int, None]) -> bool:
         return _leaf(graph, n, graph.memo("clonable"))
     if not _movable(graph, n):
         return False
-    if not all(_slice_plan(graph, o, _items_for(items, graph.op(o).shape), chain) for o in graph.operands(n)):
+    # (an operand a kernel computes is no leaf: `_slice_plan` of it is False)
+    if not all(_slice_plan(graph, o, _items_for(items, graph.result_type(o, r).shape), chain)
+               for o, r in graph.operand_edges(n)):
         return False
     chain[n] = None
     return True
