@@ -171,13 +171,14 @@ class _Match:
         product), summed over the keys as it is, with sums of the score function over the
         keys kept beside it (a normaliser `sum(f(s), -1)`)."""
         graph, pv = self.graph, self.seed
-        p = graph.operands(pv)[0]
-        shape = graph.op(p).shape
+        (p, res), v = graph.operand_edges(pv)
+        shape = graph.result_type(p, res).shape
+        # (a kernel an earlier pass formed computes no scores: `_scores` finds none in it)
         found = self._scores(p, shape)
         if found is None:
             return None
         qk, chain = found
-        if not keys_are_data(graph.op(graph.operands(qk)[1]).type, graph.op(graph.operands(pv)[1]).type):
+        if not keys_are_data(graph.result_type(*graph.operand_edges(qk)[1]), graph.result_type(*v)):
             return None
         sums = self._key_sums([qk, *chain], len(shape) - 1)
         return self._group(qk, chain, pv, None, None, [], sums, "chained matmuls", "score function")
@@ -437,7 +438,7 @@ class _Match:
                 if not elementwise_candidate(graph, nxt):
                     break  # a plain `k.T`: read in place through its strides
             elif elementwise_candidate(graph, node) and prologue_op_refusal(graph, node, False) is None:
-                nxt = next(s for s in graph.operands(node) if graph.op(s).type.rank > 0)
+                nxt = next(s for s, r in graph.operand_edges(node) if graph.result_type(s, r).rank > 0)
             else:
                 break
             out.add(node)

@@ -58,9 +58,10 @@ DEFAULT = DEFAULT_PIPELINE.split(",")
 SINGLES = [[name] for name in PASSES]
 DROP_ONE = [[p for p in DEFAULT if p != dropped] for dropped in DEFAULT if dropped != "lower-kernels"]
 # the issue's, rewrites after the fusions that feed them kernels, fusions after lower-kernels
+# or after another fusion
 PAIRS = [["fuse-elementwise"], ["fuse-epilogue", "online-softmax"], ["fuse-attention", "hoist-row-scale"],
          ["fuse-epilogue", "canonicalize"], ["fuse-rows", "sink-reshape"], ["lower-kernels", "fuse-horizontal"],
-         ["fuse-attention", "distribute-matmul"], ["fuse-epilogue", "recompute"]]
+         ["fuse-attention", "distribute-matmul"], ["fuse-epilogue", "recompute"], ["fuse-rows", "fuse-attention"]]
 PAIRS += [list(p) for p in random.Random(26).sample(list(itertools.permutations(PASSES, 2)), 8)]
 PIPELINES = [",".join(p) for p in SINGLES + DROP_ONE + PAIRS]
 
@@ -310,3 +311,15 @@ def test_recompute_after_fuse_epilogue_moves_no_slice_of_a_kernel_result():
     assert not [r for r in fn.remarks if r.pass_name == "recompute"]
     # (the returned slice is copied out by a kernel of its own)
     assert [k.template for k in fn.kernels] == ["matmul", "rows", "pointwise", "pointwise"]
+
+
+def test_fuse_attention_after_fuse_rows_finds_no_scores_in_a_kernel():
+    """Every attention program after fuse-rows (or fuse-elementwise): the row kernel took
+    the softmax and the score modification, and fuse-attention, looking for a score chain
+    `f(q @ k.T) @ v` behind p @ v, read the kernel as the op computing p ('KernelOp' object
+    has no attribute 'shape', an internal error; found by running every fusion pass before
+    every other pass, compiling only). A kernel's result computes no scores: p @ v stays a
+    GEMM reading it."""
+    fn = check_pipeline("attention", "fuse-rows,fuse-attention")
+    assert [(k.template, k.ops[0].kind) for k in fn.kernels] == [
+        ("matmul", "matmul"), ("rows", "mul"), ("matmul", "matmul")]
