@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from tiledsl import ops
 from tiledsl.builder import Builder
 from tiledsl.indexing import reindex, slice_source
-from tiledsl.ir import Edge, Graph, Op
+from tiledsl.ir import Edge, Graph, Op, walk
 from tiledsl.ops import Reads
 from tiledsl.passes.fusion.score_space import swaps_last
 from tiledsl.passes.registry import Pass, PassContext, register
@@ -516,18 +516,13 @@ def _reindexable(graph: Graph, node: int) -> bool:
     """Can `reindex` read index tensor `node` again at other positions: is every value it
     walks through (elementwise ops and slices, and what they read) an op, not a kernel an
     earlier pass formed?"""
-    stack, seen = [node], set()
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
+
+    def read(n: int) -> list[int]:
         op = graph.op(n)
-        if not isinstance(op, Op):
-            return False
-        if op.type.rank and (ops.is_elementwise(op.kind) or op.kind == "slice"):
-            stack.extend(graph.operands(n))
-    return True
+        walked = isinstance(op, Op) and op.type.rank and (ops.is_elementwise(op.kind) or op.kind == "slice")
+        return graph.operands(n) if walked else []
+
+    return all(isinstance(graph.op(n), Op) for n in walk([node], read))
 
 
 def _view_coords(b: Builder, op: Op, source: Shape) -> list[int]:

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import networkx as nx
 
 from tiledsl import ops
-from tiledsl.ir import Graph, Op
+from tiledsl.ir import Graph, Op, walk
 from tiledsl.passes.fusion.admission import epilogue_refusal, keys_are_data, prologue_op_refusal
 from tiledsl.passes.fusion.grow import elementwise_candidate, rewrite_groups
 from tiledsl.passes.fusion.legality import Group, GroupPlan, describe_node
@@ -311,17 +311,13 @@ class _Match:
         graph = self.graph
         chain = {sm, *p_ops}
 
+        def from_scores(n: int) -> bool:
+            return n != x and x in nx.ancestors(graph.nx, n)
+
         def reduces_the_scores(o: int) -> bool:
-            stack, seen = [o], set()
-            while stack:
-                n = stack.pop()
-                if n in seen or n == x or x not in nx.ancestors(graph.nx, n):
-                    continue
-                seen.add(n)
-                if not ops.is_elementwise(graph.op(n).kind):
-                    return True
-                stack.extend(graph.operands(n))
-            return False
+            read = lambda n: [m for m in graph.operands(n) if from_scores(m)]  # noqa: E731
+            return any(not ops.is_elementwise(graph.op(n).kind)
+                       for n in walk([o] if from_scores(o) else [], read))
 
         for n in p_ops:
             for o in graph.operands(n):

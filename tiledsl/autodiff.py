@@ -42,7 +42,7 @@ import networkx as nx
 from tiledsl import diagnostics as diag
 from tiledsl import ops
 from tiledsl.builder import Builder
-from tiledsl.ir import Graph, Op, make_attrs
+from tiledsl.ir import Graph, Op, make_attrs, walk
 from tiledsl.source import Span
 from tiledsl.types import DType, TensorType, broadcast_shapes, broadcasts_to
 
@@ -580,16 +580,8 @@ class _Backward:
 def _reaches_softmax(graph: Graph, node: int) -> bool:
     """Is `node` a softmax, or computed from one through operands ops are linear in
     (`ops.linear_in`: what `Derive._flash` takes as linear in the probabilities)?"""
-    stack, seen = [node], set()
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if graph.op(n).kind == "softmax":
-            return True
-        stack.extend(o for k, o in enumerate(graph.operands(n)) if ops.linear_in(graph, n, k))
-    return False
+    linear = lambda n: [o for k, o in enumerate(graph.operands(n)) if ops.linear_in(graph, n, k)]  # noqa: E731
+    return any(graph.op(n).kind == "softmax" for n in walk([node], linear))
 
 
 def _runs_matmul(graph: Graph, node: int) -> bool:

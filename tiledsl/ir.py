@@ -31,6 +31,20 @@ from tiledsl.types import DType, Shape, TensorType
 Attrs = tuple[tuple[str, Any], ...]
 
 
+def walk(starts: Iterable[Any], successors: Any) -> Iterator[Any]:
+    """Each value reachable from `starts` through `successors(value)` (an iterable), once,
+    depth first: the search the passes' graph predicates run, which they end early with
+    `any` or `all`."""
+    stack, seen = list(starts), set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        yield n
+        stack.extend(successors(n))
+
+
 def make_attrs(**attrs: Any) -> Attrs:
     return tuple(sorted(attrs.items()))
 

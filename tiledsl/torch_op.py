@@ -431,7 +431,8 @@ def autocast_args(program: Program | Generic, args: Sequence[Any], dtype: torch.
     variables = {tp.name: [torch_dtype(DTYPES[d]) for d in tp.dtypes] for tp in kernel.type_params}
     targets: dict[str, torch.dtype] = {}
     for name, choices in variables.items():
-        typed = [a.dtype for a, p in zip(args, kernel.params, strict=True) if p.type.dtype == name and floating(a)]
+        typed = [a.dtype for a, p in zip(args, kernel.params, strict=True)
+                 if p.type.dtype == name and floating(a)]
         if _multiplies_matrices(kernel) and dtype in choices:
             targets[name] = dtype
         elif typed:
