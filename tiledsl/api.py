@@ -609,29 +609,37 @@ def _unshared(outs: tuple, taken: set[int], contiguous: bool = False) -> tuple:
 def _through_op(args: tuple, kwargs: dict) -> bool:
     """Must this call go through the dispatcher: is it traced (`traced`), does an input need
     a gradient, or is autocast on for an input's device (the op's Autocast kernel casts the
-    arguments: `torch_op.autocast_args`)?"""
-    if traced(args, kwargs):
+    arguments: `torch_op.autocast_args`)? On every call: the arguments are walked once, and
+    a device's autocast state is asked only when some autocast is on."""
+    if _tracing():
         return True
-    grad = torch.is_grad_enabled()
-    return any(isinstance(a, torch.Tensor) and ((grad and a.requires_grad) or _autocasting(a.device.type))
-               for a in (*args, *kwargs.values()))
+    grad, autocast = torch.is_grad_enabled(), torch._C._is_any_autocast_enabled()
+    for a in (*args, *kwargs.values()) if kwargs else args:
+        if isinstance(a, torch.Tensor) and (type(a) not in _PLAIN or (grad and a.requires_grad)
+                                            or (autocast and _autocasting(a.device.type))):
+            return True
+    return False
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # what a call's kernels read directly
 
 
 def traced(args: tuple, kwargs: dict) -> bool:
     """Is a tracer watching this call, so that it must see the op and nothing may branch on
-    the values on the host: torch.compile/export, a dispatch mode (make_fx's tracer in real
-    mode, a FlopCounterMode: it sees plain tensors, and a direct run would show it the
-    kernels' own aten calls), torch.func's transforms (vmap's and func.grad's tensors are
-    wrappers the kernels cannot read), torch.jit.trace, or an input that is a tensor
+    the values on the host: a tracing state (`_tracing`) or an input that is a tensor
     subclass (FakeTensor, a functional or proxy tensor)?"""
-    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
-        return True
-    if torch._C._len_torch_dispatch_stack() or torch._ops._len_torch_dispatch_stack_pre_dispatch():
-        return True
-    if torch._C._get_tracing_state() is not None:
-        return True
-    return any(isinstance(a, torch.Tensor) and type(a) not in (torch.Tensor, torch.nn.Parameter)
-               for a in (*args, *kwargs.values()))
+    return _tracing() or any(isinstance(a, torch.Tensor) and type(a) not in _PLAIN
+                             for a in (*args, *kwargs.values()))
+
+
+def _tracing() -> bool:
+    """torch.compile/export, a dispatch mode (make_fx's tracer in real mode, a
+    FlopCounterMode: it sees plain tensors, and a direct run would show it the kernels' own
+    aten calls), torch.func's transforms (vmap's and func.grad's tensors are wrappers the
+    kernels cannot read), or torch.jit.trace."""
+    return bool(torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+                or torch._C._len_torch_dispatch_stack() or torch._ops._len_torch_dispatch_stack_pre_dispatch()
+                or torch._C._get_tracing_state() is not None)
 
 
 def _autocasting(device_type: str) -> bool:
