@@ -169,7 +169,7 @@ class AttentionProgram:
         self.run(outer, tuple(v for v in parts.score_ops if self.value_type(v).rank == 0), "score")
         self.outer = outer
         self.offsets = None if parts.bound is None else \
-            bound_offsets(body, em, outer, parts.bound, self.M, self.N)
+            bound_offsets(sig, body, em, outer, parts.bound, self.M, self.N)
         self.fold = self.scale_fold() if parts.softmax is not None else None
         if self.fold is not None:  # the scale and the base-2 conversion, one multiply per score
             scale = em.tensor(em.convert(self.fold[1], Compute.F32))
@@ -553,7 +553,7 @@ class AttentionProgram:
         """A region input at the score tile or the output tile, read through its strides."""
         inp = self.region.inputs[i]
         if inp.scalar:
-            return self.em.scalar(self.scalars[i], inp.type.dtype)
+            return self.em.scalar(self.scalars[i], inp.type)
         ref = self.refs[i]
         idx = self.indices_of(i, space)
         offset = ref.offset(idx)
@@ -659,8 +659,6 @@ def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKer
 # dims are below 2^31 - 2^20 where a kernel computes in int32 (`launch.DIM_LIMIT`) and blocks
 # hold at most 2^16 rows; a larger one, or one with scalars, is an int64 scalar
 SMALL_OFFSET = 2**19
-# the walk's limits computed from int64 offsets, back in the type of the kernel's indices
-INDEX_TYPE = "tl.int64 if WIDE else tl.int32"
 
 
 @dataclass(frozen=True, slots=True)
@@ -688,6 +686,7 @@ class BoundOffsets:
     upper: Offset
     lower: Offset | None
     ok: str | None
+    index_type: str | None = None  # the kernel's index type, where the offsets are int64
 
     @property
     def wide(self) -> bool:
@@ -696,11 +695,11 @@ class BoundOffsets:
     def limit(self, text: str) -> str:
         """A walk's limit computed from the offsets: int64 from int64 ones, so back in the
         kernel's index type (its value is a key or query position, in range)."""
-        return f"({text}).to({INDEX_TYPE})" if self.wide else text
+        return f"({text}).to({self.index_type})" if self.wide else text
 
 
-def bound_offsets(body: Code, em: Emitter, outer: Mapping[int, Val], bound: KeyBound, rows: str,
-                  keys: str) -> BoundOffsets:
+def bound_offsets(sig: Signature, body: Code, em: Emitter, outer: Mapping[int, Val], bound: KeyBound,
+                  rows: str, keys: str) -> BoundOffsets:
     """Emit before the walk what its limits need of a mask bound, and return it: the
     offsets, small literals or int64 scalars (`kb_hi`, `kb_lo`: there the bound cannot
     overflow; each scalar is taken as i32, as the mask's arithmetic takes it), and where a
@@ -748,4 +747,4 @@ def bound_offsets(body: Code, em: Emitter, outer: Mapping[int, Val], bound: KeyB
 
     upper = scalar("kb_hi", bound.offsets, upper_constant, "kb_keys")
     low = None if lower is None else scalar("kb_lo", lower.offsets, lower.constant, "-kb_rows")
-    return BoundOffsets(upper, low, ok)
+    return BoundOffsets(upper, low, ok, f"tl.int64 if {sig.wide()} else tl.int32")

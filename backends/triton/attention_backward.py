@@ -186,7 +186,7 @@ class AttentionBackwardProgram:
         self.rank = len(self.score_shape)
         self.walk_axis = self.rank - (2 if plan.over == "queries" else 1)  # the score axis walked
         self.offsets = None if plan.bound is None else \
-            bound_offsets(body, self.em, self.outer, plan.bound, self.M, self.N)
+            bound_offsets(self.sig, body, self.em, self.outer, plan.bound, self.M, self.N)
         start, end = self.walk_range(walk_size)
         summed = [j for j, r in enumerate(plan.reductions) if self.walk_axis in r.axes]
         with ExitStack() as loops:
@@ -398,8 +398,8 @@ class AttentionBackwardProgram:
         for v in plan.batch_sums:  # the walk summed them already (a reshape merges summed axes)
             vals[v] = vals[region.ops[v - self.n_in].operands[0]]
         wanted = with_scalar_operands(region, plan.epilogue, vals)
-        for i in inputs_read(region, wanted):
-            vals[i] = em.scalar(self.scalars[i], region.inputs[i].type.dtype)
+        for i in inputs_read(region, wanted):  # rank 0: loaded before the walk
+            vals[i] = self.outer[i]
         em.run(region, vals, lambda op: em.index(None), skip=lambda v: v not in wanted)
         own_size = self.N if plan.over == "queries" else self.M
         reduced = {r.result for r in plan.reductions}
@@ -498,7 +498,7 @@ class AttentionBackwardProgram:
     def load(self, i: int) -> Val:
         inp = self.region.inputs[i]
         if inp.scalar:
-            return self.em.scalar(self.scalars[i], inp.type.dtype)
+            return self.em.scalar(self.scalars[i], inp.type)
         ref = self.refs[i]
         idx = self.indices_of(inp.type.shape)
         offset = ref.offset(idx)

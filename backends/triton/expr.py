@@ -287,7 +287,7 @@ class Emitter:
             return f"{text}.to(tl.float16)"
         return text
 
-    def scalar(self, name: str, dtype: DType, weak: bool = False) -> Val:
+    def scalar(self, name: str, t: TensorType) -> Val:
         """A by-value kernel argument, as a 0-d tensor. Floats: the interpreter hands them
         over as Python floats, which have no `.to()`; a scalar parameter declared f16 or
         bf16 is used at f32, not rounded to its dtype (torch's Python scalar with a
@@ -295,18 +295,15 @@ class Emitter:
         in as a constant, which has no `.to()` either; a weak one (a dim's size) computes in
         i64. Bools arrive as i32 (0/1): Triton 3.6's interpreter mis-stores Python bool
         arguments."""
-        if dtype.is_float:
+        if t.dtype.is_float:
             # -0.0 is the sum's identity (+0.0 + -0.0 would lose an argument's sign)
             value = self.assign(f"tl.full([], -0.0, tl.float32) + {name}", Compute.F32)
             return Val(value.text, value.cat, uniform=True)
-        if dtype.is_int:
-            cat = value_compute(TensorType(dtype, (), weak))
-        else:
-            cat = Compute.I32
+        cat = value_compute(t) if t.dtype.is_int else Compute.I32
         value = self.assign(f"tl.full([], 0, {TRITON_TYPE[cat]}) + {name}", cat)
         if cat in NARROW:  # the argument arrives as an i32, which the sum promotes to
             value = self.assign(f"{value.text}.to({TRITON_TYPE[cat]})", cat)
-        return self.convert(value, Compute.BOOL) if dtype is DType.BOOL else value
+        return self.convert(value, Compute.BOOL) if t.dtype is DType.BOOL else value
 
     def load(self, text: str, t: TensorType) -> Val:
         """Assign a `tl.load(...)` of a value of type `t`, widened to its compute type.

@@ -412,7 +412,7 @@ class GemmProgram:
         kernel stored."""
         inp = self.region.inputs[i]
         if inp.scalar:
-            return self.em.scalar(self.scalars[i], inp.type.dtype)
+            return self.em.scalar(self.scalars[i], inp.type)
         return self.em.load(f"tl.load({self.zero_dim[i]})", inp.type)
 
     def _used_in_epilogue(self, i: int, skip: set[int]) -> bool:

@@ -52,7 +52,7 @@ class FlatProgram:
         vals: dict[int, Val] = {}
         for i, inp in enumerate(region.inputs):
             if i in self.scalars:
-                vals[i] = em.scalar(self.scalars[i], inp.type.dtype, inp.type.weak)
+                vals[i] = em.scalar(self.scalars[i], inp.type)
             elif i not in self.tensors:  # a 0-dim tensor
                 vals[i] = em.load_at(self.sig.tensor("in", i, ()).ptr, None, inp.type)
             elif region.read_whole(i):

@@ -216,7 +216,7 @@ class RowProgram:
     def load(self, i: int) -> Val:
         t = self.region.inputs[i].type
         if i in self.scalars:
-            return self.em.scalar(self.scalars[i], t.dtype, t.weak)
+            return self.em.scalar(self.scalars[i], t)
         ptr, mask = self.access(self.refs[i], i)
         if ptr is None:
             ptr, mask = self.refs[i].ptr, None
