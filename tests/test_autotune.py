@@ -291,6 +291,23 @@ def test_a_lock_file_that_is_not_a_file_does_not_stop_saving(tuner, capsys):
         "); saving autotuning choices without it\n") and err.count("\n") == 1
 
 
+def test_a_file_system_without_locks_does_not_stop_saving(tuner, capsys, monkeypatch):
+    """flock failing (ENOLCK, EOPNOTSUPP on some NFS mounts): the choice is saved unlocked,
+    with one line saying so."""
+    import errno
+    import fcntl
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    path, _ = tuner
+    assert choose() is CANDIDATES[1]
+    assert json.loads((path / "autotune.json").read_text()) == {KEY: BEST}
+    assert capsys.readouterr().err == (f"tiledsl: cannot lock {path / 'autotune.json.lock'} (No locks "
+                                       "available); saving autotuning choices without it\n")
+
+
 def test_saving_without_fcntl_still_saves(tuner, monkeypatch):
     import builtins
 

@@ -164,7 +164,10 @@ def _locked(lock: Path) -> Iterator[None]:
             _warn(f"cannot lock {lock} (not a regular file); saving autotuning choices without it")
             yield
             return
-        fcntl.flock(fd, fcntl.LOCK_EX)  # released when fd is closed, or the process dies
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # released when fd is closed, or the process dies
+        except OSError as err:  # a file system without locks (ENOLCK, EOPNOTSUPP on some NFS)
+            _warn(f"cannot lock {lock} ({err.strerror or err}); saving autotuning choices without it")
         yield
     finally:
         os.close(fd)
