@@ -217,6 +217,9 @@ def test_modules_refuse_what_they_do_not_support():
     assert info.value.message == "tiledsl.nn.Attention: score_mod must be one expression, got 's)\\n    t = (s'"
     with pytest.raises(diag.UnexpectedTokenError):
         tnn.Attention("s }")
+    with pytest.raises(diag.OptionError) as info:  # was a TypeError: a list is unhashable
+        tnn.Attention(["s"])
+    assert info.value.message == "tiledsl.nn.Attention: score_mod must be DSL text (a str), got list"
 
 
 class Functional(torch.nn.Module):

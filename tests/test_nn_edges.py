@@ -1,10 +1,13 @@
 """tiledsl.nn at its edges: -inf logits give torch's cross-entropy (forward and gradient,
 with and without label smoothing), a target that is neither a class nor ignore_index is an
-error as in torch, and torch.fx's symbolic_trace and make_fx (real mode) trace a model
+error as in torch, Attention modules share their programs only while they hold them, and
+torch.fx's symbolic_trace and make_fx (real mode) trace a model
 holding the modules into a graph that runs as the model does eagerly."""
 
+import gc
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -274,3 +277,53 @@ def test_make_fx_traces_the_custom_ops(grad):
     assert {op.namespace for op in ops} == {"aten", "tiledsl"}
     assert torch.ops.aten.set_.source_Storage_storage_offset not in ops
     _runs_as_eager(graph, ours, theirs, _inputs(51), grads=False)
+
+
+# --- attention programs ---------------------------------------------------------------------
+
+
+def test_attention_modules_share_a_program_while_one_holds_it(monkeypatch):
+    """Two modules with one score_mod share a program (and its op); the process-wide cache
+    holds it weakly, so once no module does it is collected (releasing its op) rather than
+    kept for the process. A module runs the program it holds, not the cache's."""
+    mod = "s * 0.75 - 0.125"  # no other test's: nothing else holds this program
+    a, b = tnn.Attention(mod), tnn.Attention(mod)
+    assert a.program is b.program and tnn._ATTENTION_PROGRAMS[mod] is a.program
+    assert tnn.Attention(CAUSAL).program is not a.program
+    q, k, v = (randn(2, n, 8, seed=70 + i) for i, n in enumerate((5, 9, 9)))
+    want = torch.softmax((q @ k.transpose(-1, -2) / 8 ** 0.5) * 0.75 - 0.125, dim=-1) @ v
+
+    with monkeypatch.context() as m:
+        m.setattr(tnn, "_ATTENTION_PROGRAMS", weakref.WeakValueDictionary())
+        torch.testing.assert_close(a(q, k, v), want)
+        assert len(tnn._ATTENTION_PROGRAMS) == 0  # no lookup, no recompile
+
+    held = weakref.ref(a.program)
+    del a
+    gc.collect()
+    assert held() is b.program and mod in tnn._ATTENTION_PROGRAMS
+    del b
+    gc.collect()
+    assert held() is None and mod not in tnn._ATTENTION_PROGRAMS
+
+
+def test_the_attention_function_holds_its_recent_programs(monkeypatch):
+    """The function `attention` holds the programs it ran last (a bounded few): a loop of
+    calls compiles once, and one no longer among them is collected when nothing else holds
+    it."""
+    monkeypatch.setattr(tnn, "_RECENT_LIMIT", 2)
+    monkeypatch.setattr(tnn, "_RECENT_ATTENTION", {})
+    q = randn(2, 5, 8, seed=80)
+    mods = ["s * 0.5 + 0.25", "s * 0.5 + 0.375", "s * 0.5 + 0.625"]  # no other test's
+    tnn.attention(q, q, q, mods[0])
+    held = weakref.ref(tnn._ATTENTION_PROGRAMS[mods[0]])
+    gc.collect()
+    tnn.attention(q, q, q, mods[0])
+    assert tnn._ATTENTION_PROGRAMS[mods[0]] is held()  # not compiled again
+    for mod in mods[1:]:
+        tnn.attention(q, q, q, mod)
+    gc.collect()
+    assert held() is None and list(tnn._RECENT_ATTENTION) == mods[1:]
+    with pytest.raises(diag.OptionError) as info:
+        tnn.attention(q, q, q, ["s"])
+    assert info.value.message == "tiledsl.nn.Attention: score_mod must be DSL text (a str), got list"

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import weakref
 from collections.abc import Callable
 from importlib import resources
 from typing import Any, TypeVar
@@ -175,7 +176,11 @@ def _check_targets(labels: torch.Tensor, classes: int, ignore_index: int) -> Non
     torch.compile, make_fx or torch.jit.trace, where a host branch would be baked into the
     graph or break it), it is `torch._assert_async`: a device-side assert, as torch's CUDA
     kernel has, with no sync; it fails at the next sync ("device-side assert triggered"),
-    or raises RuntimeError with the message below on the CPU."""
+    or raises RuntimeError with the message below on the CPU.
+
+    Its price on CUDA: about 7 small kernel launches per call (the three comparisons, the
+    `&` and `|`, the `all` reduction and the assert), each over the targets only, no
+    logits; small beside the loss's own kernels, but not free for a short batch."""
     from tiledsl.api import traced
 
     valid = ((labels >= 0) & (labels < classes)) | (labels == ignore_index)
@@ -231,20 +236,27 @@ _ATTENTION = """kernel attention[T: f16 | bf16 | f32](q: T[..., M, D], k: T[...,
     s = {score_mod}
     return softmax(s, axis=-1) @ v
 }}"""
-# each score_mod's program, compiled once per process (an Attention module and the
-# `attention` nodes of a traced graph find the same one)
-_ATTENTION_PROGRAMS: dict[str | None, Any] = {}
+# each score_mod's program while something holds it (an Attention module, `attention`'s
+# recent ones): modules sharing a score_mod share a program (and its op), and one no longer
+# held is collected, which releases its op (tiledsl.torch_op), as any program's is
+_ATTENTION_PROGRAMS: weakref.WeakValueDictionary[str | None, Any] = weakref.WeakValueDictionary()
+# the programs the function `attention` ran last, held, so that a loop of its calls does not
+# compile one each time, nor a graph torch.compile traced from it (which runs the program's
+# op) find its program collected; bounded (past it, the one added first is dropped), so they
+# are not kept for the process
+_RECENT_ATTENTION: dict[str | None, Any] = {}
+_RECENT_LIMIT = 16
 
 
 def _attention_program(score_mod: str | None) -> Any:
+    if score_mod is not None and not isinstance(score_mod, str):  # before the lookup: a list is unhashable
+        raise diag.OptionError(message=(
+            f"tiledsl.nn.Attention: score_mod must be DSL text (a str), got {type(score_mod).__name__}"))
     fn = _ATTENTION_PROGRAMS.get(score_mod)
     if fn is not None:
         return fn
     import tiledsl
 
-    if score_mod is not None and not isinstance(score_mod, str):
-        raise diag.OptionError(message=(
-            f"tiledsl.nn.Attention: score_mod must be DSL text (a str), got {type(score_mod).__name__}"))
     fn = tiledsl.compile(_ATTENTION.format(score_mod="s" if score_mod is None else f"({score_mod})"))
     if len(fn.kernel.body) != 3:  # the text was more than one expression
         raise diag.OptionError(message=(
@@ -256,8 +268,15 @@ def _attention_program(score_mod: str | None) -> Any:
 @_overridable
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               score_mod: str | None = None) -> torch.Tensor:
-    """`Attention(score_mod)(q, k, v)` as a function (each `score_mod` compiled on first use)."""
-    return _attention_program(score_mod)(q, k, v)
+    """`Attention(score_mod)(q, k, v)` as a function (each `score_mod` compiled on first use;
+    the last `_RECENT_LIMIT` first used here are held, see `_RECENT_ATTENTION`)."""
+    fn = _RECENT_ATTENTION.get(score_mod) if score_mod is None or isinstance(score_mod, str) else None
+    if fn is None:
+        fn = _attention_program(score_mod)
+        _RECENT_ATTENTION[score_mod] = fn
+        if len(_RECENT_ATTENTION) > _RECENT_LIMIT:
+            del _RECENT_ATTENTION[next(iter(_RECENT_ATTENTION))]
+    return fn(q, k, v)
 
 
 class _Norm(nn.Module):
@@ -369,11 +388,13 @@ class Attention(nn.Module):
 
     def __init__(self, score_mod: str | None = None) -> None:
         super().__init__()
-        self.program = _attention_program(score_mod)
+        self.program = _attention_program(score_mod)  # the module keeps it alive: the cache is weak
         self.score_mod = score_mod
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return attention(q, k, v, self.score_mod)
+        if has_torch_function((q, k, v)):  # a tracer (symbolic_trace): one `attention` node
+            return attention(q, k, v, self.score_mod)
+        return self.program(q, k, v)
 
     def extra_repr(self) -> str:
         return f"score_mod={self.score_mod!r}"
