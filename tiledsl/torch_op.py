@@ -45,7 +45,7 @@ import os
 import sys
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -397,9 +397,13 @@ def _register_autocast(reg: _Registration, device_type: str) -> None:
     key_name = "Autocast" + torch._C._dispatch_key_for_device(device_type)
     key = getattr(torch._C.DispatchKey, key_name)
 
+    plans: list[AutocastPlan] = []  # the program's, made at its first call under autocast
+
     def cast_and_run(*op_args: Any) -> Any:
         args = reg.convention.unpack(op_args)
-        cast = autocast_args(reg.program(), args, torch.get_autocast_dtype(device_type), device_type)
+        if not plans:
+            plans.append(autocast_plan(reg.program()))
+        cast = autocast_args(plans[0], args, torch.get_autocast_dtype(device_type), device_type)
         with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(key)):
             return reg.op(*reg.convention.pack(cast))
 
@@ -407,8 +411,38 @@ def _register_autocast(reg: _Registration, device_type: str) -> None:
     reg.lib.impl(reg.name, lambda _keyset, *op_args: cast_and_run(*op_args), key_name, with_keyset=True)
 
 
-def autocast_args(program: Program | Generic, args: Sequence[Any], dtype: torch.dtype,
-                  device_type: str) -> tuple:
+@dataclass(frozen=True)
+class AutocastPlan:
+    """What a call under autocast casts, fixed per program: each parameter's declared dtype,
+    or (None) the dtype variable typing it; each variable's dtypes; does the kernel multiply
+    matrices?"""
+
+    declared: tuple[torch.dtype | None, ...]
+    typed_by: tuple[str | None, ...]
+    variables: Mapping[str, tuple[torch.dtype, ...]]
+    matmul: bool
+
+
+def autocast_plan(program: Program | Generic) -> AutocastPlan:
+    from tiledsl import ast
+    from tiledsl.api import Generic
+    from tiledsl.generic import _walk
+    from tiledsl.types import DTYPES
+
+    if not isinstance(program, Generic):
+        graph = program.source_graph
+        return AutocastPlan(tuple(torch_dtype(graph.op(p).dtype) for p in graph.params),
+                            tuple(None for _ in graph.params), {}, False)
+    kernel = program.kernel
+    variables = {tp.name: tuple(torch_dtype(DTYPES[d]) for d in tp.dtypes) for tp in kernel.type_params}
+    typed_by = tuple(p.type.dtype if p.type.dtype in variables else None for p in kernel.params)
+    declared = tuple(None if v else torch_dtype(DTYPES[p.type.dtype]) for p, v in zip(kernel.params, typed_by,
+                                                                                       strict=True))
+    matmul = any(isinstance(n, ast.Binary) and n.op == "@" for n in _walk(kernel.body))
+    return AutocastPlan(declared, typed_by, variables, matmul)
+
+
+def autocast_args(plan: AutocastPlan, args: Sequence[Any], dtype: torch.dtype, device_type: str) -> tuple:
     """The arguments a call under autocast runs with. Only floating-point tensors on the
     autocast device change, as torch's autocast casts:
     - a parameter of a declared dtype (`x: f16[N]`) takes its tensor cast to that dtype;
@@ -416,50 +450,24 @@ def autocast_args(program: Program | Generic, args: Sequence[Any], dtype: torch.
       kernel multiplies matrices (torch's matmul-class ops: `linear`, `matmul`) and T may be
       it; otherwise the widest of their dtypes (torch's promote ops), so a bf16 activation
       meets an f32 weight."""
-    from tiledsl.api import Generic
-    from tiledsl.types import DTYPES
 
     def floating(a: Any) -> bool:
         return isinstance(a, torch.Tensor) and a.is_floating_point() and a.device.type == device_type
 
-    if not isinstance(program, Generic):
-        graph = program.source_graph
-        declared = [torch_dtype(graph.op(p).dtype) for p in graph.params]
-        return tuple(a.to(t) if floating(a) and t.is_floating_point else a
-                     for a, t in zip(args, declared, strict=True))
-    kernel = program.kernel
-    variables = {tp.name: [torch_dtype(DTYPES[d]) for d in tp.dtypes] for tp in kernel.type_params}
     targets: dict[str, torch.dtype] = {}
-    for name, choices in variables.items():
-        typed = [a.dtype for a, p in zip(args, kernel.params, strict=True)
-                 if p.type.dtype == name and floating(a)]
-        if _multiplies_matrices(kernel) and dtype in choices:
+    for name, choices in plan.variables.items():
+        typed = [a.dtype for a, v in zip(args, plan.typed_by, strict=True) if v == name and floating(a)]
+        if plan.matmul and dtype in choices:
             targets[name] = dtype
         elif typed:
             widest = functools.reduce(torch.promote_types, typed)
             if widest in choices:
                 targets[name] = widest
     out = []
-    for a, p in zip(args, kernel.params, strict=True):
-        t = targets.get(p.type.dtype) if p.type.dtype in variables else torch_dtype(DTYPES[p.type.dtype])
+    for a, t, v in zip(args, plan.declared, plan.typed_by, strict=True):
+        t = targets.get(v) if v is not None else t
         out.append(a.to(t) if floating(a) and t is not None and t.is_floating_point else a)
     return tuple(out)
-
-
-def _multiplies_matrices(node: Any) -> bool:
-    """Does a syntax tree hold a matmul (`a @ b`)?"""
-    from dataclasses import fields, is_dataclass
-
-    from tiledsl import ast
-
-    if isinstance(node, ast.Binary) and node.op == "@":
-        return True
-    if isinstance(node, tuple | list):
-        return any(_multiplies_matrices(n) for n in node)
-    if is_dataclass(node) and type(node).__module__ == ast.__name__:
-        return any(_multiplies_matrices(getattr(node, f.name)) for f in fields(node)
-                   if not f.name.endswith("span"))
-    return False
 
 
 def differentiated(program: Program, wrt: tuple[int, ...], args: Sequence[Any]) -> Any:
