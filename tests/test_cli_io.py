@@ -131,10 +131,35 @@ def test_dump_into_a_file_is_refused_first(tmp_path, monkeypatch):
 
 def test_dump_where_nothing_can_be_made_is_refused_first(tmp_path):
     refused_dump("/proc/tiledsl-dump", "No such file or directory")
-    if os.geteuid() != 0:  # root writes anywhere
+    if os.geteuid() != 0:  # root writes anywhere; the next test refuses it there too
         locked = tmp_path / "locked"
         locked.mkdir(mode=0o500)
         refused_dump(str(locked / "out"), "Permission denied")
+
+
+def test_dump_where_making_the_directory_is_not_permitted_is_refused_first(tmp_path, monkeypatch):
+    """The permission error an unprivileged user meets, made to happen as root too."""
+    from tiledsl.backends.triton import aot
+
+    def never(*args, **kwargs):
+        raise AssertionError("compiled before the directory was checked")
+
+    locked = tmp_path / "locked"
+    real = Path.mkdir
+
+    def mkdir(self, *args, **kwargs):
+        if self == locked / "out" or locked in self.parents:
+            raise PermissionError(13, "Permission denied")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(aot, "inspect_program_compiled", never)
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+    locked.mkdir()
+    for directory in (locked / "out", locked / "out" / "below"):
+        code, out, err = cli("ptx", RMSNORM, "--dims", "M=4096,N=8192", "--dump", str(directory))
+        assert (code, out, err) == (
+            1, "", f"error: --dump {directory}: cannot write files there (Permission denied)\n")
+    assert list(locked.iterdir()) == []
 
 
 def test_dump_makes_its_directory_and_removes_it_when_the_command_fails(tmp_path):

@@ -35,6 +35,62 @@ def test_a_slice_bound_of_twelve_sums_compiles_at_once_and_is_right():
     with pytest.raises(TileDSLError) as err:
         fn(randn(4000), *ones)
     assert "ends past the axis (size N); at these sizes" in str(err.value).splitlines()[0]
+    # Ones make every sum 2, so names bound to the wrong parameters would go unseen. An
+    # irregular choice, then one per bit of the sum's index (its two names 2 where the bit
+    # is set, else 1): swapping names of two different sums changes some product, which
+    # every prefix sum of positive integers then shows (exactly, in float32).
+    irregular = [1, 1, 1, 2, 2, 1, 1, 1, 3, 1, 1, 1, 1, 3, 1, 1, 1, 1, 2, 1, 1, 1, 1, 1]
+    by_bit = [[2 if i // 2 >> bit & 1 else 1 for i in range(24)] for bit in range(4)]
+    choices = [irregular, *by_bit]
+    for p, q in itertools.combinations(range(24), 2):
+        if p // 2 != q // 2:
+            assert any(product(swapped(c, p, q)) != product(c) for c in choices), (p, q)
+    g = torch.Generator().manual_seed(0)
+    for sizes in choices:
+        n = product(sizes)
+        tensors = [torch.ones(k) for k in sizes]
+        x = torch.randint(1, 9, (n + 3,), generator=g).float()
+        got = fn(x, *tensors)
+        torch.testing.assert_close(got, x[:n].sum(), rtol=1e-5, atol=1e-4)
+        assert torch.equal(got, x[:n].sum())
+        with pytest.raises(TileDSLError) as err:
+            fn(x[:n - 1], *tensors)
+        named = at_sizes(names, sizes, n - 1)
+        first = str(err.value).splitlines()[0]
+        assert f"ends past the axis (size N); at these sizes ({named}) it is not (N - " in first
+        assert first.endswith(" = -1)")
+
+
+def product(sizes: list[int]) -> int:
+    """(A0 + A1) * (A2 + A3) * ... at these sizes of A0, A1, ..."""
+    return math.prod(sizes[i] + sizes[i + 1] for i in range(0, len(sizes), 2))
+
+
+def at_sizes(names: list[str], sizes: list[int], n: int) -> str:
+    """The sizes as a message names them: `A0=1, A1=2, A10=1, ..., N=n`, in text order."""
+    return ", ".join(f"{k}={v}" for k, v in sorted({**dict(zip(names, sizes, strict=True)), "N": n}.items()))
+
+
+def swapped(sizes: list[int], p: int, q: int) -> list[int]:
+    out = list(sizes)
+    out[p], out[q] = out[q], out[p]
+    return out
+
+
+def shown(sums: list[tuple[str, str]]) -> str:
+    """A product of sums of two names as a message prints it: the first four multiplied out
+    (512 characters hold no more of these), names and terms in text order, then the other
+    sums, all factors in text order."""
+    terms = sorted(" * ".join(sorted(t)) for t in itertools.product(*sums[:4]))
+    factors = [f"({' + '.join(terms)})", *(f"({' + '.join(sorted(s))})" for s in sums[4:])]
+    return " * ".join(sorted(factors))
+
+
+def excerpt(src: str, at: int) -> str:
+    """The two lines under a message whose span starts at `src[at]` and runs 53 characters or
+    more, in a one-line program: a window of 100 around the caret, and its underline."""
+    assert 50 < at and at + 50 < len(src)
+    return f"    ...{src[at - 50:at + 50]}...\n    {' ' * 53}^{'~' * 52}"
 
 
 def test_a_product_of_many_sums_stays_factored_and_evaluates_right():
@@ -93,6 +149,46 @@ def test_a_declared_return_dim_of_many_sums_is_fast(n):
     assert time.perf_counter() - start < 5
     text = fn.ir()
     assert "(A22 + A23)" in text and len(text) < 100_000
+    declared = [(names[2 * i], names[2 * i + 1]) for i in range(n)]
+    # At small sizes (every sum past the fifth 1 + 0) it returns x's first `prod` elements...
+    sizes = [2, 1, 0, 3, 1, 1, 0, 1, 2, 2] + [1, 0] * (n - 5)
+    assert product(sizes) == 72
+    tensors = [torch.ones(k) for k in sizes]
+    x = torch.arange(80.0)
+    assert torch.equal(fn(x, *tensors), x[:72])
+    # ... and one fewer is refused, with the sizes named
+    with pytest.raises(TileDSLError) as err:
+        fn(x[:71], *tensors)
+    named = at_sizes(names, sizes, 71)
+    at = src.index("x[0:") + 2  # at the slice
+    assert str(err.value) == (
+        f"<string>:1:{at + 1}: error: slice 0:{prod} ends past the axis (size N); at these sizes "
+        f"({named}) it is not (N - {shown(declared)} = -1)\n{excerpt(src, at)}")
+    # Returning the same kind of product over other pairs of names: equal to the declared dim
+    # at some sizes and not at others, so compile cannot decide and each call checks it.
+    returned = [(names[2 * i + 1], names[(2 * i + 2) % (2 * n)]) for i in range(n)]
+    other = "*".join(f"({a}+{b})" for a, b in returned)
+    src = f"kernel k(x: f32[N], {params}) -> f32[{prod}] {{ return x[0:{other}] }}"
+    start = time.perf_counter()
+    fn = tiledsl.compile(src)
+    assert time.perf_counter() - start < 5
+    sizes = [1, 1, 1, 1] + [1, 0] * (n - 2)
+    assert product(sizes) == product(sizes[1:] + sizes[:1]) == 4  # declared and returned
+    assert torch.equal(fn(x, *[torch.ones(k) for k in sizes]), x[:4])
+    # Declared (1 + 2) * (2 + 1) = 9 and returned (2 + 2) * (1 + 1) * (0 + 1) = 8: the check
+    # that returned - declared >= 0 fails; and 9 against (1 + 1) * (2 + 1) * (0 + 2) = 12.
+    at = src.index("x[0:")  # at the returned value
+    for head, fails in (([1, 2, 2, 1], f"-{shown(declared)} + {shown(returned)} = -1"),
+                        ([2, 1, 1, 2], f"{shown(declared)} - {shown(returned)} = -3")):
+        sizes = head + [1, 0] * (n - 2)
+        assert product(sizes) == 9 and product(sizes[1:] + sizes[:1]) == {1: 8, 2: 12}[head[0]]
+        with pytest.raises(TileDSLError) as err:
+            fn(x, *[torch.ones(k) for k in sizes])
+        named = at_sizes(names, sizes, 80)
+        assert str(err.value) == (
+            f"<string>:1:{at + 1}: error: the returned value has shape [{shown(returned)}] but the "
+            f"kernel declares [{shown(declared)}]; at these sizes ({named}) it is not ({fails})\n"
+            f"{excerpt(src, at)}")
 
 
 def test_products_are_equal_in_any_order_of_small_factors():

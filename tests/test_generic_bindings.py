@@ -134,6 +134,9 @@ def test_pairwise_rows_cover_every_pair(domains):
     rows = covering.pairwise(domains)
     assert all(len(r) == len(domains) and all(0 <= c < d for c, d in zip(r, domains, strict=True)) for r in rows)
     assert covering.covers_pairs(rows, domains)
+    pairs = list(itertools.combinations(range(len(domains)), 2))
+    assert {(i, j, r[i], r[j]) for r in rows for i, j in pairs} == {  # checked without covering
+        (i, j, a, b) for i, j in pairs for a in range(domains[i]) for b in range(domains[j])}
     for i, d in enumerate(domains):  # and every choice
         assert {r[i] for r in rows} == set(range(d))
     assert len(rows) <= max(math.prod(domains), 3 * max(domains) ** 2)
