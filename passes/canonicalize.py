@@ -28,7 +28,7 @@ from tiledsl.builder import Builder
 from tiledsl.indexing import reindex, slice_source
 from tiledsl.ir import Edge, Graph, Op, walk
 from tiledsl.ops import Reads
-from tiledsl.passes.fusion.score_space import swaps_last
+from tiledsl.passes.fusion.score_space import is_op, swaps_last
 from tiledsl.passes.registry import Pass, PassContext, register
 from tiledsl.passes.rewrite import Pattern, Rewriter, apply_patterns
 from tiledsl.types import DType, Shape, TensorType, result_dtype
@@ -71,11 +71,6 @@ def _read_as(op: Op, types: tuple[TensorType, ...]) -> tuple[DType | None, ...]:
     if reads is Reads.OPERAND:
         return (None,) * len(types)
     return (_as_python(op.dtype),) * len(types)
-
-
-def _is_param(graph: Graph, node: int) -> bool:
-    op = graph.op(node)
-    return isinstance(op, Op) and op.kind == "param"
 
 
 def const_value(graph: Graph, node: int):
@@ -161,8 +156,7 @@ class RemoveNoOpCast(Pattern):
         (x,) = graph.operand_edges(node)
         if graph.result_type(*x) != op.type:
             return False
-        x_op = graph.op(x[0])
-        if op.dtype in (DType.F16, DType.BF16) and not (isinstance(x_op, Op) and x_op.kind == "param"):
+        if op.dtype in (DType.F16, DType.BF16) and not is_op(graph, x[0], "param"):
             return False
         rewriter.replace(node, x)
         return True
@@ -340,7 +334,7 @@ class TransposedOperand(Pattern):
         # a quantized weight's dequantization: an op of an integer parameter (a computed
         # value's transpose is a product's own business: the attention backward reads `ds.T`
         # as a transposed score-space value; fuse-attention takes `(k * c).T` as it is)
-        if len(tensors) != 1 or x_op.kind == "index" or not _is_param(graph, tensors[0][0]):
+        if len(tensors) != 1 or x_op.kind == "index" or not is_op(graph, tensors[0][0], "param"):
             return False
         w_type = graph.result_type(*tensors[0])
         if w_type.shape != x_op.shape or not w_type.dtype.is_int:

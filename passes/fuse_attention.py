@@ -311,8 +311,10 @@ class _Match:
         graph = self.graph
         chain = {sm, *p_ops}
 
+        below = nx.descendants(graph.nx, x)  # the values computed from the scores
+
         def from_scores(n: int) -> bool:
-            return n != x and x in nx.ancestors(graph.nx, n)
+            return n in below
 
         def reduces_the_scores(o: int) -> bool:
             read = lambda n: [m for m in graph.operands(n) if from_scores(m)]  # noqa: E731

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from tiledsl.ir import Graph, Op
+from tiledsl.ir import Graph
 from tiledsl.passes.fusion.grow import Admission, elementwise_candidate, fuse_groups
 from tiledsl.passes.fusion.legality import Group, GroupPlan, describe_node, reads_other_index
 from tiledsl.passes.fusion.remarks import Refusal, Rule
@@ -49,7 +49,11 @@ class FuseScatter(Pass):
 
         def admit_for(plan: GroupPlan, seed: int) -> Admission:
             space = _space(graph, seed)
-            return Admission(lambda group, cand: _admit(graph, group, cand, space),
+            # what is computed from a put's result of the space (the graph is not changed
+            # while groups are planned)
+            after = set().union(*(nx.descendants(graph.nx, n) for n in graph.nx
+                                  if is_put(n) and _space(graph, n) == space))
+            return Admission(lambda group, cand: _admit(graph, group, cand, space, after),
                              lambda members: ScatterSpec(space))
 
         fuse_groups(graph, ctx.remarks, self.name, is_put, consider, admit_for)
@@ -59,20 +63,20 @@ def _space(graph: Graph, put: int) -> tuple:
     return graph.result_type(*graph.operand_edges(put)[0]).shape
 
 
-def _joins(graph: Graph, group: Group, node: int, space) -> bool:
+def _joins(graph: Graph, group: Group, node: int, space, after: set[int]) -> bool:
     """Will `node`, a reader outside the group, join it next? A `put` of the space does,
     unless another kernel of this pass took it already, or what it writes or where is
     computed from a put's result of the space (one of the group's, or one that joins with
-    it): the kernel would wait for its own result (the scatter_add of a scatter_add sharing
-    its indices; fuzz finding 0:13094). Decided from the graph, not from the group grown so
-    far, since a put joining later can close the cycle."""
+    it; `after` holds what is computed from those): the kernel would wait for its own result
+    (the scatter_add of a scatter_add sharing its indices; fuzz finding 0:13094). Decided
+    from the graph, not from the group grown so far, since a put joining later can close
+    the cycle."""
     if graph.op(node).kind != "put" or _space(graph, node) != space or group.plan.grouped(node):
         return False
-    return not any(isinstance(graph.op(a), Op) and graph.op(a).kind == "put" and _space(graph, a) == space
-                   for a in nx.ancestors(graph.nx, node))
+    return node not in after
 
 
-def _admit(graph: Graph, group: Group, cand: int, space) -> Refusal | None:
+def _admit(graph: Graph, group: Group, cand: int, space, after: set[int]) -> Refusal | None:
     if graph.op(cand).kind == "put":
         if _space(graph, cand) != space:
             return Refusal(Rule.TILE, f"it writes values of shape {format_shape(_space(graph, cand))}, "
@@ -82,7 +86,8 @@ def _admit(graph: Graph, group: Group, cand: int, space) -> Refusal | None:
     if reads:
         return Refusal(Rule.OP, f"it reads {describe_node(graph, reads[0])}'s result, which the "
                        "scatter kernel completes only when it ends")
-    outside = [u for u, _ in graph.users(cand) if u not in group and not _joins(graph, group, u, space)]
+    outside = [u for u, _ in graph.users(cand)
+               if u not in group and not _joins(graph, group, u, space, after)]
     if outside:
         why, u = "", outside[0]
         if graph.op(u).kind == "put" and _space(graph, u) == space:

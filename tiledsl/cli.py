@@ -578,11 +578,7 @@ def _ptx_in_fresh_process(args, argv: Sequence[str]) -> int:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = str(Path(tiledsl.__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, (root, env.get("PYTHONPATH"))))
-    source = None
-    if args.file == "-":
-        from tiledsl.files import read_stream
-
-        source = read_stream(getattr(sys.stdin, "buffer", None))[0].encode()
+    source = _read("-")[0].encode() if args.file == "-" else None
     result = subprocess.run([sys.executable, "-m", "tiledsl.cli", *argv], env=env, input=source,
                             stdin=subprocess.DEVNULL if source is None else None,
                             capture_output=True, check=False)
