@@ -195,3 +195,18 @@ def test_products_are_equal_in_any_order_of_small_factors():
     a, b, c = (Lin.of(s) + Lin.of(1) for s in "ABC")
     for p in itertools.permutations((a, b, c)):
         assert (p[0] * p[1] * p[2]).dim() == (a * b * c).dim()
+
+
+def test_a_floor_division_of_a_dim_may_be_zero():
+    """`D // 2` is 0 at D = 1, so `D // 2 + 1` meets a declared 1 there: checked at the call,
+    not refused when compiled as if they never met."""
+    fn = tiledsl.compile("""kernel f(x: f32[D]) -> f32[1] {
+    return x[0 : D // 2 + 1] * 2.0
+}""")
+    x = torch.randn(1, generator=torch.Generator().manual_seed(7))
+    assert torch.equal(fn(x), x * 2.0)
+    with pytest.raises(tiledsl.TileDSLError) as err:
+        fn(torch.randn(4))
+    assert str(err.value).splitlines()[0] == (
+        "<string>:2:12: error: the returned value has shape [(D // 2) + 1] but the kernel declares [1]; "
+        "at these sizes (D=4) it is not (-(D // 2) = -2)")

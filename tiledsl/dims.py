@@ -198,14 +198,13 @@ def never_zero(x: Lin) -> bool:
 
 def _positive(atom: str) -> bool:
     """Is a product atom at least 1 at any size (as `never_zero` counts its factors: symbols
-    and floor divisions are; a kept sum is when its terms are; a kept `%` may be 0)?"""
+    are; a kept sum is when its terms are; a floor division (`D // 2` at D = 1) and a `%`
+    may be 0)?"""
     for f in factors(atom):
         if not f.startswith("("):
             continue
         tree = _tree(f)
-        if isinstance(tree, ast.BinOp) and isinstance(tree.op, ast.FloorDiv):
-            continue
-        if isinstance(tree, ast.BinOp) and isinstance(tree.op, ast.Mod):
+        if isinstance(tree, ast.BinOp) and isinstance(tree.op, ast.FloorDiv | ast.Mod):
             return False
         inner = parse(f[1:-1])
         if inner.const < 0 or not all(c > 0 and _positive(a) for a, c in inner.terms):
