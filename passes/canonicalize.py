@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tiledsl import ops
@@ -78,13 +79,28 @@ def const_value(graph: Graph, node: int):
     return op.attr("value") if isinstance(op, Op) and op.kind == "const" else None
 
 
+def folds(op: Op) -> bool:
+    """Whether `op` is computed at compile time when its operands are constants: a weak
+    (Python-scalar) scalar whose kind has a fold. Sema asks it too (dropout's p)."""
+    spec = ops.OPS.get(op.kind)
+    return spec is not None and spec.fold is not None and op.weak and not op.shape
+
+
+def fold_value(op: Op, args: Sequence[object]) -> object | None:
+    """`op` (one that `folds`) applied to its operands' values `args`; None where Python
+    cannot compute it (`log(0)`, `1 // 0`): it is left for run time."""
+    try:
+        return ops.OPS[op.kind].fold(*args, **op.attr_map)
+    except (ArithmeticError, ValueError, TypeError):
+        return None
+
+
 class FoldConstants(Pattern):
     """An elementwise op of constants becomes one constant."""
 
     def apply(self, graph: Graph, node: int, op: Op, rewriter: Rewriter) -> bool:
-        fold = ops.OPS[op.kind].fold
         operands = graph.operands(node)
-        if fold is None or not operands or op.shape or not op.weak:
+        if not operands or not folds(op):
             return False
         values = [const_value(graph, n) for n in operands]
         if any(v is None for v in values):
@@ -92,11 +108,8 @@ class FoldConstants(Pattern):
         types = tuple(graph.op(n).type for n in operands)
         args = [v if dtype is None else _round(v, dtype)
                 for v, dtype in zip(values, _read_as(op, types), strict=True)]
-        try:
-            value = fold(*args, **op.attr_map)
-        except (ArithmeticError, ValueError, TypeError):
-            return False
-        if isinstance(value, float) and math.isnan(value):
+        value = fold_value(op, args)
+        if value is None or isinstance(value, float) and math.isnan(value):
             return False
         value = _round(value, op.dtype if op.kind == "cast" else _as_python(op.dtype))
         rewriter.replace(node, rewriter.build.const(value, op.dtype, op.span))

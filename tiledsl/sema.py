@@ -20,6 +20,7 @@ from tiledsl.dims import symbols as dim_symbols
 from tiledsl.indexing import Indexing, axis_arg, const_bool, const_int
 from tiledsl.ir import Graph, make_attrs
 from tiledsl.parser import LITERAL_WORDS
+from tiledsl.passes.canonicalize import fold_value, folds
 from tiledsl.source import Span
 from tiledsl.types import (
     DTYPES,
@@ -611,16 +612,12 @@ def _folded(graph: Graph, node: int) -> object:
     op = graph.op(node)
     if op.kind == "const":
         return op.attr("value")
-    fold = ops.OPS[op.kind].fold if op.kind in ops.OPS else None
-    if fold is None or not op.weak or op.shape or not ops.is_elementwise(op.kind):
+    if not folds(op):
         return None
     values = [_folded(graph, o) for o in graph.operands(node)]
     if any(v is None for v in values):
         return None
-    try:
-        return fold(*values, **op.attr_map)
-    except (ArithmeticError, ValueError, TypeError):
-        return None
+    return fold_value(op, values)
 
 
 def _constant(expr: ast.Expr | None, param: BParam, func: str) -> object:
