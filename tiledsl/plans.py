@@ -296,11 +296,10 @@ class KeyBound:
 @dataclass(frozen=True, slots=True)
 class LowerBound:
     """Row i keeps key j only while j >= i + sum(sign * value) + constant (each value as
-    i32). `checks` as `KeyBound`'s, for this comparison."""
+    i32); the sums of this comparison that could wrap are among its `KeyBound`'s `checks`."""
 
     offsets: tuple[tuple[int, int], ...]
     constant: int
-    checks: tuple[IndexSum, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

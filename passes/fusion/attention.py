@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Collection, Iterable
 
 from tiledsl import ops as ops_module
 from tiledsl.dims import Lin
-from tiledsl.ir import Op, Region
+from tiledsl.ir import Op, Region, walk
 from tiledsl.plans import (
     AttentionBackwardPlan,
     AttentionPlan,
@@ -55,7 +56,7 @@ def attention_plan(region: Region, spec: AttentionSpec) -> AttentionPlan:
     # the ops cloned into the kernel (not members) run with the role that reads them
     clones = [x for x in ops if x not in members and x not in q_chain | k_chain | v_chain
               and ops[x].op.kind != "const"]
-    before = set().union(*(region.depends(x) for x in spec.score_ops))
+    before = _reads(region, spec.score_ops)
     # values an operand's prologue computes that another role reads too (the sequence of a
     # token, whose block table row its keys are gathered at and whose length its mask reads):
     # the prologue computes them on its operand's tile only, so the role reading them computes
@@ -68,7 +69,7 @@ def attention_plan(region: Region, spec: AttentionSpec) -> AttentionPlan:
     score_ops = tuple(x for x in ops
                       if x in spec.score_ops or (x in clones or x in spec.p_ops) and x in before
                       or x in shared and x in at_scores)
-    after_p = set().union(*(region.depends(x) for x in spec.p_ops)) - before
+    after_p = _reads(region, spec.p_ops) - before
     p_ops = tuple(x for x in ops if x in after_p and (x in spec.p_ops or x in clones)
                   or x in shared and x in at_p)
     epilogue = tuple(x for x in ops if x in spec.epilogue or x in clones and x not in before | after_p
@@ -100,18 +101,15 @@ def _shared_prologue(region: Region, chains: frozenset[int], dots: tuple[int, in
     return {x for x in found if x >= n_in and region.ops[x - n_in].op.kind != "const"}
 
 
-def _reads(region: Region, roots, stop: set[int]) -> set[int]:
+def _reads(region: Region, roots: Iterable[int], stop: Collection[int] = ()) -> set[int]:
     """The values `roots` are computed from (themselves included) without going through the
     values `stop` (q @ k.T: its operands are loaded tiles, not values of the score tile)."""
     n_in = len(region.inputs)
-    out, todo = set(), [v for v in roots if v not in stop]
-    while todo:
-        v = todo.pop()
-        if v not in out:
-            out.add(v)
-            if v >= n_in:
-                todo.extend(o for o in region.ops[v - n_in].operands if o not in stop)
-    return out
+
+    def operands(v: int) -> list[int]:
+        return [o for o in region.ops[v - n_in].operands if o not in stop] if v >= n_in else []
+
+    return set(walk((v for v in roots if v not in stop), operands))
 
 
 def attention_backward_plan(region: Region, spec: AttentionBackwardSpec) -> AttentionBackwardPlan:
@@ -329,17 +327,19 @@ def _cond_bound(region: Region, cond: int, rank: int) -> KeyBound | None:
     """The upper key bound of a mask condition (with a lower one when a conjunct gives one);
     exact when the condition is nothing but those comparisons."""
     upper, lower, exact = None, None, True
+    upper_sums: tuple[IndexSum, ...] = ()
+    lower_sums: tuple[IndexSum, ...] = ()
     for c in _conjuncts(region, cond):
-        found = _comparison_bound(region, c, rank)
+        found, sums = _comparison_bound(region, c, rank) or (None, ())
         if isinstance(found, KeyBound) and upper is None:
-            upper = found
+            upper, upper_sums = found, sums
         elif isinstance(found, LowerBound) and lower is None:
-            lower = found
+            lower, lower_sums = found, sums
         else:  # not a bound, or a second one of its kind: this conjunct stays a mask
             exact = False
     if upper is None:
         return None
-    checks = upper.checks + (lower.checks if lower is not None else ())
+    checks = upper_sums + lower_sums
     return dataclasses.replace(upper, exact=exact, lower=lower, checks=checks)
 
 
@@ -350,13 +350,15 @@ def _conjuncts(region: Region, cond: int) -> list[int]:
     return [cond]
 
 
-def _comparison_bound(region: Region, cond: int, rank: int) -> KeyBound | LowerBound | None:
+def _comparison_bound(region: Region, cond: int, rank: int
+                      ) -> tuple[KeyBound | LowerBound, tuple[IndexSum, ...]] | None:
     """A comparison of linear forms in the query index i and key index j (`i + a >= j + b`,
     `i - j < w`, `j > i - w`, ...) whose difference is `i - j + c` (an upper bound on key j)
     or `j - i + c` (a lower one). The comparison and the sums it compares are i32 (torch's
     types: an index with a literal or a 0-d scalar of any integer type stays i32), so each
-    scalar is taken as i32 and the sums that could wrap are the bound's `checks`; a
-    comparison in another type (a float, an i64 tensor) gives no bound."""
+    scalar is taken as i32, and the sums that could wrap come with the bound (for
+    `KeyBound.checks`); a comparison in another type (a float, an i64 tensor) gives no
+    bound."""
     n_in = len(region.inputs)
     if cond < n_in:
         return None
@@ -375,9 +377,9 @@ def _comparison_bound(region: Region, cond: int, rank: int) -> KeyBound | LowerB
     axes, terms, const = _combine(lhs, rhs, -1)
     i, j = rank - 2, rank - 1
     if axes == {i: 1, j: -1}:  # j <= i + terms + const
-        return KeyBound(terms, const, strict, checks=tuple(sums))
+        return KeyBound(terms, const, strict), tuple(sums)
     if axes == {i: -1, j: 1}:  # j >= i - terms - const (+1 when strict)
-        return LowerBound(tuple((-s, v) for s, v in terms), -const + strict, tuple(sums))
+        return LowerBound(tuple((-s, v) for s, v in terms), -const + strict), tuple(sums)
     return None
 
 
