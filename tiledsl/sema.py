@@ -346,7 +346,9 @@ class _KernelBuilder:
         operands = [self._value(args, p.name) for p in b.params if p.kind == "value"]
         return self.b.user_op(e.func, operands, e.span, **attrs)
 
-    def _call_reduce(self, e: ast.Call, b: Builtin, args: dict[str, ast.Expr]) -> int:
+    def _call_reduce(self, e: ast.Call, b: Builtin, args: dict[str, ast.Expr], **attrs: object) -> int:
+        """A reduction along the given axis (or axes); `attrs` are further attributes of a
+        one-axis one (a pair's `pair`)."""
         x = self._value(args, "x")
         rank = self.graph.op(x[0]).type.rank
         if rank == 0:
@@ -367,7 +369,7 @@ class _KernelBuilder:
                 raise type(err)(err.span, (*err.notes, note), **err.fields) from None
             raise
         keepdims = const_bool(args.get("keepdims"), f"'keepdims' of '{e.func}'")
-        return self.b.user_op(e.func, [x], e.span, axis=axis, keepdims=keepdims)
+        return self.b.user_op(e.func, [x], e.span, axis=axis, keepdims=keepdims, **attrs)
 
     def _results_extremum(self, e: ast.Call, b: Builtin, args: dict[str, ast.Expr]) -> tuple[int, int]:
         """`values, indices = max(x, axis)`, torch's pair: the max along one axis and the
@@ -376,12 +378,10 @@ class _KernelBuilder:
         if isinstance(given, ast.TupleLit | ast.NoneLit):
             raise diag.ConstantExpected(given.span, what=f"'axis' of '{e.func}' unpacked", expected=(
                 "one integer: the indices are positions along one axis"))
-        values = self._call_reduce(e, b, args)
-        op = self.graph.op(values)
         # the pair's values send their gradient to the indices' position, as torch.max(x,
         # dim)'s do (a plain max shares it between ties, as torch.amax)
-        op = op.replace(attrs=make_attrs(**op.attr_map, pair=True))
-        self.graph.set_op(values, op)
+        values = self._call_reduce(e, b, args, pair=True)
+        op = self.graph.op(values)
         (x,) = self.graph.operands(values)
         indices = self.b.user_op("arg" + e.func, [(x, args["x"].span)], e.span, axis=op.attr("axis"),
                                  keepdims=op.attr("keepdims"))
