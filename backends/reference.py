@@ -29,7 +29,8 @@ from tiledsl.diagnostics import EmptyReductionError
 from tiledsl.dims import evaluate
 from tiledsl.ir import Graph, KernelOp, Op, Region
 from tiledsl.ops import Reads
-from tiledsl.types import DType
+from tiledsl.ops.core import read_types
+from tiledsl.types import DType, TensorType
 
 
 class ReferenceBackend(Backend):
@@ -55,12 +56,14 @@ def run(graph: Graph, bound: BoundCall, float64: bool = False) -> list[torch.Ten
         op = graph.op(node)
         if isinstance(op, Op) and op.kind in ("param", "return"):
             continue
-        args = [values[e] for e in graph.operand_edges(node)]
+        edges = graph.operand_edges(node)
+        args = [values[e] for e in edges]
         if isinstance(op, KernelOp):
             for i, out in enumerate(run_region(op.region, args, bound.dims, float64)):
                 values[(node, i)] = out
         else:
-            values[(node, 0)] = eval_op(op, args, bound.dims, float64)
+            types = tuple(graph.result_type(*e) for e in edges)
+            values[(node, 0)] = eval_op(op, args, types, bound.dims, float64)
     return [_materialize(values[edge], t.dtype, float64, bound.device)
             for edge, t in zip(graph.outputs, graph.returns, strict=True)]
 
@@ -69,7 +72,8 @@ def run_region(region: Region, inputs: Sequence[Any], dims: Mapping[str, int],
                float64: bool) -> list[Any]:
     values = list(inputs)
     for rop in region.ops:
-        values.append(eval_op(rop.op, [values[v] for v in rop.operands], dims, float64))
+        types = tuple(region.value_type(v) for v in rop.operands)
+        values.append(eval_op(rop.op, [values[v] for v in rop.operands], types, dims, float64))
     return [values[v] for v in region.outputs]
 
 
@@ -103,17 +107,13 @@ def _tensor(v: Any, dtype: torch.dtype) -> torch.Tensor:
     return torch.tensor(v, dtype=dtype)
 
 
-def eval_op(op: Op, args: list[Any], dims: Mapping[str, int], float64: bool) -> Any:
-    """One op with torch semantics; weak results stay Python scalars, computed like the
-    Python arithmetic they stand for: floats in double precision, integers in i64 (a
-    product of sizes past 2^31 does not wrap)."""
-    weak_wide = op.weak and op.kind != "cast"  # a cast still rounds (or wraps)
-    if weak_wide and op.dtype.is_float:
-        out_dtype = torch.float64
-    elif weak_wide and op.dtype.is_int:
-        out_dtype = torch.int64
-    else:
-        out_dtype = compute_dtype(op.dtype, float64)
+def eval_op(op: Op, args: list[Any], types: tuple[TensorType, ...], dims: Mapping[str, int],
+            float64: bool) -> Any:
+    """One op, of operands of `types`, with torch semantics; weak results stay Python
+    scalars, computed like the Python arithmetic they stand for: floats in double
+    precision, integers in i64 (a product of sizes past 2^31 does not wrap)."""
+    rounds = op.kind == "cast"  # a cast still rounds (or wraps)
+    out_dtype = _held(op.type, rounds, float64)
     if op.kind == "const":
         return op.attr("value")
     if op.kind == "dim":
@@ -129,22 +129,31 @@ def eval_op(op: Op, args: list[Any], dims: Mapping[str, int], float64: bool) -> 
     if op.kind == "slice":
         attrs["dims"] = dims
     if opdef.reads in (Reads.PROMOTED, Reads.COMPARE):
+        # read in the promoted type, which torch works out itself from the values
         args = _promoted(op, opdef.reads, args, out_dtype, float64)
-    elif opdef.reads is Reads.SELECT:
-        args = [_tensor(args[0], torch.bool)] + [_tensor(v, out_dtype) for v in args[1:]]
-    elif opdef.reads is Reads.OPERAND:
-        args = [v if isinstance(v, torch.Tensor) else torch.tensor(v) for v in args]
     else:
-        # the float64 golden does not round at casts: a rounding step would make it
-        # discontinuous, and a compiled kernel within 1e-7 of it before the cast could land
-        # one ulp away after it (seen with the program fuzzer)
-        args = [_tensor(v, out_dtype) for v in args]
+        # the float64 golden does not round at casts (a cast reads its operand in f64): a
+        # rounding step would make it discontinuous, and a compiled kernel within 1e-7 of it
+        # before the cast could land one ulp away after it (seen with the program fuzzer)
+        args = [(v if isinstance(v, torch.Tensor) else torch.tensor(v)) if r is None
+                else _tensor(v, _held(r, rounds, float64))
+                for v, r in zip(args, read_types(op.kind, types, op.type), strict=True)]
     if opdef.reduction is not None and not opdef.reduction.empty:
         _check_not_empty(op, args[0])
     result = opdef.reference(*args, **attrs)
     if op.weak:
         return result.item()
     return result.to(out_dtype)
+
+
+def _held(t: TensorType, rounds: bool, float64: bool) -> torch.dtype:
+    """The torch dtype a value of type `t` is computed in: a weak one like the Python
+    arithmetic it stands for (f64, i64), unless the op `rounds` it to its dtype (a cast)."""
+    if t.weak and not rounds and t.dtype.is_float:
+        return torch.float64
+    if t.weak and not rounds and t.dtype.is_int:
+        return torch.int64
+    return compute_dtype(t.dtype, float64)
 
 
 def _check_not_empty(op: Op, x: torch.Tensor) -> None:

@@ -23,8 +23,9 @@ from tiledsl import ops
 from tiledsl.dims import Lin, sizes_decide
 from tiledsl.dims import build as build_dim
 from tiledsl.ir import Edge, Graph, Op, make_attrs
+from tiledsl.ops.core import read_types
 from tiledsl.source import Span
-from tiledsl.types import DType, TensorType, result_dtype
+from tiledsl.types import DType, TensorType
 
 if TYPE_CHECKING:
     from tiledsl.passes.rewrite import Rewriter
@@ -37,16 +38,11 @@ HALF = (DType.F16, DType.BF16)
 
 
 def _read_as(kind: str, types: Sequence[TensorType], t: TensorType) -> tuple[DType | None, ...]:
-    """The dtype an op of type `t` reads each operand in, as its `Reads` says (None: as it
-    is; an explicit cast reads its operand as it is too, and rounds to its own type)."""
-    reads = ops.OPS[kind].reads
-    if kind == "cast" or reads is ops.Reads.OPERAND:
+    """The dtype an op of type `t` reads each operand in (None: as it is); an explicit cast
+    reads its operand as it is too, and rounds to its own type."""
+    if kind == "cast":
         return (None,) * len(types)
-    if reads is ops.Reads.COMPARE:
-        return (result_dtype(types),) * len(types)
-    if reads is ops.Reads.SELECT:
-        return (None,) + (t.dtype,) * (len(types) - 1)
-    return (t.dtype,) * len(types)
+    return tuple(None if r is None else r.dtype for r in read_types(kind, types, t))
 
 
 class IllTypedOp(diag.InternalError):

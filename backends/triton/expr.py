@@ -23,8 +23,9 @@ import torch
 from tiledsl import ops
 from tiledsl.ir import Op, Region, RegionOp
 from tiledsl.ops import Reads
+from tiledsl.ops.core import read_types
 from tiledsl.ops.render import is_precise
-from tiledsl.types import NARROW, Compute, DType, TensorType, compute_type, result_dtype, value_compute
+from tiledsl.types import NARROW, Compute, DType, TensorType, compute_type, value_compute
 
 from .codegen import Code, TensorRef
 
@@ -427,21 +428,18 @@ class Emitter:
         """One elementwise op: its operands read as its `Reads` says, then its rendering."""
         opdef = ops.OPS[op.kind]
         out = value_compute(op.type)
-        if opdef.reads is Reads.COMPARE:
-            # in the operands' promoted type (f64 when all are weak floats); a half-precision
-            # one as torch compares it, both sides rounded to it, so a value stored in f16 by
-            # one kernel compares with a literal as it would inside one kernel
-            promoted = result_dtype(types)
-            weak = all(t.weak for t in types)
-            cat = value_compute(TensorType(promoted, (), weak))
-            args = [self.convert(x, cat) for x in args]
-            if promoted in (DType.F16, DType.BF16) and not weak:
-                args = [self.rounded(x, promoted) for x in args]
-        elif opdef.reads is Reads.SELECT:
-            cond = self.tensor(self.convert(args[0], Compute.BOOL))
-            args = [cond] + [self.convert(x, out) for x in args[1:]]
-        elif opdef.reads is not Reads.OPERAND:
-            args = [self.convert(x, out) for x in args]
+        reads = read_types(op.kind, types, op.type)
+        read: list[Val] = []
+        for x, r in zip(args, reads, strict=True):
+            x = x if r is None else self.convert(x, value_compute(r))
+            # where's condition as a tensor: tl.where takes no Python scalar for it
+            read.append(self.tensor(x) if opdef.reads is Reads.SELECT and not read else x)
+        args = read
+        if opdef.reads is Reads.COMPARE and reads[0].dtype in (DType.F16, DType.BF16) and not reads[0].weak:
+            # compared in a half-precision type as torch compares, both sides rounded to it,
+            # so a value stored in f16 by one kernel compares with a literal as it would
+            # inside one kernel
+            args = [self.rounded(x, reads[0].dtype) for x in args]
         if op.kind in ("mul", "div"):
             result = self.scalar_product(op, args, types, out)
         else:

@@ -10,12 +10,12 @@ says what an op is.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from tiledsl import diagnostics as diag
-from tiledsl.types import DType, TensorType
+from tiledsl.types import DType, TensorType, all_weak, result_dtype
 
 
 class Category(str, enum.Enum):
@@ -44,6 +44,25 @@ class Reads(enum.Enum):
     COMPARE = "compare"  # like PROMOTED, but the result is bool
     SELECT = "select"  # a bool condition, then branches in the result's type (where)
     OPERAND = "operand"  # each operand in its own compute type (isnan: the result is bool)
+
+
+def read_types(kind: str, types: Sequence[TensorType], out: TensorType) -> tuple[TensorType | None, ...]:
+    """The type an op of `kind` and type `out` reads each operand (of `types`) in, as its
+    `Reads` says; None: as it is. The one answer the builder, the Triton emitter (in the
+    type's `value_compute`) and the reference backend read.
+
+    A comparison reads both sides in their promoted type (torch.result_type, weak where both
+    are); `where` its condition as it is (a bool) and its branches in its result's type; an
+    OPERAND op each operand as it is; every other op, a binary operator too, each in its
+    result's type."""
+    reads = OPS[kind].reads
+    if reads is Reads.OPERAND:
+        return (None,) * len(types)
+    if reads is Reads.COMPARE:
+        return (TensorType(result_dtype(types), out.shape, all_weak(types)),) * len(types)
+    if reads is Reads.SELECT:
+        return (types[0],) + (out,) * (len(types) - 1)
+    return (out,) * len(types)
 
 
 class RuleError(Exception):
