@@ -29,7 +29,7 @@ from tiledsl.diagnostics import EmptyReductionError
 from tiledsl.dims import evaluate
 from tiledsl.ir import Graph, KernelOp, Op, Region
 from tiledsl.ops import Reads
-from tiledsl.ops.core import read_types
+from tiledsl.ops.core import read_types, reference_attrs
 from tiledsl.types import DType, TensorType
 
 
@@ -119,9 +119,7 @@ def eval_op(op: Op, args: list[Any], types: tuple[TensorType, ...], dims: Mappin
     if op.kind == "dim":
         return dims[op.attr("symbol")]
     opdef = ops.OPS[op.kind]
-    attrs = op.attr_map
-    attrs.pop(ops.ACCUMULATE, None)  # how a kernel accumulates (sum-precision): torch sums as it does
-    attrs.pop("pair", None)  # max/min's values of torch's pair: where their gradient goes
+    attrs = reference_attrs(op)
     if "shape" in attrs:  # index: its shape with the dims bound
         attrs["shape"] = tuple(evaluate(d, dims) for d in attrs["shape"])
     if "k" in attrs:  # topk: how many, bound

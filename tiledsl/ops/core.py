@@ -217,6 +217,10 @@ class OpDef:
     # (`tiledsl.autodiff`); None here: the op has no derivative (differentiating through it
     # is an error naming it)
     vjp: Callable[..., Any] | None = None
+    # attributes that say how to compute or differentiate it, not what it computes (MLIR's
+    # discardable attributes): its `reference` does not take them. A `wide` reduction's or
+    # scan's `ACCUMULATE` is one (`define` adds it)
+    discardable: frozenset[str] = frozenset()
 
 
 OPS: dict[str, OpDef] = {}
@@ -224,8 +228,18 @@ OPS: dict[str, OpDef] = {}
 
 def define(kind: str, arity: int, category: Category, infer: Infer, **parts: Any) -> OpDef:
     assert kind not in OPS, f"op {kind!r} is declared twice"
+    declared = parts.get("reduction") or parts.get("scan")
+    if declared is not None and declared.wide:  # sum-precision may say it accumulates in f32
+        parts["discardable"] = frozenset(parts.get("discardable", ())) | {ACCUMULATE}
     op = OPS[kind] = OpDef(kind, arity, category, infer, **parts)
     return op
+
+
+def reference_attrs(op: Any) -> dict[str, Any]:
+    """The attributes of `op` (an IR op) its torch reference takes: all but its discardable
+    ones."""
+    discardable = OPS[op.kind].discardable
+    return {k: v for k, v in op.attr_map.items() if k not in discardable}
 
 
 def category(kind: str) -> Category:

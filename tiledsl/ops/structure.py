@@ -204,10 +204,11 @@ def _logsumexp(types, attrs):
     return TensorType(float_of(x.dtype), reduced_shape(x, attrs))
 
 
-def _reduction(kind, infer, function, vjp, reduction: Reduction, reads: Reads = Reads.RESULT) -> None:
+def _reduction(kind, infer, function, vjp, reduction: Reduction, reads: Reads = Reads.RESULT,
+               discardable: frozenset[str] = frozenset()) -> None:
     define(kind, 1, Category.REDUCTION, infer, params=(X, AXIS, KEEPDIMS), reads=reads,
            reference=lambda x, axis, keepdims: function(x, dim=axis, keepdim=keepdims), vjp=vjp,
-           reduction=reduction)
+           reduction=reduction, discardable=discardable)
 
 
 # derivative rules (`tiledsl.autodiff`): the gradient of a reduction is read back along
@@ -266,10 +267,14 @@ def _argextremum(kind: str):
 _SUM = "tl.sum({x}, axis=1)"
 # sum reads its operand as i32 (bool sums count); torch accumulates integers in i64
 _reduction("sum", _sum, torch.sum, lambda d, w: (d.keep(d.g),), Reduction(0.0, ADD, _SUM, wide=True))
+# `pair` (the values of torch's pair, `values, indices = max(x, axis)`) says only where
+# their gradient goes (`_d_extremum`)
 _reduction("max", _minmax, torch.amax, _d_extremum, Reduction(
-    -math.inf, "tl.maximum({a}, {b}{nan})", "tl.max({x}, axis=1)", nan=True, empty=False))
+    -math.inf, "tl.maximum({a}, {b}{nan})", "tl.max({x}, axis=1)", nan=True, empty=False),
+    discardable=frozenset({"pair"}))
 _reduction("min", _minmax, torch.amin, _d_extremum, Reduction(
-    math.inf, "tl.minimum({a}, {b}{nan})", "tl.min({x}, axis=1)", nan=True, empty=False))
+    math.inf, "tl.minimum({a}, {b}{nan})", "tl.min({x}, axis=1)", nan=True, empty=False),
+    discardable=frozenset({"pair"}))
 _reduction("mean", _mean, torch.mean, lambda d, w: (d.div(d.keep(d.g), d.axis_size()),),
            Reduction(0.0, ADD, _SUM, wide=True, finalize="{total} / {length}"))
 _reduction("logsumexp", _logsumexp, torch.logsumexp, _d_logsumexp, Reduction(
