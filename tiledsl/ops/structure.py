@@ -426,8 +426,8 @@ def _d_logcumsumexp(d, wanted):
     -inf. The last element's factor multiplies the scan's h[-1] = 0: it is 0 (exp(y_i)
     there would overflow past y = 88, and inf * 0 is NaN)."""
     y, k = d.y, _step(d)
-    y_next = _shifted(d, y, k, 0.0)
-    inside, _ = _shift(d, k)
+    inside, index = _shift(d, k)
+    y_next = d.where(inside, d.call("take", y, *index), d.c(0.0))
     decay = d.where(d.call("eq", y, d.c(-math.inf)), d.c(0.0), d.call("exp", d.sub(y, y_next)))
     decay = d.where(inside, decay, d.c(0.0))
     s = d.call("linear_scan", decay, d.g, axis=d.attr("axis"), reverse=not d.attr("reverse"))
