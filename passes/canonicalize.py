@@ -28,11 +28,11 @@ from tiledsl import ops
 from tiledsl.builder import Builder
 from tiledsl.indexing import reindex, slice_source
 from tiledsl.ir import Edge, Graph, Op, walk
-from tiledsl.ops import Reads
+from tiledsl.ops.core import read_types
 from tiledsl.passes.fusion.score_space import is_op, swaps_last
 from tiledsl.passes.registry import Pass, PassContext, register
 from tiledsl.passes.rewrite import Pattern, Rewriter, apply_patterns
-from tiledsl.types import DType, Shape, TensorType, result_dtype
+from tiledsl.types import DType, Shape, TensorType
 
 
 def _round(value: float | int | bool, dtype: DType) -> float | int | bool:
@@ -63,15 +63,10 @@ def _as_python(dtype: DType) -> DType:
 
 
 def _read_as(op: Op, types: tuple[TensorType, ...]) -> tuple[DType | None, ...]:
-    """The dtype the op reads each operand in (None: as it is), as its `Reads` says."""
-    reads = ops.OPS[op.kind].reads
-    if reads is Reads.COMPARE:
-        return (_as_python(result_dtype(types)),) * len(types)
-    if reads is Reads.SELECT:
-        return (None,) + (_as_python(op.dtype),) * (len(types) - 1)
-    if reads is Reads.OPERAND:
-        return (None,) * len(types)
-    return (_as_python(op.dtype),) * len(types)
+    """The dtype a folded op reads each operand in (None: as it is), as `read_types` says,
+    in Python's precision where it is weak."""
+    return tuple(None if r is None or r is t else _as_python(r.dtype)
+                 for r, t in zip(read_types(op.kind, types, op.type), types, strict=True))
 
 
 def const_value(graph: Graph, node: int):
