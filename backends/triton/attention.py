@@ -163,9 +163,9 @@ class AttentionProgram:
         # vary along the keys
         outer: dict[int, Val] = {}
         score_inputs = inputs_read(self.region, parts.score_ops)
-        for i in score_inputs:
+        for i in score_inputs:  # (a rank-0 one a prologue reads too is read once)
             if not self.varies_along_keys(i):
-                outer[i] = self.load(i, "score")
+                outer[i] = self.prologue_scalars[i] if i in self.prologue_scalars else self.load(i, "score")
         self.run(outer, tuple(v for v in parts.score_ops if self.value_type(v).rank == 0), "score")
         self.outer = outer
         self.offsets = None if parts.bound is None else \

@@ -389,8 +389,8 @@ class GemmProgram:
         for i, inp in enumerate(region.inputs):
             if i in skip or not self._used_in_epilogue(i, skip):
                 continue
-            if inp.type.rank == 0:
-                vals[i] = self.scalar_input(i)
+            if inp.type.rank == 0:  # (read once per program where a prologue reads it too)
+                vals[i] = self.prologue_scalars[i] if i in self.prologue_scalars else self.scalar_input(i)
             else:
                 vals[i] = self.load_d(i, inp.type.shape, rank)
 
