@@ -135,8 +135,8 @@ def _launch(kernel: KernelOp) -> tuple | None:
     n_in = len(kernel.region.inputs)
     if _space(kernel) is None or any(v < n_in for v in kernel.region.outputs):
         return None
-    if isinstance(kernel.plan, RowPlan) and kernel.plan.long_selections(kernel.region):
-        return None  # a launch's members take no workspace (a long sort's)
+    if isinstance(kernel.plan, RowPlan) and (kernel.plan.long_selections(kernel.region) or kernel.plan.split):
+        return None  # a launch's members take no workspace (a long sort's, partials) and are one launch
     return ()
 
 

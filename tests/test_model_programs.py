@@ -27,7 +27,7 @@ PROGRAMS = {
     "geglu": (1, "kernel f(a: f16[M, N], b: f16[M, N]) -> f16[M, N] {\n return gelu(a) * b\n}"),
     "swiglu_mlp": (2, "kernel f(x: bf16[M, K], wg: bf16[F, K], wu: bf16[F, K], wd: bf16[K, F]) -> bf16[M, K] {\n return (silu(x @ wg.T) * (x @ wu.T)) @ wd.T\n}"),
     "linear_ce": (2, "kernel f(h: bf16[M, K], w: bf16[V, K], y: i64[M]) -> f32[M] {\n z = cast(h @ w.T, f32)\n return logsumexp(z, axis=-1) - gather(z, y)\n}"),
-    "dpo_logps": (2, "kernel f(x: f32[B, T, V], y: i64[B, T], m: f32[B, T]) -> f32[B] {\n lp = x - logsumexp(x, axis=-1, keepdims=true)\n return sum(gather(lp, y) * m, axis=-1)\n}"),
+    "dpo_logps": (1, "kernel f(x: f32[B, T, V], y: i64[B, T], m: f32[B, T]) -> f32[B] {\n lp = x - logsumexp(x, axis=-1, keepdims=true)\n return sum(gather(lp, y) * m, axis=-1)\n}"),
     "entropy": (1, "kernel f(x: f32[M, V]) -> f32[M] {\n p = softmax(x, axis=-1)\n return -sum(p * log(p + 1e-20), axis=-1)\n}"),
     "entropy_lse": (1, "kernel f(x: f32[M, V]) -> f32[M] {\n lse = logsumexp(x, axis=-1, keepdims=true)\n p = exp(x - lse)\n return -sum(p * (x - lse), axis=-1)\n}"),
     "focal": (1, "kernel f(x: f32[M, V], y: i64[M]) -> f32[M] {\n lp = x - logsumexp(x, axis=-1, keepdims=true)\n l = gather(lp, y)\n return -((1.0 - exp(l)) ** 2) * l\n}"),

@@ -96,10 +96,14 @@ class RowPlan:
     `phases[v]`: how many dependent reductions v needs (layernorm's output: 2).
     `selected`: the values along the k elements a topk or sort selected from the row (and
     the elementwise ops reading them): per-row tiles of k, not along the row.
-    `across`: the kept dim (of a literal size) some reductions run along, across the rows a
-    program owns (Mamba's sum over its state dim after a scan along the sequence), and
-    `across_reducing` those reductions; a program owns all the rows along it, and a value
-    that does not vary along it is stored by the first of them.
+    `across`: the kept dim some reductions run along, across the rows (Mamba's sum over its
+    state dim after a scan along the sequence, a loss summed over tokens, a weight
+    gradient's column sums), and `across_reducing` those reductions; a value that does not
+    vary along it is stored by the first of those rows. Along a short dim (a literal size of
+    at most 256) a program owns all the rows along it. Otherwise the plan is `split`: each
+    program reduces a chunk of the rows into partials, and a combine launch merges them in
+    a fixed order and computes the `tail` (the reductions across and the elementwise ops
+    computed from them), so the kernel is two launches.
     """
 
     template: ClassVar[str] = "rows"
@@ -115,6 +119,8 @@ class RowPlan:
     selected: frozenset[int] = frozenset()
     across: int | None = None
     across_reducing: frozenset[int] = frozenset()
+    split: bool = False
+    tail: frozenset[int] = frozenset()
 
     def long_selections(self, region: Region) -> tuple[int, ...]:
         """The selections whose k may pass `SELECT_LIMIT` (k not a literal up to it): when a
@@ -146,6 +152,8 @@ class RowPlan:
         partial += f"selected = {_names(self.selected, name)}, " if self.selected else ""
         if self.across is not None:
             partial += f"across = {self.across}, across_reducing = {_names(self.across_reducing, name)}, "
+        if self.split:
+            partial += f"split, tail = {_names(self.tail, name)}, "
         return (f"plan rows {{space = {format_shape(self.shape)}, {axes}, "
                 f"phases = {max(self.phases, default=0)}, reducing = {_names(self.reducing, name)}, "
                 f"{partial}layouts = ({layouts})}}")
@@ -169,10 +177,16 @@ class RowPlan:
         if {v for v, _ in self.sources} != self.reducing:
             check.fail("its row plan does not name the value every reduction reduces")
         if (self.across is None) != (not self.across_reducing) or self.across in self.axes or (
-                self.across is not None and not isinstance(self.shape[self.across], int)):
+                self.across is not None and not self.split and not isinstance(self.shape[self.across], int)):
             check.fail("its row plan reduces across rows along no kept dim of a literal size")
         for v in self.across_reducing:
             check.expect(v, ops.ROW_KINDS, "reduction across rows")
+        if self.split != bool(self.tail) or (self.split and not self.across_reducing <= self.tail):
+            check.fail("its split row plan's tail does not hold its reductions across rows")
+        n_in = len(region.inputs)
+        if any(o in self.tail and n_in + i not in self.tail for i, r in enumerate(region.ops)
+               for o in r.operands):
+            check.fail("a value of its split row plan's rows reads what the combine launch computes")
 
 
 @dataclass(frozen=True, slots=True)

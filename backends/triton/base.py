@@ -93,8 +93,13 @@ class EmittedKernel:
     interpreter_flag: bool = False  # the kernel takes INTERPRETER: tl.constexpr
     hints: Hints = field(default_factory=dict, compare=False)  # the program's @tile hints
     function: Function | None = field(default=None, compare=False)
-    # the int64 scratch words a call at these sizes needs (None: the kernel takes none)
-    workspace: Callable[[Mapping[str, int]], int] | None = field(default=None, compare=False)
+    # the scratch memory a call at these sizes on this target ("cuda", "interpreter") needs,
+    # one (elements, torch dtype name) per workspace (None: the kernel takes none)
+    workspace: Callable[[Mapping[str, int], str], tuple[tuple[int, str], ...]] | None = field(
+        default=None, compare=False)
+    # the launches that follow this one in the same kernel, reading its workspaces and
+    # writing its other results (a split row program's combine): one call runs them all
+    then: tuple[EmittedKernel, ...] = ()
     # inputs the launcher hands over K-major (their second-to-last dim contiguous, a copy
     # where the caller's tensor is not: `launch.k_major`): 8-bit B operands of a GEMM, which
     # Hopper's fp8 wgmma reads only K-major
@@ -205,11 +210,12 @@ def require_dot_hints(hints: Hints, names: Sequence[str]) -> None:
 def finish(kernel: KernelOp, sig: Signature, body: Code,
            configure: Callable[[Mapping[str, int], str], LaunchConfig],
            em: Emitter, hints: Hints | None = None, programs: str | None = None,
-           workspace: Callable[[Mapping[str, int]], int] | None = None) -> EmittedKernel:
+           workspace: Callable[[Mapping[str, int], str], tuple[tuple[int, str], ...]] | None = None,
+           then: tuple[EmittedKernel, ...] = (), fn_name: str | None = None) -> EmittedKernel:
     """Assemble the module with the helpers it calls; kernels that convert bf16 or f8 take
     `INTERPRETER`. `programs`: how many programs the kernel runs, for a template a merged
-    launch may hold (pointwise, rows)."""
-    fn_name = f"{kernel.name}_{kernel.template}"
+    launch may hold (pointwise, rows); `then`: the launches that follow it (`EmittedKernel`)."""
+    fn_name = fn_name or f"{kernel.name}_{kernel.template}"
     code = Code()
     for line in header(kernel):
         code(line)
@@ -231,7 +237,7 @@ def finish(kernel: KernelOp, sig: Signature, body: Code,
     function = Function(sig, tuple(widening + body.lines), frozenset(em.helpers), programs)
     return EmittedKernel(kernel, fn_name, code.text(), tuple(sig.params), configure,
                          interpreter_flag=flag, hints=dict(hints or {}), function=function,
-                         workspace=workspace)
+                         workspace=workspace, then=then)
 
 
 def decompose(code: Code, flat: str, dims: Sequence[int | str], names: Sequence[str | None],

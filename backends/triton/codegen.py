@@ -106,9 +106,12 @@ class Wide:
 
 @dataclass(frozen=True, slots=True)
 class Workspace:
-    """Scratch words (int64) the launcher allocates for each call, as many as the kernel's
-    `EmittedKernel.workspace` asks at the call's sizes: a row program sorting rows longer
-    than its registers hold (`rows.py`, long selections)."""
+    """Scratch memory the launcher allocates for each call, the kernel's `index`-th, as many
+    elements of a dtype as its `EmittedKernel.workspace` asks at the call's sizes: a row
+    program sorting rows longer than its registers hold (`rows.py`, long selections), the
+    partials of a split row program that its combine launch merges."""
+
+    index: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,8 +194,8 @@ class Signature:
             return str(total)
         return self._add(name, Numel(shape))
 
-    def workspace(self) -> str:
-        return self._add("work_ptr", Workspace())
+    def workspace(self, index: int = 0) -> str:
+        return self._add(f"work{index or ''}_ptr", Workspace(index))
 
     def constexpr(self, name: str) -> str:
         self.constexprs.append(name)

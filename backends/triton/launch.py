@@ -187,6 +187,8 @@ class KernelLaunch:
     outputs: tuple[tuple, ...]  # the results', then any workspace's
     slot: int
     results: int = 0  # how many of the outputs are results (taking slots from `slot` on)
+    # the launches of the same kernel that follow, on the same outputs: (launch, args, options)
+    then: tuple[tuple[Callable[..., Any], Callable[[list, list], tuple], Mapping[str, Any]], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,7 +255,7 @@ def argument_function(emitted: EmittedKernel, reads: Sequence[Read], outputs: Se
             exprs.append("True" if wide_at(outputs, dims) else
                          f"not ({' and '.join(f'fits(v[{t}])' for t in tensors)})" if tensors else "False")
         elif isinstance(spec, Workspace):  # allocated after the results (`workspace_allocation`)
-            exprs.append(f"o[{len(emitted.kernel.result_types)}]")
+            exprs.append(f"o[{len(emitted.kernel.result_types) + spec.index}]")
         elif isinstance(spec, Scalar):  # bools travel as 0/1 (see Emitter.scalar)
             value = f"v[{reads[spec.index][0]}]"
             exprs.append(f"int({value})" if region.inputs[spec.index].type.dtype is DType.BOOL

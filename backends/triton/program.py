@@ -157,7 +157,9 @@ class TritonBackend(Backend):
 
     @property
     def kernels(self) -> list[Kernel]:
-        return [Kernel(e.kernel.name, e.kernel.template, e.kernel.covered, e.source, e.fn_name)
+        # a kernel of several launches (a split row program's combine) shows every module
+        return [Kernel(e.kernel.name, e.kernel.template, e.kernel.covered,
+                       "\n".join([e.source, *(t.source for t in e.then)]), e.fn_name)
                 for e in self.emitted]
 
     @property
@@ -205,11 +207,14 @@ class TritonBackend(Backend):
                     else alloc(shape, dtype=dtype, device=device).permute(order)
                     for shape, dtype, order, alloc in k.outputs]
             k.launch(*k.args(values, outs), **k.options)
+            for launch, args, options in k.then:
+                launch(*args(values, outs), **options)
             values[k.slot:k.slot + k.results] = outs[:k.results]
 
     def _walk(self, bound: BoundCall, values: list, device):
         """The call step by step: for each kernel, its step, the outputs to allocate (shape,
-        dtype), its argument function and its arguments. The outputs (allocated, not
+        dtype), its argument function and its arguments, and the (emitted, argument
+        function, arguments) of each launch that follows it. The outputs (allocated, not
         computed) take their slots once the caller has seen the step."""
         dims = bound.dims
         for slot, symbol in self.dim_slots:
@@ -218,16 +223,20 @@ class TritonBackend(Backend):
             if isinstance(step, ViewStep):
                 view = step.launch(dims)
                 view.launch(values)
-                yield step, (), view, None, ()
+                yield step, (), view, None, (), ()
                 continue
             kernel = step.emitted.kernel
             outputs = tuple(output_allocation(eval_shape(t.shape, dims), storage_dtype(t),
                                               kernel.out_order(r), kernel.zero_filled(r))
                             for r, t in enumerate(kernel.result_types))
-            outputs += workspace_allocation(step.emitted, dims)
+            outputs += workspace_allocation(step.emitted, dims, self.target(device))
             outs = [allocate(o, device) for o in outputs]
             arg_fn = argument_function(step.emitted, step.reads, outputs, dims)
-            yield step, outputs, arg_fn, arg_fn(values, outs), outs
+            then = []
+            for stage in step.emitted.then:
+                stage_fn = argument_function(stage, step.reads, outputs, dims)
+                then.append((stage, stage_fn, stage_fn(values, outs)))
+            yield step, outputs, arg_fn, arg_fn(values, outs), outs, tuple(then)
             n = len(kernel.result_types)
             values[step.slot:step.slot + n] = outs[:n]
 
@@ -237,17 +246,18 @@ class TritonBackend(Backend):
         compiles them for sm_90 on any machine). Outputs are allocated, never written."""
         values = list(bound.values) + [None] * (self.n_slots - len(bound.values))
         dims = tuple(sorted(bound.dims.items()))
-        return [Launch(step.emitted, _arguments(step.emitted, args), dims)
-                for step, _, _, args, _ in self._walk(bound, values, bound.device or _CPU_DEVICE)
-                if not isinstance(step, ViewStep)]
+        out = []
+        for step, _, _, args, _, then in self._walk(bound, values, bound.device or _CPU_DEVICE):
+            if not isinstance(step, ViewStep):
+                out.append(Launch(step.emitted, _arguments(step.emitted, args), dims))
+                out += [Launch(stage, _arguments(stage, stage_args), dims) for stage, _, stage_args in then]
+        return out
 
     def _plan(self, bound: BoundCall, values: list, device, target: str) -> LaunchPlan:
         """Build the plan for this call's sizes by running the call step by step."""
-        from triton.runtime.errors import OutOfResources
-
         dims = bound.dims
         kernels = []
-        for step, outputs, arg_fn, args, outs in self._walk(bound, values, device):
+        for step, outputs, arg_fn, args, outs, then in self._walk(bound, values, device):
             if isinstance(step, ViewStep):
                 kernels.append(arg_fn)  # the view's plan step
                 continue
@@ -267,23 +277,37 @@ class TritonBackend(Backend):
             else:
                 cfg = emitted.launch_config(dims, target)
             options = launch_options(cfg, target)
-            log = logs.logger("launch")
-            if log.isEnabledFor(logging.INFO):
-                log.info("%s (%s) at %s on %s: %s%s", emitted.fn_name, emitted.kernel.template,
-                         ", ".join(f"{k}={v}" for k, v in dims.items()), target,
-                         ", ".join(f"{k}={v}" for k, v in options.items()),
-                         " (autotuned)" if candidates else "")
-            if len(self._launches) < 1024:
-                record = Launch(emitted, _arguments(emitted, args), tuple(sorted(dims.items())))
-                self._launches.setdefault((emitted.fn_name, record.arguments, record.dims), record)
-            try:
-                launch(*args, **options)
-            except OutOfResources as err:  # the first launch compiles: a tile the GPU cannot hold
-                raise emitted.resource_error(err) from None
+            self._launch_once(emitted, launch, args, options, dims, target, bool(candidates))
+            stages = []
+            for stage, stage_fn, stage_args in then:  # the launches that follow, configured alone
+                stage_launch = launcher(self.load(stage, target), target)
+                stage_options = launch_options(stage.launch_config(dims, target), target)
+                self._launch_once(stage, stage_launch, stage_args, stage_options, dims, target, False)
+                stages.append((stage_launch, stage_fn, stage_options))
             kernels.append(KernelLaunch(launch, arg_fn, options, outputs, step.slot,
-                                        len(emitted.kernel.result_types)))
+                                        len(emitted.kernel.result_types), tuple(stages)))
         return LaunchPlan(tuple((slot, dims[symbol]) for slot, symbol in self.dim_slots),
                           tuple(kernels))
+
+    def _launch_once(self, emitted: EmittedKernel, launch, args: list, options: dict,
+                     dims: Mapping[str, int], target: str, autotuned: bool) -> None:
+        """A plan's first launch of a kernel function: logged (`TILEDSL_LOGS=launch`),
+        recorded for `launches`, and run (it compiles)."""
+        from triton.runtime.errors import OutOfResources
+
+        log = logs.logger("launch")
+        if log.isEnabledFor(logging.INFO):
+            log.info("%s (%s) at %s on %s: %s%s", emitted.fn_name, emitted.kernel.template,
+                     ", ".join(f"{k}={v}" for k, v in dims.items()), target,
+                     ", ".join(f"{k}={v}" for k, v in options.items()),
+                     " (autotuned)" if autotuned else "")
+        if len(self._launches) < 1024:
+            record = Launch(emitted, _arguments(emitted, args), tuple(sorted(dims.items())))
+            self._launches.setdefault((emitted.fn_name, record.arguments, record.dims), record)
+        try:
+            launch(*args, **options)
+        except OutOfResources as err:  # the first launch compiles: a tile the GPU cannot hold
+            raise emitted.resource_error(err) from None
 
     def load(self, emitted: EmittedKernel, target: str) -> Any:
         """The kernel's function for `target` (`cache.load`: compiled in memory once)."""
@@ -327,12 +351,13 @@ def output_allocation(shape: tuple[int, ...], dtype, order: tuple[int, ...] | No
     return tuple(shape[a] for a in order), dtype, inverse, alloc
 
 
-def workspace_allocation(emitted: EmittedKernel, dims: Mapping[str, int]) -> tuple[tuple, ...]:
-    """The scratch words a kernel asks for at these sizes, allocated after its results (one
-    word where it needs none: a pointer must point somewhere)."""
+def workspace_allocation(emitted: EmittedKernel, dims: Mapping[str, int], target: str) -> tuple[tuple, ...]:
+    """The scratch memory a kernel asks for at these sizes, allocated after its results (one
+    element where it needs none: a pointer must point somewhere)."""
     if emitted.workspace is None:
         return ()
-    return (((max(1, emitted.workspace(dims)),), _torch.int64, None, _empty),)
+    return tuple(((max(1, n),), getattr(_torch, dtype), None, _empty)
+                 for n, dtype in emitted.workspace(dims, target))
 
 
 def allocate(output: tuple, device):

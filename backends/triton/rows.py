@@ -49,6 +49,7 @@ from tiledsl.types import Compute, DType, compute_type
 from . import online
 from .base import CAPS, PROGRAM_ID, EmittedKernel, Hints, LaunchConfig, cdiv, decompose, finish, numel
 from .codegen import Code, Signature, TensorRef, next_pow2
+from .combine import emit_combine
 from .expr import HELPERS, TRITON_TYPE, Emitter, Val, literal
 from .online import NEG_INF
 
@@ -89,7 +90,9 @@ class RowProgram:
         # the dims that index rows, the one reductions run across last (a group of rows)
         across = self.plan.across
         self.kept = [d for d in range(len(shape)) if d not in axes and d != across]
-        self.group = next_pow2(shape[across]) if across is not None else 1  # rows a group spans
+        self.split = self.plan.split  # the reductions across rows merged by a combine launch
+        # rows a group spans (a short `across` dim: a program owns all of its rows)
+        self.group = next_pow2(shape[across]) if across is not None and not self.split else 1
         self.refs: dict[int, TensorRef] = {}
         self.scalars: dict[int, str] = {}
         for i, inp in enumerate(region.inputs):
@@ -111,6 +114,7 @@ class RowProgram:
         self.long = self.plan.long_selections(region)
         self.long_values = self.reading(set(self.long))
         self.long_keys = list(dict.fromkeys(self.select_key(v) for v in self.long))
+        self.partials: dict[int, tuple[str, str, bool]] = {}  # a split program's (`emit_split`)
         self.lanes = "r_base"  # the positions among a selection's k of its tile's lanes
         self.long_mode = False  # emitting the loops that sort long selections in the workspace
 
@@ -204,8 +208,8 @@ class RowProgram:
         where it cannot (a broadcast row dim, rows in groups, one row dim only)."""
         rows = [d for d in self.kept if self.plan.shape[d] != 1]
         axes = tuple(a for d in rows for a, e in enumerate(layout) if e == d)
-        if self.group > 1 or len(rows) < 2 or len(axes) != len(rows) or list(axes) != sorted(axes) \
-                or any(ref.strides[a] is None for a in axes):
+        if self.group > 1 or self.split or len(rows) < 2 or len(axes) != len(rows) \
+                or list(axes) != sorted(axes) or any(ref.strides[a] is None for a in axes):
             return None
         flag = self.sig.rows_flat(ref.role, ref.index, axes)
         by_dims = ref.offset([self.index(d) if d in rows else None for d in layout])
@@ -226,7 +230,8 @@ class RowProgram:
         """Emit the loads and elementwise ops (those in `which`, or all) not yet in `vals`."""
         em = self.em
         for v in self.values:
-            if v in vals or (which is not None and v not in which) or v in self.plan.partial:
+            if v in vals or (which is not None and v not in which) or v in self.plan.partial \
+                    or v in self.plan.tail:  # (the combine launch's)
                 continue
             op = self.op(v)
             if op is None:
@@ -577,6 +582,9 @@ class RowProgram:
             body(f"if {sig.wide()}:")
             with body.indent():
                 body("pid = pid.to(tl.int64)")
+        if self.split:
+            self.emit_split()
+            return
         body("o = pid * BLOCK_O + tl.arange(0, BLOCK_O)")
         # a call whose rows fill every program (`EVEN_O`), and whose row length is a multiple
         # of the block (`EVEN_R`), gets constant masks, which Triton folds away: no selects
@@ -597,6 +605,11 @@ class RowProgram:
         names = [None if shape[d] == 1 else f"j{d}" for d in self.kept]
         decompose(body, groups, [shape[d] for d in self.kept], names, sig.size, "q")
         body("r_base = tl.arange(0, BLOCK_R)")
+        self.emit_rows()
+
+    def emit_rows(self) -> None:
+        """The program's rows (`o`, masked by `omask`, their dims' indices `j<dim>`)."""
+        body, sig = self.body, self.sig
         body("if ONE_PASS:")
         with body.indent():
             self.emit_one_pass()
@@ -610,6 +623,73 @@ class RowProgram:
         body("else:")
         with body.indent():
             self.emit_phases()
+
+    # --- split programs: partials across rows, merged by a combine launch -----------------
+    # A split program reduces along a kept dim `across` whose rows no program owns (tokens, a
+    # batch): program `chunk` of a group (`grp`, an index of the other kept dims) walks the
+    # CHUNK rows of its chunk, BLOCK_O at a time, and merges each block's total into its
+    # partial, a row of the workspace (registers when the row is one block, else the
+    # workspace row itself, read back after a barrier); the combine launch (`emit_combine`)
+    # merges a group's partials in chunk order. CHUNK depends on the sizes only, so every
+    # run and every device gives the same bits.
+
+    def emit_split(self) -> None:
+        body, sig, shape = self.body, self.sig, self.plan.shape
+        size = sig.size(shape[self.plan.across])
+        sig.constexpr("CHUNK")
+        body(f"n_chunks = tl.cdiv({size}, CHUNK)")
+        body("chunk = pid % n_chunks")
+        body("grp = pid // n_chunks")
+        body("o_base = tl.arange(0, BLOCK_O)")
+        names = [None if shape[d] == 1 else f"j{d}" for d in self.kept]
+        decompose(body, "(grp + o_base * 0)", [shape[d] for d in self.kept], names, sig.size, "q")
+        body("r_base = tl.arange(0, BLOCK_R)")
+        for k, v in enumerate(sorted(self.plan.across_reducing)):
+            red, cat = self.reduction(v), self.reduce_cat(v)
+            full = self.full(self.operands(v)[0])
+            acc = self.em.fresh("part")
+            compute = "tl.float64" if self.wide(v) else TRITON_TYPE[cat]
+            body(f"{acc} = tl.full([1, {'BLOCK_R' if full else '1'}], {self.identity(red.identity, cat)}, "
+                 f"{compute})")
+            self.partials[v] = (sig.workspace(k), acc, full)
+        body(f"base = (chunk * {self.rows} + grp).to(tl.int64)")  # the chunk's partials
+        body("for b0 in range(0, CHUNK, BLOCK_O):")
+        with body.indent():
+            body("o = chunk * CHUNK + b0 + o_base")
+            body(f"omask = o < {size}")
+            body(f"j{self.plan.across} = o")
+            self.emit_rows()
+        for work, acc, full in self.partials.values():
+            if full:  # (a longer row merged its partial in the workspace)
+                body("if ONE_PASS:")
+                with body.indent():
+                    body(f"tl.store({work} + base * {self.length} + r_base[None, :], {acc}, "
+                         f"mask=(r_base < {self.length})[None, :])")
+            else:
+                body(f"tl.store({work} + base + tl.zeros([1, 1], tl.int32), {acc})")
+
+    def accumulate_across(self, vals: dict[int, Val], full: bool, memory: bool) -> None:
+        """Merge the block's total of each reduction across rows (of a full value, or of one
+        per row) into its partial: the accumulator, or (`memory`) the workspace row at the
+        chunk `r` of the row, whose first block starts it."""
+        em, body = self.em, self.body
+        for v, (work, acc, is_full) in self.partials.items():
+            if is_full != full:
+                continue
+            red, cat = self.reduction(v), self.reduce_cat(v)
+            x = em.convert(vals[self.operands(v)[0]], cat)
+            if self.wide(v):
+                x = em.assign(f"{em.tensor(x).text}.to(tl.float64)", F32)
+            identity = self.identity(red.identity, cat)
+            xm = self.masked(x, identity, "tmask" if full else "omask[:, None]")
+            part = em.assign(collapse(em, red, cat, xm, axis=0), cat).text  # [1, BLOCK_R] or [1, 1]
+            nan = ", propagate_nan=tl.PropagateNan.ALL" if red.nan and cat is F32 else ""
+            if memory:
+                ptr, mask, prev = f"{work} + base * {self.length} + r[None, :]", "rmask", em.fresh("prev")
+                body(f"{prev} = tl.load({ptr}, mask={mask} & (b0 > 0), other={identity})")
+                body(f"tl.store({ptr}, {red.combine.format(a=prev, b=part, nan=nan)}, mask={mask})")
+            else:
+                body(f"{acc} = {red.combine.format(a=acc, b=part, nan=nan)}")
 
     def tile_mask(self) -> None:
         """The mask of the tile at positions `r`, and with several row axes, `r` split into
@@ -640,6 +720,9 @@ class RowProgram:
         self.emit_values(vals, None)
         self.store(vals, full=True)
         self.store(vals, full=False)
+        if self.split:
+            self.accumulate_across(vals, full=True, memory=False)
+            self.accumulate_across(vals, full=False, memory=False)
 
     def one_pass_reduce(self, v: int, x: Val, mask: str = "tmask", positions: str = "r[None, :]",
                         length: str | None = None) -> Val:
@@ -673,13 +756,7 @@ class RowProgram:
 
     def collapse(self, red: Reduction, cat: Compute, x: str) -> str:
         """The reduction of tile `x` along the row; float max/min propagate NaN, like torch."""
-        total = red.collapse.format(x=x) + "[:, None]"
-        if red.helper is not None:
-            self.em.helpers.add(red.helper)
-        if not red.nan or cat is not F32:
-            return total
-        nan = f"tl.max(({x} != {x}).to(tl.int32), axis=1)[:, None] > 0"
-        return f'tl.where({nan}, float("nan"), {total})'
+        return collapse(self.em, red, cat, x)
 
     def position(self, red: Reduction, cat: Compute, x: str, positions: str) -> Val:
         """argmax/argmin of tile `x` along the row: the first position (from the tile
@@ -720,17 +797,26 @@ class RowProgram:
             for v in current:
                 self.finalize(v, state[v], row_vals)
             self.emit_row_values(row_vals)
-        full_outputs = [v for v in self.region.outputs if self.full(v)]
-        if full_outputs:
-            self.start_scans(self.needed(full_outputs))
+        full_outputs = [v for v in self.region.outputs if self.full(v) and v not in self.plan.tail]
+        # the full values a split program's reductions across rows reduce, a chunk at a time
+        across = [self.operands(v)[0] for v, (_, _, full) in self.partials.items() if full]
+        if full_outputs or across:
+            need = self.needed(full_outputs + across)
+            self.start_scans(need)
             body(f"for r0 in range(0, {self.length}, BLOCK_R):")
             with body.indent():
-                self.chunk(self.needed(full_outputs))
+                self.chunk(need)
                 self.tile_mask()
                 vals = dict(row_vals)
-                self.emit_values(vals, self.needed(full_outputs))
+                self.emit_values(vals, need)
                 self.store(vals, full=True)
+                if across:
+                    self.accumulate_across(vals, full=True, memory=True)
+            if across:  # the next block reads back what this one's threads stored
+                body("tl.debug_barrier()")
         self.store(row_vals, full=False, skip=self.long_values if long else frozenset())
+        if self.split:
+            self.accumulate_across(row_vals, full=False, memory=False)
         if long:
             self.emit_long(row_vals)
         self.long_mode = False
@@ -834,7 +920,7 @@ class RowProgram:
 
     def store(self, vals: dict[int, Val], full: bool, skip: frozenset[int] = frozenset()) -> None:
         for j, v in enumerate(self.region.outputs):
-            if self.full(v) != full or v in skip:
+            if self.full(v) != full or v in skip or v in self.plan.tail:
                 continue
             ptr, mask = self.access(self.outs[j], v)
             if ptr is None:  # a single element (no kept dims): row 0 writes it
@@ -900,6 +986,7 @@ def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKer
     # sin, cos and tan are computed in f64, whose libdevice forms call a slow path (a large
     # argument's reduction) across which the GPU spills every live value of the tile
     trig = any(o.op.kind in ("sin", "cos", "tan") for o in kernel.region.ops)
+    split_rows = any(full for _, _, full in prog.partials.values())
 
     def configure(dims: Mapping[str, int], device: str) -> LaunchConfig:
         length = numel([shape[a] for a in axes], dims)
@@ -911,6 +998,10 @@ def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKer
         block_r = max(2, min(next_pow2(length), limit if device == "cuda" else caps["row"]))
         if trig and device == "cuda":  # a long row chunked too, at 8 elements a thread (below)
             block_r = min(block_r, caps["flat"])
+        if split_rows and device == "cuda":  # a row-sized partial stays live beside the row
+            block_r = min(block_r, SPLIT_ONE_PASS)
+            if length > block_r:  # each chunk's partials merged in memory
+                block_r = min(block_r, SPLIT_ROW_CHUNK)
         if scans and length > block_r and device == "cuda":
             block_r //= 2  # a loop's carries and chunk totals keep more live (280 bytes spilled)
         long = selections and long_at(dims)
@@ -931,7 +1022,10 @@ def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKer
             tile //= 2
             block_r = max(2, min(block_r, tile // group))
             rows *= group
-        block_o = group if long else max(group, min(next_pow2(rows), tile // block_r))
+        across = evaluate(shape[prog.plan.across], dims) if prog.split else 0
+        # a split program's block holds rows along `across` only
+        block_o = group if long else max(group, min(next_pow2(across if prog.split else rows),
+                                                    tile // block_r))
         # about 32 elements per thread: 4 warps up to 4k elements, 16 from 16k
         warps = max(4, min(16, block_r * block_o // 1024))
         if long:  # i64 keys and a sort's exchanges: 4 warps spill 104 bytes, 8 none
@@ -943,6 +1037,10 @@ def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKer
                       "EVEN_R": length > 0 and length % block_r == 0 and block_r < 1 << 15}
         if prog.long:
             constexprs |= {"LONG": bool(long), "SORT_LOG": sort_log(length) if long else 0}
+        if prog.split:
+            chunk = split_chunk(across, block_o, rows)
+            constexprs |= {"CHUNK": chunk, "EVEN_O": False}
+            return LaunchConfig((rows * cdiv(across, chunk),), constexprs, num_warps=warps)
         return LaunchConfig((cdiv(rows, block_o),), constexprs, num_warps=warps)
 
     def long_at(dims: Mapping[str, int]) -> bool:
@@ -960,18 +1058,60 @@ def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKer
                                        "registers)")
         return True
 
-    def workspace(dims: Mapping[str, int]) -> int:
-        """The words of the long selections' sorted rows: one row of 2**SORT_LOG keys per row
-        and selection."""
-        if not long_at(dims):
-            return 0
+    def workspace(dims: Mapping[str, int], target: str) -> tuple[tuple[int, str], ...]:
+        """The long selections' sorted rows (int64 words: one row of 2**SORT_LOG keys per row
+        and selection), or a split program's partials (one per chunk, group and position
+        along the row, or one per chunk and group where the reduced value is one per row)."""
         rows = numel([d for i, d in enumerate(shape) if i not in axes and i != prog.plan.across], dims)
-        return len(prog.long_keys) * rows * group * (1 << sort_log(numel([shape[a] for a in axes], dims)))
+        length = numel([shape[a] for a in axes], dims)
+        if prog.split:
+            chunk = configure(dims, target).constexprs["CHUNK"]
+            chunks = cdiv(evaluate(shape[prog.plan.across], dims), chunk)
+            return tuple((chunks * rows * (length if prog.full(prog.operands(v)[0]) else 1),
+                          "float64" if prog.wide(v) else TRITON_TYPE[prog.reduce_cat(v)].removeprefix("tl."))
+                         for v in sorted(prog.plan.across_reducing))
+        if not long_at(dims):
+            return ((0, "int64"),)
+        return ((len(prog.long_keys) * rows * group * (1 << sort_log(length)), "int64"),)
 
+    then = (emit_combine(prog, kernel, configure),) if prog.split else ()
     return finish(kernel, prog.sig, prog.body, configure, prog.em, programs=prog.programs,
-                  workspace=workspace if prog.long else None)
+                  workspace=workspace if prog.long or prog.split else None, then=then)
+
+
+# the chunk of a long row whose partials across rows a split program merges in its
+# workspace: 16k (16 warps) spill 1 KB a thread in an f32 RMSNorm backward at N = 32k; and
+# the longest row it holds in one pass beside its row-sized partial (a bf16 one at 32k
+# spills 5.8 KB)
+SPLIT_ROW_CHUNK = 4096
+SPLIT_ONE_PASS = 8192
+
+# the programs a split row program's chunks aim for: two per SM of a 132-SM H100, a number
+# of the sizes only (never of the device), so that every device merges the same partials
+SPLIT_PROGRAMS = 264
+
+
+def split_chunk(rows: int, block_o: int, groups: int) -> int:
+    """The rows along `across` of a split program's chunk: whole blocks, as many as leave
+    `SPLIT_PROGRAMS` programs over all groups (at least one block)."""
+    blocks = cdiv(rows, block_o)
+    chunks = max(1, cdiv(SPLIT_PROGRAMS, max(groups, 1)))
+    return next_pow2(max(1, cdiv(blocks, chunks))) * block_o
 
 
 def sort_log(length: int) -> int:
     """log2 of a row's workspace words: the row padded to a power of two."""
     return max(CHUNK_LOG + 1, (next_pow2(length) - 1).bit_length())
+
+
+def collapse(em: Emitter, red: Reduction, cat: Compute, x: str, axis: int = 1) -> str:
+    """The reduction of tile `x` along its `axis` (1: the row; 0: the rows), kept ([n, 1] or
+    [1, n]); float max/min propagate NaN, like torch."""
+    keep = "[:, None]" if axis == 1 else "[None, :]"
+    total = red.collapse.format(x=x, axis=axis) + keep
+    if red.helper is not None:
+        em.helpers.add(red.helper)
+    if not red.nan or cat is not F32:
+        return total
+    nan = f"tl.max(({x} != {x}).to(tl.int32), axis={axis}){keep} > 0"
+    return f'tl.where({nan}, float("nan"), {total})'

@@ -390,6 +390,10 @@ def row_layouts(region: Region, space: RowSpace) -> dict[int, Layout] | Refusal:
                 want = tuple(None if t.shape[k] == 1 else result[lead + k] for k in range(t.rank))
                 if err := fit(v, want):
                     return err
+    if across is not None and not short_across(space, across):
+        tail = split_tail(region, layouts, across_reductions(region, space, layouts)[1])
+        if isinstance(tail, Refusal):
+            return tail
     return layouts
 
 
@@ -398,27 +402,71 @@ def row_layouts(region: Region, space: RowSpace) -> dict[int, Layout] | Refusal:
 ACROSS_LIMIT = 256
 
 
+def short_across(space: RowSpace, dim: int) -> bool:
+    """Does a program own every row along the kept dim `dim` (a literal size of at most
+    `ACROSS_LIMIT`: Mamba's state dim 16, the experts a token was routed to), reducing
+    across them in registers? Along any other dim (a batch of thousands, tokens, a size
+    only the call decides) the reductions are split: each program sums a chunk of the rows
+    into a partial and a combine launch merges the partials (`split_tail`)."""
+    return isinstance(space.shape[dim], int) and space.shape[dim] <= ACROSS_LIMIT
+
+
 def _across_refusal(region: Region, space: RowSpace, rop, lx: Layout | None, across: int | None,
                     apart: set[int]) -> Refusal | None:
     """Why the reduction `rop`, along a dim that is not the row program's, cannot reduce
-    across the program's rows (None: it can). It can when that kept dim has a literal
-    size of at most `ACROSS_LIMIT`, known when the program is compiled (Mamba's state dim
-    16, the experts a token was routed to): then a program owns every row along it and
-    sums a chunk's rows as it computes them. A dim whose size only the call decides may be
-    a batch of thousands, all of whose rows one program would walk."""
+    across the program's rows (None: it can): a plain reduction (not online, not a
+    position) can, along one kept dim (`short_across` says how)."""
     op = rop.op
     red = ops.OPS[op.kind].reduction
     dim = None if lx is None else lx[op.attr("axis")]
-    short = dim is not None and isinstance(space.shape[dim], int) and space.shape[dim] <= ACROSS_LIMIT
     if red is None or red.online or red.index or ops.category(op.kind) is not ops.Category.REDUCTION \
-            or not short or rop.operands[0] in apart:
-        plain = red is not None and not red.online and not red.index and dim is not None
-        why = f" (a reduction across its rows needs a literal size of at most {ACROSS_LIMIT})" \
-            if plain and not short else ""
+            or dim is None or rop.operands[0] in apart:
+        why = " (across its rows: only a reduction whose partials merge, not a position, a " \
+            "softmax or a logsumexp)" if dim is not None and ops.category(op.kind) is not ops.Category.SCAN \
+            else ""
         return Refusal(Rule.TILE, f"{op.kind} runs along another axis than the row program{why}")
     if across is not None and dim != across:
         return Refusal(Rule.TILE, f"{op.kind} reduces across the row program's rows along a second dim")
     return None
+
+
+def split_tail(region: Region, layouts: dict[int, Layout], across_reducing: frozenset[int]) \
+        -> frozenset[int] | Refusal:
+    """The values a split row program's combine launch computes: the reductions across its
+    rows (merged from the partials) and the elementwise ops computed from them (a loss's
+    final division, a mean's scale), or why the region cannot split. The combine computes
+    one element per position along the row (or one, where nothing varies along it), so an
+    op there reads only such values, constants and scalars; nothing of the row program
+    reads what the combine computes (it runs after it)."""
+    n_in = len(region.inputs)
+    tail = set(across_reducing)
+    for i, rop in enumerate(region.ops):
+        v = n_in + i
+        if v in tail or not any(o in tail for o in rop.operands):
+            continue
+        if not ops.is_elementwise(rop.op.kind) or rop.op.kind == "index":
+            return Refusal(Rule.TILE, f"{rop.op.kind} reads a reduction across the rows that a combine "
+                           "launch merges from partials (only elementwise ops follow one there)")
+        for o in rop.operands:
+            if o not in tail and not _uniform(region, layouts, o):
+                return Refusal(Rule.TILE, f"{rop.op.kind} combines a reduction across the rows with a "
+                               "value of the rows (a combine launch merges that reduction after them)")
+        tail.add(v)
+    return frozenset(tail)
+
+
+def _uniform(region: Region, layouts: dict[int, Layout], v: int) -> bool:
+    """Is `v` one value for every program (a constant, a scalar, a 0-d input, and elementwise
+    ops of those), which a combine launch computes again?"""
+    n_in = len(region.inputs)
+    if v < n_in:
+        return region.inputs[v].scalar or region.inputs[v].type.rank == 0
+    rop = region.ops[v - n_in]
+    if rop.op.kind == "const":
+        return True
+    return ops.is_elementwise(rop.op.kind) and rop.op.kind != "index" \
+        and not any(d is not None for d in layouts.get(v, ())) \
+        and all(_uniform(region, layouts, o) for o in rop.operands)
 
 
 def across_reductions(region: Region, space: RowSpace,

@@ -25,7 +25,16 @@ from tiledsl.plans import (
 )
 
 from .attention import attention_backward_plan, attention_plan, operand_source
-from .legality import PASS_OPS, ROW_OPS, across_reductions, partial_reductions, row_layouts, selected
+from .legality import (
+    PASS_OPS,
+    ROW_OPS,
+    across_reductions,
+    partial_reductions,
+    row_layouts,
+    selected,
+    short_across,
+    split_tail,
+)
 from .spec import GemmSpec, MergedSpec, PointwiseSpec, RowSpec, ScatterSpec, Spec
 
 
@@ -65,9 +74,12 @@ def row_plan(region: Region, spec: RowSpec) -> RowPlan:
             sources.append((v, source))
         phases.append(max((phases[o] for o in operands), default=0)
                       + (reduces and rop.op.kind in PASS_OPS and operands[0] not in chosen))
+    split = across is not None and not short_across(space, across)
+    tail = split_tail(region, layouts, across_reducing) if split else frozenset()
+    assert isinstance(tail, frozenset), f"not a split row program: {getattr(tail, 'detail', tail)}"
     return RowPlan(space.shape, space.axes, tuple(layouts.get(v) for v in values),
                    frozenset(reducing), tuple(phases), partial, tuple(sources), chosen, across,
-                   across_reducing)
+                   across_reducing, split, tail)
 
 
 def gemm_plan(region: Region, spec: GemmSpec) -> GemmPlan:

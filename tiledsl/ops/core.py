@@ -122,7 +122,7 @@ class Reduction:
     # Triton: two partials {a} and {b} merged elementwise; None: `online`, whose partials
     # are pairs (backends/triton/online.py)
     combine: str | None
-    # Triton: a tile {x} reduced along `axis=1` (None: `online`)
+    # Triton: a tile {x} reduced along its {axis} (None: `online`)
     collapse: str | None
     # a function of backends/triton/expr.HELPERS that `collapse` calls (Triton has no tl.prod)
     helper: str | None = None

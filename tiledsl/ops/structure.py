@@ -264,16 +264,16 @@ def _argextremum(kind: str):
     return rule
 
 
-_SUM = "tl.sum({x}, axis=1)"
+_SUM = "tl.sum({x}, axis={axis})"
 # sum reads its operand as i32 (bool sums count); torch accumulates integers in i64
 _reduction("sum", _sum, torch.sum, lambda d, w: (d.keep(d.g),), Reduction(0.0, ADD, _SUM, wide=True))
 # `pair` (the values of torch's pair, `values, indices = max(x, axis)`) says only where
 # their gradient goes (`_d_extremum`)
 _reduction("max", _minmax, torch.amax, _d_extremum, Reduction(
-    -math.inf, "tl.maximum({a}, {b}{nan})", "tl.max({x}, axis=1)", nan=True, empty=False),
+    -math.inf, "tl.maximum({a}, {b}{nan})", "tl.max({x}, axis={axis})", nan=True, empty=False),
     discardable=frozenset({"pair"}))
 _reduction("min", _minmax, torch.amin, _d_extremum, Reduction(
-    math.inf, "tl.minimum({a}, {b}{nan})", "tl.min({x}, axis=1)", nan=True, empty=False),
+    math.inf, "tl.minimum({a}, {b}{nan})", "tl.min({x}, axis={axis})", nan=True, empty=False),
     discardable=frozenset({"pair"}))
 _reduction("mean", _mean, torch.mean, lambda d, w: (d.div(d.keep(d.g), d.axis_size()),),
            Reduction(0.0, ADD, _SUM, wide=True, finalize="{total} / {length}"))
@@ -281,14 +281,14 @@ _reduction("logsumexp", _logsumexp, torch.logsumexp, _d_logsumexp, Reduction(
     -math.inf, None, None, online=True))
 # prod has sum's dtypes (an i32 product wraps; torch's is i64)
 _reduction("prod", _sum, torch.prod, _d_prod, Reduction(
-    1.0, "{a} * {b}", "tl.reduce({x}, 1, mul_combine)", "mul_combine", wide=True))
+    1.0, "{a} * {b}", "tl.reduce({x}, {axis}, mul_combine)", "mul_combine", wide=True))
 # argmax/argmin: the position (i64, torch's) of the first extremum; integers have no
 # derivative, so they stop the gradient as torch's do
 _reduction("argmax", _argextremum("argmax"), torch.argmax, None, Reduction(
-    -math.inf, "tl.maximum({a}, {b}{nan})", "tl.max({x}, axis=1)", nan=True, index=True, empty=False),
+    -math.inf, "tl.maximum({a}, {b}{nan})", "tl.max({x}, axis={axis})", nan=True, index=True, empty=False),
     reads=Reads.OPERAND)
 _reduction("argmin", _argextremum("argmin"), torch.argmin, None, Reduction(
-    math.inf, "tl.minimum({a}, {b}{nan})", "tl.min({x}, axis=1)", nan=True, index=True, empty=False),
+    math.inf, "tl.minimum({a}, {b}{nan})", "tl.min({x}, axis={axis})", nan=True, index=True, empty=False),
     reads=Reads.OPERAND)
 
 

@@ -1,0 +1,131 @@
+"""The combine launch of a split row program: its partials merged, its tail computed.
+
+A split row program (`RowPlan.split`, `rows.py`) leaves, for each reduction across its
+rows, one partial per chunk of CHUNK rows and group (an index of the other kept dims) and
+position along the row (one where the reduced value is one per row): a workspace of
+[chunks, groups, positions]. Program `grp`, `wb` of the combine merges the partials of its
+group at BLOCK_W positions, COMBINE_CHUNKS chunks at a time, in chunk order (the same order
+at every grid: the bits do not depend on how the rows were split among programs), finalizes
+each reduction (a mean divides by the dim's size), computes the elementwise ops of the
+plan's `tail` from them (constants and scalars recomputed) and stores the tail's outputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from tiledsl.ir import KernelOp
+
+from .base import EmittedKernel, LaunchConfig, cdiv, decompose, finish, numel
+from .codegen import Code, Signature, next_pow2
+from .expr import TRITON_TYPE, Emitter, Val, literal
+
+# partials a combine program merges at once (a literal: the merge order is the kernel's)
+COMBINE_CHUNKS = 16
+# positions along the row a combine program merges (a [BLOCK_W, COMBINE_CHUNKS] tile)
+COMBINE_WIDTH = 256
+
+
+def emit_combine(prog, kernel: KernelOp, main: Callable[[Mapping[str, int], str], LaunchConfig]) \
+        -> EmittedKernel:
+    """The combine launch of the split row program `prog` (a `rows.RowProgram` that has
+    emitted its body); `main` configures the program, whose CHUNK the combine reads."""
+    from tiledsl.types import compute_type
+
+    from .rows import F32, collapse
+
+    plan, region = prog.plan, prog.region
+    sig, body = Signature(), Code()
+    em = Emitter(body)
+    shape, axes, across = plan.shape, plan.axes, plan.across
+    kept = prog.kept
+    groups = sig.numel(tuple(shape[d] for d in kept), "n_rows")
+    length = sig.size(shape[axes[0]]) if len(axes) == 1 else \
+        sig.numel(tuple(shape[a] for a in axes), "n_cols")
+    size = sig.size(shape[across])
+    wide_rows = any(plan.full(v) for v in plan.tail)  # some tail value varies along the row
+    width = length if wide_rows else "1"
+    for name in ("BLOCK_W", "CHUNK"):
+        sig.constexpr(name)
+    body("pid = tl.program_id(0)")
+    body(f"n_chunks = tl.cdiv({size}, CHUNK)")
+    body(f"n_w = tl.cdiv({width}, BLOCK_W)")
+    body("grp = pid // n_w")
+    body("w = pid % n_w * BLOCK_W + tl.arange(0, BLOCK_W)")
+    body(f"wmask = w < {width}")
+    names = [None if shape[d] == 1 else f"j{d}" for d in kept]
+    decompose(body, "grp", [shape[d] for d in kept], names, sig.size, "q")
+    if len(axes) > 1 and wide_rows:
+        decompose(body, "w", [shape[a] for a in axes], [None if shape[a] == 1 else f"k{a}" for a in axes],
+                  sig.size, "kq")
+    body(f"lanes = tl.arange(0, {COMBINE_CHUNKS})")
+    vals: dict[int, Val] = {}
+    for k, v in enumerate(sorted(plan.across_reducing)):
+        red, cat = prog.reduction(v), prog.reduce_cat(v)
+        full = plan.full(prog.operands(v)[0])
+        work = sig.workspace(k)
+        identity = prog.identity(red.identity, cat)
+        compute = "tl.float64" if prog.wide(v) else TRITON_TYPE[cat]
+        acc = em.fresh("acc")
+        body(f"{acc} = tl.full([BLOCK_W, 1], {identity}, {compute})")
+        nan = ", propagate_nan=tl.PropagateNan.ALL" if red.nan and cat is F32 else ""
+        body(f"for c0 in range(0, n_chunks, {COMBINE_CHUNKS}):")
+        with body.indent():
+            body("cs = c0 + lanes")
+            row = f"(cs[None, :] * {groups} + grp).to(tl.int64)"
+            at = f"{row} * {length} + w[:, None]" if full else f"{row} + w[:, None] * 0"
+            tile = em.fresh("t")
+            body(f"{tile} = tl.load({work} + {at}, mask=(cs < n_chunks)[None, :] & wmask[:, None], "
+                 f"other={identity})")
+            body(f"{acc} = {red.combine.format(a=acc, b=collapse(em, red, cat, tile), nan=nan)}")
+        total = Val(acc, cat)
+        if red.finalize is not None:
+            total = em.assign("(" + red.finalize.format(total=acc, length=size) + ")", cat)
+        if prog.wide(v):
+            total = em.assign(f"{total.text}.to(tl.float32)", cat)
+        vals[v] = total
+    refs = {}
+    for i, inp in enumerate(region.inputs):
+        if inp.scalar:
+            vals[i] = em.scalar(sig.scalar(i), inp.type.dtype, inp.type.weak)
+        elif inp.type.rank == 0 and any(i in prog.operands(v) for v in plan.tail):
+            refs[i] = sig.tensor("in", i, ())
+            vals[i] = em.load_at(refs[i].ptr, None, inp.type)
+    n_in = len(region.inputs)
+    for v in range(n_in, n_in + len(region.ops)):  # the tail and the uniform values it reads
+        if v in vals:
+            continue
+        rop = region.ops[v - n_in]
+        if rop.op.kind == "const":
+            vals[v] = literal(rop.op.attr("value"), compute_type(rop.op.dtype))
+        elif all(o in vals for o in rop.operands) and (v in plan.tail or not plan.layouts[v]
+                                                       or all(d is None for d in plan.layouts[v])):
+            types = tuple(region.value_type(o) for o in rop.operands)
+            vals[v] = em.op(rop.op, [vals[o] for o in rop.operands], types)
+    for j, v in enumerate(region.outputs):
+        if v not in plan.tail:
+            continue
+        t = region.value_type(v)
+        ref = sig.tensor("out", j, t.shape)
+        index = []
+        for d in plan.layouts[v]:
+            if d is None or shape[d] == 1:
+                index.append(None)
+            elif d in axes:
+                index.append("w[:, None]" if len(axes) == 1 else f"k{d}[:, None]")
+            else:
+                index.append(f"j{d}")
+        offset = ref.offset(index)
+        full = plan.full(v)
+        ptr = f"{ref.ptr} + {offset}" + ("" if full else " + w[:, None] * 0")
+        mask = "wmask[:, None]" if full else "(w == 0)[:, None]"
+        body(f"tl.store({ptr}, {em.store_value(vals[v], t)}, mask={mask})")
+
+    def configure(dims: Mapping[str, int], device: str) -> LaunchConfig:
+        chunk = main(dims, device).constexprs["CHUNK"]
+        w = numel([shape[a] for a in axes], dims) if wide_rows else 1
+        block_w = max(2, min(next_pow2(w), COMBINE_WIDTH))
+        g = numel([shape[d] for d in kept], dims)
+        return LaunchConfig((g * cdiv(w, block_w),), {"BLOCK_W": block_w, "CHUNK": chunk}, num_warps=4)
+
+    return finish(kernel, sig, body, configure, em, fn_name=f"{kernel.name}_combine")

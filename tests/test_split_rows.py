@@ -1,0 +1,190 @@
+"""Split row programs: a reduction across the rows of a row program along a dim the call
+sizes (tokens, a batch, a weight gradient's rows) is done in the producing kernel as
+per-chunk partials plus a combine launch (`RowPlan.split`, backends/triton/combine.py).
+Numerics against float64 torch on awkward sizes and rows longer than the interpreter's
+block (the looped form, whose partials merge in the workspace), one kernel of two launches,
+the same bits on every run, and the sm_90 build at the sizes of real models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tiledsl
+from helpers import gen, randn, run_checked
+from tiledsl import testing
+from tiledsl.backends.triton import aot
+from tiledsl.passes.fusion.remarks import FusionRemark
+
+# 5000 is longer than the interpreter's row block (4096): the row loops and the partials
+# of a full value merge in the workspace; 600 rows make several chunks
+SIZES = [(1, 7), (17, 113), (600, 33), (37, 5000)]
+
+
+def launches(fn) -> list[str]:
+    return sorted(launch.kernel.fn_name for launch in fn.launches)
+
+
+CE_MEAN = """
+kernel ce(x: bf16[M, V], y: i32[M], ignore_index: i32) -> f32[] {
+    xf = cast(x, f32)
+    lse = logsumexp(xf, axis=-1)
+    x_y = sum(where(index(xf, -1) == y[:, None], xf, 0.0), axis=-1)
+    valid = y != ignore_index
+    loss = where(valid, lse - x_y, 0.0)
+    return sum(loss, axis=0) / sum(cast(valid, f32), axis=0)
+}
+"""
+
+
+@pytest.mark.parametrize("m, v", SIZES)
+def test_cross_entropy_mean_is_one_kernel_of_two_launches(m, v):
+    """Liger's cross-entropy, reduction="mean": the per-row loss and the count of valid rows
+    summed over the tokens in the row program, the mean in its combine launch."""
+    fn = tiledsl.compile(CE_MEAN)
+    x = randn(m, v, dtype=torch.bfloat16, seed=m, scale=3.0)
+    y = torch.randint(0, v, (m,), generator=gen(v), dtype=torch.int32)
+    y[::5] = -100
+    out = fn(x, y, -100)
+    if (y != -100).any():
+        want = F.cross_entropy(x.double(), y.long(), ignore_index=-100)
+        eager = F.cross_entropy(x.float(), y.long(), ignore_index=-100)
+        assert abs(out.double() - want) <= 2 * abs(eager.double() - want) + 1e-6 * abs(want) + 1e-6
+    else:  # every row ignored: 0 / 0, as torch
+        assert out.isnan()
+    assert [k.template for k in fn.kernels] == ["rows"], fn.explain()
+    assert launches(fn) == ["k0_combine", "k0_rows"]
+    assert "split, tail" in fn.ir()
+
+
+@pytest.mark.parametrize("b, t, v", [(1, 1, 5), (2, 17, 113), (3, 301, 33), (2, 5, 5000)])
+def test_per_sequence_log_prob_sums(b, t, v):
+    """DPO's per-sequence log-probability of the chosen tokens, masked and summed over each
+    sequence's tokens: the sum over T (the other kept dim B indexes the partials)."""
+    src = """kernel logps(x: f32[B, T, V], y: i64[B, T], m: f32[B, T]) -> f32[B] {
+        lp = x - logsumexp(x, axis=-1, keepdims=true)
+        return sum(gather(lp, y) * m, axis=-1)
+    }"""
+    x, m = randn(b, t, v, seed=t), (randn(b, t, seed=v) > 0).float()
+    y = torch.randint(0, v, (b, t), generator=gen(b))
+    fn, out = run_checked(src, x, y, m)
+    want = (torch.log_softmax(x.double(), -1).gather(-1, y[..., None])[..., 0] * m.double()).sum(-1)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    assert len(fn.kernels) == 1 and launches(fn) == ["k0_combine", "k0_rows"]
+
+
+@pytest.mark.parametrize("m, n", SIZES)
+def test_column_statistics_of_a_row_program(m, n):
+    """A normalized value's column mean and max over the tokens (a full value reduced across
+    the rows: partials per position along the row), with the normalized rows themselves."""
+    src = """kernel f(x: f32[M, N]) -> (f32[M, N], f32[N], f32[1, N]) {
+        h = x * rsqrt(mean(x * x, axis=-1, keepdims=true) + 1e-6)
+        return h, mean(h, axis=0), max(h, axis=0, keepdims=true) * 2.0
+    }"""
+    fn, _ = run_checked(src, randn(m, n, seed=m + n))
+    assert len(fn.kernels) == 1 and launches(fn) == ["k0_combine", "k0_rows"], fn.explain()
+
+
+def test_a_nan_in_a_column_is_its_max_as_torch():
+    x = randn(300, 17, seed=4)
+    x[211, 3] = float("nan")
+    fn = tiledsl.compile("kernel f(x: f32[M, N]) -> f32[N] { return max(exp(x - max(x, axis=-1, "
+                         "keepdims=true)), axis=0) }")
+    out = fn(x)
+    want = torch.exp(x - x.amax(-1, keepdim=True)).amax(0)
+    assert torch.equal(out.isnan(), want.isnan()) and out[3].isnan()
+    torch.testing.assert_close(out[~want.isnan()], want[~want.isnan()])
+
+
+@pytest.mark.parametrize("dt", ["f32", "bf16"])
+@pytest.mark.parametrize("m, n", SIZES)
+def test_rmsnorm_and_layernorm_backward_sum_weight_gradients_in_partials(m, n, dt):
+    """The weight gradient is a column sum of the rows' products: partials per chunk of rows
+    in the kernel that writes dx, merged by its combine launch (Liger's design): x and dy
+    read once, dx written once. LayerNorm's bias gradient, dy's column sum, reads no value
+    of the rows: fuse-rows never reaches it from the row program (they share only an input),
+    so it is a column-sum kernel of its own; in bf16 the dx chain is cut once more (3
+    kernels, as before the split: fuse-rows' growth order, not the split's rules)."""
+    dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[dt]
+    rms = tiledsl.compile(f"""kernel rms(x: {dt}[M, N], w: {dt}[N]) -> {dt}[M, N] {{
+        xf = cast(x, f32)
+        return cast(xf * rsqrt(mean(xf * xf, axis=-1, keepdims=true) + 1e-6) * cast(w, f32), {dt})
+    }}""")
+    ln = tiledsl.compile(f"""kernel ln(x: {dt}[M, N], w: {dt}[N], b: {dt}[N]) -> {dt}[M, N] {{
+        xf = cast(x, f32)
+        mu = mean(xf, axis=-1, keepdims=true)
+        var = mean((xf - mu) * (xf - mu), axis=-1, keepdims=true)
+        return cast((xf - mu) * rsqrt(var + 1e-5) * cast(w, f32) + cast(b, f32), {dt})
+    }}""")
+    x, w, b = randn(m, n, dtype=dtype, seed=m), randn(n, dtype=dtype, seed=n), randn(n, dtype=dtype, seed=1)
+    for fn, args in ((rms, (x, w)), (ln, (x, w, b))):
+        report = testing.check_grads(fn, *args, generator=gen(m * n))
+        assert report.ok, f"{fn.name}: {report}"
+        bwd = fn.backward
+        want = 1 if fn is rms else 2 if dt == "f32" else 3
+        assert [k.template for k in bwd.kernels] == ["rows"] * want, bwd.explain()
+        assert sum("_combine(" in k.source for k in bwd.kernels) == 1  # one split kernel
+
+
+def test_the_same_bits_on_every_run():
+    """No atomics: each chunk's partial and the combine's order depend on the sizes only."""
+    fn = tiledsl.compile(CE_MEAN)
+    x = randn(997, 301, dtype=torch.bfloat16, seed=3, scale=3.0)
+    y = torch.randint(0, 301, (997,), generator=gen(5), dtype=torch.int32)
+    first = fn(x, y, -100)
+    assert all(torch.equal(fn(x, y, -100), first) for _ in range(3))
+    bwd_in = randn(613, 211, seed=8), randn(211, seed=9), randn(613, 211, seed=10)
+    rms = tiledsl.compile("""kernel rms(x: f32[M, N], w: f32[N]) -> f32[M, N] {
+        return x * rsqrt(mean(x * x, axis=-1, keepdims=true) + 1e-6) * w
+    }""").backward
+    once = rms(*bwd_in)
+    assert all(torch.equal(a, b) for a, b in zip(rms(*bwd_in), once, strict=True))
+
+
+def test_an_empty_dim_across_gives_the_sum_and_mean_of_nothing():
+    fn = tiledsl.compile("""kernel f(x: f32[M, N]) -> (f32[N], f32[N]) {
+        h = exp(x - max(x, axis=-1, keepdims=true))
+        return sum(h, axis=0), mean(h, axis=0)
+    }""")
+    s, m = fn(torch.empty(0, 5))
+    assert torch.equal(s, torch.zeros(5)) and m.isnan().all()
+
+
+def test_what_the_combine_cannot_take_stays_a_kernel_of_its_own():
+    """An op reading a reduction across the rows and a value of the rows (the global
+    response norm's x * nx) needs the reduction before the rows: refused, with its rule."""
+    fn = tiledsl.compile("""kernel f(x: f32[M, N]) -> f32[M, N] {
+        h = x - max(x, axis=-1, keepdims=true)
+        return h * sum(h, axis=0, keepdims=true)
+    }""")
+    assert len(fn.kernels) == 2
+    refusals = [str(r) for r in fn.remarks if isinstance(r, FusionRemark) and not r.fused]
+    assert ("[fuse-rows] refused: sum (line 3) -> mul (line 3): mul combines a reduction across the "
+            "rows with a value of the rows (a combine launch merges that reduction after them) "
+            "[rule: tile]") in refusals
+
+
+@pytest.mark.parametrize("program, dims", [
+    ("ce", dict(M=4096, V=32000)),  # (128k: the row kernel spills 1.8 KB with or without the split)
+    ("rms", dict(M=16384, N=4096)),
+    ("rms", dict(M=4096, N=32768)),
+])
+def test_split_kernels_build_for_sm90_with_programs_for_every_sm_and_no_spills(program, dims):
+    src = {"ce": CE_MEAN, "rms": """kernel rms(x: bf16[M, N], w: bf16[N]) -> bf16[M, N] {
+        xf = cast(x, f32)
+        return cast(xf * rsqrt(mean(xf * xf, axis=-1, keepdims=true) + 1e-6) * cast(w, f32), bf16)
+    }"""}[program]
+    fn = tiledsl.compile(src)
+    fn = fn.backward if program == "rms" else fn
+    found = {r.name: r for r in []}
+    reports = aot.inspect_program(fn, dims, {"ignore_index": -100})
+    launched = aot.meta_launches(fn, dims, {"ignore_index": -100})
+    for launch, report in zip(launched, reports, strict=True):
+        found[launch.kernel.fn_name] = report
+        # (the row kernel of a 32k vocabulary spills 88 B without the split too: rows.py)
+        assert report.spill_bytes == 0 or (program == "ce" and report.spill_bytes <= 96), report
+    rows = next(launch for launch in launched if launch.kernel.fn_name == "k0_rows")
+    grid = rows.kernel.launch_config(dict(rows.dims), "cuda").grid
+    assert grid[0] >= 132, grid
+    assert set(found) == {"k0_rows", "k0_combine"}
