@@ -99,6 +99,10 @@ def _admit(graph: Graph, plan: GroupPlan, group: set[int], cand: int,
     if isinstance(layouts, Refusal):
         return layouts
     across_dim, across = across_reductions(region, space, layouts)
+    value = region.outputs[members.index(cand)]
+    if value in across and _continuing(graph, cand, plan):
+        return Refusal(Rule.TILE, f"{graph.op(cand).kind} begins a reduction over several axes across the "
+                       "row program's rows: a row program of its own reduces them all")
     if _phases(region, across) > MAX_ROW_PHASES:
         return Refusal(Rule.PROFIT, f"a row program reads its rows at most {MAX_ROW_PHASES + 1} times "
                        f"({MAX_ROW_PHASES} dependent reductions); storing an intermediate costs less")

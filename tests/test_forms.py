@@ -57,7 +57,7 @@ VARIANTS = {
  "rows/ce_gather_of_cast": (1, "kernel f(x: f16[M, V], y: i64[M]) -> f32[M] {\n xf = cast(x, f32)\n return logsumexp(xf, axis=-1) - gather(xf, y)\n}"),
  "rows/ce_cast_of_gather": (1, "kernel f(x: f16[M, V], y: i64[M]) -> f32[M] {\n return logsumexp(cast(x, f32), axis=-1) - cast(gather(x, y), f32)\n}"),
  "rows/ce_log_softmax": (1, "kernel f(x: f32[M, V], y: i64[M]) -> f32[M] {\n return -gather(x - logsumexp(x, axis=-1, keepdims=true), y)\n}"),
- "rows/ce_mean_loss": (2, "kernel f(x: f32[M, V], y: i64[M]) -> f32[] {\n return mean(logsumexp(x, axis=-1) - gather(x, y), axis=0)\n}"),
+ "rows/ce_mean_loss": (1, "kernel f(x: f32[M, V], y: i64[M]) -> f32[] {\n return mean(logsumexp(x, axis=-1) - gather(x, y), axis=0)\n}"),
  "rows/nested_mean": (1, "kernel f(x: f32[B, M, N]) -> f32[B] {\n return mean(mean(x, axis=-1), axis=-1)\n}"),
  "rows/tuple_mean": (1, "kernel f(x: f32[B, M, N]) -> f32[B] {\n return mean(x, axis=(1, 2))\n}"),
  # --- gemm epilogues: canonical 1
@@ -99,7 +99,7 @@ VARIANTS = {
  "rows/rmsnorm_nokeep": (1, "kernel f(x: f16[M, N], w: f16[N]) -> f16[M, N] {\n return x * rsqrt(mean(x * x, axis=-1) + 1e-6)[:, None] * w\n}"),
  "rows/layernorm_var_e2": (1, "kernel f(x: f32[M, N], w: f32[N], b: f32[N]) -> f32[M, N] {\n mu = mean(x, axis=-1, keepdims=true)\n var = mean(x * x, axis=-1, keepdims=true) - mu * mu\n return (x - mu) / sqrt(var + 1e-5) * w + b\n}"),
  "rows/layernorm_3d": (1, "kernel f(x: f32[B, M, N], w: f32[N], b: f32[N]) -> f32[B, M, N] {\n mu = mean(x, axis=-1, keepdims=true)\n xc = x - mu\n return xc * rsqrt(mean(xc * xc, axis=-1, keepdims=true) + 1e-5) * w + b\n}"),
- "rows/ce_logsoftmax_mean": (2, "kernel f(x: f32[M, V], y: i64[M]) -> f32[] {\n return mean(-gather(x - logsumexp(x, axis=-1, keepdims=true), y), axis=0)\n}"),
+ "rows/ce_logsoftmax_mean": (1, "kernel f(x: f32[M, V], y: i64[M]) -> f32[] {\n return mean(-gather(x - logsumexp(x, axis=-1, keepdims=true), y), axis=0)\n}"),
  "rows/ce_softmax_log": (1, "kernel f(x: f32[M, V], y: i64[M]) -> f32[M] {\n return -log(gather(softmax(x, axis=-1), y))\n}"),
  "rows/ce_index_syntax": (1, "kernel f(x: f32[M, V], y: i64[M]) -> f32[M] {\n lp = x - logsumexp(x, axis=-1, keepdims=true)\n return -lp[index(y, 0), y]\n}"),
  "rows/ce_transposed": (1, "kernel f(x: f32[V, M], y: i64[M]) -> f32[M] {\n lp = x - logsumexp(x, axis=0, keepdims=true)\n return -lp[y, index(y, 0)]\n}"),

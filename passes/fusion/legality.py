@@ -427,6 +427,13 @@ def _across_refusal(region: Region, space: RowSpace, rop, lx: Layout | None, acr
         return Refusal(Rule.TILE, f"{op.kind} runs along another axis than the row program{why}")
     if across is not None and dim != across:
         return Refusal(Rule.TILE, f"{op.kind} reduces across the row program's rows along a second dim")
+    full = any(d in space.runs for d in lx)
+    if full and not short_across(space, dim) and space.axes != (len(space.shape) - 1,):
+        # a partial per position along the row: a split's are small when the row is the last
+        # dim (a weight gradient's column sums), a row for every chunk of rows when the row
+        # runs over tokens (a norm weight's gradient summed over B * S)
+        return Refusal(Rule.TILE, f"{op.kind} reduces a value along the row across the rows, and the "
+                       "row is not the last dim alone: split partials would hold a row for each chunk")
     return None
 
 
