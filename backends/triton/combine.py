@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from tiledsl.ir import KernelOp
+from tiledsl.ir import KernelOp, walk
 
 from .base import EmittedKernel, LaunchConfig, cdiv, decompose, finish, numel
 from .codegen import Code, Signature, next_pow2
@@ -84,22 +84,18 @@ def emit_combine(prog, kernel: KernelOp, main: Callable[[Mapping[str, int], str]
         if prog.wide(v):
             total = em.assign(f"{total.text}.to(tl.float32)", cat)
         vals[v] = total
-    refs = {}
-    for i, inp in enumerate(region.inputs):
-        if inp.scalar:
-            vals[i] = em.scalar(sig.scalar(i), inp.type.dtype, inp.type.weak)
-        elif inp.type.rank == 0 and any(i in prog.operands(v) for v in plan.tail):
-            refs[i] = sig.tensor("in", i, ())
-            vals[i] = em.load_at(refs[i].ptr, None, inp.type)
-    n_in = len(region.inputs)
-    for v in range(n_in, n_in + len(region.ops)):  # the tail and the uniform values it reads
-        if v in vals:
-            continue
-        rop = region.ops[v - n_in]
-        if rop.op.kind == "const":
+    # the tail's outputs and what they read: the merged reductions, and the constants,
+    # scalars and 0-d inputs (and elementwise ops of those) computed again here
+    tail_outputs = [v for v in region.outputs if v in plan.tail]
+    needed = set(walk(tail_outputs, lambda v: () if v in vals else prog.operands(v)))
+    for v in sorted(needed - set(vals)):
+        if v < len(region.inputs):
+            t = region.inputs[v].type
+            vals[v] = em.scalar(sig.scalar(v), t) if region.inputs[v].scalar else \
+                em.load_at(sig.tensor("in", v, ()).ptr, None, t)
+        elif (rop := region.ops[v - len(region.inputs)]).op.kind == "const":
             vals[v] = literal(rop.op.attr("value"), compute_type(rop.op.dtype))
-        elif all(o in vals for o in rop.operands) and (v in plan.tail or not plan.layouts[v]
-                                                       or all(d is None for d in plan.layouts[v])):
+        else:  # (in the region's order: operands first)
             types = tuple(region.value_type(o) for o in rop.operands)
             vals[v] = em.op(rop.op, [vals[o] for o in rop.operands], types)
     for j, v in enumerate(region.outputs):
