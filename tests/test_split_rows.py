@@ -56,6 +56,8 @@ def test_cross_entropy_mean_is_one_kernel_of_two_launches(m, v):
     assert [k.template for k in fn.kernels] == ["rows"], fn.explain()
     assert launches(fn) == ["k0_combine", "k0_rows"]
     assert "split, tail" in fn.ir()
+    assert ("        launches: 2 (split: sum (line 8), sum (line 8) across its rows along M, as partials "
+            "over chunks of rows; a combine launch merges them in chunk order)") in fn.explain().splitlines()
 
 
 @pytest.mark.parametrize("b, t, v", [(1, 1, 5), (2, 17, 113), (3, 301, 33), (2, 5, 5000)])

@@ -23,7 +23,7 @@ from tiledsl.passes.hoist_row_scale import HoistRowScale
 from tiledsl.passes.pipeline import FUSION
 from tiledsl.passes.recompute import Recompute
 from tiledsl.passes.sink_reshape import SinkReshape
-from tiledsl.plans import AttentionBackwardPlan, AttentionPlan
+from tiledsl.plans import AttentionBackwardPlan, AttentionPlan, RowPlan
 from tiledsl.types import format_shape
 
 if TYPE_CHECKING:
@@ -95,6 +95,13 @@ def explain(program: Program, dims: Mapping[str, int] | None = None) -> str:
         lines.append(f"  {'':<{width}}    out: {'; '.join(outs)}")
         if isinstance(op.plan, (AttentionPlan, AttentionBackwardPlan)):
             lines.append(f"  {'':<{width}}    structure: {_attention_structure(op)}")
+        if isinstance(op.plan, RowPlan) and op.plan.split:
+            dim = op.plan.shape[op.plan.across]
+            reductions = ", ".join(describe(op.region.ops[v - len(op.region.inputs)].op)
+                                   for v in sorted(op.plan.across_reducing))
+            lines.append(f"  {'':<{width}}    launches: 2 (split: {reductions} across its rows along "
+                         f"{dim}, as partials over chunks of rows; a combine launch merges them in "
+                         "chunk order)")
         fused, alone = cost.kernel_traffic(op), cost.op_by_op_traffic(op.region)
         lines.append(f"  {'':<{width}}    traffic: {_traffic(fused, dims)}"
                      + (f" (op by op: {_traffic(alone, dims)})" if alone != fused else ""))
