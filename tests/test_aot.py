@@ -130,8 +130,10 @@ def test_ptx_cli_json():
                        "--json")
     assert code == 0
     (kernel,) = json.loads(out)["kernels"]
-    assert set(kernel) == {"name", "config", "registers", "spill_bytes", "shared_bytes", "wgmma", "tma", "loop"}
+    assert set(kernel) == {"name", "config", "registers", "spill_bytes", "shared_bytes", "wgmma", "tma", "loop",
+                           "function", "grid", "workspace_bytes"}
     assert kernel["config"]["BLOCK_M"] == 128 and kernel["spill_bytes"] == 0
+    assert kernel["function"] == "k0_matmul" and kernel["workspace_bytes"] == 0 and len(kernel["grid"]) >= 1
 
 
 def test_ptx_cli_text_and_errors():

@@ -192,3 +192,23 @@ def test_split_kernels_build_for_sm90_with_programs_for_every_sm_and_no_spills(p
     grid = rows.kernel.launch_config(dict(rows.dims), "cuda").grid
     assert grid[0] >= 132, grid
     assert set(found) == {"k0_rows", "k0_combine"}
+
+
+def test_ptx_json_shows_each_launch_of_a_split_kernel(tmp_path):
+    """`tiledsl ptx --json`: the partials launch and the combine, each with its grid and the
+    workspace allocated for it (RMSNorm's backward at M = 16384, N = 4096: chunks of 64 rows, 256
+    programs, 256 partial rows of 4096 f64 words)."""
+    import json
+
+    from test_cli import cli
+
+    path = tmp_path / "rms.tdsl"
+    path.write_text("kernel rms(x: f32[M, N], w: f32[N]) -> f32[M, N] {\n"
+                    "    return x * rsqrt(mean(x * x, axis=-1, keepdims=true) + 1e-6) * w\n}\n")
+    code, out, _ = cli("ptx", str(path), "--backward", "--dims", "M=16384,N=4096", "--json")
+    assert code == 0
+    rows, combine = json.loads(out)["kernels"]
+    assert (rows["function"], combine["function"]) == ("k0_rows", "k0_combine")
+    assert rows["grid"] == [256] and rows["config"]["CHUNK"] == 64 and combine["grid"] == [16]
+    assert rows["workspace_bytes"] == 256 * 4096 * 8 and combine["workspace_bytes"] == 0  # (it reads it)
+    assert rows["spill_bytes"] == combine["spill_bytes"] == 0

@@ -24,6 +24,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import torch
+
 from .cache import load
 from .launch import PINNED_OPTIONS
 from .loop_profile import loop_profile, work_of
@@ -115,6 +117,12 @@ class KernelReport:
     # the hottest loop's static profile (`loop_profile`): counts per warp and iteration, the
     # work an iteration does, and modeled H100 cycles (an estimate)
     loop: dict[str, Any] | None = None
+    # the launch: its function (a kernel of several launches, a split row program's partials
+    # then its combine, has one report each), its grid, and the scratch memory allocated for
+    # it (a later launch of the kernel reads the first's)
+    function: str = ""
+    grid: tuple[int, ...] = ()
+    workspace_bytes: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -148,10 +156,14 @@ def inspect_compiled(launch: Launch, config: Any = None, arch: int = 90) -> Insp
         config_text["programs"] = cfg.grid[0]  # a persistent grid
     work, unit = work_of(launch.kernel.kernel.plan, cfg.constexprs)
     loop = loop_profile(compiled, cfg.num_warps or 4, work, unit)
-    report = KernelReport(launch.kernel.kernel.name, config_text, usage["registers"],
+    emitted, dims = launch.kernel, dict(launch.dims)
+    workspace = sum(n * getattr(torch, dtype).itemsize for n, dtype in emitted.workspace(dims, "cuda")) \
+        if emitted.workspace is not None else 0
+    report = KernelReport(emitted.kernel.name, config_text, usage["registers"],
                           usage["spill_stores"] + usage["spill_loads"],
                           int(getattr(compiled.metadata, "shared", 0)), shapes,
-                          len(re.findall(r"cp\.async\.bulk\.tensor", ptx)), loop)
+                          len(re.findall(r"cp\.async\.bulk\.tensor", ptx)), loop,
+                          emitted.fn_name, tuple(cfg.grid), workspace)
     return Inspection(report, {k: compiled.asm[k] for k in ("ttgir", "ptx", "cubin") if k in compiled.asm})
 
 
