@@ -41,6 +41,7 @@ from tiledsl.passes.fusion.legality import (
     reduced_axes,
     row_layouts,
     selected,
+    short_across,
 )
 from tiledsl.passes.fusion.profitability import MAX_ROW_OPS, MAX_ROW_PHASES
 from tiledsl.passes.fusion.remarks import Refusal, Rule
@@ -61,7 +62,7 @@ class FuseRows(Pass):
 
         def admit_for(plan: GroupPlan, seed: int) -> Admission:
             x = graph.result_type(*graph.operand_edges(seed)[0])
-            space = RowSpace(x.shape, reduced_axes(x.rank, [graph.op(seed), *_continuing(graph, seed, plan)]))
+            space = RowSpace(x.shape, _row_axes(x.shape, [graph.op(seed), *_continuing(graph, seed, plan)]))
             return Admission(lambda group, cand: _admit(graph, plan, group, cand, space),
                              lambda members: RowSpec(space))
 
@@ -122,6 +123,22 @@ def _admit(graph: Graph, plan: GroupPlan, group: set[int], cand: int,
             return Refusal(Rule.TILE, f"{graph.op(node).kind} is used outside the row program but does "
                            "not vary along every row dim, so every row would store it")
     return None
+
+
+def _row_axes(shape: tuple, chain: list) -> tuple[int, ...]:
+    """The axes a row program's rows run along, for a seed reduction and the reductions that
+    continue it (one over several axes): all of them, except that the last one of a
+    reduction of every axis (a global norm, a loss's mean: `axis=None`, which sema writes
+    last axis first) reduces the leading dim across the rows when the call sizes it, split
+    over programs (`legality.short_across`), not along one row of every element that a
+    single program walks."""
+    axes = reduced_axes(len(shape), chain)
+    if len(chain) < 2 or len(axes) != len(shape):
+        return axes
+    inner = reduced_axes(len(shape), chain[:-1])
+    if 0 in inner or short_across(RowSpace(shape, inner), 0):
+        return axes
+    return inner
 
 
 def _continuing(graph: Graph, node: int, plan: GroupPlan) -> list:
