@@ -99,13 +99,13 @@ def test_group_norm_gradients():
 
 @pytest.mark.parametrize("dt", DTYPES)
 @pytest.mark.parametrize("m, n", [(1, 1), (17, 113), (113, 130)])
-def test_global_norm_clipping_is_one_row_program(dt, m, n):
-    """`axis=None`: one row of every element, one program: the sum, the scale and the
-    scaled gradient in one kernel (a program reads the tensor twice). A large tensor would
-    want its sum split over programs (partial sums, then the scale: two kernels); one
-    program is what the row template does."""
+def test_global_norm_clipping_is_a_split_sum_and_a_scale(dt, m, n):
+    """`axis=None`: the sum over M split over programs (each sums its chunk of rows; the
+    combine launch merges them and computes the scale), then a pointwise kernel scales the
+    gradient: two kernels, as torch's foreach path, not one program reading every element."""
     fn = tiledsl.compile(CLIP.format(t=dt))
-    assert templates(fn) == ["rows"]
+    assert templates(fn) == ["rows", "pointwise"]
+    assert "split, tail" in fn.ir()
     t = DTYPES[dt]
     g = randn(m, n, dtype=t)
     for c in (0.5, 1e4):  # clipped, and not
