@@ -116,3 +116,10 @@ def test_quantized_gemm_smoke_run(capsys):
     assert load("quantized_gemm").main(["--device", "cpu", "--quick"]) == 0
     out = capsys.readouterr().out
     assert "int4    17    64   256 |" in out and "int8    17    64   256 |" in out
+
+
+def test_split_rows_smoke_run(capsys):
+    assert load("split_rows").main(["--device", "cpu", "--quick"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split("|")[0].split() == ["case"]
+    assert [line.split("|")[2].split()[0] for line in lines[2:]] == ["unsplit", "torch", "torch", "torch"]
