@@ -49,7 +49,8 @@ NORM = "kernel norm(x: f32[M, N]) -> f32[] { return sqrt(sum(x * x, axis=None)) 
 
 def close(a, b, what: str) -> None:
     if not torch.allclose(a.double(), b.double(), rtol=2e-3, atol=2e-3):
-        raise AssertionError(f"{what}: tiledsl and torch disagree by {(a.double() - b.double()).abs().max():.3e}")
+        gap = (a.double() - b.double()).abs().max()
+        raise AssertionError(f"{what}: tiledsl and torch disagree by {gap:.3e}")
 
 
 def main(argv: list[str] | None = None) -> int:
