@@ -245,8 +245,9 @@ def test_a_half_precision_value_an_f32_op_promotes_is_read_as_torch_reads_it(dt,
     }}""", pipeline=pipeline)
     for m, n in ((1, 1), (17, 33), (113, 17)):
         run_checked(fn, randn(m, n, dtype=torch_dt), randn(m, n), sm90=False)
-    if pipeline is None:  # the softmax along the columns, then the sum and the add
-        assert [k.template for k in fn.kernels] == ["rows", "rows"]
+    if pipeline is None:  # the softmax along the columns; the sum split over programs (its cast
+        # in the combine); the add, which reads it and a value of the rows
+        assert [k.template for k in fn.kernels] == ["rows", "rows", "pointwise"]
 
 
 def test_a_sinks_factor_left_on_the_probabilities_is_not_a_probability_modification():

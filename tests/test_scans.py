@@ -369,16 +369,18 @@ def test_selective_scan_builds_for_sm90_without_spills(l, one_pass):
 
 @pytest.mark.parametrize("b, l, d, n", [(1, 1, 1, 1), (2, 17, 5, 16), (1, 113, 3, 4)], ids=str)
 def test_selective_scan_of_a_state_dim_the_call_decides(b, l, d, n):
-    """N a symbol: it may be a batch of thousands, which one program would walk, so the sum
-    over it is split: each program sums a chunk of N into partials that a combine launch
-    merges, in the scan's kernel."""
+    """N a symbol: it may be a batch of thousands, which one program would walk. The sum over
+    it reduces the scanned states, which vary along L, the row: split, its partials would hold
+    a row of L for every chunk of N, so it is a kernel of its own, and the remark says why."""
     fn = tiledsl.compile(SELECTIVE_SCAN_N)
     args = selective_scan_inputs(b, l, d, n)
     _, y = run_checked(fn, *args)
     torch.testing.assert_close(y.double(), selective_scan_loop(*args), rtol=1e-4, atol=1e-4)
-    assert [k.template for k in fn.kernels] == ["rows"]
-    assert fn.ir().count("split, tail") == 1
-    assert not [r for r in fn.remarks if isinstance(r, FusionRemark) and not r.fused]
+    assert [k.template for k in fn.kernels] == ["rows", "rows"]
+    (remark,) = [r for r in fn.remarks if isinstance(r, FusionRemark) and not r.fused]
+    assert str(remark) == ("[fuse-rows] refused: mul (line 6) -> sum (line 6): sum reduces a value along "
+                           "the row across the rows, and the row is not the last dim alone: split partials "
+                           "would hold a row for each chunk [rule: tile]")
 
 
 def test_the_fuzzer_generates_every_scan_and_flip():
