@@ -212,3 +212,26 @@ def test_ptx_json_shows_each_launch_of_a_split_kernel(tmp_path):
     assert rows["grid"] == [256] and rows["config"]["CHUNK"] == 64 and combine["grid"] == [16]
     assert rows["workspace_bytes"] == 256 * 4096 * 8 and combine["workspace_bytes"] == 0  # (it reads it)
     assert rows["spill_bytes"] == combine["spill_bytes"] == 0
+
+
+def test_a_max_across_no_rows_raises_as_torch():
+    fn = tiledsl.compile("kernel f(x: f32[M, N]) -> f32[N] { return max(exp(x - max(x, axis=-1, "
+                         "keepdims=true)), axis=0) }")
+    with pytest.raises(tiledsl.TileDSLError) as err:
+        fn(torch.empty(0, 5))
+    assert str(err.value).splitlines()[0] == (
+        "<string>:1:43: error: max over an empty axis (M = 0 at this call): max has no identity "
+        "(torch raises too)")
+
+
+def test_a_sort_of_a_call_sized_k_does_not_split():
+    """A topk whose k the call decides may sort its rows in the workspace, one program a row:
+    its row program does not also split a reduction across rows (a kernel of its own)."""
+    fn = tiledsl.compile("""kernel f(x: f32[M, N], k: i32[K]) -> (f32[M, K], f32[]) {
+        t = topk(x, K, axis=-1)
+        return t, sum(sum(t, axis=-1), axis=0)
+    }""")
+    assert "split" not in fn.ir()
+    refusals = [str(r) for r in fn.remarks if isinstance(r, FusionRemark) and not r.fused]
+    assert any("topk may keep more than a tile of each row (sorted in memory): its row program does "
+               "not also split a reduction across its rows [rule: tile]" in r for r in refusals), refusals

@@ -981,6 +981,8 @@ def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKer
     selections = [prog.op(v) for v in sorted(prog.plan.reducing)
                   if ops.category(prog.op(v).kind) is ops.Category.SELECT]
 
+    across_no_identity = [prog.op(v) for v in sorted(prog.plan.across_reducing) if prog.split
+                          and not ops.OPS[prog.op(v).kind].reduction.empty]
     no_identity = [prog.op(v) for v in sorted(prog.plan.reducing)
                    if (r := ops.OPS[prog.op(v).kind].reduction) is not None and not r.empty]
     # sin, cos and tan are computed in f64, whose libdevice forms call a slow path (a large
@@ -993,6 +995,9 @@ def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKer
         if length == 0 and no_identity:
             op, empty = no_identity[0], next(a for a in axes if evaluate(shape[a], dims) == 0)
             raise EmptyReductionError(op.span, kind=op.kind, axis=f"{shape[empty]} = 0")
+        if across_no_identity and evaluate(shape[prog.plan.across], dims) == 0:  # (split: no rows)
+            op = across_no_identity[0]
+            raise EmptyReductionError(op.span, kind=op.kind, axis=f"{shape[prog.plan.across]} = 0")
         rows = numel([d for i, d in enumerate(shape) if i not in axes and i != prog.plan.across], dims)
         caps = CAPS[device]
         block_r = max(2, min(next_pow2(length), limit if device == "cuda" else caps["row"]))

@@ -394,6 +394,9 @@ def row_layouts(region: Region, space: RowSpace) -> dict[int, Layout] | Refusal:
         tail = split_tail(region, layouts, across_reductions(region, space, layouts)[1])
         if isinstance(tail, Refusal):
             return tail
+        if long := _long_selection(region):  # its rows sorted in a workspace of one program's own
+            return Refusal(Rule.TILE, f"{long} may keep more than a tile of each row (sorted in memory): "
+                           "its row program does not also split a reduction across its rows")
     return layouts
 
 
@@ -460,6 +463,18 @@ def split_tail(region: Region, layouts: dict[int, Layout], across_reducing: froz
                                "value of the rows (a combine launch merges that reduction after them)")
         tail.add(v)
     return frozenset(tail)
+
+
+def _long_selection(region: Region) -> str | None:
+    """The kind of a topk or sort whose k may pass `SELECT_LIMIT` (not a literal up to it)."""
+    from tiledsl.plans import SELECT_LIMIT
+
+    for r in region.ops:
+        if r.op.kind in ops.OPS and ops.category(r.op.kind) is ops.Category.SELECT:
+            k = r.op.shape[r.op.attr("axis")]
+            if not isinstance(k, int) or k > SELECT_LIMIT:
+                return r.op.kind
+    return None
 
 
 def _uniform(region: Region, layouts: dict[int, Layout], v: int) -> bool:
