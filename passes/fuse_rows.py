@@ -63,8 +63,20 @@ class FuseRows(Pass):
         def admit_for(plan: GroupPlan, seed: int) -> Admission:
             x = graph.result_type(*graph.operand_edges(seed)[0])
             space = RowSpace(x.shape, _row_axes(x.shape, [graph.op(seed), *_continuing(graph, seed, plan)]))
-            return Admission(lambda group, cand: _admit(graph, plan, group, cand, space),
-                             lambda members: RowSpec(space))
+            unjoined: set[int] = set()  # reductions whose continuation did not join (`settle`)
+
+            def admit(group: set[int], cand: int) -> Refusal | None:
+                if cand in unjoined:
+                    return Refusal(Rule.TILE, f"{graph.op(cand).kind} reduces some of the row program's "
+                                   "axes only, and the rest of its reduction did not join it")
+                return _admit(graph, plan, group, cand, space)
+
+            def settle(members: list[int]) -> set[int]:
+                found = _unjoined(graph, plan, members, space) - {seed}
+                unjoined.update(found)
+                return found
+
+            return Admission(admit, lambda members: RowSpec(space), settle)
 
         _unshare_reductions(graph)
         fuse_groups(graph, ctx.remarks, self.name, lambda node: graph.op(node).kind in ROW_OPS, consider,
@@ -125,6 +137,21 @@ def _admit(graph: Graph, plan: GroupPlan, group: set[int], cand: int,
     return None
 
 
+def _unjoined(graph: Graph, plan: GroupPlan, members: list[int], space: RowSpace) -> set[int]:
+    """The reductions of a grown group that reduce only some of its axes, are used outside
+    it, and whose continuing reductions (`_admit` admitted them for) did not all join: the
+    kernel would store a value it never computes."""
+    region, _, _ = outline(graph, members, members)
+    layouts = row_layouts(region, space)
+    if isinstance(layouts, Refusal):
+        return set()
+    partial = partial_reductions(region, space, layouts)
+    inside, outputs = set(members), set(outputs_of(graph, members))
+    return {node for node, value in zip(members, region.outputs, strict=True)
+            if node in outputs and value in partial
+            and not set(_continuing_nodes(graph, node, plan)) <= inside}
+
+
 def _row_axes(shape: tuple, chain: list) -> tuple[int, ...]:
     """The axes a row program's rows run along, for a seed reduction and the reductions that
     continue it (one over several axes): all of them, except that the last one of a
@@ -142,6 +169,11 @@ def _row_axes(shape: tuple, chain: list) -> tuple[int, ...]:
 
 
 def _continuing(graph: Graph, node: int, plan: GroupPlan) -> list:
+    """The reductions (ops) of `_continuing_nodes`."""
+    return [graph.op(n) for n in _continuing_nodes(graph, node, plan)]
+
+
+def _continuing_nodes(graph: Graph, node: int, plan: GroupPlan) -> list[int]:
     """The reductions that reduce what the reduction `node` leaves, one after another (the
     rest of a reduction over several axes), each the only user of the one before and in no
     row program yet (one that another seed's group took is no longer this one's to reduce)."""
@@ -149,7 +181,7 @@ def _continuing(graph: Graph, node: int, plan: GroupPlan) -> list:
     while len(users := graph.users(node)) == 1 and not plan.grouped(user := users[0][0]) \
             and continues_reduction(graph.op(node), graph.op(user)):
         node = user
-        chain.append(graph.op(node))
+        chain.append(node)
     return chain
 
 

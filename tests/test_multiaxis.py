@@ -184,3 +184,22 @@ def test_a_reduction_across_the_rows_of_a_program_of_literal_sizes(row_op, width
     (kernel,) = fn.kernels
     assert kernel.template == "rows" and "WIDE" not in kernel.source
     run_checked(fn, randn(1))
+
+
+def test_a_partial_reduction_whose_rest_does_not_join_is_not_a_member():
+    """Fuzz finding (gradients, seed 11, program 77): the backward's sum over H of a [H, M, N]
+    value joined a row program over (H, N) for the sum over N that would continue it, which
+    then did not join; the kernel stored the partial sum it never computes (an internal error,
+    KeyError: 28, in the template). fuse-rows checks the grown group whole and grows it again
+    without such a reduction."""
+    src = """kernel f(z: bf16[M, 1], u: bf16[H, M, N], w: bf16[N, N], s: f32, flag: bool) -> bf16[H, M, N] {
+    t3 = tanh(hardswish(z + z))
+    return where(flag, where(t3 == log2(8.0), u @ w, mean(t3, axis=0, keepdims=false)),
+                 (s + N) * where(z < t3, z, z))
+}"""
+    fn = tiledsl.compile(src)
+    for flag in (True, False):
+        args = (randn(33, 1, dtype=torch.bfloat16, seed=1), randn(3, 33, 113, dtype=torch.bfloat16, seed=2),
+                randn(113, 113, dtype=torch.bfloat16, seed=3), 0.75, flag)
+        report = testing.check_grads(fn, *args, generator=gen(77))
+        assert report.ok, report

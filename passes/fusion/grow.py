@@ -27,10 +27,14 @@ Admit = Callable[[set[int], int], "Refusal | None"]
 
 class Admission(NamedTuple):
     """How one seed's group grows: which candidates join (`admit`), and the spec of the
-    group it grew (`spec(members)`, the members in program order)."""
+    group it grew (`spec(members)`, the members in program order). `settle(members)`, where
+    a pass has one, checks the grown group whole: it returns the members that must not join
+    after all (a reduction admitted for a continuation that never joined), which `admit`
+    then refuses as the group grows again from its seed; nothing when the group stands."""
 
     admit: Admit
     spec: Callable[[list[int]], Spec]
+    settle: Callable[[list[int]], set[int]] | None = None
 
 
 def candidate_kind(graph: Graph, node: int) -> bool:
@@ -110,7 +114,11 @@ def fuse_groups(graph: Graph, remarks: list, pass_name: str, is_seed: Callable[[
         if plan.grouped(seed) or not candidate_kind(graph, seed) or not is_seed(seed):
             continue
         admission = admit_for(plan, seed)
+        said = len(remarks)
         members = grow(plan, seed, admission.admit, pass_name, remarks, consider)
+        while admission.settle is not None and admission.settle(sorted(members, key=plan.order.__getitem__)):
+            del remarks[said:]  # the last growth's remarks stand
+            members = grow(plan, seed, admission.admit, pass_name, remarks, consider)
         plan.add_group(members, admission.spec(sorted(members, key=plan.order.__getitem__)))
     rewrite_groups(plan)
 
