@@ -318,7 +318,7 @@ def test_tile_hints_must_be_positive_powers_of_two(hint, col, shown):
 def test_tile_hint_errors():
     assert rendered("@tile(BLOK_M=64)\n" + K % "return x").splitlines()[0] == (
         "<string>:1:7: error: unknown tile hint 'BLOK_M'; did you mean 'BLOCK_M'? "
-        "(known: BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages)")
+        "(known: BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLITS, num_warps, num_stages)")
     assert rendered("@tile(num_warps=3)\n" + K % "return x").splitlines()[0] == \
         "<string>:1:7: error: tile hint num_warps must be one of 1, 2, 4, 8, 16, 32, got 3"
     assert rendered("@tiles(BLOCK_M=64)\n" + K % "return x").splitlines()[0] == (

@@ -88,5 +88,6 @@ TORCH_SPELLINGS = {
     "take_along_dim": "gather({x}, idx, axis=...)", "clip": "clamp({x}, lo, hi)",
 }
 
-# @tile(...) hints
-TILE_HINTS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
+# @tile(...) hints; SPLITS: how many programs share a GEMM's K loop or an attention's keys
+# (1: never split), where the launch builder would otherwise choose
+TILE_HINTS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SPLITS", "num_warps", "num_stages")

@@ -23,7 +23,7 @@ from tiledsl.passes.hoist_row_scale import HoistRowScale
 from tiledsl.passes.pipeline import FUSION
 from tiledsl.passes.recompute import Recompute
 from tiledsl.passes.sink_reshape import SinkReshape
-from tiledsl.plans import AttentionBackwardPlan, AttentionPlan, RowPlan
+from tiledsl.plans import AttentionBackwardPlan, AttentionPlan, GemmPlan, RowPlan
 from tiledsl.types import format_shape
 
 if TYPE_CHECKING:
@@ -95,6 +95,13 @@ def explain(program: Program, dims: Mapping[str, int] | None = None) -> str:
         lines.append(f"  {'':<{width}}    out: {'; '.join(outs)}")
         if isinstance(op.plan, (AttentionPlan, AttentionBackwardPlan)):
             lines.append(f"  {'':<{width}}    structure: {_attention_structure(op)}")
+        if isinstance(op.plan, AttentionPlan):
+            lines.append(f"  {'':<{width}}    launches: {_attention_launches(op.plan)}")
+        if isinstance(op.plan, GemmPlan):
+            lines.append(f"  {'':<{width}}    launches: 1, or 2 where its output tiles alone cannot fill "
+                         "the GPU (split-K: programs share the K loop, each leaving the partial "
+                         "products of its range of K; a combine launch adds them in range order, then "
+                         "runs the epilogue)")
         if isinstance(op.plan, RowPlan) and op.plan.split:
             dim = op.plan.shape[op.plan.across]
             reductions = ", ".join(describe(op.region.ops[v - len(op.region.inputs)].op)
@@ -119,6 +126,16 @@ def explain(program: Program, dims: Mapping[str, int] | None = None) -> str:
     else:
         lines.append("fusions not made: none")
     return "\n".join(lines) + "\n"
+
+
+def _attention_launches(plan: AttentionPlan) -> str:
+    """The launches an attention kernel makes: split-KV where its plan allows it."""
+    if not plan.kv_split:
+        return ("1 (the keys are not split: it stores P, normalised by the statistics of every "
+                "key in a second walk)")
+    return ("1, or 2 where its (query block, batch) programs alone cannot fill the GPU (split-KV: "
+            "each program walks a range of the keys; a combine launch merges their outputs by "
+            "their log-sum-exp in range order, then runs the epilogue)")
 
 
 def _attention_structure(kernel: KernelOp) -> str:

@@ -368,6 +368,13 @@ class AttentionPlan:
     # block's p after its sum joins the normaliser, so the softmax is normalised by every
     # probability and p @ v multiplies the modified ones
     p_ops: tuple[int, ...] = ()
+    # the keys may be split among programs (split-KV, flash-decoding): each walks a range
+    # of them and leaves its unnormalised output, running max and sum (and its sums over the
+    # keys), which a combine launch merges by their log-sum-exp in range order before the
+    # epilogue; the launch builder splits where the (query block, batch) programs alone
+    # cannot fill the GPU. False where the plan stores P (normalised by the final statistics
+    # in a second walk over every key)
+    kv_split: bool = False
 
     def role(self, value: int) -> str:
         if value in self.q_chain:
@@ -402,7 +409,8 @@ class AttentionPlan:
                 f"lse = {_names(self.lse, name)}, epilogue = {_names(self.epilogue, name)}, "
                 f"key_bound = {_bound(self.bound, name)}"
                 + ("" if self.p_out is None else f", stores_p = {name(self.p_out)}")
-                + (f", row_sums = {_names(self.row_sums, name)}" if self.row_sums else "") + "}")
+                + (f", row_sums = {_names(self.row_sums, name)}" if self.row_sums else "")
+                + (", split = keys" if self.kv_split else "") + "}")
 
     def verify(self, check: PlanCheck) -> None:
         check.expect(self.qk, ("matmul",), "q @ k.T")

@@ -679,3 +679,6 @@ def _check_hint(name: str, value: int, span: Span) -> None:
     elif name == "GROUP_M":
         if not 1 <= value <= 64:
             fail("between 1 and 64")
+    elif name == "SPLITS":
+        if not 1 <= value <= 1024:
+            fail("between 1 and 1024")

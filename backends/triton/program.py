@@ -35,7 +35,7 @@ from tiledsl.plans import (
 )
 
 from . import attention, attention_backward, matmul, merged, pointwise, rows, scatter
-from .base import EmittedKernel, Hints
+from .base import EmittedKernel, Hints, LaunchConfig
 from .cache import load
 from .codegen import FLAGS
 from .interpret import interpreting
@@ -250,7 +250,8 @@ class TritonBackend(Backend):
         for step, _, _, args, _, then in self._walk(bound, values, bound.device or _CPU_DEVICE):
             if not isinstance(step, ViewStep):
                 out.append(Launch(step.emitted, _arguments(step.emitted, args), dims))
-                out += [Launch(stage, _arguments(stage, stage_args), dims) for stage, _, stage_args in then]
+                out += [Launch(stage, _arguments(stage, stage_args), dims) for stage, _, stage_args in then
+                        if runs(stage.launch_config(bound.dims, "cuda"))]
         return out
 
     def _plan(self, bound: BoundCall, values: list, device, target: str) -> LaunchPlan:
@@ -280,8 +281,11 @@ class TritonBackend(Backend):
             self._launch_once(emitted, launch, args, options, dims, target, bool(candidates))
             stages = []
             for stage, stage_fn, stage_args in then:  # the launches that follow, configured alone
+                stage_cfg = stage.launch_config(dims, target)
+                if not runs(stage_cfg):  # not needed at these sizes (an unsplit kernel's combine)
+                    continue
                 stage_launch = launcher(self.load(stage, target), target)
-                stage_options = launch_options(stage.launch_config(dims, target), target)
+                stage_options = launch_options(stage_cfg, target)
                 self._launch_once(stage, stage_launch, stage_args, stage_options, dims, target, False)
                 stages.append((stage_launch, stage_fn, stage_options))
             kernels.append(KernelLaunch(launch, arg_fn, options, outputs, step.slot,
@@ -349,6 +353,12 @@ def output_allocation(shape: tuple[int, ...], dtype, order: tuple[int, ...] | No
         return shape, dtype, None, alloc
     inverse = tuple(order.index(a) for a in range(len(order)))
     return tuple(shape[a] for a in order), dtype, inverse, alloc
+
+
+def runs(cfg: LaunchConfig) -> bool:
+    """Whether a launch configuration has programs: a launch that follows another (a
+    combine) is skipped at sizes where its kernel did not split, its grid empty."""
+    return all(n > 0 for n in cfg.grid)
 
 
 def workspace_allocation(emitted: EmittedKernel, dims: Mapping[str, int], target: str) -> tuple[tuple, ...]:

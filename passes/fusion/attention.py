@@ -83,12 +83,13 @@ def attention_plan(region: Region, spec: AttentionSpec) -> AttentionPlan:
             mask, memo = ops[scores].operands[0], {}
             if not all(_vanishes(region, mask, x, False, memo) for x in summed):
                 bound = None
+    p_out = p if sm is not None and p in region.outputs else None
     return AttentionPlan(qk, pv, sm, scores, q_chain, k_chain, operand_source(region, q_chain),
                          operand_source(region, k_chain), v, transposes % 2 == 1,
-                         score_ops, spec.lse, epilogue, bound, spec.p_cast,
-                         p if sm is not None and p in region.outputs else None, spec.lse_casts,
+                         score_ops, spec.lse, epilogue, bound, spec.p_cast, p_out, spec.lse_casts,
                          row_sums=spec.row_sums, bound_cond=cond, v_chain=v_chain,
-                         v_source=operand_source(region, v_chain) if v_chain else None, p_ops=p_ops)
+                         v_source=operand_source(region, v_chain) if v_chain else None, p_ops=p_ops,
+                         kv_split=p_out is None)
 
 
 def _shared_prologue(region: Region, chains: frozenset[int], dots: tuple[int, int]) -> set[int]:
