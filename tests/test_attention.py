@@ -112,8 +112,9 @@ def test_causal_blocks_past_the_diagonal_are_skipped_and_below_it_unmasked():
     assert ("n_full = tl.minimum(d1 // BLOCK_N * BLOCK_N, tl.maximum(0, pid_m * BLOCK_M + 1) "
             "// BLOCK_N * BLOCK_N)") in source
     unmasked, masked = key_loops(fn)
-    assert unmasked[0] == "for n0 in range(0, n_full, BLOCK_N):"
-    assert masked[0] == "for n0 in range(n_full, tl.minimum(d1, tl.maximum(0, (pid_m + 1) * BLOCK_M)), BLOCK_N):"
+    assert unmasked[0] == "for n0 in range(kv_lo, tl.minimum(n_full, kv_hi), BLOCK_N):"
+    assert masked[0] == ("for n0 in range(tl.maximum(n_full, kv_lo), tl.minimum(tl.minimum(d1, tl.maximum(0, "
+                         "(pid_m + 1) * BLOCK_M)), kv_hi), BLOCK_N):")
     # below the diagonal: no causal where, no key-tail select, no key mask on the loads
     assert not any("tl.where" in line and "-float" in line for line in unmasked[1:])
     assert not any("rn < d1" in line or "rn[None, :] < d1" in line for line in unmasked)
@@ -133,8 +134,9 @@ def test_a_sliding_window_skips_the_blocks_before_it():
     source = fn.kernels[0].source
     assert "n_lo = tl.maximum(0, pid_m * BLOCK_M - 255) // BLOCK_N * BLOCK_N" in source
     headers = [loop[0] for loop in key_loops(fn)]
-    assert headers == ["for n0 in range(n_lo, n_in, BLOCK_N):", "for n0 in range(n_in, n_full, BLOCK_N):",
-                       "for n0 in range(n_full, n_hi, BLOCK_N):"]
+    assert headers == ["for n0 in range(tl.maximum(n_lo, kv_lo), tl.minimum(n_in, kv_hi), BLOCK_N):",
+                       "for n0 in range(tl.maximum(n_in, kv_lo), tl.minimum(n_full, kv_hi), BLOCK_N):",
+                       "for n0 in range(tl.maximum(n_full, kv_lo), tl.minimum(n_hi, kv_hi), BLOCK_N):"]
 
 
 @pytest.mark.parametrize("mask, bound", [
@@ -155,7 +157,7 @@ def test_without_a_mask_only_the_key_tail_is_masked():
     fn = attention("f16", False)
     assert "n_full = d1 // BLOCK_N * BLOCK_N" in fn.kernels[0].source
     unmasked, masked = key_loops(fn)
-    assert masked[0] == "for n0 in range(n_full, d1, BLOCK_N):"
+    assert masked[0] == "for n0 in range(tl.maximum(n_full, kv_lo), tl.minimum(d1, kv_hi), BLOCK_N):"
     assert not any("rn < d1" in line or "< d1)" in line for line in unmasked)
 
 

@@ -98,8 +98,8 @@ def test_a_bound_that_could_wrap_is_int64_and_checked_at_the_call():
     assert "kb_hi = tl.where(kb_ok, tl.full([], 2147483647, tl.int64), kb_keys)" in source
     assert "n_full = tl.where(kb_ok, n_full, 0)" in source
     # the walk's limits go back to the kernel's index type
-    assert ("for n0 in range(n_full, (tl.minimum(d1, tl.maximum(0, (pid_m + 1) * BLOCK_M + kb_hi)))"
-            ".to(tl.int64 if WIDE else tl.int32), BLOCK_N):") in source
+    assert ("for n0 in range(tl.maximum(n_full, kv_lo), tl.minimum((tl.minimum(d1, tl.maximum(0, (pid_m + 1) "
+            "* BLOCK_M + kb_hi))).to(tl.int64 if WIDE else tl.int32), kv_hi), BLOCK_N):") in source
     # a large offset that cannot wrap is int64 with no check
     source = program("below i32").kernels[0].source
     assert "kb_hi = tl.full([], -2147483648, tl.int64)" in source and "kb_ok" not in source

@@ -407,10 +407,9 @@ class AttentionPlan:
                 f"score_mod = {_names(self.score_ops, name)}, "
                 f"{f'p_mod = {_names(self.p_ops, name)}, ' if self.p_ops else ''}"
                 f"lse = {_names(self.lse, name)}, epilogue = {_names(self.epilogue, name)}, "
-                f"key_bound = {_bound(self.bound, name)}"
+                f"{'split = keys, ' if self.kv_split else ''}key_bound = {_bound(self.bound, name)}"
                 + ("" if self.p_out is None else f", stores_p = {name(self.p_out)}")
-                + (f", row_sums = {_names(self.row_sums, name)}" if self.row_sums else "")
-                + (", split = keys" if self.kv_split else "") + "}")
+                + (f", row_sums = {_names(self.row_sums, name)}" if self.row_sums else "") + "}")
 
     def verify(self, check: PlanCheck) -> None:
         check.expect(self.qk, ("matmul",), "q @ k.T")

@@ -117,22 +117,17 @@ class AttentionProgram:
         self.DV = sig.size(self.out_shape[-1])
         for name in ("BLOCK_M", "BLOCK_N", "BLOCK_D", "BLOCK_DV"):
             sig.constexpr(name)
-        M, D = self.M, self.D
+        D = self.D
 
         body("pid = tl.program_id(0)")
-        body(f"m_blocks = tl.cdiv({M}, BLOCK_M)")
-        body("pid_b = pid // m_blocks")
-        if parts.bound is not None:  # the longest rows first: they bound the launch's tail
-            body("pid_m = m_blocks - 1 - pid % m_blocks")
-        else:
-            body("pid_m = pid % m_blocks")
-        self.bnames: list[str | None] = batch_names(self.batch)
-        if self.batch:
-            body("pb = pid_b.to(tl.int64)")
-            decompose(body, "pb", self.batch, self.bnames, sig.size, "pq")
-        body("rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)")
+        if parts.kv_split:  # SPLITS programs per (query block, batch index), one range of keys each
+            sig.constexpr("SPLITS")
+            body("if SPLITS > 1:")
+            with body.indent():
+                body("pid_s = pid % SPLITS")
+                body("pid = pid // SPLITS")
+        self.program_rows(reverse=parts.bound is not None)
         body("rd = tl.arange(0, BLOCK_D)")
-        body("rdv = tl.arange(0, BLOCK_DV)")
         body("rn_base = tl.arange(0, BLOCK_N)")
 
         # q, k and v may come through TMA descriptors (zero-filled at the edges) where the
@@ -155,7 +150,7 @@ class AttentionProgram:
         with self.tma_or_pointers("q", "q", ("pid_m * BLOCK_M", "0"), self.qk_op.dtype):
             operand_tile(em, region, "q", self.operand_ptrs("q", self.q_src, "rm[:, None]", "rd[None, :]",
                                                             "[BLOCK_M, BLOCK_D]"),
-                         f"(rm[:, None] < {M}) & (rd[None, :] < {D})",
+                         f"(rm[:, None] < {self.M}) & (rd[None, :] < {D})",
                          self.a_val, self.q_src, set(parts.q_chain), self.prologue_scalars, self.qk_op.dtype,
                          index=self.operand_index("q", "rm[:, None]", "rd[None, :]"))
 
@@ -189,6 +184,16 @@ class AttentionProgram:
         # (the tail block, the blocks a mask cuts through) evaluate every mask
         offsets = self.offsets
         lower = offsets.lower if offsets is not None else None
+        if parts.kv_split:  # this program's range of keys: whole blocks, every key at SPLITS 1
+            body("if SPLITS > 1:")
+            with body.indent():
+                body(f"kv_chunk = tl.cdiv(tl.cdiv({self.N}, BLOCK_N), SPLITS) * BLOCK_N")
+                body("kv_lo = pid_s * kv_chunk")
+                body("kv_hi = kv_lo + kv_chunk")
+            body("else:")
+            with body.indent():
+                body("kv_lo = 0")
+                body(f"kv_hi = {self.N}")
         start = "0"
         if lower is not None:
             # a window's start: blocks before the first row's are skipped; for an exact mask
@@ -202,7 +207,7 @@ class AttentionProgram:
                 last_row = f"(pid_m + 1) * BLOCK_M - 1{lower.text()}"
                 body("n_in = " + offsets.limit(f"tl.minimum(tl.maximum(n_lo, (tl.maximum(0, {last_row}) "
                                                "+ BLOCK_N - 1) // BLOCK_N * BLOCK_N), n_hi)"))
-                body("for n0 in range(n_lo, n_in, BLOCK_N):")
+                body(f"for n0 in range({self.keys_from('n_lo', 'n_in')}, BLOCK_N):")
                 with body.indent():
                     self.key_block(masked=True, score_inputs=score_inputs, phase=first)
         body(f"n_full = {self.full_blocks_end()}")
@@ -211,12 +216,23 @@ class AttentionProgram:
         if offsets is not None and offsets.ok is not None and parts.bound.exact:
             # where the mask's arithmetic wraps at this call, no block runs without the mask
             body(f"n_full = tl.where({offsets.ok}, n_full, {start})")
-        body(f"for n0 in range({start}, n_full, BLOCK_N):")
+        body(f"for n0 in range({self.keys_from(start, 'n_full')}, BLOCK_N):")
         with body.indent():
             self.key_block(masked=False, score_inputs=score_inputs, phase=first)
-        body(f"for n0 in range(n_full, {'n_hi' if lower is not None else self.key_limit()}, BLOCK_N):")
+        end = "n_hi" if lower is not None else self.key_limit()
+        body(f"for n0 in range({self.keys_from('n_full', end)}, BLOCK_N):")
         with body.indent():
             self.key_block(masked=True, score_inputs=score_inputs, phase=first)
+        if parts.kv_split:  # a split program leaves its partials; the combine launch finishes
+            body("if SPLITS > 1:")
+            with body.indent():
+                self.store_partials()
+            body("else:")
+            with body.indent():
+                if parts.softmax is not None:
+                    self.normalisers()
+                self.finish_rows()
+            return
         if parts.softmax is not None:
             self.normalisers()
         if parts.p_out is not None:
@@ -227,6 +243,112 @@ class AttentionProgram:
             body(f"for n0 in range(0, {self.N}, BLOCK_N):")
             with body.indent():
                 self.key_block(masked=True, score_inputs=score_inputs, phase="probabilities")
+        self.finish_rows()
+
+    def program_rows(self, reverse: bool) -> None:
+        """The program's query block and batch index from `pid`, its rows `rm` and output
+        columns `rdv`; `reverse`: the blocks of the longest rows (a mask's bound) first."""
+        sig, body = self.sig, self.body
+        self.M = sig.size(self.score_shape[-2])
+        self.DV = sig.size(self.out_shape[-1])
+        body(f"m_blocks = tl.cdiv({self.M}, BLOCK_M)")
+        body("pid_b = pid // m_blocks")
+        if reverse:  # the longest rows first: they bound the launch's tail
+            body("pid_m = m_blocks - 1 - pid % m_blocks")
+        else:
+            body("pid_m = pid % m_blocks")
+        self.bnames: list[str | None] = batch_names(self.batch)
+        if self.batch:
+            body("pb = pid_b.to(tl.int64)")
+            decompose(body, "pb", self.batch, self.bnames, sig.size, "pq")
+        body("rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)")
+        body("rdv = tl.arange(0, BLOCK_DV)")
+
+    def keys_from(self, start: str, end: str) -> str:
+        """A walk's range of key blocks, `start, end`, within this program's keys when they
+        may be split."""
+        if not self.parts.kv_split:
+            return f"{start}, {end}"
+        return f"{'kv_lo' if start == '0' else f'tl.maximum({start}, kv_lo)'}, tl.minimum({end}, kv_hi)"
+
+    # --- split-KV: partials and their combine -----------------------------------------------
+
+    def statistics(self) -> list[str]:
+        """What a split program leaves per query row beside its output: the running max and
+        sum of a softmax, then each sum over the keys."""
+        online_state = ["m_i", "l_i"] if self.parts.softmax is not None else []
+        return online_state + [f"rs{k}" for k in range(len(self.parts.row_sums))]
+
+    def partial_rows(self, split: str) -> None:
+        """`ws_row`: the workspace rows of this program's query rows in split `split`'s
+        partials ([SPLITS, batch, M] rows, whatever the blocks), and `ws_mask`."""
+        self.body(f"ws_row = (({split} * {self.sig.numel(self.batch, 'n_batch')} + pid_b) * {self.M} "
+                  "+ rm).to(tl.int64)")
+        self.body(f"ws_mask = rm < {self.M}")
+
+    def store_partials(self) -> None:
+        """This program's unnormalised output and statistics, over its range of keys, in the
+        workspaces: f32 [SPLITS, batch, M, DV] and [SPLITS, batch, M, statistics]."""
+        body = self.body
+        self.partial_rows("pid_s")
+        work = self.sig.workspace(0)
+        body(f"tl.store({work} + ws_row[:, None] * {self.DV} + rdv[None, :], acc, "
+             f"mask=ws_mask[:, None] & (rdv < {self.DV})[None, :])")
+        stats = self.statistics()
+        if stats:
+            work1 = self.sig.workspace(1)
+            for k, name in enumerate(stats):
+                body(f"tl.store({work1} + ws_row * {len(stats)} + {k}, {name}, mask=ws_mask)")
+
+    def emit_combine(self) -> None:
+        """The combine launch: one program per (query block, batch index) merges the SPLITS
+        partials of its rows in split order (an online softmax's outputs rescaled by their
+        maxima, as the walk rescales key blocks; sums added), then normalises, computes the
+        logsumexp, runs the epilogue and stores, as the unsplit kernel does."""
+        sig, body, region, em, parts = self.sig, self.body, self.region, self.em, self.parts
+        epilogue_inputs = inputs_read(region, parts.epilogue)
+        self.refs = {i: sig.tensor("in", i, region.inputs[i].type.shape) for i in epilogue_inputs
+                     if not region.inputs[i].scalar}
+        self.scalars = {i: sig.scalar(i) for i in epilogue_inputs if region.inputs[i].scalar}
+        em.gather_from(region, self.refs, sig.size)
+        self.outs = [sig.tensor("out", j, self.value_type(v).shape) for j, v in enumerate(region.outputs)]
+        for name in ("BLOCK_M", "BLOCK_DV", "SPLITS"):
+            sig.constexpr(name)
+        body("pid = tl.program_id(0)")
+        self.program_rows(reverse=False)
+        softmax = parts.softmax is not None
+        if softmax:
+            body(f"m_i = tl.full([BLOCK_M], {NEG_INF}, tl.float32)")
+            body("l_i = tl.zeros([BLOCK_M], dtype=tl.float32)")
+        for k in range(len(parts.row_sums)):
+            body(f"rs{k} = tl.zeros([BLOCK_M], dtype=tl.float32)")
+        body("acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)")
+        stats = self.statistics()
+        body("for sp in range(0, SPLITS):")
+        with body.indent():
+            self.partial_rows("sp")
+            body(f"o_s = tl.load({sig.workspace(0)} + ws_row[:, None] * {self.DV} + rdv[None, :], "
+                 f"mask=ws_mask[:, None] & (rdv < {self.DV})[None, :], other=0.0)")
+            loaded = {}
+            for k, name in enumerate(stats):
+                other = NEG_INF if name == "m_i" else "0.0"
+                loaded[name] = f"{name}_s"
+                body(f"{name}_s = tl.load({sig.workspace(1)} + ws_row * {len(stats)} + {k}, mask=ws_mask, "
+                     f"other={other})")
+            if softmax:  # both partials rescaled to the larger max (1 where it did not move)
+                body("m_new = tl.maximum(m_i, m_i_s)")
+                body(f"m_safe = {online.finite('m_new')}")
+                body(f"alpha = {online.rescale('m_i', 'm_new', 'm_safe', exp='tl.exp2')}")
+                body(f"beta = {online.rescale('m_i_s', 'm_new', 'm_safe', exp='tl.exp2')}")
+                body("l_i = l_i * alpha + l_i_s * beta")
+                body("acc = acc * alpha[:, None] + o_s * beta[:, None]")
+                body("m_i = m_new")
+            else:
+                body("acc = acc + o_s")
+            for k in range(len(parts.row_sums)):
+                body(f"rs{k} = rs{k} + rs{k}_s")
+        if softmax:
+            self.normalisers()
         self.finish_rows()
 
     def key_block(self, masked: bool, score_inputs: list[int], phase: str = "online") -> None:
@@ -579,6 +701,7 @@ class AttentionProgram:
 
     def launch_rules(self):
         user = {n: hint(self.hints, n, 0) for n in (*DOT_HINTS, "num_warps", "num_stages")}
+        user_splits = hint(self.hints, "SPLITS", 0)
         dims_of = (self.score_shape[-2], self.score_shape[-1], self.value_type(self.a_val).shape[-1],
                    self.out_shape[-1])
         batch = self.batch
@@ -623,7 +746,17 @@ class AttentionProgram:
             """Whether the tiles walk at most 64 keys."""
             return narrow_at[min(width(d, dv), 128)]
 
+        def with_splits(dims: Mapping[str, int], cfg: LaunchConfig, splits: int) -> LaunchConfig:
+            if not self.parts.kv_split:
+                return cfg
+            return LaunchConfig((cfg.grid[0] * splits,), {**cfg.constexprs, "SPLITS": splits},
+                                cfg.num_warps, cfg.num_stages)
+
         def configure(dims: Mapping[str, int], device: str) -> LaunchConfig:
+            cfg = unsplit(dims, device)
+            return with_splits(dims, cfg, self.split_count(dims, cfg, user_splits))
+
+        def unsplit(dims: Mapping[str, int], device: str) -> LaunchConfig:
             m, n, d, dv = sizes(dims)
             if device == "cuda":
                 bm, bn, warps, stages = next(c for c in hopper(d, dv) if not narrow(d, dv) or c[1] <= 64)
@@ -640,18 +773,80 @@ class AttentionProgram:
             m, n, d, dv = sizes(dims)
             if device != "cuda" or not half or m < 128:
                 return []
-            found = [config(dims, bm, bn, w, s, hinted=False) for bm, bn, w, s in hopper(d, dv)
+            # every candidate splits the keys as the default does (the workspace is sized so)
+            splits = configure(dims, device).constexprs.get("SPLITS", 1)
+            found = [with_splits(dims, config(dims, bm, bn, w, s, hinted=False), splits)
+                     for bm, bn, w, s in hopper(d, dv)
                      if bn <= next_pow2(n) and (not narrow(d, dv) or bn <= 64)]
             return hinted_first(configure(dims, device) if any(user.values()) else None, found)
 
         return configure, candidates
+
+    def split_count(self, dims: Mapping[str, int], cfg: LaunchConfig, user: int) -> int:
+        """How many ranges the keys split into at these sizes (`AttentionPlan.kv_split`), from
+        the sizes and blocks alone, so the bits do not depend on the device: the SPLITS hint
+        (at most one range per key block), else where the (query block, batch) programs are
+        fewer than `SPLIT_MIN_PROGRAMS`, enough ranges for `SPLIT_PROGRAMS` programs, each
+        walking at least `SPLIT_MIN_BLOCKS` key blocks; 1 otherwise."""
+        if not self.parts.kv_split:
+            return 1
+        key_blocks = cdiv(evaluate(self.score_shape[-1], dims), cfg.constexprs["BLOCK_N"])
+        if user:
+            return max(1, min(user, key_blocks))
+        programs = cfg.grid[0]
+        if programs >= SPLIT_MIN_PROGRAMS:
+            return 1
+        return max(1, min(cdiv(SPLIT_PROGRAMS, max(programs, 1)), key_blocks // SPLIT_MIN_BLOCKS))
+
+
+# split-KV (`AttentionProgram.split_count`): the keys split where the (query block, batch)
+# programs are fewer than an H100's SMs, into ranges enough for two programs per SM (B=1,
+# H=32 decode: 9 ranges, 288 programs), each at least 4 key blocks long
+SPLIT_MIN_PROGRAMS = 132
+SPLIT_PROGRAMS = 264
+SPLIT_MIN_BLOCKS = 4
+# query rows times head dim a combine program merges at once (f32)
+COMBINE_TILE = 8192
 
 
 def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKernel:
     prog = AttentionProgram(kernel, hints, allow_tf32)
     prog.emit()
     configure, candidates = prog.launch_rules()
-    emitted = finish(kernel, prog.sig, prog.body, configure, prog.em, hints)
+    if not kernel.plan.kv_split:
+        emitted = finish(kernel, prog.sig, prog.body, configure, prog.em, hints)
+        return emitted.with_candidates(candidates)
+    stats = len(prog.statistics())
+    out_shape = prog.out_shape
+
+    def rows(dims: Mapping[str, int]) -> tuple[int, int, int]:
+        """(query rows, batch, head dim of the output) at these sizes."""
+        return (evaluate(prog.score_shape[-2], dims), numel(prog.batch, dims), evaluate(out_shape[-1], dims))
+
+    def workspace(dims: Mapping[str, int], target: str) -> tuple[tuple[int, str], ...]:
+        """The partial outputs and statistics of every split, f32 [SPLITS, batch, M, DV] and
+        [SPLITS, batch, M, statistics] (nothing unsplit)."""
+        splits = configure(dims, target).constexprs["SPLITS"]
+        m, b, dv = rows(dims)
+        n = 0 if splits == 1 else splits * b * m
+        return ((n * dv, "float32"), (n * stats, "float32"))
+
+    comb = AttentionProgram(kernel, hints, allow_tf32)
+    comb.emit_combine()
+
+    def combine(dims: Mapping[str, int], device: str) -> LaunchConfig:
+        """One program per (query block, batch index); none at sizes the keys do not split."""
+        splits = configure(dims, device).constexprs["SPLITS"]
+        m, b, dv = rows(dims)
+        block_dv = max(16, next_pow2(dv))
+        block_m = max(1, min(next_pow2(m), COMBINE_TILE // block_dv))
+        grid = (0 if splits == 1 else cdiv(m, block_m) * b,)
+        return LaunchConfig(grid, {"BLOCK_M": block_m, "BLOCK_DV": block_dv, "SPLITS": splits}, num_warps=4)
+
+    then = finish(kernel, comb.sig, comb.body, combine, comb.em, hints,
+                  fn_name=f"{kernel.name}_attention_combine")
+    emitted = finish(kernel, prog.sig, prog.body, configure, prog.em, hints, workspace=workspace,
+                     then=(then,))
     return emitted.with_candidates(candidates)
 
 

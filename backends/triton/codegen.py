@@ -195,7 +195,11 @@ class Signature:
         return self._add(name, Numel(shape))
 
     def workspace(self, index: int = 0) -> str:
-        return self._add(f"work{index or ''}_ptr", Workspace(index))
+        """The pointer of the kernel's `index`-th workspace, declared once."""
+        name = f"work{index or ''}_ptr"
+        if any(n == name for n, _ in self.params):
+            return name
+        return self._add(name, Workspace(index))
 
     def constexpr(self, name: str) -> str:
         self.constexprs.append(name)

@@ -283,11 +283,25 @@ def loop_profile(compiled: Any, warps: int, work: int, work_unit: str) -> dict[s
 
 
 def _gemm_work(cfg: dict[str, Any]) -> tuple[int, str]:
+    if "BLOCK_K" not in cfg:
+        return _combine_work(cfg)
     return cfg["BLOCK_M"] * cfg["BLOCK_N"] * cfg["BLOCK_K"], "mac"
 
 
 def _score_work(cfg: dict[str, Any]) -> tuple[int, str]:
+    if "BLOCK_N" not in cfg:
+        return _combine_work(cfg)
     return cfg["BLOCK_M"] * cfg["BLOCK_N"], "score"
+
+
+def _combine_work(cfg: dict[str, Any]) -> tuple[int, str]:
+    """The combine launch of a split dot kernel (split-K, split-KV), which has no K or key
+    block: its merge loop's tile of partial elements, one split per iteration."""
+    work = 1
+    for name, value in cfg.items():
+        if name.startswith("BLOCK_") and isinstance(value, int):
+            work *= value
+    return work, "element"
 
 
 def _element_work(cfg: dict[str, Any]) -> tuple[int, str]:
