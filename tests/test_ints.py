@@ -209,10 +209,13 @@ def test_gptq_int4_gemm(m, k, n):
 
 @pytest.mark.parametrize("m, wgmma", [(16, []), (4096, ["m64n128k16"])])
 def test_gptq_int4_gemm_compiles_for_sm90_without_spills(m, wgmma):
-    """A decode's 16 rows and a prefill's 4096, at LLaMA-7B's 4096 x 4096 projection."""
+    """A decode's 16 rows and a prefill's 4096, at LLaMA-7B's 4096 x 4096 projection (the
+    decode's 64 tiles split K: its combine launch too)."""
     fn = tiledsl.compile(EXAMPLES / "gptq_int4_gemm.tdsl")
-    (r,) = aot.inspect_program(fn, {"M": m, "K": 4096, "N": 4096, "KP": 512, "G": 32})
+    r, *combine = aot.inspect_program(fn, {"M": m, "K": 4096, "N": 4096, "KP": 512, "G": 32})
     assert r.spill_bytes == 0 and r.wgmma == wgmma, r
+    assert [c.function for c in combine] == (["k0_combine"] if m == 16 else [])
+    assert all(c.spill_bytes == 0 for c in combine), combine
 
 
 @pytest.mark.parametrize("src", [

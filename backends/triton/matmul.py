@@ -15,6 +15,15 @@ The kernel's region is the matmul plus, optionally,
   row scales [M, 1], full [.., M, N], batch-broadcast, scalars), applied
   before the store; every region output is stored (multi-output epilogues).
 
+Split-K: where a call's output tiles alone cannot fill the GPU (`split_count`: from the
+sizes only, or the SPLITS tile hint), SPLITS programs share each tile's K loop, each over a
+range of whole BLOCK_K blocks, and store the partial products of their range (every
+accumulator's, and the partial sums of the row statistics) in workspaces laid out per output
+element, [SPLITS, batch, M, N]. A second launch, the combine (`emit_combine`, the same
+parameters and epilogue), adds each tile's partials in split order (no atomics: the same
+bits on every run), finalizes the statistics and runs the epilogue. SPLITS is a constexpr:
+at 1 the kernel compiles to what it was unsplit, and the combine's grid is empty.
+
 fp32 dots use IEEE precision unless the program opted into tf32. Triton's
 interpreter multiplies bf16 dot operands as raw bits, so when `INTERPRETER`
 is set they are widened to f32 first. On a GPU, a list of Hopper
@@ -167,8 +176,10 @@ class GemmProgram:
 
     # --- emission ----------------------------------------------------------------------------
 
-    def emit(self) -> None:
-        sig, body, region = self.sig, self.body, self.region
+    def declare(self) -> None:
+        """The parameters the main kernel and its combine both take: every input, the outputs,
+        the sizes M, N, K, and the block constexprs."""
+        sig, region = self.sig, self.region
         a_type = region.inputs[self.sources[0]].type
         self.refs = {i: sig.tensor("in", i, inp.type.shape) for i, inp in enumerate(region.inputs)
                      if not inp.scalar and inp.type.rank > 0}
@@ -177,20 +188,23 @@ class GemmProgram:
                          if not inp.scalar and inp.type.rank == 0}
         self.outs = [sig.tensor("out", j, self.shape) for j in range(len(region.outputs))]
         self.em.gather_from(region, self.refs, sig.size)
-        self.M, self.N = M, N = sig.size(self.shape[-2]), sig.size(self.shape[-1])
+        self.M, self.N = sig.size(self.shape[-2]), sig.size(self.shape[-1])
         self.K = sig.size(a_type.shape[-1])
-        for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M"):
+        self.batch_count = " * ".join(sig.size(d) for d in self.batch if d != 1)
+        self.body(f"tiles_m = tl.cdiv({self.M}, BLOCK_M)")
+        self.body(f"tiles_n = tl.cdiv({self.N}, BLOCK_N)")
+        self.body("tiles = tiles_m * tiles_n")
+        self.body(f"tiles_all = tiles{f' * {self.batch_count}' if self.batch_count else ''}")
+
+    def emit(self) -> None:
+        sig, body = self.sig, self.body
+        self.declare()
+        for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SPLITS"):
             sig.constexpr(name)
         # the rank-0 inputs the operand prologues read, read once per program
         read = set().union(*self.prologues, self.plan.stat_chain)
         self.prologue_scalars = {i: self.scalar_input(i) for i in sorted(read)
-                                 if i < self.n_in and region.inputs[i].type.rank == 0}
-
-        body(f"tiles_m = tl.cdiv({M}, BLOCK_M)")
-        body(f"tiles_n = tl.cdiv({N}, BLOCK_N)")
-        body("tiles = tiles_m * tiles_n")
-        batch = " * ".join(sig.size(d) for d in self.batch if d != 1)
-        body(f"tiles_all = tiles{f' * {batch}' if batch else ''}")
+                                 if i < self.n_in and self.region.inputs[i].type.rank == 0}
         # operands read as they are may come through TMA descriptors (`tma.py`)
         descs = [self.descriptors(which) for which in range(len(self.sources))]
         # an 8-bit B read through a descriptor comes K-major (`EmittedKernel.k_major`): its
@@ -198,17 +212,82 @@ class GemmProgram:
         # shared memory each K step
         self.k_major = tuple(self.sources[w] for w in range(1, len(descs))
                              if descs[w] is not None and self.dots[w].itemsize == 1)
-        # one tile per program, or (a persistent grid) every program-count-th tile
-        body("for pid in range(tl.program_id(0), tiles_all, tl.num_programs(0)):")
+        # one tile per program, or (a persistent grid) every program-count-th tile; split
+        # (SPLITS > 1, never persistent): SPLITS programs a tile, each over its range of K
+        body("first_pid = tl.program_id(0)")
+        body("pid_step = tl.num_programs(0)")
+        body("k_lo = 0")
+        body(f"k_hi = {self.K}")
+        body("if SPLITS > 1:")
+        with body.indent():
+            body("split = first_pid // tiles_all")
+            body("first_pid = first_pid % tiles_all")
+            body("pid_step = tiles_all")
+            # whole blocks of K a split (only the last one's ends in K's tail): a new K
+            # compiles nothing new, and a TMA tile never reads past its split's range
+            body(f"k_chunk = tl.cdiv(tl.cdiv({self.K}, BLOCK_K), SPLITS) * BLOCK_K")
+            body("k_lo = split * k_chunk")
+            # (true, and it keeps ptxas from spilling: 16 bytes of the int4 GEMM's split at M =
+            # 16, its K indices divided in the loop, with Triton's --regAllocOptLevel=2)
+            body("tl.assume(k_lo >= 0)")
+            body(f"k_hi = tl.minimum(k_lo + k_chunk, {self.K})")
+        body("for pid in range(first_pid, tiles_all, pid_step):")
         with body.indent():
             self.tile_body(descs)
 
-    def tile_body(self, descs: list[tma.Descriptors | None]) -> None:
-        """One output tile: its indices, the K loop, the epilogue."""
+    def emit_combine(self) -> None:
+        """The combine launch (a second function, this program's parameters and epilogue):
+        program `pid` adds the partials each split left of its tile's accumulators and row
+        statistics, in split order, finalizes the statistics, and runs the epilogue."""
         sig, body = self.sig, self.body
-        a_src = self.sources[0]
-        a_type = self.region.inputs[a_src].type
-        M, N, K = self.M, self.N, self.K
+        self.declare()
+        for name in ("BLOCK_M", "BLOCK_N", "GROUP_M", "SPLITS"):
+            sig.constexpr(name)
+        self.prologue_scalars = {}  # no prologue: the epilogue reads each rank-0 input itself
+        body("pid = tl.program_id(0)")
+        self.tile_indices()
+        works = [sig.workspace(k) for k in range(len(self.matmuls) + len(self.stats))]
+        for j in range(len(self.stats)):
+            body(f"stat{j} = tl.zeros([BLOCK_M], dtype=tl.float32)")
+            body("for sp in range(0, SPLITS):")
+            with body.indent():
+                body(f"stat{j} += tl.load({works[len(self.matmuls) + j]} + {self.stat_offsets('sp')}, "
+                     f"mask=rm < {self.M}, other=0.0)")
+        self.finalize_stats()
+        accs = self.accumulators()
+        zero = "0" if self.integer else "0.0"
+        for half in (0, 1):
+            body(f"rn = pid_n * BLOCK_N + {half} * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)")
+            body(f"tile_mask = (rm[:, None] < {self.M}) & (rn[None, :] < {self.N})")
+            for acc, work in zip(accs, works[:len(accs)], strict=True):
+                body(f"{acc}_{half} = tl.zeros((BLOCK_M, BLOCK_N // 2), dtype={self.acc_type()})")
+                body("for sp in range(0, SPLITS):")
+                with body.indent():
+                    body(f"{acc}_{half} += tl.load({work} + {self.partial_offsets('sp')}, "
+                         f"mask=tile_mask, other={zero})")
+            self.epilogue([f"{acc}_{half}" for acc in accs])
+
+    def partial_offsets(self, split: str) -> str:
+        """Where split `split`'s partials of the tile `rm` x `rn` lie in an accumulator's
+        workspace, laid out [SPLITS, batch, M, N] (in int64): the same for any block sizes,
+        so an autotuned tile and the combine's agree."""
+        batch = f" * ({self.batch_count})" if self.batch_count else ""
+        return (f"(({split}{batch} + pid_b).to(tl.int64) * {self.M} + rm[:, None]) * {self.N} "
+                f"+ rn[None, :]")
+
+    def stat_offsets(self, split: str) -> str:
+        """Where split `split`'s partial sums of the rows `rm` lie in a row statistic's
+        workspace, laid out [SPLITS, batch, M]."""
+        batch = f" * ({self.batch_count})" if self.batch_count else ""
+        return f"({split}{batch} + pid_b).to(tl.int64) * {self.M} + rm"
+
+    def acc_type(self) -> str:
+        return "tl.int32" if self.integer else "tl.float32"
+
+    def tile_indices(self) -> None:
+        """The tile of program `pid`: its batch element `pid_b` (and batch indices), its rows
+        `rm` and columns `rn`."""
+        sig, body = self.sig, self.body
         body("pid_b = pid // tiles")
         body("t = pid % tiles")
         # grouped order: GROUP_M rows of tiles share the columns they read
@@ -223,6 +302,15 @@ class GemmProgram:
             decompose(body, "pb", self.batch, self.bnames, sig.size, "pq")
         body("rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)")
         body("rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)")
+
+    def tile_body(self, descs: list[tma.Descriptors | None]) -> None:
+        """One output tile: its indices, the K loop (over the split's range of K), then the
+        epilogue, or (split) the partials left for the combine."""
+        body = self.body
+        a_src = self.sources[0]
+        a_type = self.region.inputs[a_src].type
+        M, N, K = self.M, self.N, self.K
+        self.tile_indices()
         body("rk = tl.arange(0, BLOCK_K)")
         a_tile = self.tile(self.refs[a_src], a_type.rank, "rm[:, None]", "rk[None, :]", "[BLOCK_M, BLOCK_K]")
         body(f"a_ptrs = {a_tile}")
@@ -234,13 +322,18 @@ class GemmProgram:
             b_tile = self.tile(self.refs[src], self.region.inputs[src].type.rank, "rk[:, None]",
                                "rn[None, :]", "[BLOCK_K, BLOCK_N]")
             body(f"{names[which]}_ptrs = {b_tile}")
+        steps = self.pointer_steps()
+        if steps:  # a split's pointers start at its range of K
+            body("if SPLITS > 1:")
+            with body.indent():
+                for name, step in steps:
+                    body(f"{name}_ptrs += k_lo * {step}")
         accs = self.accumulators()
-        acc_type = "tl.int32" if self.integer else "tl.float32"
         for acc in accs:
-            body(f"{acc} = tl.zeros((BLOCK_M, BLOCK_N), dtype={acc_type})")
+            body(f"{acc} = tl.zeros((BLOCK_M, BLOCK_N), dtype={self.acc_type()})")
         for j in range(len(self.stats)):
             body(f"stat{j} = tl.zeros([BLOCK_M], dtype=tl.float32)")
-        body(f"for k0 in range(0, {K}, BLOCK_K):")
+        body("for k0 in range(k_lo, k_hi, BLOCK_K):")
         with body.indent():
             body(f"kmask = rk < {K} - k0")
             body(f"a_mask = (rm[:, None] < {M}) & kmask[None, :]")
@@ -252,24 +345,56 @@ class GemmProgram:
                     self.operand(name, which, "a_mask" if which == 0 else "b_mask")
             for acc, name in zip(accs, names[1:], strict=True):
                 body(f"{acc} = tl.dot(a, {name}, {acc}{self.dot_kwargs()})")
-            for which, (name, src) in enumerate(zip(names, self.sources, strict=True)):
-                if self.gathered(which):  # loaded through the indices, no pointers to move
-                    continue
-                step = self.refs[src].strides[-1 if which == 0 else -2]
-                if step is not None:
-                    body(f"{name}_ptrs += BLOCK_K * {step}")
+            for name, step in steps:
+                body(f"{name}_ptrs += BLOCK_K * {step}")
+        body("if SPLITS > 1:")
+        with body.indent():
+            self.store_partials(accs)
+        body("else:")
+        with body.indent():
+            self.finalize_stats()
+            # the epilogue runs on the two column halves of the tile in turn, so the D tiles
+            # it loads and the values it computes live beside half the accumulator, not all
+            for acc in accs:
+                body(f"{acc} = tl.permute(tl.reshape({acc}, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))")
+                body(f"{acc}_0, {acc}_1 = tl.split({acc})")
+            for half in (0, 1):
+                body(f"rn = pid_n * BLOCK_N + {half} * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)")
+                self.epilogue([f"{acc}_{half}" for acc in accs])
+
+    def pointer_steps(self) -> list[tuple[str, str]]:
+        """(tile name, stride along K) of each operand read through pointers that move along
+        K (a gathered operand computes its addresses; a literal size-1 K has no stride)."""
+        out = []
+        for which, (name, src) in enumerate(zip(self.operand_names(), self.sources, strict=True)):
+            if self.gathered(which):
+                continue
+            step = self.refs[src].strides[-1 if which == 0 else -2]
+            if step is not None:
+                out.append((name, step))
+        return out
+
+    def store_partials(self, accs: list[str]) -> None:
+        """A split's partial products of its range of K (and its partial sums of the row
+        statistics, stored by the tile of the first columns) in the workspaces the combine
+        adds up: one per accumulator, then one per statistic."""
+        sig, body = self.sig, self.body
+        body(f"tile_mask = (rm[:, None] < {self.M}) & (rn[None, :] < {self.N})")
+        for k, acc in enumerate(accs):
+            body(f"tl.store({sig.workspace(k)} + {self.partial_offsets('split')}, {acc}, mask=tile_mask)")
+        if self.stats:
+            body("if pid_n == 0:")
+            with body.indent():
+                for j in range(len(self.stats)):
+                    body(f"tl.store({sig.workspace(len(accs) + j)} + {self.stat_offsets('split')}, "
+                         f"stat{j}, mask=rm < {self.M})")
+
+    def finalize_stats(self) -> None:
+        """The row statistics from their sums along K (a mean divides by K)."""
         for j, v in enumerate(self.stats):
             finalize = ops.OPS[self.region.ops[v - self.n_in].op.kind].reduction.finalize
             if finalize is not None:
-                body(f"stat{j} = " + finalize.format(total=f"stat{j}", length=K))
-        # the epilogue runs on the two column halves of the tile in turn, so the D tiles it
-        # loads and the values it computes live beside half the accumulator, not all of it
-        for acc in accs:
-            body(f"{acc} = tl.permute(tl.reshape({acc}, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))")
-            body(f"{acc}_0, {acc}_1 = tl.split({acc})")
-        for half in (0, 1):
-            body(f"rn = pid_n * BLOCK_N + {half} * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)")
-            self.epilogue([f"{acc}_{half}" for acc in accs])
+                self.body(f"stat{j} = " + finalize.format(total=f"stat{j}", length=self.K))
 
     def operand_names(self) -> list[str]:
         """The tile names of the operands: a, b, then b1, b2, ... for the dual matmuls."""
@@ -465,11 +590,16 @@ class GemmProgram:
             return m, n, k
 
         def config(dims: Mapping[str, int], bm: int, bn: int, bk: int, warps: int,
-                   stages: int, persistent: bool = False) -> LaunchConfig:
-            m, n, _ = sizes(dims)
+                   stages: int, persistent: bool = False, splits: int | None = None) -> LaunchConfig:
+            """`splits`: the programs a tile's K loop is shared among (None: as `split_count`
+            gives for these blocks; a persistent grid never splits)."""
+            m, n, k = sizes(dims)
             tiles = cdiv(m, bm) * cdiv(n, bn) * numel(batch, dims)
-            constexprs = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": user["GROUP_M"] or 8}
-            programs = min(tiles, sm_count()) if persistent else tiles
+            if splits is None:
+                splits = 1 if persistent else split_count(tiles, cdiv(k, bk), hint(self.hints, "SPLITS", 0))
+            constexprs = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": user["GROUP_M"] or 8,
+                          "SPLITS": splits}
+            programs = min(tiles, sm_count()) if persistent else tiles * splits
             return LaunchConfig((programs,), constexprs, warps, stages, persistent)
 
         def default(dims: Mapping[str, int]) -> tuple[int, int, int, int, int]:
@@ -516,22 +646,73 @@ class GemmProgram:
             configs = [first] + [c for c in allowed if c != first]
             if dot.itemsize == 1:  # 8-bit operands: a K step of 128 moves the bytes a 16-bit 64 does
                 configs = [(bm, bn, 128, w, s) for bm, bn, _, w, s in configs[:3]] + configs
-            found = [config(dims, bm, bn, bk, w, s) for bm, bn, bk, w, s in configs
+            # every candidate splits as `configure` does: the workspace is sized by it
+            splits = configure(dims, device).constexprs["SPLITS"]
+            found = [config(dims, bm, bn, bk, w, s, splits=splits) for bm, bn, bk, w, s in configs
                      if bm <= next_pow2(m) and bn <= next_pow2(n) and bk <= max(16, next_pow2(k))
                      and (wide or bm * bn <= 128 * 128)]
             # the default first; the first two candidates (128 x 128 and 128 x 256 where the
             # kernel takes it) on a persistent grid too: one program per SM walks the tiles in
-            # grouped order (no launch tail of partial waves)
-            found += [config(dims, c.constexprs["BLOCK_M"], c.constexprs["BLOCK_N"], c.constexprs["BLOCK_K"],
-                             c.num_warps, c.num_stages, persistent=True) for c in found[:2]]
+            # grouped order (no launch tail of partial waves); not where the tiles are so few
+            # that the K loop splits
+            if splits == 1:
+                found += [config(dims, c.constexprs["BLOCK_M"], c.constexprs["BLOCK_N"],
+                                 c.constexprs["BLOCK_K"], c.num_warps, c.num_stages, persistent=True)
+                          for c in found[:2]]
             return hinted_first(configure(dims, device) if any(user.values()) else None, found)
 
-        return configure, candidates
+        def workspace(dims: Mapping[str, int], target: str) -> tuple[tuple[int, str], ...]:
+            """The partials of a split call, laid out per output element ([SPLITS, batch, M,
+            N] for each accumulator, [SPLITS, batch, M] for each row statistic), whatever
+            blocks the launch autotunes to; none unsplit."""
+            splits = configure(dims, target).constexprs["SPLITS"]
+            m, n, _ = sizes(dims)
+            rows = splits * numel(batch, dims) * m if splits > 1 else 0
+            acc = "int32" if self.integer else "float32"
+            return (((rows * n, acc),) * len(self.matmuls)) + (((rows, "float32"),) * len(self.stats))
+
+        def combine(dims: Mapping[str, int], device: str) -> LaunchConfig:
+            """The combine's grid: a program per tile of its own blocks, none unsplit."""
+            splits = configure(dims, device).constexprs["SPLITS"]
+            m, n, _ = sizes(dims)
+            big_m, big_n = (32, 128) if device == "cuda" else (128, 256)
+            bm, bn = max(16, min(next_pow2(m), big_m)), max(32, min(next_pow2(n), big_n))
+            tiles = cdiv(m, bm) * cdiv(n, bn) * numel(batch, dims) if splits > 1 else 0
+            return LaunchConfig((tiles,), {"BLOCK_M": bm, "BLOCK_N": bn, "GROUP_M": 1, "SPLITS": splits},
+                                num_warps=4)
+
+        return configure, candidates, workspace, combine
+
+
+# split-K: output tiles that fill an H100's 132 SMs need no split; fewer share each tile's K
+# loop among programs, aiming at two a SM (as split row programs do, `rows.SPLIT_PROGRAMS`),
+# each walking at least SPLIT_BLOCKS blocks of K. Numbers of the sizes only, never of the
+# device, so every device adds up the same partials.
+SPLIT_TILES = 132
+SPLIT_PROGRAMS = 264
+SPLIT_BLOCKS = 4
+
+
+def split_count(tiles: int, k_blocks: int, hinted: int = 0) -> int:
+    """The programs each of `tiles` output tiles shares its `k_blocks` blocks of K among:
+    the SPLITS hint's (at most one a block), or enough for `SPLIT_PROGRAMS` programs."""
+    if hinted:
+        return max(1, min(hinted, k_blocks))
+    if tiles == 0 or tiles >= SPLIT_TILES:
+        return 1
+    splits = min(cdiv(SPLIT_PROGRAMS, tiles), k_blocks // SPLIT_BLOCKS)
+    return splits if splits >= 2 else 1
 
 
 def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKernel:
+    """The GEMM kernel, and its combine launch (which runs only where a call splits K)."""
     prog = GemmProgram(kernel, hints, allow_tf32)
     prog.emit()
-    configure, candidates = prog.launch_rules()
-    emitted = finish(kernel, prog.sig, prog.body, configure, prog.em, hints)
+    configure, candidates, workspace, combine_rule = prog.launch_rules()
+    combine = GemmProgram(kernel, hints, allow_tf32)
+    combine.emit_combine()
+    then = finish(kernel, combine.sig, combine.body, combine_rule, combine.em, hints,
+                  fn_name=f"{kernel.name}_combine")
+    emitted = finish(kernel, prog.sig, prog.body, configure, prog.em, hints, workspace=workspace,
+                     then=(then,))
     return emitted.with_candidates(candidates).with_k_major(prog.k_major)
