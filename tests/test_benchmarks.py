@@ -123,3 +123,12 @@ def test_split_rows_smoke_run(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split("|")[0].split() == ["case"]
     assert [line.split("|")[2].split()[0] for line in lines[2:]] == ["unsplit", "torch", "torch", "torch"]
+
+
+def test_split_k_smoke_run(capsys):
+    assert load("split_k").main(["--device", "cpu", "--quick"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split("|")[0].split() == ["case"]
+    rows = [line.split("|") for line in lines[2:]]
+    assert [r[3].split()[0] for r in rows] == ["unsplit", "torch"]
+    assert all(r[1].split() == ["4", "4"] for r in rows), rows  # four splits of the one tile
