@@ -17,6 +17,14 @@ parameter: reading a parameter through a reshape view is already free), read by 
 but elementwise ops, whose other operands are scalars or values that broadcast to the
 op's shape; in one walk in dependency order, so a chain sinks op by op. Each rewrite is
 a fused remark. Runs before recompute and the fusion passes.
+
+A unit view (a reshape or a slice that only drops or inserts size-1 dims: `mu[0, :, 0]` of
+batch norm's `[1, C, 1]` statistic, `loss[:, 0]`) sinks the same way, and the other
+operands need no gather: each is viewed in the source's shape too, and an elementwise op
+computing one (read by nothing else) is computed in that shape itself, down to its
+parameters and scalars. So batch norm's running statistics, `(1 - m) * running_mean + m *
+mu[0, :, 0]`, are per-channel values of the statistics' row program, not a kernel of their
+own.
 """
 
 from __future__ import annotations
@@ -61,12 +69,15 @@ def _sink(graph: Graph, node: int, remarks: list) -> bool:
     view = operands[found]
     (src,) = graph.operands(view)
     inner = graph.op(src).shape
+    unit = _unit(inner, op.shape)
     new_operands = []
     for i, o in enumerate(operands):
         if i == found:
             new_operands.append(src)
         elif graph.op(o).shape == ():
             new_operands.append(o)
+        elif unit:
+            new_operands.append(_lifted(graph, o, _unit_shape(graph.op(o).shape, inner, op.shape), node))
         else:
             new_operands.append(_gathered(graph, o, inner, op.shape, op.span))
     b = Builder(graph)
@@ -78,7 +89,8 @@ def _sink(graph: Graph, node: int, remarks: list) -> bool:
     remarks.append(FusionRemark(
         NAME, True, None, graph.op(view), op,
         f"{describe_node(graph, node)} is computed in the reshape's source shape "
-        f"{format_shape(inner)}, its other operands gathered at the matching index, and reshaped "
+        f"{format_shape(inner)}, its other operands "
+        f"{'viewed in that shape' if unit else 'gathered at the matching index'}, and reshaped "
         f"to {format_shape(op.shape)} after: the kernel computing {format_shape(inner)} can take it"))
     graph.replace_uses(node, back)
     graph.remove(node)
@@ -88,15 +100,64 @@ def _sink(graph: Graph, node: int, remarks: list) -> bool:
 
 
 def _sinkable(graph: Graph, operand: int, shape) -> bool:
-    """A reshape to `shape` of a computed value, read only by elementwise ops."""
+    """A reshape to `shape` (or a slice that is a unit view) of a computed value, read only
+    by elementwise ops."""
     op = graph.op(operand)
-    if not (isinstance(op, Op) and op.kind == "reshape" and op.shape == shape):
+    if not (isinstance(op, Op) and op.kind in ("reshape", "slice") and op.shape == shape):
         return False
     (src,) = graph.operands(operand)
     producer = graph.op(src)
+    if op.kind == "slice" and not _unit_slice(op, producer.shape):
+        return False
     return (isinstance(producer, Op) and producer.kind not in ("param", "reshape", "slice", "transpose")
             and all(isinstance(graph.op(u), Op) and ops.is_elementwise(graph.op(u).kind)
                     for u, _ in graph.users(operand)))
+
+
+def _unit(inner, outer) -> bool:
+    """Whether a view between the shapes only drops or inserts size-1 dims."""
+    return [d for d in inner if d != 1] == [d for d in outer if d != 1]
+
+
+def _unit_slice(op: Op, source) -> bool:
+    """A slice that reads every element of its source: whole ranges, new axes, and index 0
+    of size-1 dims."""
+    axis = 0
+    for item in op.attr("items"):
+        if item[0] == "new":
+            continue
+        if item[0] == "at" and (item[1] != 0 or source[axis] != 1):
+            return False
+        if item[0] == "range" and (item[1] != 0 or item[3] != 1):
+            return False
+        axis += 1
+    return _unit(source, op.shape)
+
+
+def _unit_shape(shape, inner, outer) -> tuple:
+    """The shape in `inner`'s rank of a value of `shape` that broadcasts to `outer`, where
+    `outer` is a unit view of `inner`: its dims at their places among inner's, 1 elsewhere."""
+    full = (1,) * (len(outer) - len(shape)) + tuple(shape)
+    places = iter(j for j, d in enumerate(outer) if d != 1)
+    return tuple(full[next(places)] if d != 1 else 1 for d in inner)
+
+
+def _lifted(graph: Graph, value: int, shape, reader: int) -> int:
+    """`value` viewed in `shape` (a unit view): an elementwise op read by `reader` alone is
+    computed in that shape itself, its operands lifted in turn; anything else is viewed."""
+    op = graph.op(value)
+    if op.shape == shape:
+        return value
+    if isinstance(op, Op) and ops.is_elementwise(op.kind) and op.kind not in ("take", "index") \
+            and {u for u, _ in graph.users(value)} == {reader} and op.shape != ():
+        operands = [o if graph.op(o).shape == () else
+                    _lifted(graph, o, _unit_shape(graph.op(o).shape, shape, op.shape), value)
+                    for o in graph.operands(value)]
+        b = Builder(graph)
+        t = b.type_of(op.kind, operands, **op.attr_map)
+        if t is not None and t.shape == tuple(shape) and t.dtype is op.dtype:
+            return b.copy(op, operands)
+    return Builder(graph).op("reshape", [value], op.span, shape=tuple(shape), copy=False)
 
 
 def _gathered(graph: Graph, value: int, inner, outer, span: Span | None) -> int:
