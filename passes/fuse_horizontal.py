@@ -33,7 +33,15 @@ from dataclasses import dataclass
 
 from tiledsl import cost
 from tiledsl.ir import Graph, KernelOp
-from tiledsl.passes.fusion.legality import Group, GroupPlan, RowSpace, row_layouts
+from tiledsl.passes.fusion.legality import (
+    Group,
+    GroupPlan,
+    RowSpace,
+    across_reductions,
+    row_layouts,
+    short_across,
+    split_tail,
+)
 from tiledsl.passes.fusion.profitability import LAUNCH_BOUND_BYTES, MAX_ROW_OPS, MAX_ROW_PHASES
 from tiledsl.passes.fusion.remarks import FusionRemark, Refusal, Rule
 from tiledsl.passes.fusion.spec import PointwiseSpec, RowSpec
@@ -51,43 +59,51 @@ class FuseHorizontal(Pass):
     name = NAME
 
     def run(self, graph: Graph, ctx: PassContext) -> None:
-        for members in _groups(graph, ctx, _space, _refusal):
-            merge_kernels(graph, members, _spec(graph.op(members[0])))
-        for members in _groups(graph, ctx, _launch, _launch_refusal):
+        for key, members in _groups(graph, ctx, _spaces, _refusal):
+            merge_kernels(graph, members, _spec(key))
+        for _, members in _groups(graph, ctx, _launch, _launch_refusal):
             merge_kernels(graph, members)
 
 
-def _groups(graph: Graph, ctx: PassContext, key_of, refusal_of) -> list[list[int]]:
-    """The groups of kernels to merge, each in program order, with a fused remark each: a
-    kernel joins the first group that `refusal_of` allows among those over its `key_of`
-    that it shares an input with (or, launch-bound, groups of launch-bound kernels; a
-    reduction, the last group of reductions). Refusals of kernels that share an input are
-    remarks too; `SKIP` passes a group over silently."""
+def _groups(graph: Graph, ctx: PassContext, keys_of, refusal_of) -> list[tuple[tuple, list[int]]]:
+    """The groups of kernels to merge, each with the key it merged over and its members in
+    program order, with a fused remark each: a kernel joins the first group that
+    `refusal_of` allows among those over one of its `keys_of` (the first its own plan's, any
+    other a space it may be planned over too) that it shares an input with (or, launch-bound,
+    groups of launch-bound kernels; a reduction, the last group of reductions). A group is
+    over every key of its seed until a kernel joins it over one. Refusals of kernels that
+    share an input are remarks too; `SKIP` passes a group over silently."""
     plan = GroupPlan(graph)
     groups: list[Group] = []
+    group_keys: list[tuple[tuple, ...]] = []  # the keys each group may still merge over
     by_input: dict[tuple, dict[int, None]] = {}  # (key, input edge) -> groups reading it
     small: dict[tuple, dict[int, None]] = {}  # key -> groups of launch-bound kernels
     reducing: dict[tuple, int] = {}  # key -> the last group of reductions over it
     for node in graph.topo_order():
         op = graph.op(node)
-        key = key_of(op) if isinstance(op, KernelOp) else None
-        if key is None:
+        keys = keys_of(op) if isinstance(op, KernelOp) else ()
+        if not keys:
             continue
         # only groups that share an input with the kernel (or, for a launch-bound kernel,
         # groups of launch-bound ones) are tried: merging stays linear in the program
         inputs = _inputs(graph, node)
-        tried = dict.fromkeys(g for e in inputs for g in by_input.get((key, e), {}))
-        if _launch_bound(graph, node):
-            tried.update(small.get(key, {}))
-        if _reduces(op) and key in reducing:
-            tried[reducing[key]] = None
-        for gid in tried:
+        tried: dict[tuple[int, tuple], None] = {}
+        for key in keys:
+            tried.update(dict.fromkeys((g, key) for e in inputs for g in by_input.get((key, e), {})))
+            if _launch_bound(graph, node):
+                tried.update(dict.fromkeys((g, key) for g in small.get(key, {})))
+            if _reduces(op) and key in reducing:
+                tried[reducing[key], key] = None
+        for gid, key in tried:
             group = groups[gid]
-            refusal = refusal_of(graph, plan, group, node)
+            if key not in group_keys[gid]:
+                continue
+            refusal = refusal_of(graph, plan, group, node, key)
             if refusal is None:
                 group.add(node)
                 plan.groups[gid].append(node)
                 plan.group_of[node] = gid
+                group_keys[gid] = (key,)
                 break
             if refusal is not SKIP and _shared(graph, group, node):
                 ctx.remarks.append(FusionRemark.refused(NAME, refusal, _first_op(graph, group.seed),
@@ -95,20 +111,23 @@ def _groups(graph: Graph, ctx: PassContext, key_of, refusal_of) -> list[list[int
         else:
             gid = len(groups)
             groups.append(Group(plan, node))
+            group_keys.append(keys)
             plan.add_group([node])
-        for e in inputs:
-            by_input.setdefault((key, e), {})[gid] = None
-        if _launch_bound(graph, node) and all(_launch_bound(graph, m) for m in groups[gid]):
-            small.setdefault(key, {})[gid] = None
-        if all(_reduces(graph.op(m)) for m in groups[gid]):
-            reducing[key] = gid
+        for key in group_keys[gid]:
+            for e in inputs:
+                by_input.setdefault((key, e), {})[gid] = None
+            if _launch_bound(graph, node) and all(_launch_bound(graph, m) for m in groups[gid]):
+                small.setdefault(key, {})[gid] = None
+            if all(_reduces(graph.op(m)) for m in groups[gid]):
+                reducing[key] = gid
     merged = []
-    for group in groups:
+    for gid, group in enumerate(groups):
         if len(group) > 1:
             members = sorted(group, key=plan.order.__getitem__)
+            key = group_keys[gid][0]
             ctx.remarks.append(FusionRemark(NAME, True, None, _first_op(graph, members[0]),
-                                            _first_op(graph, members[-1]), _saving(graph, members)))
-            merged.append(members)
+                                            _first_op(graph, members[-1]), _saving(graph, members, key)))
+            merged.append((key, members))
     return merged
 
 
@@ -121,23 +140,37 @@ def _space(kernel: KernelOp) -> tuple | None:
     return None
 
 
-def _spec(kernel: KernelOp) -> PointwiseSpec | RowSpec:
-    """The spec of kernels merged over their one space: the space itself."""
+def _spaces(kernel: KernelOp) -> tuple[tuple, ...]:
+    """The spaces a kernel may merge over: its own, and for a row program reducing along
+    one dim that is not the last (column sums: a bias's gradient), the space whose rows run
+    along the last dim, where its reductions are across the rows, split (so it merges with
+    the split row program of a norm's backward reading the same gradient)."""
+    own = _space(kernel)
+    if own is None:
+        return ()
     plan = kernel.plan
-    if isinstance(plan, RowPlan):
-        return RowSpec(RowSpace(plan.shape, plan.axes))
-    return PointwiseSpec(plan.shape)
+    if not isinstance(plan, RowPlan) or plan.split or len(plan.axes) != 1 \
+            or plan.axes[0] == len(plan.shape) - 1 or not _reduces(kernel):
+        return (own,)
+    return (own, (kernel.template, plan.shape, (len(plan.shape) - 1,)))
 
 
-def _launch(kernel: KernelOp) -> tuple | None:
+def _spec(key: tuple) -> PointwiseSpec | RowSpec:
+    """The spec of kernels merged over their one space (`_space`): the space itself."""
+    if len(key) == 3:
+        return RowSpec(RowSpace(key[1], key[2]))
+    return PointwiseSpec(key[1])
+
+
+def _launch(kernel: KernelOp) -> tuple[tuple, ...]:
     """What kernels merged into one launch over different spaces share: a pointwise or row
     program whose results are all computed (a copy of an input is not merged)."""
     n_in = len(kernel.region.inputs)
     if _space(kernel) is None or any(v < n_in for v in kernel.region.outputs):
-        return None
+        return ()
     if isinstance(kernel.plan, RowPlan) and (kernel.plan.long_selections(kernel.region) or kernel.plan.split):
-        return None  # a launch's members take no workspace (a long sort's, partials) and are one launch
-    return ()
+        return ()  # a launch's members take no workspace (a long sort's, partials) and are one launch
+    return ((),)
 
 
 SKIP = Refusal(Rule.PROFIT, "one iteration space: the kernels' own merge decides")
@@ -153,7 +186,7 @@ def _independent_and_worth_it(graph: Graph, plan: GroupPlan, group: Group, node:
     return None
 
 
-def _launch_refusal(graph: Graph, plan: GroupPlan, group: Group, node: int) -> Refusal | None:
+def _launch_refusal(graph: Graph, plan: GroupPlan, group: Group, node: int, key: tuple) -> Refusal | None:
     """Kernels over different spaces: one launch, its programs partitioned among them. Each
     keeps its own code, so what bounds the merge is the launch's source: `MAX_ROW_OPS` ops."""
     if _space(graph.op(node)) in {_space(graph.op(m)) for m in group}:
@@ -166,7 +199,7 @@ def _launch_refusal(graph: Graph, plan: GroupPlan, group: Group, node: int) -> R
     return refusal
 
 
-def _refusal(graph: Graph, plan: GroupPlan, group: Group, node: int) -> Refusal | None:
+def _refusal(graph: Graph, plan: GroupPlan, group: Group, node: int, key: tuple) -> Refusal | None:
     refusal = _independent_and_worth_it(graph, plan, group, node)
     if refusal is not None:
         return refusal
@@ -178,9 +211,15 @@ def _refusal(graph: Graph, plan: GroupPlan, group: Group, node: int) -> Refusal 
         if max(max(graph.op(m).plan.phases, default=0) for m in (*group, node)) > MAX_ROW_PHASES:
             return Refusal(Rule.PROFIT, f"the merged row program would exceed {MAX_ROW_PHASES} phases")
         region, _, _ = merged_region(graph, [*sorted(group, key=plan.order.__getitem__), node])
-        layouts = row_layouts(region, RowSpace(kernel.plan.shape, kernel.plan.axes))
+        space = RowSpace(key[1], key[2])
+        layouts = row_layouts(region, space)
         if not isinstance(layouts, dict):  # one input read along different dims, say
             return Refusal(layouts.rule, f"merged, {layouts.detail}")
+        across, reducing = across_reductions(region, space, layouts)
+        if across is not None and not short_across(space, across):
+            tail = split_tail(region, layouts, reducing)
+            if isinstance(tail, Refusal):
+                return Refusal(tail.rule, f"merged, {tail.detail}")
     return None
 
 
@@ -208,7 +247,7 @@ def _launch_bound(graph: Graph, node: int) -> bool:
     return all(not mono for mono in traffic) and cost.evaluate(traffic, {}) <= LAUNCH_BOUND_BYTES
 
 
-def _saving(graph: Graph, members: list[int]) -> str:
+def _saving(graph: Graph, members: list[int], key: tuple) -> str:
     """What merging saves: launches, and the bytes of inputs read once instead of per kernel."""
     reads: dict[tuple[int, int], int] = {}
     for m in members:
@@ -219,18 +258,24 @@ def _saving(graph: Graph, members: list[int]) -> str:
     kernel = graph.op(members[0])
     fewer = len(members) - 1
     launches = f"{fewer} launch{'es' if fewer > 1 else ''} fewer"
-    if _space(kernel) != _space(graph.op(members[1])):
-        spaces = ", ".join(_space_text(graph.op(m)) for m in members)
+    if key == ():
+        spaces = ", ".join(_space_text(graph.op(m).plan) for m in members)
         return (f"{len(members)} kernels over different iteration spaces ({spaces}) as one launch, "
                 f"its programs partitioned among them: {launches}")
     shared = f"; shared inputs read once: saves {cost.format_poly(saved)} B" if saved else ""
-    return f"{len(members)} {kernel.template} kernels over {_space_text(kernel)} as one: {launches}{shared}"
+    space = _spec(key).space if len(key) == 3 else None
+    replanned = [m for m in members if _space(graph.op(m)) != key]
+    across = "" if not replanned else (
+        f" ({', '.join(_space_text(graph.op(m).plan) for m in replanned)} reduced across its rows)")
+    text = _space_text(space) if space is not None else format_shape(key[1])
+    return f"{len(members)} {kernel.template} kernels over {text} as one{across}: {launches}{shared}"
 
 
-def _space_text(kernel: KernelOp) -> str:
-    text = format_shape(kernel.plan.shape)
-    if isinstance(kernel.plan, RowPlan):
-        axes = kernel.plan.axes
+def _space_text(plan) -> str:
+    """A pointwise or row plan's space (or a `RowSpace`) as text."""
+    text = format_shape(plan.shape)
+    if isinstance(plan, RowPlan | RowSpace):
+        axes = plan.axes
         text += f" rows along axis {axes[0]}" if len(axes) == 1 else f" rows along axes {axes}"
     return text
 
