@@ -69,9 +69,16 @@ def compile_launch(launch: Launch, target: tuple[str, int, int] = SM90, config: 
     return triton.compile(source, target=GPUTarget(*target), options=options)
 
 
-# the ptxas options of Triton's `make_cubin` (Triton 3.6-3.9: line info, and its workaround
-# for a register allocation bug of ptxas 13; FFMA fusion is on, as `launch.PINNED_OPTIONS` has it)
-PTXAS_OPTIONS = ("-lineinfo", "--regAllocOptLevel=2")
+def ptxas_options() -> tuple[str, ...]:
+    """The ptxas options the installed Triton's `make_cubin` passes: line info, and where it
+    has it its workaround for a register allocation bug of ptxas 13 (`--regAllocOptLevel=2`,
+    Triton 3.9 here); FFMA fusion is on, as `launch.PINNED_OPTIONS` has it."""
+    import inspect
+
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    source = inspect.getsource(CUDABackend.make_cubin)
+    return ("-lineinfo", *(["--regAllocOptLevel=2"] if "--regAllocOptLevel=2" in source else []))
 
 
 def resource_usage(compiled: Any, arch: int = 90) -> dict[str, int]:
@@ -79,7 +86,7 @@ def resource_usage(compiled: Any, arch: int = 90) -> dict[str, int]:
 
     The numbers a GPU driver would report (`n_spills`, `n_regs`) need a GPU;
     ptxas gives the same counts from the PTX on any machine, run with the options Triton
-    compiles the cubin with (`PTXAS_OPTIONS`: its register allocation differs without them;
+    compiles the cubin with (`ptxas_options`: its register allocation differs without them;
     a split-KV decode kernel spilled 12 bytes at 72 registers where the cubin Triton built
     used 77 and none).
     """
@@ -96,7 +103,7 @@ def resource_usage(compiled: Any, arch: int = 90) -> dict[str, int]:
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "kernel.ptx"
         src.write_text(ptx)
-        result = subprocess.run([get_ptxas(arch).path, *PTXAS_OPTIONS, "-v", f"--gpu-name={gpu}", str(src),
+        result = subprocess.run([get_ptxas(arch).path, *ptxas_options(), "-v", f"--gpu-name={gpu}", str(src),
                                  "-o", str(Path(tmp) / "kernel.cubin")],
                                 capture_output=True, text=True, check=True)
     text = result.stdout + result.stderr

@@ -941,6 +941,10 @@ SELECT_CHUNK = 1 << 12
 CHUNK_LOG = 12
 
 
+# the block a one-phase row program writing one value per row walks its row in (`one_pass_limit`)
+ROW_WALK = 1 << 13
+
+
 def one_pass_limit(plan: RowPlan, region) -> int:
     """The longest row a CUDA program holds in registers (read once), by what the build that
     really runs shows (`tiledsl ptx`, sm_90): 32k elements with 16 warps and no spills, but
@@ -949,12 +953,18 @@ def one_pass_limit(plan: RowPlan, region) -> int:
     dependent reduction (each keeps another row-sized value live: layernorm's centred
     row), and 32k words of a scan's
     partials (a linear_scan's two f32 ones: 16k elements). Longer rows loop, reading the
-    row once per phase with online softmax and logsumexp."""
+    row once per phase with online softmax and logsumexp. A program of one phase writing
+    nothing along the row (every output one per row: a loss, a norm) reads its row once
+    either way and loops at `ROW_WALK`: a cross-entropy of a 32k vocabulary in one pass
+    spilled 568 bytes (Triton 3.9's ptxas options), walking 8k elements none, at fewer
+    instructions per element."""
     n_in = len(region.inputs)
     words = sum(inp.type.dtype.itemsize >= 4 for i, inp in enumerate(region.inputs) if plan.full(i))
     wide = words > 1 or words == 1 and any(ops.in_f64(region.ops[v - n_in].op) for v in plan.reducing)
     phases = max(plan.phases, default=0)
     limit = (1 << 14 if wide else 1 << 15) >> max(0, phases - 1)
+    if phases <= 1 and not any(plan.full(v) for v in region.outputs):
+        limit = min(limit, ROW_WALK)
     return min([limit] + [(1 << 15) // words for words in scan_words(plan, region)])
 
 
