@@ -253,3 +253,19 @@ def test_ptx_json_shows_the_split_gemm_and_its_combine(tmp_path):
     main, combine = json.loads(out)["kernels"]
     assert (main["function"], combine["function"]) == ("k0_matmul", "k0_combine")
     assert main["grid"] == [320] and main["config"]["SPLITS"] == 5
+
+
+def test_a_split_of_far_rows_computes_its_offsets_in_int64():
+    """A whose rows lie 2^30 elements apart (`test_offsets64`'s views): the call is WIDE, and a
+    split's pointers start at its range of K in int64."""
+    from test_offsets64 import FAR, SLOT, Far
+
+    try:
+        storage = torch.empty(2 * FAR + 4 * SLOT, dtype=torch.float16)
+    except RuntimeError as err:
+        pytest.fail(f"cannot reserve 4 GB of address space for the far views: {err}")
+    a = Far(storage)(3, 1000)
+    fn, _ = run_checked(hinted(3, GEMM.format(dt="f16")), a, randn(1000, 17, dtype=torch.float16))
+    (main,) = [x for x in fn.launches if x.kernel.fn_name == "k0_matmul"]
+    assert {arg.name: arg.value for arg in main.arguments}["WIDE"] is True
+    assert launches(fn) == SPLIT
