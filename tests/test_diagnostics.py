@@ -61,7 +61,7 @@ def test_unknown_character():
 
 def test_unexpected_token_lists_what_fits():
     assert rendered("kernel f(x: f32[N]) f32[N] {\n    return x\n}") == expect("""
-        <string>:1:21: error: unexpected name 'f32'; expected '->'
+        <string>:1:21: error: unexpected name 'f32'; expected one of: '->', a newline
             kernel f(x: f32[N]) f32[N] {
                                 ^~~
     """)

@@ -236,3 +236,18 @@ def test_other_unicode_in_comments_and_strings_is_fine():
     without controls (its order is the text's own), parses."""
     src = "kernel f(x: f32[N]) -> f32[N] {  # café, \u05e9\u05dc\u05d5\u05dd\n    return x\n}\n"
     assert len(body(src)) == 1
+
+
+def test_a_signature_may_break_before_its_return_type():
+    """Model code wraps long signatures: the return type may start the next line."""
+    import torch
+
+    import tiledsl
+
+    fn = tiledsl.compile("""kernel f(x: f32[N], y: f32[N])
+            -> (f32[N], f32[]) {
+        return x + y, sum(x * y, axis=0)
+    }""")
+    x, y = torch.arange(5.0) + 1, torch.arange(5.0) * 2 - 3
+    s, d = fn(x, y)
+    assert torch.equal(s, x + y) and d.item() == float((x * y).sum())
