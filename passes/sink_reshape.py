@@ -18,8 +18,8 @@ but elementwise ops, whose other operands are scalars or values that broadcast t
 op's shape; in one walk in dependency order, so a chain sinks op by op. Each rewrite is
 a fused remark. Runs before recompute and the fusion passes.
 
-A unit view (a reshape or a slice that only drops or inserts size-1 dims: `mu[0, :, 0]` of
-batch norm's `[1, C, 1]` statistic, `loss[:, 0]`) sinks the same way, and the other
+A unit view (a reshape that only drops or inserts size-1 dims, or a slice that only drops
+them: `mu[0, :, 0]` of batch norm's `[1, C, 1]` statistic, `loss[:, 0]`) sinks the same way, and the other
 operands need no gather: each is viewed in the source's shape too, and an elementwise op
 computing one (read by nothing else) is computed in that shape itself, down to its
 parameters and scalars. So batch norm's running statistics, `(1 - m) * running_mean + m *
@@ -70,6 +70,9 @@ def _sink(graph: Graph, node: int, remarks: list) -> bool:
     (src,) = graph.operands(view)
     inner = graph.op(src).shape
     unit = _unit(inner, op.shape)
+    if graph.op(view).kind == "slice" and not all(
+            _liftable(graph, o, node) for i, o in enumerate(operands) if i != found):
+        return False  # (a slice of another computed value: the op stays where its reader is)
     new_operands = []
     for i, o in enumerate(operands):
         if i == found:
@@ -120,12 +123,14 @@ def _unit(inner, outer) -> bool:
 
 
 def _unit_slice(op: Op, source) -> bool:
-    """A slice that reads every element of its source: whole ranges, new axes, and index 0
-    of size-1 dims."""
+    """A slice that reads every element of its source and drops size-1 dims (whole ranges
+    and index 0 of size-1 dims): a value the kernel computing the source keeps per row
+    (`mu[0, :, 0]`). One that inserts dims (`x[:, None]`) does not sink: its readers are
+    computed in the larger shape, where a row program reading them is."""
     axis = 0
     for item in op.attr("items"):
         if item[0] == "new":
-            continue
+            return False
         if item[0] == "at" and (item[1] != 0 or source[axis] != 1):
             return False
         if item[0] == "range" and (item[1] != 0 or item[3] != 1):
@@ -140,6 +145,18 @@ def _unit_shape(shape, inner, outer) -> tuple:
     full = (1,) * (len(outer) - len(shape)) + tuple(shape)
     places = iter(j for j, d in enumerate(outer) if d != 1)
     return tuple(full[next(places)] if d != 1 else 1 for d in inner)
+
+
+def _liftable(graph: Graph, value: int, reader: int) -> bool:
+    """Whether `_lifted` computes `value` in a unit view's source shape without viewing a
+    computed value: a scalar, a parameter, or an elementwise op of such read by `reader`
+    alone."""
+    op = graph.op(value)
+    if op.shape == () or (isinstance(op, Op) and op.kind == "param"):
+        return True
+    return isinstance(op, Op) and ops.is_elementwise(op.kind) and op.kind not in ("take", "index") \
+        and {u for u, _ in graph.users(value)} == {reader} \
+        and all(_liftable(graph, o, value) for o in graph.operands(value))
 
 
 def _lifted(graph: Graph, value: int, shape, reader: int) -> int:

@@ -231,3 +231,14 @@ def test_split_kv_benchmark_smoke_run(capsys):
     rows = [line.split("|") for line in lines[2:]]
     assert [r[3].split()[0] for r in rows] == ["unsplit", "sdpa", "unsplit", "sdpa"]
     assert all(r[1].split() == ["2"] for r in rows), rows  # 4 programs: 1000 keys in 2 ranges
+
+
+def test_an_epilogue_of_scalar_expressions_is_computed_again_by_the_combine():
+    """`(s + N)` scales the scores and the output: the combine computes it again from the
+    scalar and the dim."""
+    fn = tiledsl.compile("""@tile(SPLITS=3)
+    kernel f(x: f32[M, N], w: f32[N, N], s: f32) -> f32[M, N] {
+        return softmax(x @ (w * (s + N)).T * (s + N)) @ w * (s + N)
+    }""")
+    run_checked(fn, randn(5, 700, seed=1, scale=0.01), randn(700, 700, seed=2, scale=0.01), 0.5, sm90=False)
+    assert launches(fn) == ["k0_attention", "k0_attention_combine"]
