@@ -232,9 +232,12 @@ def _reduces(kernel: KernelOp) -> bool:
 
 
 def _inputs(graph: Graph, node: int) -> set[tuple[int, int]]:
+    """The tensors a kernel reads that merging may share: those with elements, and the 0-d
+    results of other kernels (a clipping coefficient every gradient's scale reads: merged,
+    the scales are one launch, as torch's foreach kernels are)."""
     kernel = graph.op(node)
     return {e for e, inp in zip(graph.operand_edges(node), kernel.region.inputs, strict=True)
-            if not inp.scalar and inp.type.rank > 0}
+            if not inp.scalar and (inp.type.rank > 0 or isinstance(graph.op(e[0]), KernelOp))}
 
 
 def _shared(graph: Graph, group, node: int) -> set[tuple[int, int]]:

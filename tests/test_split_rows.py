@@ -254,3 +254,26 @@ def test_a_column_sum_merges_into_the_split_row_program_reading_the_same_gradien
     x, w, b, dy = randn(613, 211, seed=1), randn(211, seed=2), randn(211, seed=3), randn(613, 211, seed=4)
     run_checked(fn, x, w, b, dy, sm90=False)
     assert launches(fn) == ["k0_combine", "k0_rows"]
+
+
+def test_clip_grad_norm_scales_every_gradient_in_one_launch():
+    """torch's clip_grad_norm_ (norm 2) over three gradients: each gradient's sum of squares
+    is a (split) row program, the last adding the others in its combine; the three scales
+    read the one clipping coefficient and are one merged launch (4 kernels; the three norms
+    in one launch with their combines in order is not built)."""
+    fn = tiledsl.compile("""kernel clip(g1: f32[A, K], g2: f32[K], g3: f32[C, E], max_norm: f32)
+            -> (f32[A, K], f32[K], f32[C, E], f32[]) {
+        total_norm = sqrt(sum(g1 * g1, axis=None) + sum(g2 * g2, axis=None) + sum(g3 * g3, axis=None))
+        clip_coef = minimum(max_norm / (total_norm + 1e-6), 1.0)
+        return g1 * clip_coef, g2 * clip_coef, g3 * clip_coef, total_norm
+    }""")
+    assert [k.template for k in fn.kernels] == ["rows", "rows", "rows", "merged"], fn.explain()
+    grads = randn(613, 113, seed=1), randn(113, seed=2), randn(64, 17, seed=3)
+    out = fn(*grads, 5.0)
+    params = [torch.nn.Parameter(torch.zeros_like(g, dtype=torch.float64)) for g in grads]
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g.double().clone()
+    total = torch.nn.utils.clip_grad_norm_(params, 5.0, foreach=False)
+    for got, p in zip(out[:3], params, strict=True):
+        torch.testing.assert_close(got.double(), p.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out[3].double(), total, rtol=1e-5, atol=0)
