@@ -20,10 +20,17 @@ After: one `matmul` kernel per matmul whose region holds
   (LLaMA's MLP `silu(x @ w1.T) * (x @ w3.T)`), with its own B operand and
   accumulator: each A tile is loaded once for both (`MAX_ACCUMULATORS`).
 
+- a batch sum: a `sum` or `mean` of the product over one of its batch axes (and further
+  ones over the result, a chain), the product read by nothing else: sum_t A_t @ B_t is a
+  longer K loop, accumulated in the same accumulator; the output tiles are the sum's, and
+  the epilogue after it runs on them (a mean divided by the axis's size first).
+
 Refused, with a recorded rule: an op reading the product transposed or
 broadcast ("other-index", e.g. `c + c.T`), an op whose result is larger than
 the product ("tile"), an operand that depends on the product ("cycle"), and
-prologues that are not worth recomputing per tile ("profit").
+prologues that are not worth recomputing per tile ("profit"), a reduction of the product
+over its rows or columns or of ops on it ("tile"), and a batch sum beside a dual GEMM or row
+statistics ("op").
 """
 
 from __future__ import annotations
@@ -90,8 +97,13 @@ class _Kernel:
         self.stats: set[int] = set()  # reductions of A's rows along K, done in the K loop
         self.rows: set[int] = set()  # values of the rows' shape [..., M, 1], from the stats
         self.memo: dict = {}  # producers' sources, with the duals this seed may take
-        product = graph.op(seed).shape
-        self.row_shape = product[:-1] + (1,)
+        # sums of the product over its batch axes, taken in the K loop: the ops, in order,
+        # and the product's axes they sum; `axes` maps each dim of the output to the
+        # product's dim it is (a summed one kept as size 1 with keepdims too)
+        self.batch_sums: list[int] = []
+        self.summed: list[int] = []
+        self.axes = list(range(len(graph.op(seed).shape)))
+        self.row_shape = self.out_shape[:-1] + (1,)
         # A may be a result of an earlier kernel (an attention's output): an edge, not a node
         self.a_edge = graph.operand_edges(seed)[0]
         self.a = self.a_edge[0]
@@ -108,15 +120,23 @@ class _Kernel:
     def admit(self, group: set[int], cand: int) -> Refusal | None:
         graph = self.graph
         if _is_matmul(graph, cand):
+            if self.batch_sums:
+                return Refusal(Rule.OP, "the GEMM sums its product over the batch; a dual product "
+                               "would be kept per batch element")
             reason = _dual_refusal(graph, self.seed, self.matmuls, cand, self.accumulators)
             if reason is None and not self.plan.creates_cycle(group, cand):
                 self.matmuls.add(cand)
             return reason
         if _is_stat_kind(graph, cand):
             if any(o in group for o in graph.operands(cand)):
-                return Refusal(Rule.TILE, "a reduction of the product needs whole rows of the output; "
-                               "the GEMM holds one tile of them")
+                reason = self.batch_sum_refusal(cand)
+                if reason is None:
+                    self.add_batch_sum(cand)
+                return reason
             reason = self.stat_refusal(cand) or self.users_outside(group, cand)
+            if reason is None and self.batch_sums:
+                reason = Refusal(Rule.OP, "the GEMM sums its product over the batch; statistics of "
+                                 "A's rows are per batch element")
             if reason is None:
                 self.stats.add(cand)
                 self.a_side.add(cand)
@@ -140,19 +160,59 @@ class _Kernel:
                 if on_a:
                     self.a_side.add(cand)
             return reason
-        if graph.op(cand).shape == self.row_shape and graph.op(cand).shape != graph.op(self.seed).shape:
+        if graph.op(cand).shape == self.row_shape and graph.op(cand).shape != self.out_shape:
             reason = self.row_refusal(group, cand)
             if reason is None:
                 self.rows.add(cand)
             return reason
-        epilogue = [m for m in group if m not in consumers and m not in self.rows]
-        return epilogue_refusal(graph, group, cand, graph.op(self.seed).shape, "the product", epilogue,
+        epilogue = [m for m in group if m not in consumers and m not in self.rows
+                    and m not in self.batch_sums]
+        return epilogue_refusal(graph, group, cand, self.out_shape,
+                                "the batch sum" if self.batch_sums else "the product", epilogue,
                                 self.joins, self.memo, broadcast=self.rows | self.stats)
+
+    @property
+    def out_shape(self):
+        """The shape of the kernel's output tiles: the product's, or its last batch sum's."""
+        return self.graph.op(self.batch_sums[-1] if self.batch_sums else self.seed).shape
+
+    def batch_sum_refusal(self, cand: int) -> Refusal | None:
+        """Why reduction `cand` of a group value is not a sum the K loop takes over a batch
+        axis of the product: the reduction must read the product (or the batch sum before it)
+        itself, along a batch axis, and nothing else may read what it reduces."""
+        graph = self.graph
+        op = graph.op(cand)
+        (x,) = graph.operands(cand)
+        shape = graph.op(x).shape
+        axis = op.attr("axis") % len(shape)
+        if x != (self.batch_sums[-1] if self.batch_sums else self.seed) or axis >= len(shape) - 2:
+            return Refusal(Rule.TILE, "a reduction of the product needs whole rows of the output; "
+                           "the GEMM holds one tile of them")
+        if self.axes[axis] in self.summed:
+            return Refusal(Rule.TILE, "it sums a batch axis the K loop has summed already")
+        if len(self.matmuls) > 1 or self.stats:
+            return Refusal(Rule.OP, "a GEMM with a dual product or row statistics keeps its batch; "
+                           "its K loop sums one product per batch element")
+        if [u for u, _ in graph.users(x)] != [cand]:
+            return Refusal(Rule.MATERIALIZE, f"{describe_node(graph, x)} is also used elsewhere, and "
+                           "the GEMM summing it over the batch never holds it whole")
+        return None
+
+    def add_batch_sum(self, cand: int) -> None:
+        """Take batch sum `cand` into the K loop: the output tiles are now its."""
+        op = self.graph.op(cand)
+        axis = op.attr("axis") % len(self.axes)
+        self.summed.append(self.axes[axis])
+        if not op.attr("keepdims"):
+            del self.axes[axis]
+        self.batch_sums.append(cand)
+        self.row_shape = self.out_shape[:-1] + (1,)
 
     def spec(self, members: list[int]) -> GemmSpec:
         """The group as this kernel admitted it: the seed, its duals and the statistics of A."""
         return GemmSpec(self.seed, tuple(m for m in members if m in self.matmuls and m != self.seed),
-                        tuple(m for m in members if m in self.stats))
+                        tuple(m for m in members if m in self.stats), tuple(self.batch_sums),
+                        tuple(sorted(self.summed)))
 
     def users_outside(self, group: set[int], cand: int) -> Refusal | None:
         if any(u not in group for u, _ in self.graph.users(cand)):

@@ -209,7 +209,11 @@ class GemmPlan:
     each operand is computed from (source and scalars included), applied per
     loaded tile; `prologue_only`: prologue ops the epilogue does not read;
     `epilogue`: the ops computed at the output tile, in order; `duals`: further
-    matmuls of the same `a` whose products the epilogue also reads.
+    matmuls of the same `a` whose products the epilogue also reads; `batch_sums`: the
+    sums and means of the product over its batch axes `summed_axes` (a chain, each
+    reading the one before, the first the product), taken in the K loop: sum_t A_t @ B_t
+    is one longer K loop, the accumulator the last one's value (a mean divided by its
+    axis's size); the kernel's output tiles are the last one's, the epilogue after it.
     """
 
     template: ClassVar[str] = "matmul"
@@ -233,6 +237,10 @@ class GemmPlan:
     # (through `stat_chain`, the ops they are computed from); the epilogue reads them per row
     row_stats: tuple[int, ...] = ()
     stat_chain: frozenset[int] = frozenset()
+    # the product's batch axes the K loop sums over (sorted), and the sum or mean ops that
+    # sum them, in order: the epilogue reads the last one
+    summed_axes: tuple[int, ...] = ()
+    batch_sums: tuple[int, ...] = ()
 
     @property
     def has_prologue(self) -> bool:
@@ -252,6 +260,8 @@ class GemmPlan:
                           for d in self.duals)
                 + (f"row_stats = {_names(self.row_stats, name)} of {_names(self.stat_chain, name)}, "
                    if self.row_stats else "")
+                + (f"batch_sums = {_names(self.batch_sums, name)} over axes "
+                   f"({', '.join(map(str, self.summed_axes))}), " if self.batch_sums else "")
                 + f"epilogue = {_names(self.epilogue, name)}}}")
 
     def verify(self, check: PlanCheck) -> None:
@@ -269,6 +279,28 @@ class GemmPlan:
                 check.fail("an operand source is outside its prologue")
         for v in self.epilogue:
             check.kind(v)
+        self._verify_batch_sums(check)
+
+    def _verify_batch_sums(self, check: PlanCheck) -> None:
+        """The batch sums are a chain of sums or means from the product over distinct batch
+        axes, its rows and columns left whole, with no second accumulator or row statistic."""
+        if not self.batch_sums and not self.summed_axes:
+            return
+        rank = check.region.value_type(self.matmul).rank
+        if len(self.batch_sums) != len(self.summed_axes) or list(self.summed_axes) != sorted(
+                set(self.summed_axes)) or not all(0 <= a < rank - 2 for a in self.summed_axes):
+            check.fail(f"its batch sums {self.summed_axes} are not one per distinct batch axis")
+        if self.duals or self.row_stats:
+            check.fail("a GEMM summing its batch has a second accumulator or row statistics")
+        previous = self.matmul
+        for v in self.batch_sums:
+            check.expect(v, ("sum", "mean"), "batch sum")
+            if check.operands(v) != (previous,):
+                check.fail("a batch sum does not read the product (or the batch sum before it)")
+            previous = v
+        out, product = check.region.value_type(previous).shape, check.region.value_type(self.matmul).shape
+        if out[-2:] != product[-2:]:
+            check.fail("its batch sums reduce the product's rows or columns")
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,11 @@ The kernel's region is the matmul plus, optionally,
 - an epilogue: elementwise ops on the f32 accumulator and on extra tensors
   ("D tensors") loaded at the output tile through their strides (bias [N],
   row scales [M, 1], full [.., M, N], batch-broadcast, scalars), applied
-  before the store; every region output is stored (multi-output epilogues).
+  before the store; every region output is stored (multi-output epilogues);
+- batch sums (`GemmPlan.batch_sums`): the product summed (or averaged) over batch axes.
+  sum_t A_t @ B_t is one longer K loop: a program per tile of the sum's output walks the
+  summed batch elements (`tb`) around its K loop, the operands' pointers (or descriptor
+  coordinates) at each, into the one accumulator; the epilogue runs on the summed tile.
 
 Split-K: where a call's output tiles alone cannot fill the GPU (`split_count`: from the
 sizes only, or the SPLITS tile hint), SPLITS programs share each tile's K loop, each over a
@@ -21,7 +25,9 @@ range of whole BLOCK_K blocks, and store the partial products of their range (ev
 accumulator's, and the partial sums of the row statistics) in workspaces laid out per output
 element, [SPLITS, batch, M, N]. A second launch, the combine (`emit_combine`, the same
 parameters and epilogue), adds each tile's partials in split order (no atomics: the same
-bits on every run), finalizes the statistics and runs the epilogue. SPLITS is a constexpr:
+bits on every run), finalizes the statistics and runs the epilogue. A batch sum's splits
+share the flattened (batch element, block of K) steps of its tile (`batch_range`), so a sum
+of many short products splits as a long K does. SPLITS is a constexpr:
 at 1 the kernel compiles to what it was unsplit, and the combine's grid is empty.
 
 fp32 dots use IEEE precision unless the program opted into tf32. Triton's
@@ -169,7 +175,13 @@ class GemmProgram:
         self.integer = self.op.dtype is DType.I32
         self.dots = [DType.I8 if self.integer else region.inputs[s].type.dtype
                      if region.inputs[s].type.dtype.is_f8 else self.op.dtype for s in self.sources]
-        self.shape = self.op.shape
+        # a batch sum (`plan.batch_sums`) sums the product over its batch axes `summed` in the
+        # K loop: the output tiles, the grid and the workspaces are the sum's, whose batch
+        # dims are the product's others (or size 1 with keepdims)
+        self.product = self.op.shape
+        self.summed = plan.summed_axes
+        self.sums = plan.batch_sums
+        self.shape = region.value_type(self.sums[-1]).shape if self.sums else self.product
         self.batch = self.shape[:-2]
         self.sig, self.body = Signature(), Code()
         self.em = Emitter(self.body)
@@ -216,6 +228,17 @@ class GemmProgram:
         # (SPLITS > 1, never persistent): SPLITS programs a tile, each over its range of K
         body("first_pid = tl.program_id(0)")
         body("pid_step = tl.num_programs(0)")
+        if self.sums:
+            self.batch_range()
+        else:
+            self.k_range()
+        body("for pid in range(first_pid, tiles_all, pid_step):")
+        with body.indent():
+            self.tile_body(descs)
+
+    def k_range(self) -> None:
+        """The range of K a program's K loop walks: all of it, or (split) its split's."""
+        body = self.body
         body("k_lo = 0")
         body(f"k_hi = {self.K}")
         body("if SPLITS > 1:")
@@ -231,9 +254,28 @@ class GemmProgram:
             # 16, its K indices divided in the loop, with Triton's --regAllocOptLevel=2)
             body("tl.assume(k_lo >= 0)")
             body(f"k_hi = tl.minimum(k_lo + k_chunk, {self.K})")
-        body("for pid in range(first_pid, tiles_all, pid_step):")
+
+    def batch_range(self) -> None:
+        """The batch elements a program's loops walk when it sums the product over the batch
+        (each with all of K): all of them, or (split) the split's range of the (batch element,
+        block of K) steps, flattened, from `s_lo` to `s_hi`: a split may begin and end inside
+        an element's K loop, so few long K loops split as well as many short ones."""
+        body, count = self.body, self.summed_count()
+        body("b_lo = 0")
+        body(f"b_hi = {count}")
+        body("if SPLITS > 1:")
         with body.indent():
-            self.tile_body(descs)
+            body("split = first_pid // tiles_all")
+            body("first_pid = first_pid % tiles_all")
+            body("pid_step = tiles_all")
+            body(f"k_blocks = tl.cdiv({self.K}, BLOCK_K)")
+            body(f"s_all = {count} * k_blocks")
+            body("s_chunk = tl.cdiv(s_all, SPLITS)")
+            body("s_lo = split * s_chunk")
+            body("tl.assume(s_lo >= 0)")
+            body("s_hi = tl.minimum(s_lo + s_chunk, s_all)")
+            body("b_lo = s_lo // k_blocks")
+            body("b_hi = tl.cdiv(s_hi, k_blocks)")
 
     def emit_combine(self) -> None:
         """The combine launch (a second function, this program's parameters and epilogue):
@@ -296,22 +338,86 @@ class GemmProgram:
         body("group_m = tl.minimum(tiles_m - first_m, GROUP_M)")
         body("pid_m = first_m + (t % width) % group_m")
         body("pid_n = (t % width) // group_m")
-        self.bnames: list[str | None] = batch_names(self.batch)
+        self.out_bnames: list[str | None] = batch_names(self.batch)
         if self.batch:
             body("pb = pid_b.to(tl.int64)")
-            decompose(body, "pb", self.batch, self.bnames, sig.size, "pq")
+            decompose(body, "pb", self.batch, self.out_bnames, sig.size, "pq")
+        self.bnames = self.product_names()
         body("rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)")
         body("rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)")
 
+    def product_names(self) -> list[str | None]:
+        """The index of each batch dim of the product: the output's batch index, or (a summed
+        axis) the batch loop's `bs<axis>` (None: a literal size-1 dim)."""
+        if not self.sums:
+            return self.out_bnames
+        # the product's dim each output dim is (a dim summed with keepdims stays, size 1)
+        axes = list(range(len(self.product)))
+        for v in self.sums:
+            op = self.region.ops[v - self.n_in].op
+            if not op.attr("keepdims"):
+                del axes[op.attr("axis") % len(axes)]
+        names: list[str | None] = [None if d == 1 else f"bs{a}" for a, d in enumerate(self.product[:-2])]
+        for j, a in enumerate(axes[:-2]):
+            if a not in self.summed:
+                names[a] = self.out_bnames[j]
+        return names
+
+    def summed_dims(self) -> list:
+        return [self.product[a] for a in self.summed]
+
+    def summed_count(self) -> str:
+        """The number of batch elements the K loop sums (source text)."""
+        return " * ".join(self.sig.size(d) for d in self.summed_dims() if d != 1) or "1"
+
     def tile_body(self, descs: list[tma.Descriptors | None]) -> None:
-        """One output tile: its indices, the K loop (over the split's range of K), then the
-        epilogue, or (split) the partials left for the combine."""
+        """One output tile: its indices, the K loop (over the split's range of K; summing the
+        batch, inside the loop over the batch elements summed), then the epilogue, or (split)
+        the partials left for the combine."""
+        body, K = self.body, self.K
+        self.tile_indices()
+        body("rk = tl.arange(0, BLOCK_K)")
+        accs = self.accumulators()
+        if self.sums:
+            for acc in accs:
+                body(f"{acc} = tl.zeros((BLOCK_M, BLOCK_N), dtype={self.acc_type()})")
+            body("for tb in range(b_lo, b_hi):")
+            with body.indent():
+                summed = [self.bnames[a] for a in self.summed]
+                decompose(body, "tb", self.summed_dims(), summed, self.sig.size, "tq")
+                # this element's range of K: all of it, or the part of it in the split's range
+                body("kb_lo = 0")
+                body(f"kb_hi = {K}")
+                body("if SPLITS > 1:")
+                with body.indent():
+                    body("kb_lo = tl.maximum(s_lo - tb * k_blocks, 0) * BLOCK_K")
+                    body(f"kb_hi = tl.minimum(tl.minimum(s_hi - tb * k_blocks, k_blocks) * BLOCK_K, {K})")
+                self.k_loop(descs, accs, "kb_lo", "kb_hi")
+        else:
+            self.k_loop(descs, accs, "k_lo", "k_hi")
+        body("if SPLITS > 1:")
+        with body.indent():
+            self.store_partials(accs)
+        body("else:")
+        with body.indent():
+            self.finalize_stats()
+            # the epilogue runs on the two column halves of the tile in turn, so the D tiles
+            # it loads and the values it computes live beside half the accumulator, not all
+            for acc in accs:
+                body(f"{acc} = tl.permute(tl.reshape({acc}, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))")
+                body(f"{acc}_0, {acc}_1 = tl.split({acc})")
+            for half in (0, 1):
+                body(f"rn = pid_n * BLOCK_N + {half} * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)")
+                self.epilogue([f"{acc}_{half}" for acc in accs])
+
+    def k_loop(self, descs: list[tma.Descriptors | None], accs: list[str], k_lo: str, k_hi: str) -> None:
+        """The operands' pointers at this batch element and the loop over K from `k_lo` to
+        `k_hi`, accumulating into `accs` (zeroed here, unless the program sums the batch and
+        zeroed them before its batch loop)."""
         body = self.body
         a_src = self.sources[0]
         a_type = self.region.inputs[a_src].type
         M, N, K = self.M, self.N, self.K
-        self.tile_indices()
-        body("rk = tl.arange(0, BLOCK_K)")
         a_tile = self.tile(self.refs[a_src], a_type.rank, "rm[:, None]", "rk[None, :]", "[BLOCK_M, BLOCK_K]")
         body(f"a_ptrs = {a_tile}")
         names = self.operand_names()
@@ -327,13 +433,13 @@ class GemmProgram:
             body("if SPLITS > 1:")
             with body.indent():
                 for name, step in steps:
-                    body(f"{name}_ptrs += k_lo * {step}")
-        accs = self.accumulators()
-        for acc in accs:
-            body(f"{acc} = tl.zeros((BLOCK_M, BLOCK_N), dtype={self.acc_type()})")
+                    body(f"{name}_ptrs += {k_lo} * {step}")
+        if not self.sums:
+            for acc in accs:
+                body(f"{acc} = tl.zeros((BLOCK_M, BLOCK_N), dtype={self.acc_type()})")
         for j in range(len(self.stats)):
             body(f"stat{j} = tl.zeros([BLOCK_M], dtype=tl.float32)")
-        body("for k0 in range(k_lo, k_hi, BLOCK_K):")
+        body(f"for k0 in range({k_lo}, {k_hi}, BLOCK_K):")
         with body.indent():
             body(f"kmask = rk < {K} - k0")
             body(f"a_mask = (rm[:, None] < {M}) & kmask[None, :]")
@@ -347,20 +453,6 @@ class GemmProgram:
                 body(f"{acc} = tl.dot(a, {name}, {acc}{self.dot_kwargs()})")
             for name, step in steps:
                 body(f"{name}_ptrs += BLOCK_K * {step}")
-        body("if SPLITS > 1:")
-        with body.indent():
-            self.store_partials(accs)
-        body("else:")
-        with body.indent():
-            self.finalize_stats()
-            # the epilogue runs on the two column halves of the tile in turn, so the D tiles
-            # it loads and the values it computes live beside half the accumulator, not all
-            for acc in accs:
-                body(f"{acc} = tl.permute(tl.reshape({acc}, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))")
-                body(f"{acc}_0, {acc}_1 = tl.split({acc})")
-            for half in (0, 1):
-                body(f"rn = pid_n * BLOCK_N + {half} * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)")
-                self.epilogue([f"{acc}_{half}" for acc in accs])
 
     def pointer_steps(self) -> list[tuple[str, str]]:
         """(tile name, stride along K) of each operand read through pointers that move along
@@ -497,7 +589,7 @@ class GemmProgram:
             return "rm[:, None]"
         if dim == rank - 1:
             return "rn[None, :]"
-        return self.bnames[dim]
+        return self.out_bnames[dim]
 
     def epilogue(self, accs: list[str]) -> None:
         """Elementwise ops on the accumulators `accs` (one per matmul, the columns `rn` of the
@@ -508,9 +600,10 @@ class GemmProgram:
         cat = Compute.I32 if self.integer else Compute.F32
         vals: dict[int, Val] = {mm: Val(acc, cat) for mm, acc in zip(self.matmuls, accs, strict=True)}
         vals.update({v: Val(f"stat{j}[:, None]", Compute.F32) for j, v in enumerate(self.stats)})
+        self.batch_sum_values(vals)
         # prologue ops are done inside the K loop; an input may feed both an operand and the
         # epilogue, and so may a constant or scalar op, which the epilogue computes again
-        skip = self.plan.prologue_only | set(self.matmuls) | set(self.stats)
+        skip = self.plan.prologue_only | set(self.matmuls) | set(self.stats) | set(self.sums)
         for i, inp in enumerate(region.inputs):
             if i in skip or not self._used_in_epilogue(i, skip):
                 continue
@@ -528,9 +621,24 @@ class GemmProgram:
         tile_mask = f"(rm[:, None] < {M}) & (rn[None, :] < {N})"
         for j, v in enumerate(region.outputs):
             c = self.outs[j]
-            ptrs = self.tile(c, rank, "rm[:, None]", "rn[None, :]", "[BLOCK_M, BLOCK_N // 2]")
+            ptrs = tile_ptrs(c, rank, self.out_bnames, "rm[:, None]", "rn[None, :]",
+                             "[BLOCK_M, BLOCK_N // 2]")
             body(f"tl.store({ptrs}, {em.store_value(vals[v], region.value_type(v))}, "
                  f"mask={tile_mask})")
+
+    def batch_sum_values(self, vals: dict[int, Val]) -> None:
+        """The batch sums' values from the accumulator, which summed the product over their
+        axes: a mean divides by its axis's size."""
+        previous = self.mm
+        for v in self.sums:
+            rop = self.region.ops[v - self.n_in]
+            val = vals[previous]
+            if rop.op.kind == "mean":
+                shape = self.region.value_type(previous).shape
+                size = self.sig.size(shape[rop.op.attr("axis") % len(shape)])
+                val = self.em.assign(f"{self.em.convert(val, Compute.F32).text} / {size}", Compute.F32)
+            vals[v] = val
+            previous = v
 
     def scalar_input(self, i: int) -> Val:
         """Rank-0 input `i`: a by-value argument, or the one element of a 0-d tensor another
@@ -570,6 +678,7 @@ class GemmProgram:
         k_dim = self.region.inputs[self.sources[0]].type.shape[-1]
         dot = self.dots[0]
         batch = self.batch
+        summed = self.summed_dims()
         # 128 x 256 and 256 x 128 tiles: not with a prologue tile or a second accumulator
         wide = not self.plan.has_prologue and not self.plan.duals
         # an epilogue calling f64 slow paths keeps every live value of its half tile across
@@ -596,7 +705,9 @@ class GemmProgram:
             m, n, k = sizes(dims)
             tiles = cdiv(m, bm) * cdiv(n, bn) * numel(batch, dims)
             if splits is None:
-                splits = 1 if persistent else split_count(tiles, cdiv(k, bk), hint(self.hints, "SPLITS", 0))
+                # a batch sum's tile walks the K loop of every element it sums
+                steps = cdiv(k, bk) * numel(summed, dims)
+                splits = 1 if persistent else split_count(tiles, steps, hint(self.hints, "SPLITS", 0))
             constexprs = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": user["GROUP_M"] or 8,
                           "SPLITS": splits}
             programs = min(tiles, sm_count()) if persistent else tiles * splits

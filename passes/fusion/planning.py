@@ -83,10 +83,12 @@ def row_plan(region: Region, spec: RowSpec) -> RowPlan:
 
 
 def gemm_plan(region: Region, spec: GemmSpec) -> GemmPlan:
-    """The GEMM of the spec's matmul and duals (one accumulator each, over the same A tiles)
-    and statistics; the operands' prologues are the ops their values are computed from."""
+    """The GEMM of the spec's matmul and duals (one accumulator each, over the same A tiles),
+    statistics and batch sums; the operands' prologues are the ops their values are computed
+    from."""
     n_in = len(region.inputs)
     mm, more, stats = spec.matmul, tuple(sorted(spec.duals)), tuple(sorted(spec.stats))
+    sums = spec.batch_sums
     a, b = region.ops[mm - n_in].operands
     a_chain, b_chain = frozenset(region.depends(a)), frozenset(region.depends(b))
     duals = []
@@ -102,9 +104,10 @@ def gemm_plan(region: Region, spec: GemmSpec) -> GemmPlan:
     matmuls = {mm, *more}
     prologue_only = _prologue_only(region, matmuls | set(stats), prologue)
     epilogue = tuple(v for v in range(n_in, n_in + len(region.ops))
-                     if v not in matmuls and v not in prologue_only and v not in stats)
+                     if v not in matmuls and v not in prologue_only and v not in stats and v not in sums)
     return GemmPlan(mm, a, b, operand_source(region, a_chain), operand_source(region, b_chain),
-                    a_chain, b_chain, prologue_only, epilogue, tuple(duals), stats, stat_chain)
+                    a_chain, b_chain, prologue_only, epilogue, tuple(duals), stats, stat_chain,
+                    spec.summed_axes, sums)
 
 
 def _prologue_only(region: Region, matmuls: set[int], prologue: frozenset[int]) -> frozenset[int]:

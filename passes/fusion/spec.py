@@ -85,14 +85,18 @@ class RowSpec:
 
 @dataclass(frozen=True)
 class GemmSpec:
-    """A GEMM: its matmul, the duals sharing its A tiles (one accumulator each) and the
-    statistics of A's rows accumulated in the K loop, as fuse-epilogue admitted them; the
-    ops feeding their operands are the prologue, the others the epilogue."""
+    """A GEMM: its matmul, the duals sharing its A tiles (one accumulator each), the
+    statistics of A's rows accumulated in the K loop, and the sums of the product over its
+    batch axes `summed_axes` taken in the K loop (`batch_sums`, in order), as fuse-epilogue
+    admitted them; the ops feeding their operands are the prologue, the others the
+    epilogue."""
 
     plan: ClassVar = GemmPlan
     matmul: int = nodes()
     duals: tuple[int, ...] = nodes(default=())
     stats: tuple[int, ...] = nodes(default=())
+    batch_sums: tuple[int, ...] = nodes(default=())
+    summed_axes: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
