@@ -242,3 +242,21 @@ def test_an_epilogue_of_scalar_expressions_is_computed_again_by_the_combine():
     }""")
     run_checked(fn, randn(5, 700, seed=1, scale=0.01), randn(700, 700, seed=2, scale=0.01), 0.5, sm90=False)
     assert launches(fn) == ["k0_attention", "k0_attention_combine"]
+
+
+def test_ptx_json_shows_the_partials_launch_and_its_combine(tmp_path):
+    """`tiledsl ptx --json` at decode sizes: the key-range launch (288 programs, its
+    workspaces) and the combine, each with no spills."""
+    import json
+
+    from test_cli import cli
+
+    path = tmp_path / "decode.tdsl"
+    path.write_text(DECODE.format(hint="", dt="f16"))
+    code, out, _ = cli("ptx", str(path), "--dims", "B=1,H=32,L=32768,D=128", "--json")
+    assert code == 0
+    main, combine = json.loads(out)["kernels"]
+    assert (main["function"], combine["function"]) == ("k0_attention", "k0_attention_combine")
+    assert main["grid"] == [288] and main["config"]["SPLITS"] == 9 and combine["grid"] == [32]
+    assert main["workspace_bytes"] == 9 * 32 * (128 + 2) * 4 and combine["workspace_bytes"] == 0
+    assert main["spill_bytes"] == combine["spill_bytes"] == 0
