@@ -57,13 +57,24 @@ def test_the_plan_records_the_summed_axes_and_the_sm90_build():
     assert "fusions not made: none" in fn.explain()
 
 
-def test_i8_sums_exactly_in_i32():
+@pytest.mark.parametrize("hint", ["", "@tile(SPLITS=3)\n"])
+def test_i8_sums_exactly_in_i32(hint):
     g = torch.Generator().manual_seed(7)
     a = torch.randint(-128, 128, (17, 33, 113), generator=g, dtype=torch.int8)
     b = torch.randint(-128, 128, (17, 113, 17), generator=g, dtype=torch.int8)
-    fn = tiledsl.compile("kernel f(a: i8[T, M, K], b: i8[T, K, N]) -> i32[M, N] { return sum(a @ b, axis=0) }")
+    fn = tiledsl.compile(hint + "kernel f(a: i8[T, M, K], b: i8[T, K, N]) -> i32[M, N] "
+                                "{ return sum(a @ b, axis=0) }")
     assert torch.equal(fn(a, b), (a.long() @ b.long()).sum(0).int())
-    assert templates(fn) == ["matmul"]
+    # (17 steps of one block of K for one tile: the default rule splits them too)
+    assert templates(fn) == ["matmul"] and launches(fn) == SPLIT
+
+
+def test_an_operand_prologue_runs_on_every_summed_element():
+    src = """kernel f(a: f16[T, M, K], b: f32[T, K, N], s: f32) -> f32[M, N] {
+        return sum((cast(a, f32) * s) @ b, axis=0)
+    }"""
+    fn, _ = run_checked(src, randn(3, 17, 113, dtype=torch.float16), randn(3, 113, 33), s=0.5)
+    assert templates(fn) == ["matmul"] and "prologue" in fn.ir("fused")
 
 
 @pytest.mark.parametrize("keepdims", [False, True])
