@@ -9,6 +9,7 @@ asks which it is.
 from __future__ import annotations
 
 import abc
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -59,6 +60,12 @@ class Backend(abc.ABC):
         """Launches recorded so far (argument types and sizes), for ahead-of-time
         compilation; backends that launch nothing record none."""
         return []
+
+    def split_launches(self, dims: Mapping[str, int]) -> dict[str, str]:
+        """What each kernel that may make several launches (a split: partials, then a
+        combine) launches at these sizes on a GPU, by kernel name, as `explain(dims=...)`
+        shows it; backends that launch nothing say nothing."""
+        return {}
 
 
 def make_backend(name: str, graph: Graph, allow_tf32: bool = False) -> Backend:

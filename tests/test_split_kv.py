@@ -200,6 +200,11 @@ def test_explain_and_the_default_rule():
     assert cfg.constexprs["SPLITS"] == 1 and cfg.grid == (256,)
     assert combine.kernel.launch_config(dims, "cuda").grid == (0,)
     assert [x.kernel.fn_name for x in aot.meta_launches(fn, dims, {})] == ["k0_attention"]
+    # explain(dims=...) says what the launch builder chose at those sizes
+    assert "        at these sizes: 2 launches on a GPU: 288 programs (SPLITS=9), then its combine's 32" \
+        in fn.explain(dims=dict(B=1, H=32, L=32768, D=128)).splitlines()
+    assert "        at these sizes: 1 launch on a GPU: 256 programs (SPLITS=1)" \
+        in fn.explain(dims=dims).splitlines()
 
 
 @pytest.mark.parametrize("program, dims", [

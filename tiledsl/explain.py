@@ -65,6 +65,8 @@ def _traffic(p: cost.Poly, dims: Mapping[str, int] | None) -> str:
 
 def explain(program: Program, dims: Mapping[str, int] | None = None) -> str:
     graph = program.fused_graph()
+    # what the kernels that may split launch at these sizes (the backend's launch builder)
+    at_sizes = program.runtime.split_launches(dims) if dims is not None else {}
     kernels = [n for n in graph.kernels()]
     n_ops = sum(len(graph.op(k).covered) for k in kernels)
     plural = ("s" if len(kernels) != 1 else "", "s" if n_ops != 1 else "")
@@ -109,6 +111,8 @@ def explain(program: Program, dims: Mapping[str, int] | None = None) -> str:
             lines.append(f"  {'':<{width}}    launches: 2 (split: {reductions} across its rows along "
                          f"{dim}, as partials over chunks of rows; a combine launch merges them in "
                          "chunk order)")
+        if op.name in at_sizes:
+            lines.append(f"  {'':<{width}}    at these sizes: {at_sizes[op.name]}")
         fused, alone = cost.kernel_traffic(op), cost.op_by_op_traffic(op.region)
         lines.append(f"  {'':<{width}}    traffic: {_traffic(fused, dims)}"
                      + (f" (op by op: {_traffic(alone, dims)})" if alone != fused else ""))

@@ -166,6 +166,23 @@ class TritonBackend(Backend):
     def launches(self) -> list[Launch]:
         return list(self._launches.values())
 
+    def split_launches(self, dims: Mapping[str, int]) -> dict[str, str]:
+        """Per kernel of several launches: its programs at these sizes on a GPU, with the
+        split it chose (SPLITS ranges of K or of keys, rows in CHUNKs), then its combine's, or
+        that it runs unsplit."""
+        out = {}
+        for e in self.emitted:
+            if not e.then:
+                continue
+            cfg = e.launch_config(dims, "cuda")
+            chosen = ", ".join(f"{k}={cfg.constexprs[k]}" for k in ("SPLITS", "CHUNK") if k in cfg.constexprs)
+            parts = [f"{cfg.grid[0]} programs" + (f" ({chosen})" if chosen else "")]
+            parts += [f"its combine's {c.grid[0]}" for c in (t.launch_config(dims, "cuda") for t in e.then)
+                      if runs(c)]
+            n = len(parts)
+            out[e.kernel.name] = f"{n} launch{'es' if n > 1 else ''} on a GPU: {', then '.join(parts)}"
+        return out
+
     # --- the call path -------------------------------------------------------------------
 
     def target(self, device) -> str:
