@@ -100,9 +100,10 @@ def explain(program: Program, dims: Mapping[str, int] | None = None) -> str:
         if isinstance(op.plan, AttentionPlan):
             lines.append(f"  {'':<{width}}    launches: {_attention_launches(op.plan)}")
         if isinstance(op.plan, GemmPlan):
+            steps = "the K loop of every summed batch element" if op.plan.batch_sums else "the K loop"
             lines.append(f"  {'':<{width}}    launches: 1, or 2 where its output tiles alone cannot fill "
-                         "the GPU (split-K: programs share the K loop, each leaving the partial "
-                         "products of its range of K; a combine launch adds them in range order, then "
+                         f"the GPU (split-K: programs share {steps}, each leaving the partial "
+                         "products of its range of it; a combine launch adds them in range order, then "
                          "runs the epilogue)")
         if isinstance(op.plan, RowPlan) and op.plan.split:
             dim = op.plan.shape[op.plan.across]
