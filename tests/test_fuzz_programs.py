@@ -361,3 +361,24 @@ def test_a_row_program_selects_one_element_of_a_vector_at_its_0d_index_unviewed(
     program = fuzzgen.generate(random.Random("0:8159"), seed=8159)
     assert "t1 = (mean(min(max(concat(prod((1.0 + 0.1 * tanh(y))" in program.source  # the program pinned
     assert fuzzgen.run(program).status == "pass"
+
+
+def test_a_split_kv_combine_reads_the_source_its_epilogue_gathers_from():
+    """Seed 46, program 1215: attention whose epilogue subtracts a softmax gathered at a
+    flipped index; at these sizes the keys split, and the combine launch, which runs the
+    epilogue, had declared only the inputs the epilogue reads directly, not the gather's
+    source (an internal error: KeyError). The combine takes every input, as the walk does."""
+    program = fuzzgen.generate(random.Random("46:1215"), seed=1215)
+    assert "index(softmax(x, axis=0), 0)" in program.source  # the program pinned
+    assert fuzzgen.run(program).status == "pass"
+
+
+def test_a_reduction_across_the_rows_broadcast_back_along_them_stays_out_of_the_tail():
+    """Gradient fuzzer, seed 47, program 547: y's gradient is a sum over all of a row
+    program's values broadcast back to [N], the dim its rows split across; the combine
+    launch, which computes one value per position along the row, took the broadcast and
+    indexed a dim it does not have (an interpreter NameError). split_tail refuses an op
+    whose value runs along more dims than its operands'."""
+    program = fuzzgen.generate(random.Random("47:547"), seed=547)
+    assert "softmax((sum(y, axis=-1, keepdims=true)" in program.source  # the program pinned
+    assert fuzzgen.run_grads(program).status == "pass"

@@ -306,12 +306,11 @@ class AttentionProgram:
         maxima, as the walk rescales key blocks; sums added), then normalises, computes the
         logsumexp, runs the epilogue and stores, as the unsplit kernel does."""
         sig, body, region, em, parts = self.sig, self.body, self.region, self.em, self.parts
-        # the inputs the epilogue reads, and those of the rank-0 values it computes again
-        # (`with_scalar_operands`: a scale computed from scalars)
-        read = inputs_read(region, with_scalar_operands(region, parts.epilogue, {}))
-        self.refs = {i: sig.tensor("in", i, region.inputs[i].type.shape) for i in read
-                     if not region.inputs[i].scalar}
-        self.scalars = {i: sig.scalar(i) for i in read if region.inputs[i].scalar}
+        # every input, as the walk's kernel takes them: the epilogue reads some, the rank-0
+        # values it computes again (a scale from scalars) others, a gather its source
+        self.refs = {i: sig.tensor("in", i, inp.type.shape) for i, inp in enumerate(region.inputs)
+                     if not inp.scalar}
+        self.scalars = {i: sig.scalar(i) for i, inp in enumerate(region.inputs) if inp.scalar}
         em.gather_from(region, self.refs, sig.size)
         self.outs = [sig.tensor("out", j, self.value_type(v).shape) for j, v in enumerate(region.outputs)]
         for name in ("BLOCK_M", "BLOCK_DV", "SPLITS"):

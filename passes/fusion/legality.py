@@ -461,8 +461,16 @@ def split_tail(region: Region, layouts: dict[int, Layout], across_reducing: froz
             if o not in tail and not _uniform(region, layouts, o):
                 return Refusal(Rule.TILE, f"{rop.op.kind} combines a reduction across the rows with a "
                                "value of the rows (a combine launch merges that reduction after them)")
+        if not _dims(layouts.get(v)) <= set().union(*(_dims(layouts.get(o)) for o in rop.operands)):
+            return Refusal(Rule.TILE, f"{rop.op.kind} broadcasts a reduction across the rows along the "
+                           "program's dims (a combine launch computes one value per position along the row)")
         tail.add(v)
     return frozenset(tail)
+
+
+def _dims(layout: Layout | None) -> set[int]:
+    """The space dims a value's layout runs along."""
+    return {d for d in layout or () if d is not None}
 
 
 def _long_selection(region: Region) -> str | None:
