@@ -382,3 +382,13 @@ def test_a_reduction_across_the_rows_broadcast_back_along_them_stays_out_of_the_
     program = fuzzgen.generate(random.Random("47:547"), seed=547)
     assert "softmax((sum(y, axis=-1, keepdims=true)" in program.source  # the program pinned
     assert fuzzgen.run_grads(program).status == "pass"
+
+
+def test_a_gemm_operand_prologue_computed_from_positions():
+    """Gradient fuzzer, seed 49, program 546: the backward's GEMM has an A prologue computed
+    from `index(y, 0)` (a position along K); only a gathered operand's tile had its index
+    ops placed (an internal error: a None index function). A and B prologues place them at
+    the tile's rows, K and columns."""
+    program = fuzzgen.generate(random.Random("49:546"), seed=546)
+    assert "(index(y, 0) * 0.01)" in program.source  # the program pinned
+    assert fuzzgen.run_grads(program).status == "pass"

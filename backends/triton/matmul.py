@@ -100,7 +100,8 @@ def tile_ptrs(ref: TensorRef, rank: int, bnames: list[str | None], rows: str, co
 def operand_tile(em: Emitter, region: Region, name: str, ptrs: str | None, mask: str, value: int, src: int,
                  chain: set[int], scalars: Mapping[int, Val], dot: DType,
                  vectors: Mapping[int, str] | None = None, keep: dict[int, Val] | None = None,
-                 index: Callable[[Op], Val] | None = None) -> str:
+                 index: Callable[[Op], Val] | None = None,
+                 positions: Callable[[Op], Val] | None = None) -> str:
     """Load a dot operand tile of `src` into `name`, apply the prologue `chain` (the values
     `value` is computed from: elementwise ops with scalars, and transposes, which the
     pointers already account for) in f32, and bring it to the dot's dtype. The prologue
@@ -113,7 +114,9 @@ def operand_tile(em: Emitter, region: Region, name: str, ptrs: str | None, mask:
     chain's values are left there, with any values it already names computed too (a GEMM's
     row statistics of the same tile).
     `index`: the operand is gathered (`ptrs` None): the chain's `index` ops at the tile, whose
-    gather loads it (masked, at the addresses it computes) from the tensors it gathers from."""
+    gather loads it (masked, at the addresses it computes) from the tensors it gathers from.
+    `positions`: the chain's `index` ops at the tile of an operand loaded through its
+    pointers (a prologue computing from positions: `(index(y, 0) * 0.01 + ...) @ w`)."""
     body, n_in = em.code, len(region.inputs)
     if index is None:
         src_type = region.inputs[src].type
@@ -135,7 +138,7 @@ def operand_tile(em: Emitter, region: Region, name: str, ptrs: str | None, mask:
             elif rop.op.kind == "const":
                 vals[v] = literal(rop.op.attr("value"), compute_type(rop.op.dtype))
             elif rop.op.kind == "index":
-                vals[v] = index(rop.op)
+                vals[v] = (index or positions)(rop.op)
             else:
                 types = tuple(region.value_type(o) for o in rop.operands)
                 vals[v] = em.op(rop.op, em.operands(rop, vals), types)
@@ -535,7 +538,7 @@ class GemmProgram:
         if which != 0:
             return operand_tile(self.em, self.region, name, f"{name}_ptrs", mask, value,
                                 self.sources[which], self.prologues[which], self.prologue_scalars,
-                                self.dots[which])
+                                self.dots[which], positions=self.b_index)
         # A: its prologue may read vectors along K, and the row statistics are summed from
         # the same tile
         region, n_in = self.region, self.n_in
@@ -555,7 +558,8 @@ class GemmProgram:
                 vectors[i] = f"tl.load({ref.ptr} + {offset}, mask=kmask[None, :], other=0.0)"
         keep = dict.fromkeys(self.plan.stat_chain) if self.stats else None
         operand_tile(self.em, region, name, f"{name}_ptrs", mask, value, self.sources[0],
-                     self.prologues[0], self.prologue_scalars, self.dots[0], vectors, keep)
+                     self.prologues[0], self.prologue_scalars, self.dots[0], vectors, keep,
+                     positions=self.a_index)
         for j, v in enumerate(self.stats):
             (x,) = region.ops[v - n_in].operands
             term = self.em.tensor(self.em.convert(keep[x], Compute.F32)).text
@@ -575,10 +579,21 @@ class GemmProgram:
         return [*self.bnames[len(self.bnames) - (rank - 2):], "(k0 + rk)[:, None]", "rn[None, :]"] \
             if rank > 2 else ["(k0 + rk)[:, None]", "rn[None, :]"]
 
+    def a_index(self, op: Op) -> Val:
+        """An `index` op of A's prologue at the tile: its rows rm, its columns k0 + rk, its
+        batch dims the program's."""
+        rank, axis = len(op.shape), op.attr("axis") % len(op.shape)
+        names = [*self.bnames[len(self.bnames) - (rank - 2):], "rm[:, None]", "(k0 + rk)[None, :]"] \
+            if rank > 2 else ["rm[:, None]", "(k0 + rk)[None, :]"][2 - rank:]
+        return self.em.index(None if op.shape[axis] == 1 else names[axis])
+
     def b_index(self, op: Op) -> Val:
-        """An `index` op of a gathered B operand at the tile."""
-        axis = op.attr("axis")
-        return self.em.index(None if op.shape[axis] == 1 else self.b_names(len(op.shape))[axis])
+        """An `index` op of B's prologue (or of a gathered B) at the tile, its dims
+        right-aligned to the tile's."""
+        rank = len(op.shape)
+        axis = op.attr("axis") % rank
+        names = self.b_names(rank)
+        return self.em.index(None if op.shape[axis] == 1 else names[len(names) - rank:][axis])
 
     def out_index(self, dim: int) -> str | None:
         """Index of an output dim at the tile: batch scalars, rows, columns."""
