@@ -47,3 +47,10 @@ def bench(fn, device: str) -> float:
         fn()
         times.append((time.perf_counter() - start) * 1e3)
     return sorted(times)[1]
+
+
+def close(a, b, what: str, tol: float) -> None:
+    """Check a result against torch's before it is timed (rtol and atol `tol`)."""
+    if not torch.allclose(a.double(), b.double(), rtol=tol, atol=tol):
+        gap = (a.double() - b.double()).abs().max()
+        raise AssertionError(f"{what}: tiledsl and torch disagree by {gap:.3e}")

@@ -22,19 +22,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import arguments, bench, open_device, print_header  # noqa: E402
+from common import arguments, bench, close, open_device, print_header  # noqa: E402
 
 import tiledsl  # noqa: E402
 
 GEMM = "kernel f(a: f16[M, K], b: f16[K, N]) -> f16[M, N] { return a @ b }"
 SHAPES = [(16, 4096, 16384), (32, 8192, 8192), (64, 2048, 32768)]
 QUICK_SHAPES = [(1, 17, 2000)]  # the interpreter's blocks: four splits
-
-
-def close(a, b, what: str) -> None:
-    if not torch.allclose(a.double(), b.double(), rtol=2e-2, atol=2e-2):
-        gap = (a.double() - b.double()).abs().max()
-        raise AssertionError(f"{what}: tiledsl and torch disagree by {gap:.3e}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,8 +44,8 @@ def main(argv: list[str] | None = None) -> int:
         a = torch.randn(m, k, generator=g).to(torch.float16).to(dev)
         b = (torch.randn(k, n, generator=g) / k ** 0.5).to(torch.float16).to(dev)
         want = (a.float() @ b.float())
-        close(split(a, b), want, "split")
-        close(unsplit(a, b), want, "unsplit")
+        close(split(a, b), want, "split", 2e-2)
+        close(unsplit(a, b), want, "unsplit", 2e-2)
         (step,) = split.runtime.steps
         cfg = step.emitted.launch_config({"M": m, "N": n, "K": k}, target)
         case = f"f16 M={m} N={n} K={k}"

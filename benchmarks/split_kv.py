@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import arguments, bench, open_device, print_header  # noqa: E402
+from common import arguments, bench, close, open_device, print_header  # noqa: E402
 
 import tiledsl  # noqa: E402
 
@@ -74,9 +74,7 @@ def main(argv: list[str] | None = None) -> int:
 
         want = sdpa().float()
         for fn, what in ((split, "split"), (unsplit, "unsplit")):
-            gap = (fn(q, k, v).float() - want).abs().max().item()
-            if gap > 2e-3:
-                raise AssertionError(f"{name} {what}: tiledsl and torch disagree by {gap:.3e}")
+            close(fn(q, k, v), want, f"{name} {what}", 2e-3)
         dims = {"B": 1, "H": heads, "L": length, "D": d} | ({"KH": kv_heads} if name == "gqa" else {})
         splits = splits_of(split, dims, dev)
         ours = bench(lambda split=split, q=q, k=k, v=v: split(q, k, v), dev)

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import arguments, bench, open_device, print_header  # noqa: E402
+from common import arguments, bench, close, open_device, print_header  # noqa: E402
 
 import tiledsl  # noqa: E402
 
@@ -45,12 +45,6 @@ RMSNORM = """kernel rms(x: f32[M, N], w: f32[N]) -> f32[M, N] {
     return x * rsqrt(mean(x * x, axis=-1, keepdims=true) + 1e-6) * w
 }"""
 NORM = "kernel norm(x: f32[M, N]) -> f32[] { return sqrt(sum(x * x, axis=None)) }"
-
-
-def close(a, b, what: str) -> None:
-    if not torch.allclose(a.double(), b.double(), rtol=2e-3, atol=2e-3):
-        gap = (a.double() - b.double()).abs().max()
-        raise AssertionError(f"{what}: tiledsl and torch disagree by {gap:.3e}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,8 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     y = torch.randint(0, v, (m,), generator=g).to(dev)
     split, unsplit = tiledsl.compile(CE_MEAN), tiledsl.compile(CE_ROWS)
     want = F.cross_entropy(x.float(), y)
-    close(split(x, y), want, "cross-entropy mean")
-    close(unsplit(x, y).mean(), want, "cross-entropy rows")
+    close(split(x, y), want, "cross-entropy mean", 2e-3)
+    close(unsplit(x, y).mean(), want, "cross-entropy rows", 2e-3)
     ours = bench(lambda: split(x, y), dev)
     line(f"cross-entropy mean M={m} V={v}", ours, "unsplit", bench(lambda: unsplit(x, y).mean(), dev))
     line(f"cross-entropy mean M={m} V={v}", ours, "torch", bench(lambda: F.cross_entropy(x.float(), y), dev))
@@ -85,12 +79,12 @@ def main(argv: list[str] | None = None) -> int:
         return torch.autograd.grad(out, [xr, wr], dy)
 
     for a, b in zip(backward(xs, w, dy), torch_backward(), strict=True):
-        close(a, b, "RMSNorm backward")
+        close(a, b, "RMSNorm backward", 2e-3)
     line(f"RMSNorm backward M={rows} N={n}", bench(lambda: backward(xs, w, dy), dev), "torch",
          bench(torch_backward, dev))
 
     norm = tiledsl.compile(NORM)
-    close(norm(xs), torch.linalg.vector_norm(xs), "global norm")
+    close(norm(xs), torch.linalg.vector_norm(xs), "global norm", 2e-3)
     line(f"global norm M={rows} N={n}", bench(lambda: norm(xs), dev), "torch",
          bench(lambda: torch.linalg.vector_norm(xs), dev))
     return 0

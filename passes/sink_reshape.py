@@ -154,9 +154,16 @@ def _liftable(graph: Graph, value: int, reader: int) -> bool:
     op = graph.op(value)
     if op.shape == () or (isinstance(op, Op) and op.kind == "param"):
         return True
-    return isinstance(op, Op) and ops.is_elementwise(op.kind) and op.kind not in ("take", "index") \
-        and {u for u, _ in graph.users(value)} == {reader} \
+    return _recomputable(graph, value, reader) \
         and all(_liftable(graph, o, value) for o in graph.operands(value))
+
+
+def _recomputable(graph: Graph, value: int, reader: int) -> bool:
+    """An elementwise op with elements (not a gather or an index) read by `reader` alone: it
+    may be computed in another shape in its place."""
+    op = graph.op(value)
+    return isinstance(op, Op) and ops.is_elementwise(op.kind) and op.kind not in ("take", "index") \
+        and op.shape != () and {u for u, _ in graph.users(value)} == {reader}
 
 
 def _lifted(graph: Graph, value: int, shape, reader: int) -> int:
@@ -165,8 +172,7 @@ def _lifted(graph: Graph, value: int, shape, reader: int) -> int:
     op = graph.op(value)
     if op.shape == shape:
         return value
-    if isinstance(op, Op) and ops.is_elementwise(op.kind) and op.kind not in ("take", "index") \
-            and {u for u, _ in graph.users(value)} == {reader} and op.shape != ():
+    if _recomputable(graph, value, reader):
         operands = [o if graph.op(o).shape == () else
                     _lifted(graph, o, _unit_shape(graph.op(o).shape, shape, op.shape), value)
                     for o in graph.operands(value)]

@@ -19,6 +19,7 @@ profile of its hottest loop (`loop_profile`).
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
@@ -69,6 +70,7 @@ def compile_launch(launch: Launch, target: tuple[str, int, int] = SM90, config: 
     return triton.compile(source, target=GPUTarget(*target), options=options)
 
 
+@functools.cache
 def ptxas_options() -> tuple[str, ...]:
     """The ptxas options the installed Triton's `make_cubin` passes: line info, and where it
     has it its workaround for a register allocation bug of ptxas 13 (`--regAllocOptLevel=2`,

@@ -105,16 +105,21 @@ class AttentionProgram:
 
     # --- emission ---------------------------------------------------------------------------
 
-    def emit(self) -> None:
-        sig, body, region, em, parts = self.sig, self.body, self.region, self.em, self.parts
+    def declare_io(self) -> None:
+        """Every input (tensors, by-value scalars, gathers' sources) and output as parameters:
+        the walk's kernel and its combine take the same ones."""
+        sig, region = self.sig, self.region
         self.refs = {i: sig.tensor("in", i, inp.type.shape) for i, inp in enumerate(region.inputs)
                      if not inp.scalar}
         self.scalars = {i: sig.scalar(i) for i, inp in enumerate(region.inputs) if inp.scalar}
-        em.gather_from(region, self.refs, sig.size)
+        self.em.gather_from(region, self.refs, sig.size)
         self.outs = [sig.tensor("out", j, self.value_type(v).shape) for j, v in enumerate(region.outputs)]
+
+    def emit(self) -> None:
+        sig, body, region, em, parts = self.sig, self.body, self.region, self.em, self.parts
+        self.declare_io()
         self.M, self.N = sig.size(self.score_shape[-2]), sig.size(self.score_shape[-1])
         self.D = sig.size(self.value_type(self.a_val).shape[-1])
-        self.DV = sig.size(self.out_shape[-1])
         for name in ("BLOCK_M", "BLOCK_N", "BLOCK_D", "BLOCK_DV"):
             sig.constexpr(name)
         D = self.D
@@ -305,14 +310,10 @@ class AttentionProgram:
         partials of its rows in split order (an online softmax's outputs rescaled by their
         maxima, as the walk rescales key blocks; sums added), then normalises, computes the
         logsumexp, runs the epilogue and stores, as the unsplit kernel does."""
-        sig, body, region, em, parts = self.sig, self.body, self.region, self.em, self.parts
-        # every input, as the walk's kernel takes them: the epilogue reads some, the rank-0
-        # values it computes again (a scale from scalars) others, a gather its source
-        self.refs = {i: sig.tensor("in", i, inp.type.shape) for i, inp in enumerate(region.inputs)
-                     if not inp.scalar}
-        self.scalars = {i: sig.scalar(i) for i, inp in enumerate(region.inputs) if inp.scalar}
-        em.gather_from(region, self.refs, sig.size)
-        self.outs = [sig.tensor("out", j, self.value_type(v).shape) for j, v in enumerate(region.outputs)]
+        sig, body, parts = self.sig, self.body, self.parts
+        # (every input: the epilogue reads some, the rank-0 values it computes again others,
+        # a gather its source)
+        self.declare_io()
         for name in ("BLOCK_M", "BLOCK_DV", "SPLITS"):
             sig.constexpr(name)
         body("pid = tl.program_id(0)")
@@ -747,7 +748,7 @@ class AttentionProgram:
             """Whether the tiles walk at most 64 keys."""
             return narrow_at[min(width(d, dv), 128)]
 
-        def with_splits(dims: Mapping[str, int], cfg: LaunchConfig, splits: int) -> LaunchConfig:
+        def with_splits(cfg: LaunchConfig, splits: int) -> LaunchConfig:
             if not self.parts.kv_split:
                 return cfg
             return LaunchConfig((cfg.grid[0] * splits,), {**cfg.constexprs, "SPLITS": splits},
@@ -755,7 +756,7 @@ class AttentionProgram:
 
         def configure(dims: Mapping[str, int], device: str) -> LaunchConfig:
             cfg = unsplit(dims, device)
-            return with_splits(dims, cfg, self.split_count(dims, cfg, user_splits))
+            return with_splits(cfg, self.split_count(dims, cfg, user_splits))
 
         def unsplit(dims: Mapping[str, int], device: str) -> LaunchConfig:
             m, n, d, dv = sizes(dims)
@@ -776,7 +777,7 @@ class AttentionProgram:
                 return []
             # every candidate splits the keys as the default does (the workspace is sized so)
             splits = configure(dims, device).constexprs.get("SPLITS", 1)
-            found = [with_splits(dims, config(dims, bm, bn, w, s, hinted=False), splits)
+            found = [with_splits(config(dims, bm, bn, w, s, hinted=False), splits)
                      for bm, bn, w, s in hopper(d, dv)
                      if bn <= next_pow2(n) and (not narrow(d, dv) or bn <= 64)]
             return hinted_first(configure(dims, device) if any(user.values()) else None, found)
