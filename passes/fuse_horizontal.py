@@ -22,7 +22,9 @@ each running its own code and plan, so nothing is read once that was read twice,
 is saved. Merged on the same rules (independent; a shared input, launch-bound, or reductions),
 while the launch stays within `MAX_ROW_OPS` ops (its source and compile time); a kernel over
 a space another member has is left to the first walk, and a dependent pair to vertical
-fusion's remarks.
+fusion's remarks, except a split row program whose combine alone reads 0-d results of the
+members (a global norm over several tensors: the last sum of squares adds the others' in its
+combine, which runs after every member's programs and the combines before it).
 Each merge is a fused remark; kernels that share an input but may not merge get a refusal.
 Must run after the other fusion passes, which form the kernels it merges.
 """
@@ -168,8 +170,8 @@ def _launch(kernel: KernelOp) -> tuple[tuple, ...]:
     n_in = len(kernel.region.inputs)
     if _space(kernel) is None or any(v < n_in for v in kernel.region.outputs):
         return ()
-    if isinstance(kernel.plan, RowPlan) and (kernel.plan.long_selections(kernel.region) or kernel.plan.split):
-        return ()  # a launch's members take no workspace (a long sort's, partials) and are one launch
+    if isinstance(kernel.plan, RowPlan) and kernel.plan.long_selections(kernel.region):
+        return ()  # a long sort's workspace rows are sized for one program per row
     return ((),)
 
 
@@ -189,14 +191,31 @@ def _independent_and_worth_it(graph: Graph, plan: GroupPlan, group: Group, node:
 def _launch_refusal(graph: Graph, plan: GroupPlan, group: Group, node: int, key: tuple) -> Refusal | None:
     """Kernels over different spaces: one launch, its programs partitioned among them. Each
     keeps its own code, so what bounds the merge is the launch's source: `MAX_ROW_OPS` ops."""
-    if _space(graph.op(node)) in {_space(graph.op(m)) for m in group}:
+    combine_reads = _read_in_combine(graph, group, node) and not plan.creates_cycle(group, node)
+    if not combine_reads and _space(graph.op(node)) in {_space(graph.op(m)) for m in group}:
         return SKIP  # merged by the first walk if at all
-    refusal = _independent_and_worth_it(graph, plan, group, node)
-    if refusal is not None and refusal.rule is Rule.CYCLE:
-        return SKIP  # a kernel reading another's result: vertical fusion's remarks say why
+    if combine_reads:
+        refusal = None  # (each member's partials; its combine, a launch after, reads the others)
+    else:
+        refusal = _independent_and_worth_it(graph, plan, group, node)
+        if refusal is not None and refusal.rule is Rule.CYCLE:
+            return SKIP  # a kernel reading another's result: vertical fusion's remarks say why
     if refusal is None and sum(len(graph.op(m).region.ops) for m in (*group, node)) > MAX_ROW_OPS:
         return Refusal(Rule.PROFIT, f"the merged launch would exceed {MAX_ROW_OPS} ops")
     return refusal
+
+
+def _read_in_combine(graph: Graph, group: Group, node: int) -> bool:
+    """Does the split row program `node` read results of the group, all of them 0-d and
+    only in its combine (its tail: a sum of squares adding the others' in a global norm)?
+    Merged, its combine launch follows every member's programs and earlier combines."""
+    kernel = graph.op(node)
+    if not isinstance(kernel.plan, RowPlan) or not kernel.plan.split:
+        return False
+    read = {i for i, e in enumerate(graph.operand_edges(node)) if e[0] in group}
+    region, n_in = kernel.region, len(kernel.region.inputs)
+    return bool(read) and all(region.inputs[i].type.rank == 0 for i in read) and all(
+        n_in + j in kernel.plan.tail for j, r in enumerate(region.ops) if read & set(r.operands))
 
 
 def _refusal(graph: Graph, plan: GroupPlan, group: Group, node: int, key: tuple) -> Refusal | None:

@@ -79,8 +79,21 @@ class FuseRows(Pass):
             return Admission(admit, lambda members: RowSpec(space), settle)
 
         _unshare_reductions(graph)
+        def along_the_row(node: int) -> bool:
+            """Not a column sum (a reduction along the leading dim alone, no part of one over
+            several axes: a weight's or bias's gradient), which is seeded last: grown first
+            from a cast of the gradient it reads, it would take the ops a norm's backward
+            along the row needs (split, that row program sums the columns too)."""
+            op = graph.op(node)
+            if not isinstance(op, Op) or ops.category(op.kind) is not ops.Category.REDUCTION:
+                return True
+            source = graph.operand_edges(node)[0]
+            return graph.result_type(*source).rank < 2 or op.attr("axis") != 0 \
+                or continues_reduction(graph.op(source[0]), op) \
+                or any(continues_reduction(op, graph.op(u)) for u, _ in graph.users(node))
+
         fuse_groups(graph, ctx.remarks, self.name, lambda node: graph.op(node).kind in ROW_OPS, consider,
-                    admit_for)
+                    admit_for, first=along_the_row)
 
 
 def _unshare_reductions(graph: Graph) -> None:

@@ -213,10 +213,11 @@ def remove_dead_clonables(graph: Graph, nodes: Sequence[int],
 
 
 def merged_region(graph: Graph, nodes: Sequence[int]) -> tuple[Region, list[tuple[int, int]], list[Member]]:
-    """The region computing the results of independent kernels `nodes`, in order, the
-    (node, result) each of its inputs reads (inputs they share become one), and each
-    kernel's place in it: a `Member` with the kernel's own plan (its part of the region,
-    `Region.part`, is the kernel's region)."""
+    """The region computing the results of kernels `nodes`, in program order, the (node,
+    result) each of its inputs reads (inputs they share become one), and each kernel's place
+    in it: a `Member` with the kernel's own plan (its part of the region, `Region.part`, is
+    the kernel's region). A kernel reading an earlier one's result reads its value (which
+    stays a result of the merged kernel: `plans.MergedPlan` says when that may be)."""
     edges: dict[tuple[int, int], int] = {}
     inputs: list[RegionInput] = []
     body: list[RegionOp] = []
@@ -224,14 +225,15 @@ def merged_region(graph: Graph, nodes: Sequence[int]) -> tuple[Region, list[tupl
     kernels = [graph.op(n) for n in nodes]
     for node, kernel in zip(nodes, kernels, strict=True):
         for e, inp in zip(graph.operand_edges(node), kernel.region.inputs, strict=True):
-            if e not in edges:
+            if e not in edges and e[0] not in nodes:
                 edges[e] = len(inputs)
                 inputs.append(inp)
     n_in = len(inputs)
     members = []
+    produced: dict[tuple[int, int], int] = {}  # a member's (node, result) -> its value
     for node, kernel in zip(nodes, kernels, strict=True):
         region = kernel.region
-        local = [edges[e] for e in graph.operand_edges(node)]
+        local = [produced[e] if e in produced else edges[e] for e in graph.operand_edges(node)]
         base = n_in + len(body)
         values = tuple(base + i for i in range(len(region.ops)))
         members.append(Member(tuple(local), values,
@@ -239,6 +241,7 @@ def merged_region(graph: Graph, nodes: Sequence[int]) -> tuple[Region, list[tupl
         local += values
         body.extend(RegionOp(r.op, tuple(local[v] for v in r.operands)) for r in region.ops)
         outputs.extend(local[v] for v in region.outputs)
+        produced.update(((node, r), local[v]) for r, v in enumerate(region.outputs))
     return Region(tuple(inputs), tuple(body), tuple(outputs)), list(edges), members
 
 
@@ -246,7 +249,7 @@ def merge_kernels(graph: Graph, nodes: Sequence[int], spec: Spec | None = None) 
     """Replace independent kernels by one kernel computing all their results (horizontal
     fusion), planned from `spec` (the kernels' shared iteration space, in region values), or,
     with no spec, a merged launch whose members are the kernels with their own plans
-    (`MergedSpec`). No kernel may read another's result."""
+    (`MergedSpec`). Only a merged launch's member may read another's result."""
     kernels = [graph.op(n) for n in nodes]
     region, edges, members = merged_region(graph, nodes)
     span = None

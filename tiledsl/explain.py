@@ -23,7 +23,7 @@ from tiledsl.passes.hoist_row_scale import HoistRowScale
 from tiledsl.passes.pipeline import FUSION
 from tiledsl.passes.recompute import Recompute
 from tiledsl.passes.sink_reshape import SinkReshape
-from tiledsl.plans import AttentionBackwardPlan, AttentionPlan, GemmPlan, RowPlan
+from tiledsl.plans import AttentionBackwardPlan, AttentionPlan, GemmPlan, MergedPlan, RowPlan
 from tiledsl.types import format_shape
 
 if TYPE_CHECKING:
@@ -93,7 +93,8 @@ def explain(program: Program, dims: Mapping[str, int] | None = None) -> str:
         for r, t in enumerate(op.result_types):
             users = sorted({_user_name(graph, u) for u, slot in graph.users(k)
                             if graph.operand_edges(u)[slot] == (k, r)})
-            outs.append(f"{t} -> {', '.join(users)}")
+            # (a merged launch's result that only a later member's combine reads)
+            outs.append(f"{t} -> {', '.join(users) or f'{op.name} (a combine)'}")
         lines.append(f"  {'':<{width}}    out: {'; '.join(outs)}")
         if isinstance(op.plan, (AttentionPlan, AttentionBackwardPlan)):
             lines.append(f"  {'':<{width}}    structure: {_attention_structure(op)}")
@@ -112,6 +113,13 @@ def explain(program: Program, dims: Mapping[str, int] | None = None) -> str:
             lines.append(f"  {'':<{width}}    launches: 2 (split: {reductions} across its rows along "
                          f"{dim}, as partials over chunks of rows; a combine launch merges them in "
                          "chunk order)")
+        if isinstance(op.plan, MergedPlan) and (split := [m for m in op.plan.members
+                                                          if isinstance(m.plan, RowPlan) and m.plan.split]):
+            n_in = len(op.region.inputs)
+            names = ", ".join(describe(op.region.ops[m.values[v - len(m.inputs)] - n_in].op)
+                              for m in split for v in sorted(m.plan.across_reducing))
+            lines.append(f"  {'':<{width}}    launches: {1 + len(split)} (its members' programs, then the "
+                         f"combine of each split one, in order, merging its partials: {names})")
         if op.name in at_sizes:
             lines.append(f"  {'':<{width}}    at these sizes: {at_sizes[op.name]}")
         fused, alone = cost.kernel_traffic(op), cost.op_by_op_traffic(op.region)

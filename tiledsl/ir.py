@@ -132,7 +132,8 @@ class Region:
     def part(self, inputs: tuple[int, ...], values: tuple[int, ...], outputs: tuple[int, ...]) -> Region:
         """The region of the ops `values` (in order), reading the inputs `inputs` and
         computing this region's outputs at positions `outputs`, renumbered as a region of its
-        own (a member of a merged launch: `plans.MergedPlan`)."""
+        own (a member of a merged launch: `plans.MergedPlan`). An input may be a value the
+        part does not compute (another member's result): a tensor input of the part."""
         n_in = len(self.inputs)
         local = {v: i for i, v in enumerate(inputs)}
         body = []
@@ -140,8 +141,8 @@ class Region:
             r = self.ops[v - n_in]
             body.append(RegionOp(r.op, tuple(local[o] for o in r.operands)))
             local[v] = len(inputs) + len(body) - 1
-        return Region(tuple(self.inputs[i] for i in inputs), tuple(body),
-                      tuple(local[self.outputs[j]] for j in outputs))
+        return Region(tuple(self.inputs[i] if i < n_in else RegionInput(self.value_type(i)) for i in inputs),
+                      tuple(body), tuple(local[self.outputs[j]] for j in outputs))
 
     def depends(self, value: int) -> set[int]:
         """The values `value` is computed from, itself included."""

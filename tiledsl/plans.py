@@ -639,9 +639,15 @@ class Member:
 
 @dataclass(frozen=True, slots=True)
 class MergedPlan:
-    """Independent pointwise and row programs over different iteration spaces in one launch:
-    its programs are partitioned in member order (ids [0, n1) run the first member over its
-    space, [n1, n1 + n2) the second...), each member keeping its own plan and layout."""
+    """Pointwise and row programs over different iteration spaces in one launch: its
+    programs are partitioned in member order (ids [0, n1) run the first member over its
+    space, [n1, n1 + n2) the second...), each member keeping its own plan and layout.
+
+    Split row members leave partials in their own workspaces; their combines follow as
+    launches of their own, in member order. So a split member's tail (what its combine
+    computes) may read an earlier member's result, which the merged kernel stores: a global
+    norm over several tensors, whose last sum of squares adds the others' in its combine.
+    Nothing else reads another member's result: the partitioned programs run at once."""
 
     template: ClassVar[str] = "merged"
     strided_stores: ClassVar[bool] = False  # a pointwise member stores at a flat index
@@ -663,16 +669,24 @@ class MergedPlan:
         if len(self.members) < 2 or values != list(range(n_in, n_in + len(region.ops))) \
                 or outputs != list(range(len(region.outputs))):
             check.fail("its merged plan's members do not cover its region once each")
+        earlier: set[int] = set()  # the values the members before this one compute
         for m in self.members:
             known = set(m.inputs)
             for v in m.values:
                 if not set(region.ops[v - n_in].operands) <= known:
                     check.fail(f"a member of its merged plan reads a value outside it at {v}")
                 known.add(v)
-            if not all(0 <= i < n_in for i in m.inputs) \
+            if not all(0 <= i < n_in or (i in earlier and i in region.outputs) for i in m.inputs) \
                     or not all(region.outputs[j] in known for j in m.outputs):
                 check.fail("a member of its merged plan names values it does not compute")
-            m.plan.verify(check.part(region.part(m.inputs, m.values, m.outputs)))
+            part = region.part(m.inputs, m.values, m.outputs)
+            read = {i for i, v in enumerate(m.inputs) if v >= n_in}  # other members' results
+            tail = m.plan.tail if isinstance(m.plan, RowPlan) and m.plan.split else frozenset()
+            if any(set(r.operands) & read and len(part.inputs) + j not in tail
+                   for j, r in enumerate(part.ops)):
+                check.fail("a member of its merged plan reads another's result outside its combine")
+            earlier.update(m.values)
+            m.plan.verify(check.part(part))
 
 
 Plan = PointwisePlan | RowPlan | GemmPlan | AttentionPlan | AttentionBackwardPlan | MergedPlan | ScatterPlan

@@ -24,12 +24,26 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from dataclasses import replace
 
 from tiledsl.ir import KernelOp
 from tiledsl.plans import MergedPlan
 
 from .base import PROGRAM_ID, EmittedKernel, Hints, LaunchConfig
-from .codegen import FLAGS, ArgSpec, Code, DimSize, Numel, Ptr, RowsFlat, Scalar, Stride, Wide, header
+from .codegen import (
+    FLAGS,
+    ArgSpec,
+    Code,
+    DimSize,
+    Numel,
+    Ptr,
+    RowsFlat,
+    Scalar,
+    Stride,
+    Wide,
+    Workspace,
+    header,
+)
 from .expr import HELPERS
 
 
@@ -43,6 +57,18 @@ def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKer
         part = KernelOp(f"{kernel.name}_{i}", m.plan.template, region, kernel.span, plan=m.plan)
         members.append(EMITTERS[type(m.plan)](part, hints, allow_tf32))
 
+    n_in = len(kernel.region.inputs)
+    outputs = kernel.region.outputs
+    # each member's workspaces follow the members' before it
+    spaces = [0]
+    for e in members:
+        used = [spec.index for stage in (e, *e.then) for _, spec in stage.params
+                if isinstance(spec, Workspace)]
+        spaces.append(spaces[-1] + max(used, default=-1) + 1)
+
+    def rebased(spec: ArgSpec, i: int) -> ArgSpec:
+        return _rebased(spec, plan.members[i], n_in, outputs, spaces[i])
+
     params: dict[ArgSpec, str] = {}  # the kernel's parameters, by how each is filled
     constexprs: list[str] = []
     flag = any(e.interpreter_flag for e in members)
@@ -53,12 +79,12 @@ def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKer
         for line in HELPERS[name].splitlines():
             code(line)
     calls = []
-    for i, (m, e) in enumerate(zip(plan.members, members, strict=True)):
+    for i, e in enumerate(members):
         fn = e.function
         renamed: dict[str, str] = {}
         for name, spec in fn.sig.params:
-            rebased = _rebased(spec, m)
-            renamed[name] = params.setdefault(rebased, _name(rebased) or f"m{i}_{name}")
+            spec = rebased(spec, i)
+            renamed[name] = params.setdefault(spec, _name(spec) or f"m{i}_{name}")
         for name in fn.sig.constexprs:
             renamed[name] = "INTERPRETER" if name == "INTERPRETER" else f"M{i}_{name}"
             if name != "INTERPRETER":
@@ -99,8 +125,17 @@ def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKer
         return LaunchConfig((sum(c.grid[0] for c in cfgs),), consts,
                             num_warps=max(c.num_warps or 4 for c in cfgs))
 
+    def workspace(dims: Mapping[str, int], target: str) -> tuple[tuple[int, str], ...]:
+        return tuple(w for e in members if e.workspace is not None for w in e.workspace(dims, target))
+
+    # the combines of split members, each a launch of its own in member order (a later one
+    # may read what an earlier one stored), over the merged kernel's arguments
+    then = tuple(replace(stage, kernel=kernel,
+                         params=tuple((n, rebased(spec, i)) for n, spec in stage.params))
+                 for i, e in enumerate(members) for stage in e.then)
     return EmittedKernel(kernel, fn_name, code.text(), tuple((n, spec) for spec, n in params.items()),
-                         configure, interpreter_flag=flag, hints=dict(hints))
+                         configure, interpreter_flag=flag, hints=dict(hints),
+                         workspace=workspace if spaces[-1] else None, then=then)
 
 
 def _name(spec: ArgSpec) -> str | None:
@@ -114,17 +149,20 @@ def _name(spec: ArgSpec) -> str | None:
     return "WIDE" if isinstance(spec, Wide) else None
 
 
-def _rebased(spec: ArgSpec, member) -> ArgSpec:
-    """A member's parameter as the merged kernel fills it: its inputs and outputs renumbered."""
-    if isinstance(spec, Ptr):
-        return Ptr(spec.role, (member.inputs if spec.role == "in" else member.outputs)[spec.index])
-    if isinstance(spec, Stride):
-        numbers = member.inputs if spec.role == "in" else member.outputs
-        return Stride(spec.role, numbers[spec.index], spec.dim)
+def _rebased(spec: ArgSpec, member, n_in: int, outputs: tuple[int, ...], workspaces: int) -> ArgSpec:
+    """A member's parameter as the merged kernel fills it: its inputs, outputs and
+    workspaces renumbered; an input that is another member's result (0-d, read by a combine)
+    is that result, an output of the merged kernel."""
+    if isinstance(spec, Ptr | Stride | RowsFlat):
+        role, index = spec.role, (member.inputs if spec.role == "in" else member.outputs)[spec.index]
+        if role == "in" and index >= n_in:
+            role, index = "out", outputs.index(index)
+        if isinstance(spec, Ptr):
+            return Ptr(role, index)
+        return Stride(role, index, spec.dim) if isinstance(spec, Stride) else RowsFlat(index, spec.axes, role)
     if isinstance(spec, Scalar):
         return Scalar(member.inputs[spec.index])
-    if isinstance(spec, RowsFlat):
-        numbers = member.inputs if spec.role == "in" else member.outputs
-        return RowsFlat(numbers[spec.index], spec.axes, spec.role)
+    if isinstance(spec, Workspace):
+        return Workspace(workspaces + spec.index)
     assert isinstance(spec, DimSize | Numel | Wide), f"a merged member takes no {type(spec).__name__}"
     return spec

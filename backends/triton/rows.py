@@ -637,6 +637,7 @@ class RowProgram:
         body, sig, shape = self.body, self.sig, self.plan.shape
         size = sig.size(shape[self.plan.across])
         sig.constexpr("CHUNK")
+        self.programs = f"{self.rows} * tl.cdiv({size}, CHUNK)"
         body(f"n_chunks = tl.cdiv({size}, CHUNK)")
         body("chunk = pid % n_chunks")
         body("grp = pid // n_chunks")

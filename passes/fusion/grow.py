@@ -102,7 +102,8 @@ def outputs_of(graph: Graph, members: list[int]) -> list[int]:
 
 
 def fuse_groups(graph: Graph, remarks: list, pass_name: str, is_seed: Callable[[int], bool],
-                consider: Callable[[int], bool], admit_for: Callable[[GroupPlan, int], Admission]) -> None:
+                consider: Callable[[int], bool], admit_for: Callable[[GroupPlan, int], Admission],
+                first: Callable[[int], bool] | None = None) -> None:
     """The driver of a fusion pass: grow a group from every seed not yet grouped
     (in topological order), then rewrite every group into one kernel of its spec.
 
@@ -110,7 +111,10 @@ def fuse_groups(graph: Graph, remarks: list, pass_name: str, is_seed: Callable[[
     seed's group and its spec; `consider` says which neighbours are candidates at all.
     """
     plan = GroupPlan(graph)
-    for seed in graph.topo_order():
+    order = graph.topo_order()
+    if first is not None:
+        order = [n for n in order if first(n)] + [n for n in order if not first(n)]
+    for seed in order:
         if plan.grouped(seed) or not candidate_kind(graph, seed) or not is_seed(seed):
             continue
         admission = admit_for(plan, seed)
