@@ -19,6 +19,7 @@ from tiledsl.ir import KernelOp, walk
 from .base import EmittedKernel, LaunchConfig, cdiv, decompose, finish, numel
 from .codegen import Code, Signature, next_pow2
 from .expr import TRITON_TYPE, Emitter, Val, literal
+from .row_reduce import F32, collapse
 
 # partials a combine program merges at once (a literal: the merge order is the kernel's)
 COMBINE_CHUNKS = 16
@@ -31,8 +32,6 @@ def emit_combine(prog, kernel: KernelOp, main: Callable[[Mapping[str, int], str]
     """The combine launch of the split row program `prog` (a `rows.RowProgram` that has
     emitted its body); `main` configures the program, whose CHUNK the combine reads."""
     from tiledsl.types import compute_type
-
-    from .rows import F32, collapse
 
     plan, region = prog.plan, prog.region
     sig, body = Signature(), Code()

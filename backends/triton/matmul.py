@@ -811,7 +811,7 @@ class GemmProgram:
 
 
 # split-K: output tiles that fill an H100's 132 SMs need no split; fewer share each tile's K
-# loop among programs, aiming at two a SM (as split row programs do, `rows.SPLIT_PROGRAMS`),
+# loop among programs, aiming at two a SM (as split row programs do, `row_split.SPLIT_PROGRAMS`),
 # each walking at least SPLIT_BLOCKS blocks of K. Numbers of the sizes only, never of the
 # device, so every device adds up the same partials.
 SPLIT_TILES = 132
