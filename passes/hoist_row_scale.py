@@ -13,8 +13,10 @@ formed.
 The factor is found through the ops that form A, each read by nothing else: `mul`s, whose
 operands are factors, and float `cast`s. A factor is hoisted when its shape is [..., M, 1],
 or when it is a scalar scaling a softmax (`lam * p` is then a softmax again, which
-fuse-attention takes; a scalar on any other tensor is already a cheap prologue), and
-dropping it leaves the `mul` with the type it had. Rounding moves: A is rounded to the
+fuse-attention takes; a scalar on any other tensor is already a cheap prologue), or a
+scalar whose product, unscaled, another matmul computes too, equal or transposed (open_clip's
+`logit_scale * img @ txt.T` and `logit_scale * txt @ img.T`: one GEMM, its transpose read
+as a view), and dropping it leaves the `mul` with the type it had. Rounding moves: A is rounded to the
 dot's dtype before the scale instead of after it, and the scale is applied to the f32
 accumulator; the result is within the numerics contract's tolerance like any reordering of
 a reduction. Not when A is rounded to f16 after the scale: unscaled values may not fit
@@ -24,7 +26,8 @@ Nor, for a product narrower than f32, in a compiled pipeline where no fuse-epilo
 rounding at another magnitude than the program's (with K = 1 the scaled operand of an
 RMSNorm is exactly +-1 and the program's own result rounds once).
 Each rewrite is a fused remark with its modelled saving. A product that becomes one another
-matmul computes already (the same A and B) is computed once.
+matmul computes already (the same A and B, or its transpose: `cse.merge_transposed_product`)
+is computed once.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from dataclasses import dataclass
 from tiledsl import cost
 from tiledsl.builder import Builder
 from tiledsl.ir import Edge, Graph, Op
+from tiledsl.passes.cse import merge_transposed_product, transposed_operand
 from tiledsl.passes.fuse_epilogue import FuseEpilogue
 from tiledsl.passes.fusion.legality import describe_node
 from tiledsl.passes.fusion.remarks import FusionRemark, Refusal, Rule
@@ -51,13 +55,16 @@ class HoistRowScale(Pass):
     def run(self, graph: Graph, ctx: PassContext) -> None:
         # without fuse-epilogue after it, nothing applies the scale to the f32 accumulator
         fused_later = ctx.following is None or FuseEpilogue.name in ctx.following
+        twins = _scaled_twins(graph)
+        visited: set[int] = set()
         for mm in graph.topo_order():
+            visited.add(mm)
             op = graph.op(mm)
             if not (isinstance(op, Op) and op.kind == "matmul" and op.dtype.is_float):
                 continue
             a_type = graph.result_type(*graph.operand_edges(mm)[0])
             refused: list[Edge] = []
-            pairs = _row_factors(graph, mm, refused)
+            pairs = _row_factors(graph, mm, refused, mm in twins)
             for factor in refused:
                 self._refuse(ctx, graph, factor, op, (
                     f"the A operand is rounded to f16 after {_describe(graph, factor)} scales it; unscaled "
@@ -77,28 +84,35 @@ class HoistRowScale(Pass):
                 shape = graph.result_type(*factor).shape
                 what = f"the row scale {_describe(graph, factor)} {format_shape(shape)}" if shape else \
                     f"the scale {_describe(graph, factor)}"
+                why = f"the scaled {format_shape(a_type.shape)} operand need not be stored " \
+                    f"(modelled saving: {saving} B)"
+                if not shape and mm in twins:
+                    why = "the product is then one another matmul computes too (equal or transposed), " \
+                        "computed once"
                 ctx.remarks.append(FusionRemark(
                     NAME, True, None, _value_op(graph, factor), op,
                     f"{what} is applied to the product, not to the A operand ((r * A) @ B = r * (A @ B)): "
-                    f"the scaled {format_shape(a_type.shape)} operand need not be stored "
-                    f"(modelled saving: {saving} B)"))
+                    f"{why}"))
             _hoist(graph, mm, pairs)
-            _merge_equal_product(graph, mm)
+            if not _merge_equal_product(graph, mm):
+                merge_transposed_product(graph, mm, visited)
 
     @staticmethod
     def _refuse(ctx: PassContext, graph: Graph, factor: Edge, mm: Op, detail: str) -> None:
         ctx.remarks.append(FusionRemark.refused(NAME, Refusal(Rule.OP, detail), _value_op(graph, factor), mm))
 
 
-def _merge_equal_product(graph: Graph, mm: int) -> None:
+def _merge_equal_product(graph: Graph, mm: int) -> bool:
     """Unscaled, A may be what another matmul multiplies by the same B
-    (`(x @ w) * f((x * r) @ w)`): one product, computed once (as cse would, which ran before)."""
+    (`(x @ w) * f((x * r) @ w)`): one product, computed once (as cse would, which ran before);
+    or by B transposed (`s * b @ a.T` beside `s * a @ b.T`: `cse.merge_transposed_product`)."""
     op, edges = graph.op(mm), graph.operand_edges(mm)
     twin = next((u for u, _ in graph.users(edges[0][0]) if u != mm and isinstance(graph.op(u), Op)
                  and graph.op(u).key() == op.key() and graph.operand_edges(u) == edges), None)
     if twin is not None:
         graph.replace_uses(mm, twin)
         graph.remove(mm)
+    return twin is not None
 
 
 def _value_op(graph: Graph, value: Edge) -> Op:
@@ -117,10 +131,43 @@ def _describe(graph: Graph, value: Edge) -> str:
     return f"'{op.attr('name')}'" if op.kind == "param" else describe_node(graph, value[0])
 
 
-def _row_factors(graph: Graph, mm: int, refused: list[Edge]) -> list[tuple[int, Edge]]:
+def _unscaled(graph: Graph, value: Edge) -> Edge:
+    """`value` without the 0-d factors of the `mul`s forming it (each read only by the next)."""
+    while True:
+        op = graph.op(value[0])
+        if not (isinstance(op, Op) and op.kind == "mul" and len(graph.users(value[0])) == 1):
+            return value
+        x, y = graph.operand_edges(value[0])
+        scalar = [e for e in (x, y)
+                  if graph.result_type(*e).shape == () and graph.result_type(*e).dtype.is_float]
+        rest = [e for e in (x, y) if e not in scalar]
+        if len(rest) != 1 or graph.result_type(*rest[0]) != op.type:
+            return value
+        value = rest[0]
+
+
+def _scaled_twins(graph: Graph) -> set[int]:
+    """The matmuls whose A, unscaled by 0-d factors, another matmul multiplies by the same
+    B, or which another computes transposed (`s * a @ b.T` and `s * b @ a.T`): with the
+    scalars hoisted they are one product (`_merge_equal_product`)."""
+    seen: dict[tuple, list[int]] = {}
+    for mm in graph.topo_order():
+        op = graph.op(mm)
+        if isinstance(op, Op) and op.kind == "matmul" and op.dtype.is_float:
+            a, b = graph.operand_edges(mm)
+            a = _unscaled(graph, a)
+            seen.setdefault((op.dtype, op.attrs, a, b), []).append(mm)
+            bt = transposed_operand(graph, b)
+            if bt is not None:
+                seen.setdefault((op.dtype, op.attrs, "T", *sorted((a, bt))), []).append(mm)
+    return {mm for group in seen.values() if len(group) > 1 for mm in group}
+
+
+def _row_factors(graph: Graph, mm: int, refused: list[Edge], scalars: bool = False) -> list[tuple[int, Edge]]:
     """(mul, factor) pairs: a `mul` among the ops forming A (through muls and float casts,
     each read only by the next) and its operand constant along K. Values are edges: A and
-    the factors may be results of kernels an earlier pass formed.
+    the factors may be results of kernels an earlier pass formed. A 0-d factor is one off a
+    softmax, or, with `scalars`, off any A (a product another shares unscaled).
 
     Not below a cast that narrows to f16: the unscaled values would be rounded to f16's
     range and precision (a large activation overflows, a small one loses bits), where the
@@ -146,7 +193,7 @@ def _row_factors(graph: Graph, mm: int, refused: list[Edge]) -> list[tuple[int, 
                 ft = graph.result_type(*factor)
                 if factor != other and broadcasts_to(ft.shape, (*rows, 1)) and ft.dtype.is_float \
                         and graph.result_type(*other) == op.type \
-                        and (ft.shape != () or _is_softmax(graph, other)):
+                        and (ft.shape != () or scalars or _is_softmax(graph, other)):
                     if narrowed[n]:
                         refused.append(factor)
                     else:

@@ -1,7 +1,7 @@
 """sum-precision: an f32 sum accumulates in f64 only where an f32 result can show its error.
 
 Before: every f32 sum, mean, prod, cumsum or cumprod (a reduction or scan declared `wide`)
-accumulates in f64 (rows.py), as good as correctly rounded: `%s = sum %x : f32[M, 1]`.
+accumulates in f64 (row_reduce.py), as good as correctly rounded: `%s = sum %x : f32[M, 1]`.
 After: one whose value reaches only 16-bit float results (the program's returned f16, bf16
 or f8 tensors; through any ops and kernels) is marked to accumulate in f32:
 `%s = sum %x {accumulator = "f32"} : f32[M, 1]`. Each lane sums its share in f32 and the

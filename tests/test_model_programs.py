@@ -39,11 +39,21 @@ PROGRAMS = {
     "nf4_linear": (1, "kernel f(x: f16[M, K], packed: u8[KP, N], code: f16[16], absmax: f16[G, N]) -> f16[M, N] {\n k = index(x[0][:, None], 0)\n n = index(packed[0][None, :], 1)\n q = (packed[k // 2, n] >> (4 * (k % 2))) & 0xF\n return x @ (code[q] * absmax[k // 64, n])\n}"),
     # minGRU's log-space parallel scan (Feng et al., "Were RNNs all we needed?")
     "mingru_log_scan": (1, "kernel f(log_coeffs: f32[B, T, D], log_values: f32[B, T, D]) -> f32[B, T, D] {\n a_star = cumsum(log_coeffs, axis=1)\n return exp(a_star + logcumsumexp(log_values - a_star, axis=1))\n}"),
+    # open_clip's ClipLoss: logits per image and per text are one GEMM and its transpose (the
+    # scale hoisted off both), the two cross-entropy means one launch: normalize x2, GEMM, loss
+    "open_clip_loss": (4, "kernel f(img: f32[N, E], txt: f32[N, E], s: f32) -> f32[] {\n"
+                          " i = img / maximum(sqrt(sum(img * img, axis=-1, keepdims=true)), 1e-12)\n"
+                          " t = txt / maximum(sqrt(sum(txt * txt, axis=-1, keepdims=true)), 1e-12)\n"
+                          " lpi = s * i @ t.T\n lpt = s * t @ i.T\n"
+                          " labels = index(lpi, 0) == index(lpi, 1)\n"
+                          " ci = logsumexp(lpi, axis=-1) - sum(where(labels, lpi, 0.0), axis=-1)\n"
+                          " ct = logsumexp(lpt, axis=-1) - sum(where(labels, lpt, 0.0), axis=-1)\n"
+                          " return (mean(ci, axis=0) + mean(ct, axis=0)) / 2.0\n}"),
     # an MoE layer's combine: each routed token's expert output, weighted, added into its row
     "moe_combine": (1, "kernel f(ye: f32[TK, D], token: i64[TK], weight: f32[TK], x: f32[T, D]) -> f32[T, D] {\n return index_add(zeros(x), 0, token, ye * weight[:, None])\n}"),
 }
 
-DIMS = dict(M=17, V=113, N=33, B=2, H=3, D=16, K=19, F=23, T=5, KP=10, G=1, TK=7)
+DIMS = dict(M=17, V=113, N=33, B=2, H=3, D=16, K=19, F=23, T=5, KP=10, G=1, TK=7, E=29)
 
 
 @pytest.mark.parametrize("name", sorted(PROGRAMS))

@@ -108,7 +108,7 @@ class Wide:
 class Workspace:
     """Scratch memory the launcher allocates for each call, the kernel's `index`-th, as many
     elements of a dtype as its `EmittedKernel.workspace` asks at the call's sizes: a row
-    program sorting rows longer than its registers hold (`rows.py`, long selections), the
+    program sorting rows longer than its registers hold (`row_select.py`, long selections), the
     partials of a split row program that its combine launch merges."""
 
     index: int = 0

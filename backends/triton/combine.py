@@ -1,6 +1,6 @@
 """The combine launch of a split row program: its partials merged, its tail computed.
 
-A split row program (`RowPlan.split`, `rows.py`) leaves, for each reduction across its
+A split row program (`RowPlan.split`, `row_split.py`) leaves, for each reduction across its
 rows, one partial per chunk of CHUNK rows and group (an index of the other kept dims) and
 position along the row (one where the reduced value is one per row): a workspace of
 [chunks, groups, positions]. Program `grp`, `wb` of the combine merges the partials of its
