@@ -369,18 +369,62 @@ def test_selective_scan_builds_for_sm90_without_spills(l, one_pass):
 
 @pytest.mark.parametrize("b, l, d, n", [(1, 1, 1, 1), (2, 17, 5, 16), (1, 113, 3, 4)], ids=str)
 def test_selective_scan_of_a_state_dim_the_call_decides(b, l, d, n):
-    """N a symbol: it may be a batch of thousands, which one program would walk. The sum over
-    it reduces the scanned states, which vary along L, the row: split, its partials would hold
-    a row of L for every chunk of N, so it is a kernel of its own, and the remark says why."""
+    """N a symbol: it may be a batch of thousands, which one program would not walk. The sum
+    over it reduces the scanned states, which vary along L, the row: split, each chunk of N
+    leaves a partial row of L per (b, d), which the combine merges (where the (b, d) groups
+    fill the GPU, one chunk: the partials are the size of the result). One kernel, two
+    launches; it was a second kernel reading the [B, L, D, N] states back."""
     fn = tiledsl.compile(SELECTIVE_SCAN_N)
     args = selective_scan_inputs(b, l, d, n)
     _, y = run_checked(fn, *args)
     torch.testing.assert_close(y.double(), selective_scan_loop(*args), rtol=1e-4, atol=1e-4)
-    assert [k.template for k in fn.kernels] == ["rows", "rows"]
-    (remark,) = [r for r in fn.remarks if isinstance(r, FusionRemark) and not r.fused]
-    assert str(remark) == ("[fuse-rows] refused: mul (line 6) -> sum (line 6): sum reduces a value along "
-                           "the row across the rows, and the row is not the last dim alone: split partials "
-                           "would hold a row for each chunk [rule: tile]")
+    assert [k.template for k in fn.kernels] == ["rows"], fn.explain()
+    assert not [r for r in fn.remarks if isinstance(r, FusionRemark) and not r.fused]
+    assert "split, tail = (%r" in fn.ir("fuse-rows")
+
+
+def test_selective_scan_of_a_call_sized_state_dim_builds_for_sm90_without_spills():
+    """At Mamba-130m's sizes (D = 1536, N = 16 given by the call): 6144 (b, d) groups, so one
+    chunk each; both launches spill nothing."""
+    fn = tiledsl.compile(SELECTIVE_SCAN_N)
+    dims = {"B": 4, "L": 2048, "D": 1536, "N": 16}
+    launched = aot.meta_launches(fn, dims, {})
+    reports = aot.inspect_program(fn, dims, {})
+    assert [launch.kernel.fn_name for launch in launched] == ["k0_rows", "k0_combine"]
+    assert launched[0].kernel.launch_config(dims, "cuda").grid == (4 * 1536,)
+    assert all(r.spill_bytes == 0 for r in reports), reports
+
+
+MAMBA_TINY = """kernel selective_scan(u: f32[B, L, D], dt: f32[B, L, D], A: f32[D, N], Bm: f32[B, L, N],
+                      Cm: f32[B, L, N], Dp: f32[D]) -> f32[B, L, D] {
+    dA = maximum(dt[..., None] * A, -20.0)
+    dB_u = (dt * u)[..., None] * Bm[:, :, None, :]
+    dA_cumsum = exp(sum(dA, axis=1, keepdims=true) - cumsum(dA, axis=1))
+    x = cumsum(dB_u * dA_cumsum, axis=1) / (dA_cumsum + 1e-12)
+    y = sum(x * Cm[:, :, None, :], axis=-1)
+    return y + u * Dp
+}"""
+
+
+@pytest.mark.parametrize("b, l, d, n", [(1, 1, 1, 1), (2, 33, 24, 16), (1, 113, 5, 17), (2, 7, 3, 300)])
+def test_the_skip_term_after_a_split_sum_over_the_state_is_in_its_combine(b, l, d, n):
+    """mamba-tiny's selective scan (two cumulative sums, Heinsen's trick) with its skip term
+    `y + u * Dp`: the combine reads u and Dp at its own (b, l, d) positions (u * Dp's [B, L, D]
+    maps onto the [B, L, D, N] space without N): one kernel."""
+    fn = tiledsl.compile(MAMBA_TINY)
+    assert [k.template for k in fn.kernels] == ["rows"], fn.explain()
+    g = gen(l * n)
+    u, bm, cm = (torch.randn(*shape, generator=g) for shape in ((b, l, d), (b, l, n), (b, l, n)))
+    dt = torch.nn.functional.softplus(torch.randn(b, l, d, generator=g) - 2.0)
+    a, dp = -torch.exp(torch.rand(d, n, generator=g)), torch.randn(d, generator=g)
+    u64, dt64, a64, b64, c64, dp64 = (t.double() for t in (u, dt, a, bm, cm, dp))
+    da = torch.clamp(dt64[..., None] * a64, min=-20.0)
+    da_cumsum = torch.exp(da.sum(1, keepdim=True) - torch.cumsum(da, 1))
+    x = torch.cumsum((dt64 * u64)[..., None] * b64[:, :, None, :] * da_cumsum, 1) / (da_cumsum + 1e-12)
+    want = (x * c64[:, :, None, :]).sum(-1) + u64 * dp64
+    _, out = run_checked(fn, u, dt, a, bm, cm, dp)
+    torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-4)
+    assert torch.equal(fn(u, dt, a, bm, cm, dp), out)
 
 
 def test_the_fuzzer_generates_every_scan_and_flip():
@@ -403,3 +447,14 @@ def test_a_scan_along_a_size_1_axis_is_its_operand(op):
     _, out = run_checked("kernel f(a: f32[M, 1], b: f32[M, 1]) -> f32[M, 1] { return linear_scan(a, b, axis=1) }",
                          a, b)
     torch.testing.assert_close(out, b)
+
+
+@pytest.mark.parametrize("dims", [{"B": 4, "L": 2048, "D": 1536, "N": 16}, {"B": 1, "L": 4096, "D": 64, "N": 128}])
+def test_the_skip_term_scan_builds_for_sm90_without_spills(dims):
+    """Two f64 cumsums beside the row-sized partials: a split block of scanned rows takes a
+    tile per two words of their partials ([16, 64]; [16, 128] spilled 160 bytes)."""
+    fn = tiledsl.compile(MAMBA_TINY)
+    reports = aot.inspect_program(fn, dims, {})
+    assert [r.function for r in reports] == ["k0_rows", "k0_combine"]
+    assert reports[0].config["BLOCK_O"] * reports[0].config["BLOCK_R"] == 1024, reports[0]
+    assert all(r.spill_bytes == 0 for r in reports), reports

@@ -83,15 +83,36 @@ def emit_combine(prog, kernel: KernelOp, main: Callable[[Mapping[str, int], str]
         if prog.wide(v):
             total = em.assign(f"{total.text}.to(tl.float32)", cat)
         vals[v] = total
+    def at(ref, v: int) -> tuple[str, str]:
+        """The pointers and mask of value `v`'s elements at the combine's positions: along
+        the row where it varies along it (else the position's first lane holds it)."""
+        index = []
+        for d in plan.layouts[v]:
+            if d is None or shape[d] == 1:
+                index.append(None)
+            elif d in axes:
+                index.append("w[:, None]" if len(axes) == 1 else f"k{d}[:, None]")
+            else:
+                index.append(f"j{d}")
+        full = plan.full(v)
+        ptr = f"{ref.ptr} + {ref.offset(index)}" + ("" if full else " + w[:, None] * 0")
+        return ptr, "wmask[:, None]" if full else "(w == 0)[:, None]"
+
     # the tail's outputs and what they read: the merged reductions, and the constants,
-    # scalars and 0-d inputs (and elementwise ops of those) computed again here
+    # scalars and inputs read at the combine's positions (and elementwise ops of those)
+    # computed again here
     tail_outputs = [v for v in region.outputs if v in plan.tail]
     needed = set(walk(tail_outputs, lambda v: () if v in vals else prog.operands(v)))
     for v in sorted(needed - set(vals)):
         if v < len(region.inputs):
             t = region.inputs[v].type
-            vals[v] = em.scalar(sig.scalar(v), t) if region.inputs[v].scalar else \
-                em.load_at(sig.tensor("in", v, ()).ptr, None, t)
+            if region.inputs[v].scalar:
+                vals[v] = em.scalar(sig.scalar(v), t)
+            elif t.rank == 0:
+                vals[v] = em.load_at(sig.tensor("in", v, ()).ptr, None, t)
+            else:  # (every lane loads it: the ops reading it are per lane)
+                ptr, _ = at(sig.tensor("in", v, t.shape), v)
+                vals[v] = em.load_at(ptr, "wmask[:, None]", t)
         elif (rop := region.ops[v - len(region.inputs)]).op.kind == "const":
             vals[v] = literal(rop.op.attr("value"), compute_type(rop.op.dtype))
         else:  # (in the region's order: operands first)
@@ -101,19 +122,7 @@ def emit_combine(prog, kernel: KernelOp, main: Callable[[Mapping[str, int], str]
         if v not in plan.tail:
             continue
         t = region.value_type(v)
-        ref = sig.tensor("out", j, t.shape)
-        index = []
-        for d in plan.layouts[v]:
-            if d is None or shape[d] == 1:
-                index.append(None)
-            elif d in axes:
-                index.append("w[:, None]" if len(axes) == 1 else f"k{d}[:, None]")
-            else:
-                index.append(f"j{d}")
-        offset = ref.offset(index)
-        full = plan.full(v)
-        ptr = f"{ref.ptr} + {offset}" + ("" if full else " + w[:, None] * 0")
-        mask = "wmask[:, None]" if full else "(w == 0)[:, None]"
+        ptr, mask = at(sig.tensor("out", j, t.shape), v)
         body(f"tl.store({ptr}, {em.store_value(vals[v], t)}, mask={mask})")
 
     def configure(dims: Mapping[str, int], device: str) -> LaunchConfig:

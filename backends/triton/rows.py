@@ -344,6 +344,11 @@ class RowProgram(Layout, Reductions, Scans, Selections, Split):
 ROW_WALK = 1 << 13
 
 
+# the rows along `across` a split program's block of scanned rows holds, at most, with its
+# row-sized partials: Mamba's 16 states
+SPLIT_SCAN_ROWS = 16
+
+
 def one_pass_limit(plan: RowPlan, region) -> int:
     """The longest row a CUDA program holds in registers (read once), by what the build that
     really runs shows (`tiledsl ptx`, sm_90): 32k elements with 16 warps and no spills, but
@@ -375,7 +380,8 @@ def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKer
     shape, axes = prog.plan.shape, prog.plan.axes
     limit = one_pass_limit(prog.plan, kernel.region)
     group = prog.group
-    scans = bool(scan_words(prog.plan, kernel.region))
+    words = sum(scan_words(prog.plan, kernel.region))  # the scans' partials, per element
+    scans = bool(words)
     selections = [prog.op(v) for v in sorted(prog.plan.reducing)
                   if ops.category(prog.op(v).kind) is ops.Category.SELECT]
 
@@ -426,6 +432,13 @@ def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKer
             block_r = max(2, min(block_r, tile // group))
             rows *= group
         across = evaluate(shape[prog.plan.across], dims) if prog.split else 0
+        if split_rows and scans and device == "cuda":  # as a group's (above): the block's rows
+            # summed into its row-sized partial keep a second tile live beside the scans' carries,
+            # and a tile per two words of the scans' partials (a [2, 2048] block of Mamba's states,
+            # N split, spilled 1.2 KB, [16, 128] nothing; mamba-tiny's two f64 cumsums at [16, 128]
+            # spilled 160 bytes, [16, 64] nothing)
+            tile //= 2 * max(1, words // 2)
+            block_r = max(2, min(block_r, tile // min(next_pow2(across), SPLIT_SCAN_ROWS)))
         # a split program's block holds rows along `across` only
         block_o = group if long else max(group, min(next_pow2(across if prog.split else rows),
                                                     tile // block_r))

@@ -224,12 +224,21 @@ class RowSpace:
 
     def default_layout(self, shape: Shape) -> Layout | None:
         """Right-aligned broadcasting onto the space; failing that, one value per row (the
-        shape of the rows without the reduced axes, as a reduction's result); None when
-        it does not fit."""
+        shape of the rows without the reduced axes, as a reduction's result), or the space
+        without one of its dims, the only one whose dropping gives the shape (a reduction
+        across the rows' result: Mamba's [B, L, D] skip term beside its sum over the state
+        dim N of [B, L, D, N]); None when it does not fit."""
         right = self._right_aligned(shape)
         kept = tuple(d for d in range(len(self.shape)) if d not in self.axes)
         if right is None and shape and shape == tuple(self.shape[d] for d in kept):
             return tuple(None if shape[k] == 1 else d for k, d in enumerate(kept))
+        if right is None and len(shape) == len(self.shape) - 1:
+            rank = len(self.shape)
+            dropped = [tuple(d for d in range(rank) if d != gone) for gone in range(rank)]
+            fits = {dims for dims in dropped if shape == tuple(self.shape[d] for d in dims)}
+            if len(fits) == 1:
+                (dims,) = fits
+                return tuple(None if shape[k] == 1 else d for k, d in enumerate(dims))
         return right
 
     def _right_aligned(self, shape: Shape) -> Layout | None:
@@ -430,13 +439,6 @@ def _across_refusal(region: Region, space: RowSpace, rop, lx: Layout | None, acr
         return Refusal(Rule.TILE, f"{op.kind} runs along another axis than the row program{why}")
     if across is not None and dim != across:
         return Refusal(Rule.TILE, f"{op.kind} reduces across the row program's rows along a second dim")
-    full = any(d in space.runs for d in lx)
-    if full and not short_across(space, dim) and space.axes != (len(space.shape) - 1,):
-        # a partial per position along the row: a split's are small when the row is the last
-        # dim (a weight gradient's column sums), a row for every chunk of rows when the row
-        # runs over tokens (a norm weight's gradient summed over B * S)
-        return Refusal(Rule.TILE, f"{op.kind} reduces a value along the row across the rows, and the "
-                       "row is not the last dim alone: split partials would hold a row for each chunk")
     return None
 
 
@@ -446,10 +448,15 @@ def split_tail(region: Region, layouts: dict[int, Layout], across_reducing: froz
     rows (merged from the partials) and the elementwise ops computed from them (a loss's
     final division, a mean's scale), or why the region cannot split. The combine computes
     one element per position along the row (or one, where nothing varies along it), so an
-    op there reads only such values, constants and scalars; nothing of the row program
-    reads what the combine computes (it runs after it)."""
+    op there reads only such values, constants, scalars and inputs it reads at its own
+    positions (Mamba's skip term `u * Dp` added to its sum over the state dim), and
+    elementwise ops of those; nothing of the row program reads what the combine computes
+    (it runs after it)."""
     n_in = len(region.inputs)
     tail = set(across_reducing)
+    # the dim the reductions run across, which the combine merges
+    apart = set().union(*(_dims(layouts.get(region.ops[r - n_in].operands[0])) - _dims(layouts.get(r))
+                          for r in tail))
     for i, rop in enumerate(region.ops):
         v = n_in + i
         if v in tail or not any(o in tail for o in rop.operands):
@@ -458,7 +465,7 @@ def split_tail(region: Region, layouts: dict[int, Layout], across_reducing: froz
             return Refusal(Rule.TILE, f"{rop.op.kind} reads a reduction across the rows that a combine "
                            "launch merges from partials (only elementwise ops follow one there)")
         for o in rop.operands:
-            if o not in tail and not _uniform(region, layouts, o):
+            if o not in tail and not _recomputed(region, layouts, o, apart):
                 return Refusal(Rule.TILE, f"{rop.op.kind} combines a reduction across the rows with a "
                                "value of the rows (a combine launch merges that reduction after them)")
         if not _dims(layouts.get(v)) <= set().union(*(_dims(layouts.get(o)) for o in rop.operands)):
@@ -485,18 +492,20 @@ def _long_selection(region: Region) -> str | None:
     return None
 
 
-def _uniform(region: Region, layouts: dict[int, Layout], v: int) -> bool:
-    """Is `v` one value for every program (a constant, a scalar, a 0-d input, and elementwise
-    ops of those), which a combine launch computes again?"""
+def _recomputed(region: Region, layouts: dict[int, Layout], v: int, across: set[int]) -> bool:
+    """Can a combine launch compute `v` again at its positions: a constant, a scalar, an
+    input that does not vary along the dims `across` (read where the combine stores), and
+    elementwise ops of those?"""
     n_in = len(region.inputs)
     if v < n_in:
-        return region.inputs[v].scalar or region.inputs[v].type.rank == 0
+        return region.inputs[v].scalar or region.inputs[v].type.rank == 0 or (
+            v in layouts and not region.gathered(v) and not _dims(layouts[v]) & across)
     rop = region.ops[v - n_in]
     if rop.op.kind == "const":
         return True
     return ops.is_elementwise(rop.op.kind) and rop.op.kind != "index" \
-        and not any(d is not None for d in layouts.get(v, ())) \
-        and all(_uniform(region, layouts, o) for o in rop.operands)
+        and not _dims(layouts.get(v)) & across \
+        and all(_recomputed(region, layouts, o, across) for o in rop.operands)
 
 
 def across_reductions(region: Region, space: RowSpace,
