@@ -145,6 +145,32 @@ def test_the_same_bits_on_every_run():
     assert all(torch.equal(a, b) for a, b in zip(rms(*bwd_in), once, strict=True))
 
 
+@pytest.mark.parametrize("program", ["ce", "logps", "norm"])
+def test_a_reduction_of_one_value_per_row_gives_the_same_bits_at_every_split(program, monkeypatch):
+    """A loss's or a norm's partials are per block of rows, merged in block order: how many
+    blocks each program takes (CHUNK, from `SPLIT_PROGRAMS`) does not change a bit."""
+    from tiledsl.backends.triton import row_split
+
+    src = {"ce": CE_MEAN, "logps": """kernel logps(x: f32[B, T, V], y: i64[B, T]) -> f32[B] {
+        return sum(gather(x - logsumexp(x, axis=-1, keepdims=true), y), axis=-1)
+    }""", "norm": """kernel norm(g: f32[M, N]) -> f32[] {
+        return sqrt(sum(g * g, axis=None))
+    }"""}[program]
+    args = {"ce": lambda: (randn(2001, 113, dtype=torch.bfloat16, seed=3, scale=3.0),
+                           torch.randint(0, 113, (2001,), generator=gen(5), dtype=torch.int32), -100),
+            "logps": lambda: (randn(3, 5001, 13, seed=4), torch.randint(0, 13, (3, 5001), generator=gen(6))),
+            "norm": lambda: (randn(3001, 65, seed=7),)}[program]()
+    outs, chunks = [], []
+    for programs in (264, 1):  # (a chunk of one block, and one chunk of all of them)
+        monkeypatch.setattr(row_split, "SPLIT_PROGRAMS", programs)
+        fn = tiledsl.compile(src)
+        outs.append(fn(*args))
+        launch = next(launch for launch in fn.launches if launch.kernel.fn_name == "k0_rows")
+        chunks.append(launch.kernel.launch_config(dict(launch.dims), "interpreter").constexprs["CHUNK"])
+    assert chunks[0] < chunks[1], chunks
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_an_empty_dim_across_gives_the_sum_and_mean_of_nothing():
     fn = tiledsl.compile("""kernel f(x: f32[M, N]) -> (f32[N], f32[N]) {
         h = exp(x - max(x, axis=-1, keepdims=true))

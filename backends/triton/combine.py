@@ -1,13 +1,15 @@
 """The combine launch of a split row program: its partials merged, its tail computed.
 
 A split row program (`RowPlan.split`, `row_split.py`) leaves, for each reduction across its
-rows, one partial per chunk of CHUNK rows and group (an index of the other kept dims) and
-position along the row (one where the reduced value is one per row): a workspace of
-[chunks, groups, positions]. Program `grp`, `wb` of the combine merges the partials of its
-group at BLOCK_W positions, COMBINE_CHUNKS chunks at a time, in chunk order (the same order
-at every grid: the bits do not depend on how the rows were split among programs), finalizes
-each reduction (a mean divides by the dim's size), computes the elementwise ops of the
-plan's `tail` from them (constants and scalars recomputed) and stores the tail's outputs.
+rows, one partial per chunk of CHUNK rows, group (an index of the other kept dims) and
+position along the row: a workspace of [chunks, groups, positions]; or, where the reduced
+value is one per row, one per block of BLOCK_O rows and group: [blocks, groups]. Program
+`grp`, `wb` of the combine merges the partials of its group at BLOCK_W positions, a tile of
+them at a time, in chunk or block order (the same order at every grid: the bits do not
+depend on how the rows were split among programs; for blocks, not on CHUNK either),
+finalizes each reduction (a mean divides by the dim's size), computes the elementwise ops
+of the plan's `tail` from them (constants, scalars and inputs at its positions recomputed)
+and stores the tail's outputs.
 """
 
 from __future__ import annotations
@@ -21,8 +23,11 @@ from .codegen import Code, Signature, next_pow2
 from .expr import TRITON_TYPE, Emitter, Val, literal
 from .row_reduce import F32, collapse
 
-# partials a combine program merges at once (a literal: the merge order is the kernel's)
+# partials a combine program merges at once (a literal: the merge order is the kernel's):
+# chunks' (or blocks' beside positions along the row), and blocks' where it has none (a
+# loss over a million tokens, a block each, merged in a thousand steps)
 COMBINE_CHUNKS = 16
+COMBINE_BLOCKS = 1024
 # positions along the row a combine program merges (a [BLOCK_W, COMBINE_CHUNKS] tile)
 COMBINE_WIDTH = 256
 
@@ -44,10 +49,11 @@ def emit_combine(prog, kernel: KernelOp, main: Callable[[Mapping[str, int], str]
     size = sig.size(shape[across])
     wide_rows = any(plan.full(v) for v in plan.tail)  # some tail value varies along the row
     width = length if wide_rows else "1"
-    for name in ("BLOCK_W", "CHUNK"):
+    for name in ("BLOCK_W", "CHUNK", "BLOCK_O"):
         sig.constexpr(name)
     body("pid = tl.program_id(0)")
     body(f"n_chunks = tl.cdiv({size}, CHUNK)")
+    body(f"n_blocks = tl.cdiv({size}, BLOCK_O)")
     body(f"n_w = tl.cdiv({width}, BLOCK_W)")
     body("grp = pid // n_w")
     body("w = pid % n_w * BLOCK_W + tl.arange(0, BLOCK_W)")
@@ -57,7 +63,6 @@ def emit_combine(prog, kernel: KernelOp, main: Callable[[Mapping[str, int], str]
     if len(axes) > 1 and wide_rows:
         decompose(body, "w", [shape[a] for a in axes], [None if shape[a] == 1 else f"k{a}" for a in axes],
                   sig.size, "kq")
-    body(f"lanes = tl.arange(0, {COMBINE_CHUNKS})")
     vals: dict[int, Val] = {}
     for k, v in enumerate(sorted(plan.across_reducing)):
         red, cat = prog.reduction(v), prog.reduce_cat(v)
@@ -68,13 +73,17 @@ def emit_combine(prog, kernel: KernelOp, main: Callable[[Mapping[str, int], str]
         acc = em.fresh("acc")
         body(f"{acc} = tl.full([BLOCK_W, 1], {identity}, {compute})")
         nan = ", propagate_nan=tl.PropagateNan.ALL" if red.nan and cat is F32 else ""
-        body(f"for c0 in range(0, n_chunks, {COMBINE_CHUNKS}):")
+        # a value along the row: its chunks' partials; one per row: its blocks' (more of them,
+        # so more at a time where the combine has no positions along the row)
+        count, step = ("n_chunks", COMBINE_CHUNKS) if full else \
+            ("n_blocks", COMBINE_CHUNKS if wide_rows else COMBINE_BLOCKS)
+        body(f"for c0 in range(0, {count}, {step}):")
         with body.indent():
-            body("cs = c0 + lanes")
+            body(f"cs = c0 + tl.arange(0, {step})")
             row = f"(cs[None, :] * {groups} + grp).to(tl.int64)"
             at = f"{row} * {length} + w[:, None]" if full else f"{row} + w[:, None] * 0"
             tile = em.fresh("t")
-            body(f"{tile} = tl.load({work} + {at}, mask=(cs < n_chunks)[None, :] & wmask[:, None], "
+            body(f"{tile} = tl.load({work} + {at}, mask=(cs < {count})[None, :] & wmask[:, None], "
                  f"other={identity})")
             body(f"{acc} = {red.combine.format(a=acc, b=collapse(em, red, cat, tile), nan=nan)}")
         total = Val(acc, cat)
@@ -126,10 +135,11 @@ def emit_combine(prog, kernel: KernelOp, main: Callable[[Mapping[str, int], str]
         body(f"tl.store({ptr}, {em.store_value(vals[v], t)}, mask={mask})")
 
     def configure(dims: Mapping[str, int], device: str) -> LaunchConfig:
-        chunk = main(dims, device).constexprs["CHUNK"]
+        cfg = main(dims, device).constexprs
         w = numel([shape[a] for a in axes], dims) if wide_rows else 1
         block_w = max(2, min(next_pow2(w), COMBINE_WIDTH))
         g = numel([shape[d] for d in kept], dims)
-        return LaunchConfig((g * cdiv(w, block_w),), {"BLOCK_W": block_w, "CHUNK": chunk}, num_warps=4)
+        consts = {"BLOCK_W": block_w, "CHUNK": cfg["CHUNK"], "BLOCK_O": cfg["BLOCK_O"]}
+        return LaunchConfig((g * cdiv(w, block_w),), consts, num_warps=4)
 
     return finish(kernel, sig, body, configure, em, fn_name=f"{kernel.name}_combine")

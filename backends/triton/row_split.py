@@ -5,11 +5,14 @@ Along a short `across` dim a program owns whole groups of rows, and a reduction 
 them is one over a group of the tile's rows (`across_reduce`). A split program
 (`RowPlan.split`) reduces along a kept dim `across` whose rows no program owns (tokens,
 a batch): program `chunk` of a group (`grp`, an index of the other kept dims)
-walks the CHUNK rows of its chunk, BLOCK_O at a time, and merges each block's total into
-its partial, a row of the workspace (registers when the row is one block, else the
-workspace row itself, read back after a barrier); the combine launch (`emit_combine`,
-combine.py) merges a group's partials in chunk order. CHUNK depends on the sizes only, so
-every run and every device gives the same bits.
+walks the CHUNK rows of its chunk, BLOCK_O at a time. A reduction of one value per row (a
+loss, a norm) stores each block's total in the workspace, a word per (block, group); one
+of a value along the row (a weight gradient's column sums) merges each block's total into
+its chunk's partial, a row of the workspace (registers when the row is one block, else the
+workspace row itself, read back after a barrier). The combine launch (`emit_combine`,
+combine.py) merges a group's partials in block or chunk order. Blocks and chunks depend on
+the sizes only, so every run and every device gives the same bits; a reduction of one
+value per row gives them at every CHUNK too (its blocks do not change with the split).
 """
 
 from __future__ import annotations
@@ -75,10 +78,10 @@ class Split:
         for k, v in enumerate(sorted(self.plan.across_reducing)):
             red, cat = self.reduction(v), self.reduce_cat(v)
             full = self.full(self.operands(v)[0])
-            acc = self.em.fresh("part")
+            acc = self.em.fresh("part") if full else None  # (one per row: each block's stored)
             compute = "tl.float64" if self.wide(v) else TRITON_TYPE[cat]
-            body(f"{acc} = tl.full([1, {'BLOCK_R' if full else '1'}], {self.identity(red.identity, cat)}, "
-                 f"{compute})")
+            if full:
+                body(f"{acc} = tl.full([1, BLOCK_R], {self.identity(red.identity, cat)}, {compute})")
             self.partials[v] = (sig.workspace(k), acc, full)
         body(f"base = (chunk * {self.rows} + grp).to(tl.int64)")  # the chunk's partials
         body("for b0 in range(0, CHUNK, BLOCK_O):")
@@ -86,6 +89,10 @@ class Split:
             body("o = chunk * CHUNK + b0 + o_base")
             body(f"omask = o < {size}")
             body(f"j{self.plan.across} = o")
+            # the block's own partials (of values one per row), past the last row none
+            body("blk = (chunk * CHUNK + b0) // BLOCK_O")
+            body(f"block_at = (blk * {self.rows} + grp).to(tl.int64)")
+            body(f"block_live = blk * BLOCK_O + tl.zeros([1, 1], tl.int32) < {size}")
             self.emit_rows()
         for work, acc, full in self.partials.values():
             if full:  # (a longer row merged its partial in the workspace)
@@ -93,8 +100,6 @@ class Split:
                 with body.indent():
                     body(f"tl.store({work} + base * {self.length} + r_base[None, :], {acc}, "
                          f"mask=(r_base < {self.length})[None, :])")
-            else:
-                body(f"tl.store({work} + base + tl.zeros([1, 1], tl.int32), {acc})")
 
     def accumulate_across(self, vals: dict[int, Val], full: bool, memory: bool) -> None:
         """Merge the block's total of each reduction across rows (of a full value, or of one
@@ -112,7 +117,9 @@ class Split:
             xm = self.masked(x, identity, "tmask" if full else "omask[:, None]")
             part = em.assign(collapse(em, red, cat, xm, axis=0), cat).text  # [1, BLOCK_R] or [1, 1]
             nan = ", propagate_nan=tl.PropagateNan.ALL" if red.nan and cat is F32 else ""
-            if memory:
+            if not full:  # each block's total, where the combine merges them in block order
+                body(f"tl.store({work} + block_at + tl.zeros([1, 1], tl.int32), {part}, mask=block_live)")
+            elif memory:
                 ptr, mask, prev = f"{work} + base * {self.length} + r[None, :]", "rmask", em.fresh("prev")
                 body(f"{prev} = tl.load({ptr}, mask={mask} & (b0 > 0), other={identity})")
                 body(f"tl.store({ptr}, {red.combine.format(a=prev, b=part, nan=nan)}, mask={mask})")

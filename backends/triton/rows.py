@@ -477,13 +477,15 @@ def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKer
     def workspace(dims: Mapping[str, int], target: str) -> tuple[tuple[int, str], ...]:
         """The long selections' sorted rows (int64 words: one row of 2**SORT_LOG keys per row
         and selection), or a split program's partials (one per chunk, group and position
-        along the row, or one per chunk and group where the reduced value is one per row)."""
+        along the row, or one per block of BLOCK_O rows and group where the reduced value is
+        one per row)."""
         rows = numel([d for i, d in enumerate(shape) if i not in axes and i != prog.plan.across], dims)
         length = numel([shape[a] for a in axes], dims)
         if prog.split:
-            chunk = configure(dims, target).constexprs["CHUNK"]
-            chunks = cdiv(evaluate(shape[prog.plan.across], dims), chunk)
-            return tuple((chunks * rows * (length if prog.full(prog.operands(v)[0]) else 1),
+            cfg = configure(dims, target).constexprs
+            across = evaluate(shape[prog.plan.across], dims)
+            chunks, blocks = cdiv(across, cfg["CHUNK"]), cdiv(across, cfg["BLOCK_O"])
+            return tuple((chunks * rows * length if prog.full(prog.operands(v)[0]) else blocks * rows,
                           "float64" if prog.wide(v) else TRITON_TYPE[prog.reduce_cat(v)].removeprefix("tl."))
                          for v in sorted(prog.plan.across_reducing))
         if not long_at(dims):
