@@ -42,8 +42,8 @@ class CSE(Pass):
             if first != node:
                 graph.replace_uses(node, first)
                 graph.remove(node)
-            else:
-                merge_transposed_product(graph, node, visited)
+            elif (view := merge_transposed_product(graph, node, visited)) is not None:
+                seen[key] = view  # (the same product written again is that view too)
 
 
 def transposed_operand(graph: Graph, value: Edge) -> Edge | None:
@@ -55,17 +55,17 @@ def transposed_operand(graph: Graph, value: Edge) -> Edge | None:
     return None
 
 
-def merge_transposed_product(graph: Graph, mm: int, earlier: Container[int]) -> bool:
+def merge_transposed_product(graph: Graph, mm: int, earlier: Container[int]) -> int | None:
     """If `mm` is `b @ a.T` and a node of `earlier` (before it in program order) computes
-    `a @ b.T` (same dtype and attributes), make `mm` a transpose of that product; True when
-    it did."""
+    `a @ b.T` (same dtype and attributes), make `mm` a transpose of that product; the
+    transpose's node when it did."""
     op = graph.op(mm)
     if not (isinstance(op, Op) and op.kind == "matmul" and op.type.rank >= 2):
-        return False
+        return None
     b, t = graph.operand_edges(mm)
     a = transposed_operand(graph, t)
     if a is None:
-        return False
+        return None
     for user, slot in graph.users(a[0]):
         other = graph.op(user)
         if user == mm or slot != 0 or not isinstance(other, Op) or other.kind != "matmul" \
@@ -77,5 +77,5 @@ def merge_transposed_product(graph: Graph, mm: int, earlier: Container[int]) -> 
             view = Builder(graph).op("transpose", [(user, 0)], op.span, dims=(rank - 2, rank - 1))
             graph.replace_uses(mm, view)
             graph.remove(mm)
-            return True
-    return False
+            return view
+    return None

@@ -78,6 +78,8 @@ class HoistRowScale(Pass):
                         "so the scale stays on A"))
                 continue
             if not pairs:
+                if mm in twins:  # unscaled, the transpose of a product hoisted before it
+                    merge_transposed_product(graph, mm, visited)
                 continue
             saving = cost.format_poly(cost.add(*[cost.tensor_bytes(a_type)] * 2))
             for _, factor in pairs:
@@ -156,10 +158,10 @@ def _scaled_twins(graph: Graph) -> set[int]:
         if isinstance(op, Op) and op.kind == "matmul" and op.dtype.is_float:
             a, b = graph.operand_edges(mm)
             a = _unscaled(graph, a)
-            seen.setdefault((op.dtype, op.attrs, a, b), []).append(mm)
+            seen.setdefault((op.dtype, op.attrs, op.weak, a, b), []).append(mm)
             bt = transposed_operand(graph, b)
             if bt is not None:
-                seen.setdefault((op.dtype, op.attrs, "T", *sorted((a, bt))), []).append(mm)
+                seen.setdefault((op.dtype, op.attrs, op.weak, "T", *sorted((a, bt))), []).append(mm)
     return {mm for group in seen.values() if len(group) > 1 for mm in group}
 
 

@@ -4,6 +4,7 @@ import io
 from dataclasses import dataclass
 
 import pytest
+import torch
 
 import tiledsl
 from tiledsl.diagnostics import OptionError
@@ -147,3 +148,29 @@ def test_pass_context_carries_remarks():
     ctx = PassContext()
     ctx.remarks.append("x")
     assert PassManager("cse").run(graph("kernel f(x: f32[N]) -> f32[N] { return x }"), ctx).context.remarks == ["x"]
+
+
+TRANSPOSED_PRODUCTS = [
+    # a product written twice beside its transpose (review: cse pointed the second at the
+    # product it had replaced by a view, KeyError)
+    ("kernel f(a: f32[M, K], b: f32[N, K]) -> (f32[M, N], f32[N, M], f32[N, M]) {\n"
+     "    return a @ b.T, b @ a.T, b @ a.T\n}", lambda a, b: (a @ b.T, b @ a.T, b @ a.T)),
+    ("kernel f(a: f32[M, K], b: f32[N, K]) -> (f32[M, N], f32[N, M]) {\n"
+     "    return a @ b.T, exp(b @ a.T * 0.2) + (b @ a.T)\n}",
+     lambda a, b: (a @ b.T, torch.exp(b @ a.T * 0.2) + b @ a.T)),
+    # the scaled product first, its unscaled transpose after it: merged once the scale is hoisted
+    ("kernel f(a: f32[M, K], b: f32[N, K]) -> (f32[M, N], f32[N, M]) {\n"
+     "    return (a * 1.5) @ b.T, b @ a.T\n}", lambda a, b: ((a * 1.5) @ b.T, b @ a.T)),
+]
+
+
+@pytest.mark.parametrize("index", range(len(TRANSPOSED_PRODUCTS)))
+def test_a_product_and_its_transpose_are_one_matmul(index):
+    from helpers import randn
+
+    src, ref = TRANSPOSED_PRODUCTS[index]
+    fn = tiledsl.compile(src)
+    assert [k.template for k in fn.kernels].count("matmul") == 1, fn.explain()
+    a, b = randn(17, 33, seed=1), randn(13, 33, seed=2)
+    for got, want in zip(fn(a, b), ref(a.double(), b.double()), strict=True):
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)

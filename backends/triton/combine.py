@@ -24,8 +24,8 @@ from .expr import TRITON_TYPE, Emitter, Val, literal
 from .row_reduce import F32, collapse
 
 # partials a combine program merges at once (a literal: the merge order is the kernel's):
-# chunks' (or blocks' beside positions along the row), and blocks' where it has none (a
-# loss over a million tokens, a block each, merged in a thousand steps)
+# chunks' at each of its positions along the row, and blocks' of a value one per row (a loss
+# over a million tokens, a block each, merged in a thousand steps)
 COMBINE_CHUNKS = 16
 COMBINE_BLOCKS = 1024
 # positions along the row a combine program merges (a [BLOCK_W, COMBINE_CHUNKS] tile)
@@ -71,21 +71,22 @@ def emit_combine(prog, kernel: KernelOp, main: Callable[[Mapping[str, int], str]
         identity = prog.identity(red.identity, cat)
         compute = "tl.float64" if prog.wide(v) else TRITON_TYPE[cat]
         acc = em.fresh("acc")
-        body(f"{acc} = tl.full([BLOCK_W, 1], {identity}, {compute})")
+        # a value along the row: its chunks' partials at the program's positions; one per
+        # row: its blocks' (more of them), a thousand at a time, then given to every position
+        body(f"{acc} = tl.full([{'BLOCK_W' if full else '1'}, 1], {identity}, {compute})")
         nan = ", propagate_nan=tl.PropagateNan.ALL" if red.nan and cat is F32 else ""
-        # a value along the row: its chunks' partials; one per row: its blocks' (more of them,
-        # so more at a time where the combine has no positions along the row)
-        count, step = ("n_chunks", COMBINE_CHUNKS) if full else \
-            ("n_blocks", COMBINE_CHUNKS if wide_rows else COMBINE_BLOCKS)
+        count, step = ("n_chunks", COMBINE_CHUNKS) if full else ("n_blocks", COMBINE_BLOCKS)
         body(f"for c0 in range(0, {count}, {step}):")
         with body.indent():
             body(f"cs = c0 + tl.arange(0, {step})")
             row = f"(cs[None, :] * {groups} + grp).to(tl.int64)"
-            at = f"{row} * {length} + w[:, None]" if full else f"{row} + w[:, None] * 0"
+            at, mask = (f"{row} * {length} + w[:, None]", f"(cs < {count})[None, :] & wmask[:, None]") \
+                if full else (row, f"(cs < {count})[None, :]")
             tile = em.fresh("t")
-            body(f"{tile} = tl.load({work} + {at}, mask=(cs < {count})[None, :] & wmask[:, None], "
-                 f"other={identity})")
+            body(f"{tile} = tl.load({work} + {at}, mask={mask}, other={identity})")
             body(f"{acc} = {red.combine.format(a=acc, b=collapse(em, red, cat, tile), nan=nan)}")
+        if not full:
+            body(f"{acc} = tl.broadcast_to({acc}, [BLOCK_W, 1])")
         total = Val(acc, cat)
         if red.finalize is not None:
             total = em.assign("(" + red.finalize.format(total=acc, length=size) + ")", cat)
