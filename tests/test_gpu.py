@@ -209,3 +209,62 @@ def test_fp8_gemm_with_n_major_b_on_gpu():
     b.data.copy_(b.float().mul(-0.5).to(b.dtype))  # written without a version bump
     check_cuda(fn, **inputs)
     check_cuda(fn, **(inputs | {name: b.t().contiguous().t()}))
+
+
+def combines(fn) -> list[str]:
+    """The combine launches a program made (split kernels' second launches)."""
+    return sorted({launch.kernel.fn_name for launch in fn.launches if launch.kernel.fn_name.endswith("_combine")})
+
+
+@pytest.mark.parametrize("kv_heads", [32, 8])
+def test_split_kv_decode_on_gpu(kv_heads):
+    """Decode at one query row against 32k keys splits the keys (flash-decoding): the partials
+    merged by their log-sum-exp agree with the float64 reference (GQA too)."""
+    fn = tiledsl.compile("""kernel decode(q: f16[B, H, D], k: f16[B, KH, L, D], v: f16[B, KH, L, D]) -> f16[B, H, D] {
+        qg = reshape(q, [B, KH, H // KH, 1, D])
+        s = qg @ k[:, :, None].T * rsqrt(D)
+        return reshape(softmax(s) @ v[:, :, None], [B, H, D])
+    }""")
+    q = cuda_randn(1, 32, 128, dtype=torch.float16)
+    k, v = (cuda_randn(1, kv_heads, 32768, 128, dtype=torch.float16, seed=i) for i in (1, 2))
+    check_cuda(fn, q, k, v)
+    assert combines(fn) == ["k0_attention_combine"]
+
+
+def test_split_k_gemm_on_gpu():
+    """M = 16 against K = 16384: programs share each tile's K loop, a combine adds them."""
+    fn = tiledsl.compile("kernel f(a: f16[M, K], b: f16[K, N]) -> f16[M, N] { return a @ b }")
+    check_cuda(fn, cuda_randn(16, 16384, dtype=torch.float16), cuda_randn(16384, 4096, dtype=torch.float16, seed=1))
+    assert combines(fn) == ["k0_combine"]
+
+
+def test_split_row_programs_on_gpu():
+    """A cross-entropy mean over a 32k vocabulary, bf16 LayerNorm's backward (dx with dw and
+    db as partials) and clip_grad_norm_'s merged launch of three split sums, each against
+    the float64 reference."""
+    ce = tiledsl.compile("""kernel ce(x: bf16[M, V], y: i64[M]) -> f32[] {
+        xf = cast(x, f32)
+        return mean(logsumexp(xf, axis=-1) - sum(where(index(xf, -1) == y[:, None], xf, 0.0), axis=-1))
+    }""")
+    y = torch.randint(0, 32000, (4096,), generator=torch.Generator().manual_seed(1)).cuda()
+    check_cuda(ce, cuda_randn(4096, 32000, dtype=torch.bfloat16), y)
+    assert combines(ce) == ["k0_combine"]
+    ln = tiledsl.compile("""kernel ln(x: bf16[M, N], w: bf16[N], b: bf16[N]) -> bf16[M, N] {
+        xf = cast(x, f32)
+        mu = mean(xf, axis=-1, keepdims=true)
+        var = mean((xf - mu) * (xf - mu), axis=-1, keepdims=true)
+        return cast((xf - mu) * rsqrt(var + 1e-5) * cast(w, f32) + cast(b, f32), bf16)
+    }""")
+    args = cuda_randn(8192, 4096, dtype=torch.bfloat16), cuda_randn(4096, dtype=torch.bfloat16, seed=1), \
+        cuda_randn(4096, dtype=torch.bfloat16, seed=2)
+    report = testing.check_grads(ln, *args, generator=torch.Generator().manual_seed(0))
+    assert report.ok, str(report)
+    assert len(ln.backward.kernels) == 1 and combines(ln.backward) == ["k0_combine"]
+    clip = tiledsl.compile("""kernel clip(g1: f32[A, K], g2: f32[K], g3: f32[C, E], max_norm: f32)
+            -> (f32[A, K], f32[K], f32[C, E], f32[]) {
+        total_norm = sqrt(sum(g1 * g1, axis=None) + sum(g2 * g2, axis=None) + sum(g3 * g3, axis=None))
+        clip_coef = minimum(max_norm / (total_norm + 1e-6), 1.0)
+        return g1 * clip_coef, g2 * clip_coef, g3 * clip_coef, total_norm
+    }""")
+    check_cuda(clip, cuda_randn(4096, 4096), cuda_randn(4096, seed=1), cuda_randn(11008, 4096, seed=2), 1.0)
+    assert combines(clip) == ["k0_1_combine", "k0_2_combine"]
