@@ -191,11 +191,10 @@ def _independent_and_worth_it(graph: Graph, plan: GroupPlan, group: Group, node:
 def _launch_refusal(graph: Graph, plan: GroupPlan, group: Group, node: int, key: tuple) -> Refusal | None:
     """Kernels over different spaces: one launch, its programs partitioned among them. Each
     keeps its own code, so what bounds the merge is the launch's source: `MAX_ROW_OPS` ops."""
-    combine_reads = _read_in_combine(graph, group, node) and not plan.creates_cycle(group, node)
-    if not combine_reads and _space(graph.op(node)) in {_space(graph.op(m)) for m in group}:
-        return SKIP  # merged by the first walk if at all
-    if combine_reads:
+    if _read_in_combine(graph, group, node) and not plan.creates_cycle(group, node):
         refusal = None  # (each member's partials; its combine, a launch after, reads the others)
+    elif _space(graph.op(node)) in {_space(graph.op(m)) for m in group}:
+        return SKIP  # merged by the first walk if at all
     else:
         refusal = _independent_and_worth_it(graph, plan, group, node)
         if refusal is not None and refusal.rule is Rule.CYCLE:

@@ -79,6 +79,7 @@ class FuseRows(Pass):
             return Admission(admit, lambda members: RowSpec(space), settle)
 
         _unshare_reductions(graph)
+
         def along_the_row(node: int) -> bool:
             """Not a column sum (a reduction along the leading dim alone, no part of one over
             several axes: a weight's or bias's gradient), which is seeded last: grown first

@@ -55,9 +55,10 @@ class HoistRowScale(Pass):
     def run(self, graph: Graph, ctx: PassContext) -> None:
         # without fuse-epilogue after it, nothing applies the scale to the f32 accumulator
         fused_later = ctx.following is None or FuseEpilogue.name in ctx.following
-        twins = _scaled_twins(graph)
+        order = graph.topo_order()
+        twins = _scaled_twins(graph, order)
         visited: set[int] = set()
-        for mm in graph.topo_order():
+        for mm in order:
             visited.add(mm)
             op = graph.op(mm)
             if not (isinstance(op, Op) and op.kind == "matmul" and op.dtype.is_float):
@@ -148,12 +149,12 @@ def _unscaled(graph: Graph, value: Edge) -> Edge:
         value = rest[0]
 
 
-def _scaled_twins(graph: Graph) -> set[int]:
+def _scaled_twins(graph: Graph, order: list[int]) -> set[int]:
     """The matmuls whose A, unscaled by 0-d factors, another matmul multiplies by the same
     B, or which another computes transposed (`s * a @ b.T` and `s * b @ a.T`): with the
     scalars hoisted they are one product (`_merge_equal_product`)."""
     seen: dict[tuple, list[int]] = {}
-    for mm in graph.topo_order():
+    for mm in order:
         op = graph.op(mm)
         if isinstance(op, Op) and op.kind == "matmul" and op.dtype.is_float:
             a, b = graph.operand_edges(mm)

@@ -148,7 +148,9 @@ def test_the_same_bits_on_every_run():
 @pytest.mark.parametrize("program", ["ce", "logps", "norm"])
 def test_a_reduction_of_one_value_per_row_gives_the_same_bits_at_every_split(program, monkeypatch):
     """A loss's or a norm's partials are per block of rows, merged in block order: how many
-    blocks each program takes (CHUNK, from `SPLIT_PROGRAMS`) does not change a bit."""
+    blocks each program takes (CHUNK, from `SPLIT_PROGRAMS`) does not change a bit. (These
+    f32 sums accumulate in f64, so per-chunk partials rarely differed either: the workspace,
+    a partial per block at both splits, is what says the merge does not follow the split.)"""
     from tiledsl.backends.triton import row_split
 
     src = {"ce": CE_MEAN, "logps": """kernel logps(x: f32[B, T, V], y: i64[B, T]) -> f32[B] {
@@ -160,14 +162,21 @@ def test_a_reduction_of_one_value_per_row_gives_the_same_bits_at_every_split(pro
                            torch.randint(0, 113, (2001,), generator=gen(5), dtype=torch.int32), -100),
             "logps": lambda: (randn(3, 5001, 13, seed=4), torch.randint(0, 13, (3, 5001), generator=gen(6))),
             "norm": lambda: (randn(3001, 65, seed=7),)}[program]()
-    outs, chunks = [], []
+    outs, chunks, spaces = [], [], []
     for programs in (264, 1):  # (a chunk of one block, and one chunk of all of them)
         monkeypatch.setattr(row_split, "SPLIT_PROGRAMS", programs)
         fn = tiledsl.compile(src)
         outs.append(fn(*args))
         launch = next(launch for launch in fn.launches if launch.kernel.fn_name == "k0_rows")
-        chunks.append(launch.kernel.launch_config(dict(launch.dims), "interpreter").constexprs["CHUNK"])
+        dims = dict(launch.dims)
+        cfg = launch.kernel.launch_config(dims, "interpreter").constexprs
+        chunks.append(cfg["CHUNK"])
+        spaces.append(launch.kernel.workspace(dims, "interpreter"))
     assert chunks[0] < chunks[1], chunks
+    across = {"ce": 2001, "logps": 5001, "norm": 3001}[program]
+    groups = 3 if program == "logps" else 1
+    assert spaces[0] == spaces[1] and set(spaces[0]) == {(-(-across // cfg["BLOCK_O"]) * groups, "float64")}, \
+        spaces
     assert torch.equal(outs[0], outs[1])
 
 

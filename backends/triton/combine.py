@@ -52,8 +52,11 @@ def emit_combine(prog, kernel: KernelOp, main: Callable[[Mapping[str, int], str]
     for name in ("BLOCK_W", "CHUNK", "BLOCK_O"):
         sig.constexpr(name)
     body("pid = tl.program_id(0)")
-    body(f"n_chunks = tl.cdiv({size}, CHUNK)")
-    body(f"n_blocks = tl.cdiv({size}, BLOCK_O)")
+    kinds = {plan.full(prog.operands(v)[0]) for v in plan.across_reducing}  # along the row, or not
+    if True in kinds:
+        body(f"n_chunks = tl.cdiv({size}, CHUNK)")
+    if False in kinds:
+        body(f"n_blocks = tl.cdiv({size}, BLOCK_O)")
     body(f"n_w = tl.cdiv({width}, BLOCK_W)")
     body("grp = pid // n_w")
     body("w = pid % n_w * BLOCK_W + tl.arange(0, BLOCK_W)")
@@ -93,6 +96,7 @@ def emit_combine(prog, kernel: KernelOp, main: Callable[[Mapping[str, int], str]
         if prog.wide(v):
             total = em.assign(f"{total.text}.to(tl.float32)", cat)
         vals[v] = total
+
     def at(ref, v: int) -> tuple[str, str]:
         """The pointers and mask of value `v`'s elements at the combine's positions: along
         the row where it varies along it (else the position's first lane holds it)."""

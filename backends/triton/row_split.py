@@ -89,10 +89,11 @@ class Split:
             body("o = chunk * CHUNK + b0 + o_base")
             body(f"omask = o < {size}")
             body(f"j{self.plan.across} = o")
-            # the block's own partials (of values one per row), past the last row none
-            body("blk = (chunk * CHUNK + b0) // BLOCK_O")
-            body(f"block_at = (blk * {self.rows} + grp).to(tl.int64)")
-            body(f"block_live = blk * BLOCK_O + tl.zeros([1, 1], tl.int32) < {size}")
+            if not all(full for _, _, full in self.partials.values()):
+                # the block's own partials (of values one per row), past the last row none
+                body("blk = (chunk * CHUNK + b0) // BLOCK_O")
+                body(f"block_at = (blk * {self.rows} + grp).to(tl.int64)")
+                body(f"block_live = blk * BLOCK_O + tl.zeros([1, 1], tl.int32) < {size}")
             self.emit_rows()
         for work, acc, full in self.partials.values():
             if full:  # (a longer row merged its partial in the workspace)

@@ -113,7 +113,9 @@ def fuse_groups(graph: Graph, remarks: list, pass_name: str, is_seed: Callable[[
     plan = GroupPlan(graph)
     order = graph.topo_order()
     if first is not None:
-        order = [n for n in order if first(n)] + [n for n in order if not first(n)]
+        ahead = [first(n) for n in order]
+        order = [n for n, a in zip(order, ahead, strict=True) if a] + \
+            [n for n, a in zip(order, ahead, strict=True) if not a]
     for seed in order:
         if plan.grouped(seed) or not candidate_kind(graph, seed) or not is_seed(seed):
             continue
