@@ -114,14 +114,26 @@ def interpreting() -> Iterator[None]:
                 _interp._patch_lang_tensor = _shipped_patch_tensor
 
 
+def _before_fork() -> None:
+    """A fork waits until no other thread is inside `interpreting()`. A launch there runs
+    NumPy, whose BLAS (`tl.dot` is `np.matmul`) releases the GIL: a fork in the middle of
+    one copies OpenBLAS's state half-updated, and the child's first `tl.dot` hangs."""
+    _lock.acquire()
+
+
+def _after_fork_in_parent() -> None:
+    _lock.release()
+
+
 def _reset_after_fork() -> None:
-    """A forked child has only the forking thread: if another thread was inside
-    `interpreting()`, its lock would stay held (the child's next CPU call would hang) and
-    Triton would stay patched. The child starts outside, with a fresh lock."""
+    """A forked child has only the forking thread, and the forking thread may itself have
+    been inside `interpreting()` (its lock held, Triton patched): the child starts outside,
+    with a fresh lock."""
     global _lock, _depth
     _lock, _depth = threading.RLock(), 0
     JITFunction.__call__ = _shipped_call
     _interp._patch_lang_tensor = _shipped_patch_tensor
 
 
-os.register_at_fork(after_in_child=_reset_after_fork)
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                    after_in_child=_reset_after_fork)
