@@ -6,7 +6,8 @@ After: constant scalar expressions are single `const` nodes (Python-scalar
 semantics: computed in double precision, rounded to the result dtype);
 `x * 1`, `1 * x`, `x + 0`, `0 + x`, `x - 0`, `x / 1`, `--x`, casts to the same
 type (but not a cast to f16/bf16 of a computed value, which rounds it) and
-double transposes are replaced by `x` when that leaves every type unchanged.
+double transposes are replaced by `x` when that leaves every type unchanged, and a
+reshape of a reshape is one reshape (none when it gives the source's shape back).
 (A reduction over several axes stays one op per axis, as sema writes it: a row
 program reduces them as one, `fuse-rows`.)
 Equivalent forms become one: a reduction's dropped dim put back is the
@@ -184,6 +185,28 @@ class CancelInvolution(Pattern):
         if graph.result_type(*x) != op.type:
             return False
         rewriter.replace(node, x)
+        return True
+
+
+class ReshapeOfReshape(Pattern):
+    """`reshape(reshape(x, a), b)` is `reshape(x, b)`, and `x` itself where b is x's shape:
+    Swin's window mask views the scores as `[B_ // nW, nW, H, N, N]` and back to
+    `[-1, H, N, N]`, which is the scores again (attention fuses through it). A copy asked
+    of either reshape stays asked of the one left."""
+
+    def apply(self, graph: Graph, node: int, op: Op, rewriter: Rewriter) -> bool:
+        if op.kind != "reshape":
+            return False
+        (inner,) = graph.operands(node)
+        inner_op = graph.op(inner)
+        if not (isinstance(inner_op, Op) and inner_op.kind == "reshape"):
+            return False
+        (x,) = graph.operand_edges(inner)
+        if graph.result_type(*x).shape == op.shape:
+            rewriter.replace(node, x)
+        else:
+            rewriter.replace(node, rewriter.build.op(
+                "reshape", [x], op.span, shape=op.shape, copy=bool(op.attr("copy") or inner_op.attr("copy"))))
         return True
 
 
@@ -606,8 +629,9 @@ class RemoveIdentityGather(Pattern):
 
 
 PATTERNS = (FoldConstants(), RemoveIdentity(), DivideByReciprocal(), RemoveNoOpCast(), CancelInvolution(),
-            ReduceAlongOne(), ViewOfFill(), KeepReducedDim(), TransposeProduct(), TransposedOperand(),
-            GatherBeforeElementwise(), GatherAlongRow(), ViewOfGather(), RemoveIdentityGather())
+            ReshapeOfReshape(), ReduceAlongOne(), ViewOfFill(), KeepReducedDim(), TransposeProduct(),
+            TransposedOperand(), GatherBeforeElementwise(), GatherAlongRow(), ViewOfGather(),
+            RemoveIdentityGather())
 
 
 @register

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tiledsl import ops
-from tiledsl.ir import Graph, KernelOp, Op, Region, RegionInput, RegionOp
+from tiledsl.ir import Graph, KernelOp, Op, Region, RegionInput, RegionOp, make_attrs
 from tiledsl.ops import Category
 from tiledsl.passes.fusion.legality import RowSpace, reduced_axes
 from tiledsl.passes.fusion.spec import GemmSpec, PointwiseSpec, RowSpec, ScatterSpec, Spec
@@ -57,6 +57,13 @@ def _transposed_inputs(graph: Graph, node: int) -> tuple[tuple[int, int], ...]:
     return tuple(found)
 
 
+def _stored_in(kernel: KernelOp, res: int, order: list[int]) -> KernelOp:
+    """`kernel` storing its result `res` in the axis order `order` (`KernelOp.out_orders`)."""
+    orders = list(kernel.out_orders) + [None] * (len(kernel.result_types) - len(kernel.out_orders))
+    orders[res] = tuple(order)
+    return kernel.replace(out_orders=tuple(orders))
+
+
 @register
 @dataclass(frozen=True)
 class LowerKernels(Pass):
@@ -78,6 +85,7 @@ class LowerKernels(Pass):
             if spec is not None:
                 replace_with_kernel(graph, [node], [node], spec(graph, node))
         self._copy_unproduced_outputs(graph)
+        self._store_for_reshapes(graph)
         for i, node in enumerate(graph.kernels()):
             kernel = graph.op(node).replace(name=f"k{i}", transposed_inputs=_transposed_inputs(graph, node))
             graph.set_op(node, kernel)
@@ -132,13 +140,50 @@ class LowerKernels(Pass):
             return False
         if [u for u, slot in graph.users(src) if graph.operand_edges(u)[slot] == (src, res)] != [node]:
             return False
-        orders = list(kernel.out_orders) + [None] * (len(kernel.result_types) - len(kernel.out_orders))
         a, b = op.attr("dims")
         order = list(range(op.type.rank))
         order[a], order[b] = order[b], order[a]
-        orders[res] = tuple(order)
-        graph.set_op(src, kernel.replace(out_orders=tuple(orders)))
+        graph.set_op(src, _stored_in(kernel, res, order))
         return True
+
+    @staticmethod
+    def _store_for_reshapes(graph: Graph) -> None:
+        """Intermediates' layouts are the compiler's. A reshape of transposes of a kernel
+        result (the head merge after attention, `reshape(transpose(p @ v, 1, 2), [B, N, C])`)
+        may merge dims that are not adjacent in the result's contiguous layout: the kernel
+        stores the result in the order the transposes view it (its `out_orders`), which
+        makes the reshape a view. Where the kernel cannot (it stores at a flat index, or
+        another reshape already chose its order, or other views come between), the reshape
+        copies where the view is impossible (`copy=true`, torch's `reshape`): only a caller's
+        tensors can make a reshape fail."""
+        for node in graph.topo_order():
+            op = graph.op(node)
+            if not (isinstance(op, Op) and op.kind == "reshape") or op.attr("copy"):
+                continue
+            (src, res), = graph.operand_edges(node)
+            swaps: list[tuple[int, int]] | None = []  # the transposes, last first
+            while isinstance(graph.op(src), Op) and graph.op(src).kind in ("transpose", "reshape", "slice"):
+                view = graph.op(src)
+                transposes = view.kind == "transpose" and swaps is not None
+                swaps = swaps + [view.attr("dims")] if transposes else None
+                (src, res), = graph.operand_edges(src)
+            kernel = graph.op(src)
+            if not isinstance(kernel, KernelOp):
+                continue
+            perm = None
+            if swaps is not None:  # the result's axis each axis of the reshaped value is
+                perm = list(range(graph.result_type(src, res).rank))
+                for a, b in reversed(swaps):
+                    perm[a], perm[b] = perm[b], perm[a]
+            order = kernel.out_order(res)
+            if perm is not None and order is None:
+                if perm == sorted(perm):
+                    continue  # a view of the contiguous result
+                if TEMPLATES[kernel.template].strided_stores:
+                    graph.set_op(src, _stored_in(kernel, res, perm))
+                    continue
+            if perm is None or order != tuple(perm):
+                graph.set_op(node, op.replace(attrs=make_attrs(**{**op.attr_map, "copy": True})))
 
     @staticmethod
     def _is_fresh_squeeze(graph: Graph, node: int, outputs) -> bool:

@@ -55,6 +55,10 @@ class SinkReshape(Pass):
         for node in graph.topo_order():
             if node in graph.nx:
                 _sink(graph, node, ctx.remarks)
+        from tiledsl.passes.canonicalize import ReshapeOfReshape
+        from tiledsl.passes.rewrite import apply_patterns
+
+        apply_patterns(graph, (ReshapeOfReshape(),))  # a sunk op's reshape read back by a reshape
 
 
 def _sink(graph: Graph, node: int, remarks: list) -> bool:

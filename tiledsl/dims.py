@@ -163,6 +163,46 @@ def factors(atom: str) -> list[str]:
     return [f for f in out if f]
 
 
+def floor_divisions(x: Lin) -> list[tuple[str, Lin, Lin]]:
+    """The floor divisions among x's factors, as (atom, numerator, divisor): `B_ // W` in
+    `(B_ // W) * H` is ("(B_ // W)", B_, W)."""
+    out = []
+    for atom, _ in x.terms:
+        for f in factors(atom):
+            node = _tree(f[1:-1]) if f.startswith("(") and f.endswith(")") else None
+            if isinstance(node, ast.BinOp) and isinstance(node.op, ast.FloorDiv) \
+                    and all(o[0] != f for o in out):
+                out.append((f, parse(ast.unparse(node.left)), parse(ast.unparse(node.right))))
+    return out
+
+
+def exact(x: Lin, divisions: list[tuple[str, Lin, Lin]]) -> Lin:
+    """x with `(n // k) * k` written `n` for each (atom, n, k) of `divisions`, floor
+    divisions a call has been checked to divide exactly (a reshape to `[B // W, W, ...]`
+    checks that its element count is the source's: W divides B)."""
+    out = Lin((), x.const)
+    for atom, c in x.terms:
+        term = Lin(((atom, c),), 0)
+        for q, n, k in divisions:
+            left = factors(term.terms[0][0]) if term.terms else []
+            if q not in left:
+                continue
+            left.remove(q)
+            if k.is_const and c % k.const == 0:
+                c = c // k.const
+            elif len(k.terms) == 1 and k.terms[0][1] == 1 and not k.const \
+                    and all(left.count(f) >= factors(k.terms[0][0]).count(f) for f in factors(k.terms[0][0])):
+                for f in factors(k.terms[0][0]):
+                    left.remove(f)
+            else:
+                continue
+            rest = Lin(((" * ".join(sorted(left)), c),), 0) if left else Lin((), c)
+            term = rest * n
+            break
+        out = out + term
+    return out
+
+
 def _operand(x: Lin) -> str:
     """`x` as an operand of `//`: bare when it is one atom or a number."""
     t = text(x)

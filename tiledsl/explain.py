@@ -94,7 +94,10 @@ def explain(program: Program, dims: Mapping[str, int] | None = None) -> str:
             users = sorted({_user_name(graph, u) for u, slot in graph.users(k)
                             if graph.operand_edges(u)[slot] == (k, r)})
             # (a merged launch's result that only a later member's combine reads)
-            outs.append(f"{t} -> {', '.join(users) or f'{op.name} (a combine)'}")
+            order = op.out_order(r)
+            stored = "" if order is None else \
+                f" stored as [{', '.join(str(t.shape[a]) for a in order)}]"  # (lower-kernels' layout)
+            outs.append(f"{t}{stored} -> {', '.join(users) or f'{op.name} (a combine)'}")
         lines.append(f"  {'':<{width}}    out: {'; '.join(outs)}")
         if isinstance(op.plan, (AttentionPlan, AttentionBackwardPlan)):
             lines.append(f"  {'':<{width}}    structure: {_attention_structure(op)}")

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from tiledsl import ast, ops
 from tiledsl import diagnostics as diag
 from tiledsl.builder import Builder
-from tiledsl.dims import Lin, factors, never_zero
+from tiledsl.dims import Lin, exact, factors, floor_divisions, never_zero
 from tiledsl.ops.structure import index_dtype_message
 from tiledsl.source import Span
 from tiledsl.types import (
@@ -43,6 +43,7 @@ class Indexing:
         self.check_bounds = check_bounds
         self.checks: list[tuple[int, tuple]] = []  # (count node, Graph.checks entry)
         self.positional: dict[int, bool] = {}  # `_positional`'s answers
+        self.exact: list[tuple[str, Lin, Lin]] = []  # floor divisions the call checks exact
 
     def _value(self, args: dict[str, ast.Expr], name: str) -> tuple[int, Span]:
         expr = args[name]
@@ -474,8 +475,12 @@ class Indexing:
         total = _product(Lin.of(d) for d in t.shape)
         if rest is not None:
             shape[shape.index(None)] = _quotient(total, _product(d for d in shape if d is not None))
+        shape = [exact(d, self.exact) for d in shape]  # Swin's [B_ // nW, nW, ...] and back to [-1, ...]
         new = tuple(d.dim() for d in shape)
         diff = total - _product(shape)
+        for division in floor_divisions(_product(shape)):
+            if exact(diff, [division]).is_const and exact(diff, [division]).const == 0:
+                self.exact.append(division)  # the call checks diff == 0: the division is exact
         note = [diag.Note(f"this value is {t}", xspan)]
         message = (f"reshape from {format_shape(t.shape)} to {format_shape(new)} changes the "
                    "number of elements")
