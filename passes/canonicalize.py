@@ -13,7 +13,8 @@ program reduces them as one, `fuse-rows`.)
 Equivalent forms become one: a reduction's dropped dim put back is the
 reduction keeping it, a transposed product is the product of the transposes,
 a gather of a cast is a cast of the gather, a gather along a row of a value its row
-program computes is a sum selecting the element.
+program computes is a sum selecting the element, and the transpose of a weight unpacked
+through gathers is the weight unpacked at the transposed indices.
 Results that are NaN or that Python cannot compute (`log(0)`) are left for
 run time.
 """
@@ -377,6 +378,64 @@ class TransposedOperand(Pattern):
         return True
 
 
+class TransposedGatheredOperand(Pattern):
+    """A matmul operand that is the transpose of a gathered operand (`x @ dequant(w).T` where
+    `w` is a packed weight read through `take`s at index expressions: QLoRA's NF4, gpt-oss's
+    MXFP4, as `F.linear` takes an [out, in] weight) is the gathered operand computed in the
+    transposed space: each `index` counts along the swapped axis, each gather reads its
+    parameter at the transposed indices, and each tensor it reads element for element is a
+    transposed view. The GEMM then unpacks it in its K loop (`admission.gathered_operand`)."""
+
+    def apply(self, graph: Graph, node: int, op: Op, rewriter: Rewriter) -> bool:
+        if op.kind != "transpose" or not graph.users(node) or any(
+                not (isinstance(u := graph.op(n), Op) and u.kind == "matmul" and slot == 1)
+                for n, slot in graph.users(node)):
+            return False
+        from tiledsl.passes.fusion.admission import gathered_operand
+
+        edge = graph.operand_edges(node)[0]
+        inside = gathered_operand(graph, edge)
+        if not inside or any(u not in inside and u != node for n in inside for u, _ in graph.users(n)):
+            return False
+        a, b = op.attr("dims")
+        rank = op.type.rank
+        built: dict[int, Edge] = {}
+
+        def moved(e: Edge) -> Edge:  # e in the transposed space
+            n = e[0]
+            if n in built:
+                return built[n]
+            n_op = graph.op(n)
+            t = graph.result_type(*e)
+            if t.rank == 0:
+                return e
+            if n not in inside:  # a tensor read at the tile's index: a view of it
+                if t.rank < rank:
+                    e = (rewriter.build.op("reshape", [e], n_op.span, shape=(1,) * (rank - t.rank) + t.shape,
+                                           copy=False), 0)
+                out = (rewriter.build.op("transpose", [e], op.span, dims=(a, b)), 0)
+            elif n_op.kind == "index":
+                axis = n_op.attr("axis") % rank
+                shape = list(n_op.shape)
+                shape[a], shape[b] = shape[b], shape[a]
+                out = (rewriter.build.op("index", [], n_op.span, axis={a: b, b: a}.get(axis, axis),
+                                         shape=tuple(shape)), 0)
+            else:
+                operands = graph.operand_edges(n)
+                if n_op.kind == "take":
+                    operands = [operands[0], *(moved(i) for i in operands[1:])]
+                else:
+                    operands = [moved(o) for o in operands]
+                out = (rewriter.build.copy(n_op, operands), 0)
+            built[n] = out
+            return out
+
+        if graph.result_type(*edge).rank != rank:
+            return False
+        rewriter.replace(node, moved(edge))
+        return True
+
+
 class GatherBeforeElementwise(Pattern):
     """A gather of an elementwise op of one tensor (and constants), `gather(cast(x, f32), y)`,
     `gather(30 * tanh(x / 30), y)`, is the op of the gather, `cast(gather(x, y), f32)`:
@@ -630,8 +689,8 @@ class RemoveIdentityGather(Pattern):
 
 PATTERNS = (FoldConstants(), RemoveIdentity(), DivideByReciprocal(), RemoveNoOpCast(), CancelInvolution(),
             ReshapeOfReshape(), ReduceAlongOne(), ViewOfFill(), KeepReducedDim(), TransposeProduct(),
-            TransposedOperand(), GatherBeforeElementwise(), GatherAlongRow(), ViewOfGather(),
-            RemoveIdentityGather())
+            TransposedOperand(), TransposedGatheredOperand(), GatherBeforeElementwise(), GatherAlongRow(),
+            ViewOfGather(), RemoveIdentityGather())
 
 
 @register

@@ -43,7 +43,7 @@ from tiledsl import ops
 from tiledsl.builder import Builder
 from tiledsl.ir import Graph, Op
 from tiledsl.ops.structure import format_items
-from tiledsl.passes.fusion.profitability import RECOMPUTE_BUDGET, op_units, recompute_refusal
+from tiledsl.passes.fusion.profitability import RECOMPUTE_BUDGET, recompute_refusal
 from tiledsl.passes.fusion.remarks import FusionRemark, Refusal, Rule
 from tiledsl.passes.regions import feeds_dot, is_clonable
 from tiledsl.passes.registry import Pass, PassContext, register
@@ -127,7 +127,7 @@ def _units(graph: Graph, order: list[int], chosen: set[int]) -> dict[int, int]:
     units: dict[int, int] = {}
     for n in order:
         if n in chosen:
-            units[n] = op_units(graph.op(n).kind) + sum(
+            units[n] = ops.units(graph.op(n).kind) + sum(
                 units[o] for o in set(graph.operands(n)) if o in chosen)
     return units
 
@@ -205,7 +205,7 @@ def _move_slice(graph: Graph, node: int, ctx: PassContext) -> None:
     chain: dict[int, None] = {}  # the elementwise ops computed again, in dependency order
     if items is None or not _slice_plan(graph, src, items, chain):
         return
-    units = sum(op_units(graph.op(n).kind) for n in chain)
+    units = sum(ops.units(graph.op(n).kind) for n in chain)
     if recompute_refusal(units):
         refusal = Refusal(Rule.PROFIT, recompute_refusal(units))
         ctx.remarks.append(FusionRemark.refused(NAME, refusal, graph.op(src), graph.op(node)))

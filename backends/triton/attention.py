@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from tiledsl import ops
 from tiledsl.dims import evaluate
 from tiledsl.ir import KernelOp, Op
 from tiledsl.plans import AttentionPlan, KeyBound
@@ -56,8 +57,14 @@ from .online import NEG_INF
 
 LOG2E = 1.4426950408889634
 I32_MIN, I32_MAX = DType.I32.int_range
-# score ops whose registers count (several of them per score spill 128-key tiles)
-TRANSCENDENTAL = ("exp", "exp2", "log", "log2", "sin", "cos", "tan", "tanh", "sigmoid", "erf")
+
+
+def transcendentals(kinds) -> int:
+    """The score ops whose registers count (several of them per score spill 128-key tiles):
+    those costing a transcendental's `units` or more (a division, an exp, a tanh)."""
+    return sum(ops.units(k) >= 4 for k in kinds)
+
+
 LN2 = 0.6931471805599453
 DOT_HINTS = ("BLOCK_M", "BLOCK_N")
 # Hopper configurations, (BLOCK_M, BLOCK_N, warps, stages), by padded head dim, the first
@@ -715,7 +722,7 @@ class AttentionProgram:
         # at 128 x 128, head dim 64) walks 64 keys too
         n_in = len(self.region.inputs)
         score_kinds = [self.region.ops[v - n_in].op.kind for v in self.parts.score_ops if v >= n_in]
-        narrow_at = {64: drawn or sum(k in TRANSCENDENTAL for k in score_kinds) > 2}
+        narrow_at = {64: drawn or transcendentals(score_kinds) > 2}
         # at head dim 128 the accumulator holds twice the registers: a score modification of
         # more than 12 ops walks 64 keys (the neighborhood mask's 15 spill 656 bytes at
         # 128 x 128; the dilated window's 11 do not)

@@ -33,7 +33,7 @@ from tiledsl.ir import KernelOp, Op
 from tiledsl.plans import AttentionBackwardPlan, ScoreProduct
 from tiledsl.types import Compute, DType, TensorType, value_compute
 
-from .attention import LOG2E, TRANSCENDENTAL, bound_offsets
+from .attention import LOG2E, bound_offsets, transcendentals
 from .base import (
     EmittedKernel,
     Hints,
@@ -532,7 +532,7 @@ class AttentionBackwardProgram:
         # neighborhood mask's 26 tensor ops, the trig score mod's 5 transcendentals)
         kinds = [self.region.ops[v - self.n_in].op.kind for v in plan.score_ops
                  if self.value_type(v).rank > 0]
-        transcendental = sum(k in TRANSCENDENTAL for k in kinds)
+        transcendental = transcendentals(kinds)
         heavy = len(kinds) > 24 or transcendental > 2
         # few enough score ops for the dk/dv kernel's 128 x 32 score tile on one warpgroup at
         # head dim 64 (plain and document-masked attention; the sink's, the dilated window's

@@ -701,12 +701,13 @@ class GemmProgram:
         # log, sqrt and cos) 8 KB at 128 x 128, none at 128 x 64
         kinds = {r.op.kind for r in self.region.ops}
         normal = any(r.op.kind == "random" and r.op.attr("dist") == "normal" for r in self.region.ops)
-        most = 128 * 64 if normal else 128 * 128 if kinds & {"sin", "cos", "tan"} else None
+        slow = any(ops.units(k) >= ops.SLOW_PATH_UNITS for k in kinds)
+        most = 128 * 64 if normal else 128 * 128 if slow else None
         allowed = [c for c in HOPPER_CONFIGS if most is None or c[0] * c[1] <= most]
         # an epilogue of cheap ops only (scales, bias, casts: composable-kernel's multi-D
         # products): the 128 x 256 default; one activation may spill there (mish 600 bytes,
         # softplus 56), so those start at 128 x 128 and the autotuner tries the wide tile
-        light = all(ops.OPS[r.op.kind].cheap for r in self.region.ops
+        light = all(ops.units(r.op.kind) <= 1 for r in self.region.ops
                     if ops.is_elementwise(r.op.kind) and r.op.type.rank > 0)
 
         def sizes(dims: Mapping[str, int]) -> tuple[int, int, int]:

@@ -391,7 +391,7 @@ def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKer
                    if (r := ops.OPS[prog.op(v).kind].reduction) is not None and not r.empty]
     # sin, cos and tan are computed in f64, whose libdevice forms call a slow path (a large
     # argument's reduction) across which the GPU spills every live value of the tile
-    trig = any(o.op.kind in ("sin", "cos", "tan") for o in kernel.region.ops)
+    trig = any(ops.units(o.op.kind) >= ops.SLOW_PATH_UNITS for o in kernel.region.ops)
     split_rows = any(full for _, _, full in prog.partials.values())
 
     def configure(dims: Mapping[str, int], device: str) -> LaunchConfig:

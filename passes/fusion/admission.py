@@ -22,7 +22,8 @@ from tiledsl.ir import Graph, KernelOp, Op
 from tiledsl.types import Shape, TensorType, broadcasts_to, format_shape
 
 from .legality import describe_node, reads_other_index
-from .profitability import GATHERED_PROLOGUE_KINDS, MAX_EPILOGUE_INPUTS, prologue_refusal
+from .profitability import MAX_EPILOGUE_INPUTS, prologue_refusal
+from .profitability import gathered_prologue_refusal as _unpacking_refusal
 from .remarks import Refusal, Rule
 
 
@@ -92,9 +93,10 @@ def gathered_operand(graph: Graph, edge: tuple[int, int]) -> frozenset[int]:
     """The ops a dot operand is computed from when it is loaded through gathers at index
     expressions of its tile (GPTQ's `(wq[k // 8, n] >> (4 * (k % 8))) & 0xF` times the
     scales at `[k // G, n]`): elementwise ops of values broadcast to its shape, walked back to
-    `take`s of parameters (their index operands walked too), `index` ops, scalars and
-    constants. Empty when the operand is anything else (a tensor read element for element,
-    a view, a reduction, a kernel's result) or gathers nothing."""
+    `take`s of parameters (their index operands walked too), `index` ops, parameters and
+    views of them (`g_idx[:, None]`, read at the tile's index), scalars and constants. Empty
+    when the operand is anything else (a tensor read element for element, a reduction, a
+    kernel's result) or gathers nothing."""
     node, res = edge
     if res != 0 or not isinstance(graph.op(node), Op):
         return frozenset()
@@ -104,7 +106,8 @@ def gathered_operand(graph: Graph, edge: tuple[int, int]) -> frozenset[int]:
     while stack:
         n = stack.pop()
         op = graph.op(n)
-        if n in out or isinstance(op, Op) and (op.kind in ("const", "dim") or op.shape == ()):
+        if n in out or isinstance(op, Op) and (op.kind in ("const", "dim") or op.shape == ()
+                                               or _parameter_view(graph, n)):
             continue
         if not isinstance(op, Op) or not ops.is_elementwise(op.kind) or not broadcasts_to(op.shape, shape):
             return frozenset()
@@ -118,16 +121,30 @@ def gathered_operand(graph: Graph, edge: tuple[int, int]) -> frozenset[int]:
     return frozenset(out) if any(graph.op(n).kind == "take" for n in out) else frozenset()
 
 
+def _parameter_view(graph: Graph, node: int) -> bool:
+    """A parameter, or a view (slice, reshape, transpose) of one, through views."""
+    op = graph.op(node)
+    while isinstance(op, Op) and ops.category(op.kind) is ops.Category.LAYOUT:
+        node = graph.operands(node)[0]
+        op = graph.op(node)
+    return isinstance(op, Op) and op.kind == "param"
+
+
 def gathered_prologue_refusal(graph: Graph, cand: int, inside: frozenset[int], matmul: int) -> Refusal | None:
     """Why `cand`, one of the ops of a gathered operand (`gathered_operand`: `inside`), cannot
-    be computed on each tile the matmul loads."""
+    be computed on each tile the matmul loads: its ops at the operand's shape cost more units
+    per element than the K loop hides (`profitability.GATHERED_PROLOGUE_BUDGET`)."""
     if any(u not in inside and u != matmul for u, _ in graph.users(cand)):
         return Refusal(Rule.PROFIT, "its value is also used elsewhere, so it is stored anyway")
-    kind = graph.op(cand).kind
-    if kind not in GATHERED_PROLOGUE_KINDS:
-        return Refusal(Rule.PROFIT, f"{kind} would be recomputed for every tile of the gathered operand; "
-                       f"only {', '.join(sorted(GATHERED_PROLOGUE_KINDS))} are cheap enough")
-    return None
+    why = _unpacking_refusal(gathered_units(graph, inside, matmul))
+    return None if why is None else Refusal(Rule.PROFIT, why)
+
+
+def gathered_units(graph: Graph, inside: frozenset[int], matmul: int) -> int:
+    """The units per element of a gathered operand's ops at the operand's shape; those at a
+    smaller shape (`k // 8` along K) run once per row or column of its tile."""
+    full = graph.result_type(*graph.operand_edges(matmul)[1]).shape
+    return sum(ops.units(graph.op(n).kind) for n in inside if graph.op(n).shape == full)
 
 
 def _pending_source(graph: Graph, node: int, joins: Callable[[int], bool] | None = None,

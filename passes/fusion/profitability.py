@@ -5,9 +5,12 @@ reading its producer at another index is refused there). What is left to
 weigh here is work that a fused kernel repeats:
 
 - a GEMM operand prologue is recomputed for every column tile of the output,
-  so only cheap ops qualify (a cast, a scale, a shift, a clamp); an
-  exponential or a division of every A element per tile would cost more than
-  the one extra pass over A that materializing it takes;
+  so only ops of `PROLOGUE_UNITS` qualify (a cast, a scale, a shift, a clamp:
+  the registry's `units`); an exponential or a division of every A element per
+  tile would cost more than the one extra pass over A that materializing it takes.
+  A B operand loaded through gathers (a packed int4 weight, a 4-bit code looked up in
+  a 16-entry table) is unpacked in the K loop while its ops per element sum to at most
+  `GATHERED_PROLOGUE_BUDGET` units;
 - a prologue value that something else also uses must be stored anyway, so
   fusing it would only duplicate work;
 - an epilogue is capped at `MAX_EPILOGUE_INPUTS` extra tensors, beyond which
@@ -29,21 +32,23 @@ small kernel's whole run) and a round trip of its result through memory; the
 recompute costs arithmetic in readers that are memory-bound (an H100 does
 about 18 f32 operations in the time it loads one byte), so it pays while the
 value's expression stays short: `RECOMPUTE_BUDGET` operation units per read
-element, an instruction-or-two op (`cheap` in the registry) costing 1 and
-anything else (a transcendental, a division) 4.
+element, each op costing the `units` the registry declares for it (an add 1, an
+integer division 2, a transcendental or a division 4).
 """
 
 from __future__ import annotations
 
 from tiledsl import ops
 
-PROLOGUE_KINDS = frozenset(kind for kind, d in ops.OPS.items() if d.cheap)
+# the most an op of a plain prologue may cost per element: one instruction
+PROLOGUE_UNITS = 1
 # a B operand loaded through gathers (a packed int4 weight, its zero points and scales read at
-# k // 8, k // G) unpacks each tile with integer ops too: a few per element against a stored
-# f16 weight's 4 bytes of traffic per element (GPTQ's, AWQ's dequantizing kernels)
-GATHERED_PROLOGUE_KINDS = PROLOGUE_KINDS | frozenset(
-    ("take", "index", "and", "or", "xor", "shl", "shr", "floordiv", "mod", "where", "not",
-     *ops.COMPARE_KINDS.values()))
+# k // 8, k // G; an NF4 code's value in a 16-entry table) unpacks each tile element with the
+# ops computing it at the operand's shape: GPTQ's take 20 units (three gathers, two shifts and
+# masks, the zero point's subtraction, the cast and the scale), against a stored f16 weight's
+# pass through memory and a tensor core's 64 or more products per loaded element; ops at a
+# smaller shape (`k // 8` along K) are computed once per row or column of the tile
+GATHERED_PROLOGUE_BUDGET = 24
 MAX_EPILOGUE_INPUTS = 8
 # a dual GEMM keeps one f32 accumulator tile per matmul in registers: two of 128 x 128 fill
 # a Hopper warpgroup pair's budget
@@ -54,17 +59,6 @@ MAX_ROW_OPS = 256
 # it runs for about a microsecond, less than a launch costs
 LAUNCH_BOUND_BYTES = 4 << 20
 RECOMPUTE_BUDGET = 16
-COSTLY_OP_UNITS = 4
-
-
-# one instruction each, besides the `cheap` ones: comparisons, selects, logic, index arithmetic
-ONE_UNIT_KINDS = PROLOGUE_KINDS | frozenset(ops.COMPARE_KINDS.values()) | {"where", "and", "or",
-                                                                         "const", "index"}
-
-
-def op_units(kind: str) -> int:
-    """The arithmetic one element of `kind` costs, in units of a cheap op."""
-    return 1 if kind in ONE_UNIT_KINDS else COSTLY_OP_UNITS
 
 
 def recompute_refusal(units: int) -> str | None:
@@ -79,7 +73,16 @@ def prologue_refusal(kind: str, users_outside: bool) -> str | None:
     """Why an elementwise op on a GEMM operand should not fuse into the operand load."""
     if users_outside:
         return "its value is also used elsewhere, so it is stored anyway"
-    if kind not in PROLOGUE_KINDS:
-        return (f"{kind} would be recomputed for every column tile of the output; only "
-                f"{', '.join(sorted(PROLOGUE_KINDS))} are cheap enough")
+    if ops.units(kind) > PROLOGUE_UNITS:
+        return (f"{kind} would be recomputed for every column tile of the output; it costs "
+                f"{ops.units(kind)} units per element, a prologue op at most {PROLOGUE_UNITS}")
+    return None
+
+
+def gathered_prologue_refusal(units: int) -> str | None:
+    """Why a gathered operand whose ops cost `units` per element should not be unpacked in
+    the K loop."""
+    if units > GATHERED_PROLOGUE_BUDGET:
+        return (f"unpacking it costs {units} units per element of every tile, more than the "
+                f"{GATHERED_PROLOGUE_BUDGET} a GEMM's K loop hides")
     return None

@@ -20,6 +20,7 @@ from .core import (
     ACCUMULATE,
     OPS,
     REQUIRED,
+    SLOW_PATH_UNITS,
     BParam,
     Category,
     NotDifferentiable,
@@ -34,6 +35,7 @@ from .core import (
     infer,
     is_elementwise,
     linear_in,
+    units,
 )
 
 # ops a row program computes along its row axis (the rows template)
@@ -44,6 +46,6 @@ COMPARE_KINDS = {d.symbol: k for k, d in OPS.items() if d.reads is Reads.COMPARE
 BINARY_KINDS = {d.symbol: k for k, d in OPS.items()
                 if d.symbol and d.arity == 2 and d.reads is Reads.PROMOTED}
 
-__all__ = ["ACCUMULATE", "BINARY_KINDS", "COMPARE_KINDS", "OPS", "REQUIRED", "ROW_KINDS", "BParam",
-           "Category", "NotDifferentiable", "OpDef", "Reads", "Reduction", "RuleError", "Scan", "category",
-           "gathers_at", "in_f64", "infer", "is_elementwise", "linear_in"]
+__all__ = ["ACCUMULATE", "BINARY_KINDS", "COMPARE_KINDS", "OPS", "REQUIRED", "ROW_KINDS", "SLOW_PATH_UNITS",
+           "BParam", "Category", "NotDifferentiable", "OpDef", "Reads", "Reduction", "RuleError", "Scan",
+           "category", "gathers_at", "in_f64", "infer", "is_elementwise", "linear_in", "units"]

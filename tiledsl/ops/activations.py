@@ -36,9 +36,9 @@ def _float_result(types, attrs):
 
 
 def _activation(kind, fold, reference, triton, vjp, *params: BParam, infer=_float_result,
-                cheap: bool = False) -> None:
+                units: int = 4) -> None:
     define(kind, 1, Category.ELEMENTWISE, infer, params=(X, *params), fold=fold,
-           reference=reference, triton=triton, vjp=vjp, cheap=cheap)
+           reference=reference, triton=triton, vjp=vjp, units=units)
 
 
 def _scaled(d, g, *factors: float):
@@ -102,7 +102,7 @@ def _d_mish(d, wanted):
     return (d.mul(d.g, d.add(t, slope)),)
 
 
-_activation("mish", lambda a: a * math.tanh(_softplus(a)), F.mish, _render_mish, _d_mish)
+_activation("mish", lambda a: a * math.tanh(_softplus(a)), F.mish, _render_mish, _d_mish, units=8)
 
 
 # --- elu, selu, celu: scale * (x > 0 ? x : alpha * expm1(x * input_scale)) -------------------
@@ -178,7 +178,7 @@ def _render_leaky_relu(em, op, args, out):
 _activation("leaky_relu", lambda a, slope: a if a > 0 else a * slope,
             lambda x, slope: F.leaky_relu(x, slope), _render_leaky_relu,
             lambda d, w: (d.where(d.call("gt", d.x(0), d.c(0.0)), d.g, _scaled(d, d.g, d.attr("slope"))),),
-            BParam("slope", "float", 0.01), cheap=True)
+            BParam("slope", "float", 0.01), units=1)
 
 
 def _hardtanh_infer(types, attrs):
@@ -204,7 +204,7 @@ def _d_hardtanh(d, wanted):
 
 _activation("hardtanh", lambda a, min_val, max_val: min(max(a, min_val), max_val), F.hardtanh,
             _render_hardtanh, _d_hardtanh, BParam("min_val", "float", -1.0),
-            BParam("max_val", "float", 1.0), infer=_hardtanh_infer, cheap=True)
+            BParam("max_val", "float", 1.0), infer=_hardtanh_infer, units=1)
 
 
 def _relu6_of(em, x: str, out) -> str:

@@ -57,9 +57,9 @@ def _shift(symbol: str) -> Infer:
     return infer
 
 
-def _operator(kind, symbol, infer, function, triton, cheap=False, vjp=None) -> None:
+def _operator(kind, symbol, infer, function, triton, units=1, vjp=None) -> None:
     define(kind, 2, ELEMENTWISE, infer, reads=Reads.PROMOTED, symbol=symbol, fold=function,
-           reference=function, triton=triton, cheap=cheap, vjp=vjp)
+           reference=function, triton=triton, units=units, vjp=vjp)
 
 
 # derivative rules (`tiledsl.autodiff`), as torch's derivatives.yaml writes them
@@ -67,11 +67,11 @@ def _d_div(d, wanted):
     return d.div(d.g, d.x(1)), d.neg(d.div(d.mul(d.g, d.x(0)), d.mul(d.x(1), d.x(1))))
 
 
-_operator("add", "+", _arith, operator.add, binary("{a} + {b}"), cheap=True,
+_operator("add", "+", _arith, operator.add, binary("{a} + {b}"), units=1,
           vjp=lambda d, w: (d.g, d.g))
-_operator("sub", "-", _arith, operator.sub, binary("{a} - {b}"), cheap=True,
+_operator("sub", "-", _arith, operator.sub, binary("{a} - {b}"), units=1,
           vjp=lambda d, w: (d.g, d.neg(d.g)))
-_operator("mul", "*", _arith, operator.mul, binary("{a} * {b}"), cheap=True,
+_operator("mul", "*", _arith, operator.mul, binary("{a} * {b}"), units=1,
           vjp=lambda d, w: (d.mul(d.g, d.x(1)), d.mul(d.g, d.x(0))))
 def _render_true_div(em, op, args, out):
     """IEEE division, except that a divisor which is one value for the whole program (a
@@ -87,7 +87,7 @@ def _render_true_div(em, op, args, out):
 
 
 _DIVIDE = binary("{a} / {b}", "tl.div_rn({a}, {b})")
-_operator("div", "/", _true_div, operator.truediv, _render_true_div, vjp=_d_div)
+_operator("div", "/", _true_div, operator.truediv, _render_true_div, units=4, vjp=_d_div)
 
 
 def _numeric(symbol: str) -> Infer:
@@ -178,10 +178,10 @@ _mod_ref, _mod_fold = _int_division(operator.mod)
 # a floor quotient is piecewise constant: no gradient; torch.remainder's gradient is
 # (g, -g * floor(a / b))
 define("floordiv", 2, ELEMENTWISE, _numeric("//"), reads=Reads.PROMOTED, symbol="//",
-       fold=_floordiv_fold, reference=_floordiv_ref, triton=_render_division(False),
+       fold=_floordiv_fold, reference=_floordiv_ref, triton=_render_division(False), units=2,
        vjp=lambda d, w: (None, None))
 define("mod", 2, ELEMENTWISE, _numeric("%"), reads=Reads.PROMOTED, symbol="%", fold=_mod_fold,
-       reference=_mod_ref, triton=_render_division(True),
+       reference=_mod_ref, triton=_render_division(True), units=2,
        vjp=lambda d, w: (d.g, d.neg(d.mul(d.g, d.call("floordiv", d.x(0), d.x(1))))))
 
 
@@ -275,7 +275,7 @@ def _d_pow(d, wanted):
 
 define("pow", 2, ELEMENTWISE, _numeric("**"), reads=Reads.PROMOTED, symbol="**",
        params=(BParam("x"), BParam("y")), fold=_pow_fold, reference=_pow_reference,
-       triton=_render_pow, vjp=_d_pow)
+       triton=_render_pow, units=8, vjp=_d_pow)
 
 
 def _logic(function: str, bitwise: str):
@@ -312,7 +312,7 @@ for _kind, _symbol, _function in (("lt", "<", operator.lt), ("le", "<=", operato
                                   ("gt", ">", operator.gt), ("ge", ">=", operator.ge),
                                   ("eq", "==", operator.eq), ("ne", "!=", operator.ne)):
     define(_kind, 2, ELEMENTWISE, _compare, reads=Reads.COMPARE, symbol=_symbol, fold=_function,
-           reference=_function, triton=compare(_symbol))
+           reference=_function, triton=compare(_symbol), units=1)
 
 # functions, not operators: torch.maximum takes no Python scalars, so both operands are
 # read in the result's type
@@ -332,9 +332,9 @@ def _d_extremum(win: str):
 
 
 define("maximum", 2, ELEMENTWISE, _arith, params=_AB, fold=max, reference=torch.maximum,
-       triton=nan_propagating("maximum"), cheap=True, vjp=_d_extremum("gt"))
+       triton=nan_propagating("maximum"), units=1, vjp=_d_extremum("gt"))
 define("minimum", 2, ELEMENTWISE, _arith, params=_AB, fold=min, reference=torch.minimum,
-       triton=nan_propagating("minimum"), cheap=True, vjp=_d_extremum("lt"))
+       triton=nan_propagating("minimum"), units=1, vjp=_d_extremum("lt"))
 
 
 def _where(types, attrs):
@@ -352,7 +352,7 @@ def _render_where(em, op, args, out):
 
 define("where", 3, ELEMENTWISE, _where, reads=Reads.SELECT,
        params=(BParam("cond"), BParam("a"), BParam("b")),
-       fold=lambda c, a, b: a if c else b, reference=torch.where, triton=_render_where,
+       fold=lambda c, a, b: a if c else b, reference=torch.where, triton=_render_where, units=1,
        vjp=lambda d, w: (None, d.where(d.x(0), d.g, d.c(0.0)), d.where(d.x(0), d.c(0.0), d.g)))
 
 
@@ -389,4 +389,4 @@ def _d_clamp(d, wanted):
 
 
 define("clamp", 3, ELEMENTWISE, _clamp, params=(BParam("x"), BParam("lo"), BParam("hi")),
-       fold=_clamp_fold, reference=torch.clamp, triton=_render_clamp, cheap=True, vjp=_d_clamp)
+       fold=_clamp_fold, reference=torch.clamp, triton=_render_clamp, units=1, vjp=_d_clamp)

@@ -203,9 +203,9 @@ class OpDef:
     fold: Callable[..., Any] | None = None  # fold(*python_scalars, **attrs)
     reference: Callable[..., Any] | None = None  # reference(*torch_values, **attrs)
     triton: Render | None = None  # elementwise ops: triton(em, op, args, out) -> value
-    # an instruction or two per element (no transcendental, no division): cheap enough to
-    # recompute for every output tile in a GEMM operand prologue
-    cheap: bool = False
+    # an elementwise op's cost per element in units of one instruction (`UNITS`): what
+    # prologue admission, recompute and the templates' spill rules sum
+    units: int | None = None
     # the operand this op reads at indices it computes (`take`): kernels hold it as a
     # pointer, never load it at the tile's index, and never fuse its producer
     gathers: int | None = None
@@ -225,6 +225,13 @@ class OpDef:
 
 OPS: dict[str, OpDef] = {}
 
+# The scale of `OpDef.units`, an elementwise op's arithmetic per element: an add, a compare, a
+# select, a shift or a cast is 1; an integer division or a gather's address and cached load 2;
+# a division, square root or one transcendental (libdevice's f32 exp, log, tanh, erf) 4; two
+# of them 8; an f64 libdevice call with a slow path (sin, cos, tan of a large argument, a
+# reduction across which the GPU spills every live value of its tile) `SLOW_PATH_UNITS`.
+SLOW_PATH_UNITS = 16
+
 
 def define(kind: str, arity: int, category: Category, infer: Infer, **parts: Any) -> OpDef:
     assert kind not in OPS, f"op {kind!r} is declared twice"
@@ -240,6 +247,13 @@ def reference_attrs(op: Any) -> dict[str, Any]:
     ones."""
     discardable = OPS[op.kind].discardable
     return {k: v for k, v in op.attr_map.items() if k not in discardable}
+
+
+def units(kind: str) -> int:
+    """The arithmetic one element of an op of `kind` costs (`OpDef.units`); an op that
+    computes nothing per element (a constant, a dim, a view) costs 1, its read."""
+    declared = OPS[kind].units if kind in OPS else None
+    return 1 if declared is None else declared
 
 
 def category(kind: str) -> Category:

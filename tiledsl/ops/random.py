@@ -85,4 +85,4 @@ def _fold(position, seed, dist):
 # sema's rand, randn and dropout build it; its operands are integers, so it passes no
 # gradient back
 define("random", 2, Category.ELEMENTWISE, _infer, reads=Reads.OPERAND, fold=_fold, reference=_reference,
-       triton=_render, vjp=lambda d, wanted: (None, None))
+       triton=_render, units=8, vjp=lambda d, wanted: (None, None))  # Philox's rounds

@@ -62,7 +62,7 @@ def _arange(axis: int, shape: tuple[int, ...]) -> torch.Tensor:
 # index has no operands: its value depends only on the shape it was given, so templates
 # compute it over their tile (the reference gets the shape with its dims bound)
 define("index", 0, Category.ELEMENTWISE, _index, params=(X, BParam("axis", "int")),
-       reference=_arange)
+       reference=_arange, units=1)
 
 
 # --- gathers --------------------------------------------------------------------
@@ -120,7 +120,7 @@ def _d_take(d, wanted):
 
 
 define("take", -1, Category.ELEMENTWISE, _take, reads=Reads.OPERAND, reference=_take_reference,
-       triton=_take_render, gathers=0, vjp=_d_take)
+       triton=_take_render, gathers=0, units=2, vjp=_d_take)
 
 
 def _put(types, attrs):
@@ -769,5 +769,5 @@ def _expand(types, attrs):
 # Elementwise: templates read x at each element's index with its size-1 dims broadcast
 define("expand", 1, Category.ELEMENTWISE, _expand, params=(X, BParam("shape", "shape")),
        fold=lambda a, shape: a, reference=lambda x, shape: x.expand(shape),
-       triton=lambda em, op, args, out: args[0], vjp=lambda d, w: (d.g,))
+       triton=lambda em, op, args, out: args[0], units=0, vjp=lambda d, w: (d.g,))
 define("return", -1, Category.RETURN, _return)

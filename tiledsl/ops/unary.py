@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from tiledsl import diagnostics as diag
 from tiledsl.types import Compute, DType, TensorType, compute_type
 
-from .core import BParam, Category, Infer, Reads, RuleError, define
+from .core import SLOW_PATH_UNITS, BParam, Category, Infer, Reads, RuleError, define
 from .render import any_of, in_wide_type, is_rounded_to_bf16, unary
 from .rules import float_of
 
@@ -45,10 +45,10 @@ def _gelu(x: float, approximate: str) -> float:
     return 0.5 * x * (1.0 + math.erf(x / math.sqrt(2.0)))
 
 
-def _math(kind, fold, reference, triton, vjp) -> None:
+def _math(kind, fold, reference, triton, vjp, units=4) -> None:
     """A float math builtin: integer and bool inputs compute in f32."""
     define(kind, 1, ELEMENTWISE, _float_result, params=(X,), fold=fold, reference=reference,
-           triton=triton, vjp=vjp)
+           triton=triton, vjp=vjp, units=units)
 
 
 # derivative rules (`tiledsl.autodiff`): d is the op's adjoint, the result one contribution
@@ -105,9 +105,9 @@ _math("erf", math.erf, torch.erf, unary("tl.erf({x})"),
 
 
 _math("sin", math.sin, torch.sin, unary("tl.sin({x})", PRECISE.format("sin")),
-      lambda d, w: (d.mul(d.g, d.call("cos", d.x(0))),))
+      lambda d, w: (d.mul(d.g, d.call("cos", d.x(0))),), units=SLOW_PATH_UNITS)
 _math("cos", math.cos, torch.cos, unary("tl.cos({x})", PRECISE.format("cos")),
-      lambda d, w: (d.neg(d.mul(d.g, d.call("sin", d.x(0)))),))
+      lambda d, w: (d.neg(d.mul(d.g, d.call("sin", d.x(0)))),), units=SLOW_PATH_UNITS)
 
 
 def _render_tan(em, op, args, out):
@@ -119,7 +119,7 @@ def _render_tan(em, op, args, out):
 
 
 _math("tan", math.tan, torch.tan, _render_tan,
-      lambda d, w: (d.mul(d.g, d.add(d.c(1.0), d.mul(d.y, d.y))),))
+      lambda d, w: (d.mul(d.g, d.add(d.c(1.0), d.mul(d.y, d.y))),), units=SLOW_PATH_UNITS)
 
 
 INF = 'float("inf")'
@@ -188,7 +188,7 @@ def _render_gelu(em, op, args, out):
 
 define("gelu", 1, ELEMENTWISE, _float_result,
        params=(X, BParam("approximate", "str", "none", ("none", "tanh"))),
-       fold=_gelu, reference=F.gelu, triton=_render_gelu, vjp=_d_gelu)
+       fold=_gelu, reference=F.gelu, triton=_render_gelu, units=4, vjp=_d_gelu)
 
 
 def _render_relu(em, op, args, out):
@@ -197,14 +197,14 @@ def _render_relu(em, op, args, out):
 
 
 define("neg", 1, ELEMENTWISE, _signed("-"), symbol="-", fold=operator.neg, reference=torch.neg,
-       triton=unary("-{x}"), cheap=True, vjp=lambda d, w: (d.neg(d.g),))
+       triton=unary("-{x}"), units=1, vjp=lambda d, w: (d.neg(d.g),))
 define("abs", 1, ELEMENTWISE, _signed("abs"), params=(X,), fold=abs, reference=torch.abs,
-       triton=unary("tl.abs({x})"), cheap=True,
+       triton=unary("tl.abs({x})"), units=1,
        vjp=lambda d, w: (d.mul(d.g, d.call("sign", d.x(0))),))
 # torch's threshold_backward: the gradient is 0 where the result is at most 0 and passes
 # elsewhere, a NaN included (a test `result > 0` stopped it there: 0 where torch has NaN)
 define("relu", 1, ELEMENTWISE, _signed("relu"), params=(X,), fold=lambda a: max(a, type(a)(0)),
-       reference=torch.relu, triton=_render_relu, cheap=True,
+       reference=torch.relu, triton=_render_relu, units=1,
        vjp=lambda d, w: (d.where(d.call("le", d.y, d.c(0)), d.c(0.0), d.g),))
 
 
@@ -229,7 +229,7 @@ def _render_cast(em, op, args, out):
 
 # reading the operand in the result's type is the conversion; the op itself is the identity
 define("cast", 1, ELEMENTWISE, _cast, params=(X, BParam("dtype", "dtype")),
-       fold=lambda a, dtype: a, reference=lambda x, dtype: x, triton=_render_cast, cheap=True,
+       fold=lambda a, dtype: a, reference=lambda x, dtype: x, triton=_render_cast, units=1,
        vjp=lambda d, w: (d.g,))
 
 
@@ -247,7 +247,7 @@ def _rounding(kind, fold, reference, text) -> None:
         return em.assign(text.format(x=em.tensor(x).text), out)
 
     define(kind, 1, ELEMENTWISE, _signed(kind), params=(X,), fold=fold, reference=reference,
-           triton=render, cheap=True, vjp=_zero)
+           triton=render, units=1, vjp=_zero)
 
 
 def _integral_fold(function):
@@ -275,7 +275,7 @@ def _render_round(em, op, args, out):
 
 define("round", 1, ELEMENTWISE, _signed("round"), params=(X,),
        fold=_integral_fold(round), reference=torch.round,
-       triton=_render_round, cheap=True, vjp=_zero)
+       triton=_render_round, units=1, vjp=_zero)
 
 
 def _render_sign(em, op, args, out):
@@ -296,7 +296,7 @@ def _sign(a):
 
 
 define("sign", 1, ELEMENTWISE, lambda types, attrs: types[0], params=(X,), fold=_sign,
-       reference=torch.sign, triton=_render_sign, cheap=True, vjp=_zero)
+       reference=torch.sign, triton=_render_sign, units=1, vjp=_zero)
 
 
 def _predicate(kind, fold, reference, text) -> None:
@@ -310,7 +310,7 @@ def _predicate(kind, fold, reference, text) -> None:
         return TensorType(DType.BOOL, x.shape, x.weak)
 
     define(kind, 1, ELEMENTWISE, infer, reads=Reads.OPERAND, params=(X,), fold=fold,
-           reference=reference, triton=render, cheap=True)
+           reference=reference, triton=render, units=1)
 
 
 _predicate("isnan", lambda a: isinstance(a, float) and math.isnan(a), torch.isnan, "{x} != {x}")
@@ -338,4 +338,4 @@ def _render_not(em, op, args, out):
 
 define("not", 1, ELEMENTWISE, _not, symbol="~",
        fold=lambda a: (not a) if isinstance(a, bool) else ~a, reference=operator.invert,
-       triton=_render_not, cheap=True)
+       triton=_render_not, units=1)
