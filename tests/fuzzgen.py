@@ -140,6 +140,10 @@ class Generator:
         # and so do the reductions across rows (along a dim of a literal size) that now and
         # then wrap a reduction's operand (salt 2: the first that keeps the pinned programs)
         self.across_rng = random.Random("across2:" + str(rng.getstate()[1][:8]))
+        # and so do the layouts of computed values (a reshape of a transposed intermediate)
+        # and the weights gathered at index expressions that stand in for w (salt 3: the
+        # first that keeps the pinned programs)
+        self.layouts_rng = random.Random("layouts3:" + str(rng.getstate()[1][:8]))
         self.values: list[Value] = [
             Value("x", ("M", "N")), Value("y", ("N",)), Value("z", ("M", "1")), Value("s", ()),
             Value("mask", ("M", "N"), "bool"), Value("flag", (), "bool")]
@@ -305,6 +309,12 @@ class Generator:
         batch = broadcast(a.shape[:-2], ("H",))
         if batch is not None and self.rng.random() < 0.3:
             return "wb", batch + a.shape[-2:]
+        if self.layouts_rng.random() < 0.15:  # w's rows permuted and scaled at computed indices
+            rows = f"(index(w, 0) * {self.layouts_rng.choice([1, 5, 7])} + 2) % N"
+            gathered = f"(w[{rows}, index(w, 1)] * y[index(w, 0)])"
+            if self.layouts_rng.random() < 0.5:  # as F.linear takes it: [out, in], transposed
+                gathered = f"transpose(w[{rows}, index(w, 1)] * y[index(w, 1)], 0, 1)"
+            return gathered, a.shape
         return "w", a.shape
 
     def matmul(self, a: Value) -> Value:
@@ -405,6 +415,8 @@ class Generator:
         if choice == 2:
             return Value(f"{a.text}[M - 1 - index({a.text}, 0), index({a.text}, 1)]", a.shape)
         if choice == 3:
+            if self.layouts_rng.random() < 0.4:  # a computed value's transpose, flattened and viewed
+                return Value(f"reshape(reshape(transpose(({a.text} + 0.5), 0, 1), [-1]), [N, M])", ("N", "M"))
             return Value(f"reshape(reshape({a.text}, [-1]), [N, M])", ("N", "M"))
         axis = self.rng.randrange(len(a.shape))
         return Value(self.scan(a, axis), a.shape)
