@@ -31,6 +31,7 @@ from tiledsl.builder import Builder
 from tiledsl.indexing import reindex, slice_source
 from tiledsl.ir import Edge, Graph, Op, walk
 from tiledsl.ops.core import read_types
+from tiledsl.passes.fusion.admission import gathered_operand
 from tiledsl.passes.fusion.score_space import is_op, swaps_last
 from tiledsl.passes.registry import Pass, PassContext, register
 from tiledsl.passes.rewrite import Pattern, Rewriter, apply_patterns
@@ -391,14 +392,14 @@ class TransposedGatheredOperand(Pattern):
                 not (isinstance(u := graph.op(n), Op) and u.kind == "matmul" and slot == 1)
                 for n, slot in graph.users(node)):
             return False
-        from tiledsl.passes.fusion.admission import gathered_operand
-
         edge = graph.operand_edges(node)[0]
+        rank = op.type.rank
+        if graph.result_type(*edge).rank != rank:
+            return False
         inside = gathered_operand(graph, edge)
         if not inside or any(u not in inside and u != node for n in inside for u, _ in graph.users(n)):
             return False
         a, b = op.attr("dims")
-        rank = op.type.rank
         built: dict[int, Edge] = {}
 
         def moved(e: Edge) -> Edge:  # e in the transposed space
@@ -430,8 +431,6 @@ class TransposedGatheredOperand(Pattern):
             built[n] = out
             return out
 
-        if graph.result_type(*edge).rank != rank:
-            return False
         rewriter.replace(node, moved(edge))
         return True
 

@@ -35,9 +35,11 @@ from tiledsl import ops
 from tiledsl.builder import Builder
 from tiledsl.dims import build as build_dim
 from tiledsl.ir import Graph, Op
+from tiledsl.passes.canonicalize import ReshapeOfReshape
 from tiledsl.passes.fusion.legality import describe_node
 from tiledsl.passes.fusion.remarks import FusionRemark
 from tiledsl.passes.registry import Pass, PassContext, register
+from tiledsl.passes.rewrite import apply_patterns
 from tiledsl.source import Span
 from tiledsl.types import DType, broadcasts_to, format_shape
 
@@ -55,9 +57,6 @@ class SinkReshape(Pass):
         for node in graph.topo_order():
             if node in graph.nx:
                 _sink(graph, node, ctx.remarks)
-        from tiledsl.passes.canonicalize import ReshapeOfReshape
-        from tiledsl.passes.rewrite import apply_patterns
-
         apply_patterns(graph, (ReshapeOfReshape(),))  # a sunk op's reshape read back by a reshape
 
 

@@ -140,3 +140,16 @@ def test_a_reshape_of_a_transposed_flat_stored_intermediate_copies_instead_of_fa
     _, out = run_checked(fn, x, y)
     torch.testing.assert_close(out.double(), x.double().exp().T.reshape(-1) * y.double().reshape(-1),
                                rtol=0, atol=1e-5)
+
+
+def test_a_floor_division_the_call_never_checks_is_not_taken_as_exact():
+    """`x[:, :D // 2]` viewed as [N, D // 2] checks nothing at the call (the counts are equal
+    as written), so D // 2 * 2 stays D // 2 * 2: with D = 17 the -1 is 16, not D."""
+    fn = tiledsl.compile("""kernel f(x: f32[N, D]) -> f32[N, D // 2 * 2] {
+        t = reshape(x[:, :D // 2], [N, D // 2])
+        return reshape(concat(t, t * 2.0, axis=-1), [N, -1])
+    }""")
+    x = randn(3, 17)
+    _, out = run_checked(fn, x)
+    h = x.double()[:, :8]
+    torch.testing.assert_close(out.double(), torch.cat([h, h * 2], -1), rtol=0, atol=1e-6)

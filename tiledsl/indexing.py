@@ -478,9 +478,6 @@ class Indexing:
         shape = [exact(d, self.exact) for d in shape]  # Swin's [B_ // nW, nW, ...] and back to [-1, ...]
         new = tuple(d.dim() for d in shape)
         diff = total - _product(shape)
-        for division in floor_divisions(_product(shape)):
-            if exact(diff, [division]).is_const and exact(diff, [division]).const == 0:
-                self.exact.append(division)  # the call checks diff == 0: the division is exact
         note = [diag.Note(f"this value is {t}", xspan)]
         message = (f"reshape from {format_shape(t.shape)} to {format_shape(new)} changes the "
                    "number of elements")
@@ -491,6 +488,9 @@ class Indexing:
             self._require(diff, given.span, message, requires)
             self._require(-diff, given.span, message, requires)
             self.graph.requires = tuple(requires)
+            for division in floor_divisions(_product(shape)):
+                if exact(diff, [division]) == Lin((), 0):
+                    self.exact.append(division)  # the call checks diff == 0: the division is exact
         copy = const_bool(args.get("copy"), "'copy' of 'reshape'")
         return self.b.user_op("reshape", [(x, xspan)], e.span, shape=new, copy=copy)
 

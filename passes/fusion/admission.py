@@ -22,8 +22,7 @@ from tiledsl.ir import Graph, KernelOp, Op
 from tiledsl.types import Shape, TensorType, broadcasts_to, format_shape
 
 from .legality import describe_node, reads_other_index
-from .profitability import MAX_EPILOGUE_INPUTS, prologue_refusal
-from .profitability import gathered_prologue_refusal as _unpacking_refusal
+from .profitability import MAX_EPILOGUE_INPUTS, prologue_refusal, unpacking_refusal
 from .remarks import Refusal, Rule
 
 
@@ -107,7 +106,7 @@ def gathered_operand(graph: Graph, edge: tuple[int, int]) -> frozenset[int]:
         n = stack.pop()
         op = graph.op(n)
         if n in out or isinstance(op, Op) and (op.kind in ("const", "dim") or op.shape == ()
-                                               or _parameter_view(graph, n)):
+                                               or _parameter_or_view(graph, n)):
             continue
         if not isinstance(op, Op) or not ops.is_elementwise(op.kind) or not broadcasts_to(op.shape, shape):
             return frozenset()
@@ -121,7 +120,7 @@ def gathered_operand(graph: Graph, edge: tuple[int, int]) -> frozenset[int]:
     return frozenset(out) if any(graph.op(n).kind == "take" for n in out) else frozenset()
 
 
-def _parameter_view(graph: Graph, node: int) -> bool:
+def _parameter_or_view(graph: Graph, node: int) -> bool:
     """A parameter, or a view (slice, reshape, transpose) of one, through views."""
     op = graph.op(node)
     while isinstance(op, Op) and ops.category(op.kind) is ops.Category.LAYOUT:
@@ -136,7 +135,7 @@ def gathered_prologue_refusal(graph: Graph, cand: int, inside: frozenset[int], m
     per element than the K loop hides (`profitability.GATHERED_PROLOGUE_BUDGET`)."""
     if any(u not in inside and u != matmul for u, _ in graph.users(cand)):
         return Refusal(Rule.PROFIT, "its value is also used elsewhere, so it is stored anyway")
-    why = _unpacking_refusal(gathered_units(graph, inside, matmul))
+    why = unpacking_refusal(gathered_units(graph, inside, matmul))
     return None if why is None else Refusal(Rule.PROFIT, why)
 
 

@@ -44,10 +44,10 @@ from tiledsl import ops
 PROLOGUE_UNITS = 1
 # a B operand loaded through gathers (a packed int4 weight, its zero points and scales read at
 # k // 8, k // G; an NF4 code's value in a 16-entry table) unpacks each tile element with the
-# ops computing it at the operand's shape: GPTQ's take 20 units (three gathers, two shifts and
-# masks, the zero point's subtraction, the cast and the scale), against a stored f16 weight's
-# pass through memory and a tensor core's 64 or more products per loaded element; ops at a
-# smaller shape (`k // 8` along K) are computed once per row or column of the tile
+# ops computing it at the operand's shape: GPTQ's take 14 units (three gathers, two shifts and
+# masks, the zero point's subtraction, the cast and the scale; NF4's 11, MXFP4's 17), against
+# a stored f16 weight's pass through memory and a tensor core's 64 or more products per loaded
+# element; ops at a smaller shape (`k // 8` along K) are computed once per row or column of the tile
 GATHERED_PROLOGUE_BUDGET = 24
 MAX_EPILOGUE_INPUTS = 8
 # a dual GEMM keeps one f32 accumulator tile per matmul in registers: two of 128 x 128 fill
@@ -79,7 +79,7 @@ def prologue_refusal(kind: str, users_outside: bool) -> str | None:
     return None
 
 
-def gathered_prologue_refusal(units: int) -> str | None:
+def unpacking_refusal(units: int) -> str | None:
     """Why a gathered operand whose ops cost `units` per element should not be unpacked in
     the K loop."""
     if units > GATHERED_PROLOGUE_BUDGET:

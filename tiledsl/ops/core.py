@@ -203,7 +203,7 @@ class OpDef:
     fold: Callable[..., Any] | None = None  # fold(*python_scalars, **attrs)
     reference: Callable[..., Any] | None = None  # reference(*torch_values, **attrs)
     triton: Render | None = None  # elementwise ops: triton(em, op, args, out) -> value
-    # an elementwise op's cost per element in units of one instruction (`UNITS`): what
+    # an elementwise op's cost per element in units of one instruction (the scale below): what
     # prologue admission, recompute and the templates' spill rules sum
     units: int | None = None
     # the operand this op reads at indices it computes (`take`): kernels hold it as a
