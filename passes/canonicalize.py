@@ -14,7 +14,10 @@ Equivalent forms become one: a reduction's dropped dim put back is the
 reduction keeping it, a transposed product is the product of the transposes,
 a gather of a cast is a cast of the gather, a gather along a row of a value its row
 program computes is a sum selecting the element, and the transpose of a weight unpacked
-through gathers is the weight unpacked at the transposed indices.
+through gathers is the weight unpacked at the transposed indices. An out-of-place scatter
+(a zero-filled put, a put marking what it wrote, their merge over x) is one put into x, a
+put at a permutation (argsort's positions) needs no x, and values gathered at a
+permutation and scattered back at it are the values.
 Results that are NaN or that Python cannot compute (`log(0)`) are left for
 run time.
 """
@@ -686,10 +689,112 @@ class RemoveIdentityGather(Pattern):
         return True
 
 
+def _own_index(graph: Graph, edge: Edge, k: int, shape: Shape) -> bool:
+    """Is `edge` the index along axis k of `shape` (0 where that axis has size 1)?"""
+    i_op = graph.op(edge[0])
+    return ((isinstance(i_op, Op) and i_op.kind == "index" and i_op.attr("axis") == k
+             and i_op.type.rank == len(shape) and i_op.shape[k] == shape[k])
+            or (shape[k] == 1 and const_value(graph, edge[0]) == 0))
+
+
+def _permutes(graph: Graph, indices: Sequence[Edge], shape: Shape) -> bool:
+    """Do `indices` name every element of `shape` once: their own index along every axis but
+    one, and along that one a sort's positions of a row as long as the axis (argsort's result,
+    `argtopk` with k the axis' length)?"""
+    moved = [k for k, e in enumerate(indices) if not _own_index(graph, e, k, shape)]
+    if len(moved) != 1:
+        return False
+    (k,) = moved
+    sel = graph.op(indices[k][0])
+    return (isinstance(sel, Op) and sel.kind == "argtopk" and sel.type.shape == tuple(shape)
+            and sel.attr("axis") % len(shape) == k and sel.attr("k") == shape[k])
+
+
+def _same_values(graph: Graph, a: Sequence[Edge], b: Sequence[Edge]) -> bool:
+    """Are the values `a` and `b` pairwise the same: one edge, or ops of no operands (an
+    `index`, a constant) alike (canonicalize runs before cse merges them)?"""
+    def same(x: Edge, y: Edge) -> bool:
+        if x == y:
+            return True
+        ox, oy = graph.op(x[0]), graph.op(y[0])
+        return (isinstance(ox, Op) and isinstance(oy, Op) and not graph.operands(x[0])
+                and not graph.operands(y[0]) and ox.kind == oy.kind and ox.type == oy.type
+                and ox.attr_map == oy.attr_map)
+    return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+
+
+def _all_true(graph: Graph, node: int) -> bool:
+    op = graph.op(node)
+    if isinstance(op, Op) and op.kind == "expand":
+        node = graph.operands(node)[0]
+    return const_value(graph, node) is True
+
+
+class WriteInto(Pattern):
+    """x with src written at indices, as sema builds torch's out-of-place scatter: a put of
+    src into zeros, a put of `true` marking the written elements, and their merge
+    `where(written, put, x)`, is one `put_into(x, src, ..)`: its kernel stores src at the
+    indices into a copy of x, with no mask and no merge kernel after it."""
+
+    def apply(self, graph: Graph, node: int, op: Op, rewriter: Rewriter) -> bool:
+        if op.kind != "where":
+            return False
+        (w, _), (p, _), x = graph.operand_edges(node)
+        w_op, p_op = graph.op(w), graph.op(p)
+        if not (is_op(graph, w, "put") and is_op(graph, p, "put")) or w_op.attr("accumulate") \
+                or p_op.attr("accumulate") or graph.operand_edges(w)[1:] != graph.operand_edges(p)[1:]:
+            return False
+        if not _all_true(graph, graph.operands(w)[0]) or graph.result_type(*x) != op.type \
+                or p_op.type != op.type:
+            return False
+        src, *indices = graph.operand_edges(p)
+        rewriter.replace(node, rewriter.build.op("put_into", [x, src, *indices], op.span))
+        return True
+
+
+class SelectOfSame(Pattern):
+    """`where(c, a, a)` is `a` (when that keeps its type): what a scatter at a permutation of
+    the values gathered there leaves of its merge."""
+
+    def apply(self, graph: Graph, node: int, op: Op, rewriter: Rewriter) -> bool:
+        if op.kind != "where":
+            return False
+        _, a, b = graph.operand_edges(node)
+        if a != b or graph.result_type(*a) != op.type:
+            return False
+        rewriter.replace(node, a)
+        return True
+
+
+class PermutedWrite(Pattern):
+    """A scatter at a permutation writes every element (argsort's positions, scattered back
+    along their row: Hugging Face's top-p and min-p warpers): x is never read, and the
+    values gathered at the permutation scattered back at it are the values. So
+    `put_into(x, src, I)` is `put(src, I)`, and `put(take(y, I), I)` is y."""
+
+    def apply(self, graph: Graph, node: int, op: Op, rewriter: Rewriter) -> bool:
+        if op.kind not in ("put_into", "put"):
+            return False
+        edges = graph.operand_edges(node)
+        src, *indices = edges[1:] if op.kind == "put_into" else edges
+        if (op.kind == "put" and op.attr("accumulate")) or not _permutes(graph, indices, op.type.shape):
+            return False
+        if is_op(graph, src[0], "take") and _same_values(graph, graph.operand_edges(src[0])[1:], indices) \
+                and graph.result_type(*graph.operand_edges(src[0])[0]) == op.type:
+            rewriter.replace(node, graph.operand_edges(src[0])[0])
+            return True
+        if op.kind == "put_into":
+            rewriter.replace(node, rewriter.build.op("put", [src, *indices], op.span, shape=op.type.shape,
+                                                     accumulate=False))
+            return True
+        return False
+
+
 PATTERNS = (FoldConstants(), RemoveIdentity(), DivideByReciprocal(), RemoveNoOpCast(), CancelInvolution(),
             ReshapeOfReshape(), ReduceAlongOne(), ViewOfFill(), KeepReducedDim(), TransposeProduct(),
             TransposedOperand(), TransposedGatheredOperand(), GatherBeforeElementwise(), GatherAlongRow(),
-            ViewOfGather(), RemoveIdentityGather())
+            ViewOfGather(), RemoveIdentityGather(), WriteInto(), SelectOfSame(),
+            PermutedWrite())
 
 
 @register

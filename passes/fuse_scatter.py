@@ -1,12 +1,15 @@
-"""fuse-scatter: a scatter (`put`) and the elementwise ops computing what it writes.
+"""fuse-scatter: a scatter (`put`, `put_into`) and the elementwise ops computing what it
+writes.
 
-Before: each `put` (what scatter, scatter_add, index_add and a gather's gradient
-build) is a kernel of its own, reading values that pointwise kernels stored.
+Before: each `put` (what scatter_add, index_add and a gather's gradient build; scatter
+and index_copy are a `put_into`, x the result starts as) is a kernel of its own,
+reading values that pointwise kernels stored.
 After: one `scatter` kernel per `put`, with the elementwise producers of its
 values and indices that nothing else reads (an embedding bag's gathered rows
 times their weights; the index expressions), computed over the written values'
 space in registers and stored or added at the indices; `put`s over that space
-that read one of its values join it (scatter's written-mask and its values).
+that read one of its values join it (two index_copy appends at one position).
+A put_into's x is not computed in the kernel: the launch copies it into the result.
 The result of a `put` is a kernel boundary: what reads it (x + the sum) is
 another kernel.
 
@@ -26,6 +29,7 @@ from dataclasses import dataclass
 
 import networkx as nx
 
+from tiledsl import ops
 from tiledsl.ir import Graph
 from tiledsl.passes.fusion.grow import Admission, elementwise_candidate, fuse_groups
 from tiledsl.passes.fusion.legality import Group, GroupPlan, describe_node, reads_other_index
@@ -42,7 +46,7 @@ class FuseScatter(Pass):
 
     def run(self, graph: Graph, ctx: PassContext) -> None:
         def is_put(node: int) -> bool:
-            return graph.op(node).kind == "put"
+            return graph.op(node).kind in ops.WRITTEN
 
         def consider(node: int) -> bool:
             return is_put(node) or elementwise_candidate(graph, node)
@@ -60,7 +64,7 @@ class FuseScatter(Pass):
 
 
 def _space(graph: Graph, put: int) -> tuple:
-    return graph.result_type(*graph.operand_edges(put)[0]).shape
+    return graph.result_type(*graph.operand_edges(put)[ops.WRITTEN[graph.op(put).kind]]).shape
 
 
 def _joins(graph: Graph, group: Group, node: int, space, after: set[int]) -> bool:
@@ -71,13 +75,13 @@ def _joins(graph: Graph, group: Group, node: int, space, after: set[int]) -> boo
     (the scatter_add of a scatter_add sharing its indices; fuzz finding 0:13094). Decided
     from the graph, not from the group grown so far, since a put joining later can close
     the cycle."""
-    if graph.op(node).kind != "put" or _space(graph, node) != space or group.plan.grouped(node):
+    if graph.op(node).kind not in ops.WRITTEN or _space(graph, node) != space or group.plan.grouped(node):
         return False
     return node not in after
 
 
 def _admit(graph: Graph, group: Group, cand: int, space, after: set[int]) -> Refusal | None:
-    if graph.op(cand).kind == "put":
+    if graph.op(cand).kind in ops.WRITTEN:
         if _space(graph, cand) != space:
             return Refusal(Rule.TILE, f"it writes values of shape {format_shape(_space(graph, cand))}, "
                            f"not the kernel's {format_shape(space)}")
@@ -90,7 +94,7 @@ def _admit(graph: Graph, group: Group, cand: int, space, after: set[int]) -> Ref
                if u not in group and not _joins(graph, group, u, space, after)]
     if outside:
         why, u = "", outside[0]
-        if graph.op(u).kind == "put" and _space(graph, u) == space:
+        if graph.op(u).kind in ops.WRITTEN and _space(graph, u) == space:
             why = (", and is another scatter kernel's" if group.plan.grouped(u) else
                    ", and cannot join it: its values or indices are computed from a scatter's result")
         return Refusal(Rule.MATERIALIZE, f"{describe_node(graph, outside[0])} outside the scatter "

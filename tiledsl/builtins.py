@@ -59,14 +59,16 @@ BUILTINS["causal"] = Builtin("causal", (BParam("x"),))
 BUILTINS["concat"] = Builtin("concat", (BParam("values"), BParam("axis", "int", -1)))
 # gather(x, idx, axis) is a take: idx along `axis`, index(..) along the others
 BUILTINS["gather"] = Builtin("gather", (BParam("x"), BParam("index"), BParam("axis", "int", -1)))
-# torch's scatters, out of place: x with src written (scatter) or added (scatter_add,
-# index_add) at the indices, a `put` each (tiledsl/indexing.py)
+# torch's scatters, out of place: x with src written (scatter, index_copy) or added
+# (scatter_add, index_add) at the indices, a `put` each (tiledsl/indexing.py)
 BUILTINS["scatter"] = Builtin("scatter", (BParam("x"), BParam("index"), BParam("src"),
                                           BParam("axis", "int", -1)))
 BUILTINS["scatter_add"] = Builtin("scatter_add", (BParam("x"), BParam("index"), BParam("src"),
                                                   BParam("axis", "int", -1)))
 BUILTINS["index_add"] = Builtin("index_add", (BParam("x"), BParam("axis", "int"), BParam("index"),
                                               BParam("src")))
+BUILTINS["index_copy"] = Builtin("index_copy", (BParam("x"), BParam("axis", "int"), BParam("index"),
+                                                BParam("src")))
 # squeeze(x, axis) is a `slice` taking index 0 of size-1 axes
 BUILTINS["squeeze"] = Builtin("squeeze", (BParam("x"), BParam("axis", "int")))
 # flip(x, axis) reads x at n - 1 - i along the axis (a gather through an index expression)

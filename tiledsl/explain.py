@@ -23,7 +23,7 @@ from tiledsl.passes.hoist_row_scale import HoistRowScale
 from tiledsl.passes.pipeline import FUSION
 from tiledsl.passes.recompute import Recompute
 from tiledsl.passes.sink_reshape import SinkReshape
-from tiledsl.plans import AttentionBackwardPlan, AttentionPlan, GemmPlan, MergedPlan, RowPlan
+from tiledsl.plans import AttentionBackwardPlan, AttentionPlan, GemmPlan, MergedPlan, RowPlan, ScatterPlan
 from tiledsl.types import format_shape
 
 if TYPE_CHECKING:
@@ -97,6 +97,8 @@ def explain(program: Program, dims: Mapping[str, int] | None = None) -> str:
             order = op.out_order(r)
             stored = "" if order is None else \
                 f" stored as [{', '.join(str(t.shape[a]) for a in order)}]"  # (lower-kernels' layout)
+            if isinstance(op.plan, ScatterPlan) and (i := op.plan.starts[r]) is not None:
+                stored += f" starting as a copy of {_name(graph, *graph.operand_edges(k)[i])}"
             outs.append(f"{t}{stored} -> {', '.join(users) or f'{op.name} (a combine)'}")
         lines.append(f"  {'':<{width}}    out: {'; '.join(outs)}")
         if isinstance(op.plan, (AttentionPlan, AttentionBackwardPlan)):

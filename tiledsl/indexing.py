@@ -34,7 +34,8 @@ class Indexing:
     `name` stand for a dim symbol there (not shadowed by a value)?"""
 
     # the builtins lowered here (a method each), by the name sema's handler table gives them
-    CALLS = ("gather", "reshape", "expand", "squeeze", "flip", "pad", "scatter", "scatter_add", "index_add")
+    CALLS = ("gather", "reshape", "expand", "squeeze", "flip", "pad", "scatter", "scatter_add", "index_add",
+             "index_copy")
 
     def __init__(self, build: Builder, expr: Callable[[ast.Expr], int], is_dim: Callable[[str], bool],
                  check_bounds: bool) -> None:
@@ -385,28 +386,37 @@ class Indexing:
     def index_add(self, e: ast.Call, args: dict[str, ast.Expr]) -> int:
         """torch.index_add, out of place: `out[.., idx[j], ..] += src[.., j, ..]` along `axis`
         (idx 1-d, src of x's shape but along the axis, where it has idx's length)."""
+        return self._index_put(e, args, accumulate=True)
+
+    def index_copy(self, e: ast.Call, args: dict[str, ast.Expr]) -> int:
+        """torch.index_copy, out of place: `out[.., idx[j], ..] = src[.., j, ..]` along `axis`
+        (a KV cache's append at its positions); where idx repeats, which write wins is
+        unspecified."""
+        return self._index_put(e, args, accumulate=False)
+
+    def _index_put(self, e: ast.Call, args: dict[str, ast.Expr], accumulate: bool) -> int:
         x, xspan = self._value(args, "x")
         idx, ispan = self._value(args, "index")
         src, sspan = self._value(args, "src")
         xt, it, st = self.graph.op(x).type, self.graph.op(idx).type, self.graph.op(src).type
         if xt.rank == 0:
-            raise diag.RankError(xspan, message=f"'index_add' needs a value of rank 1 or more, got {xt}")
+            raise diag.RankError(xspan, message=f"'{e.func}' needs a value of rank 1 or more, got {xt}")
         axis = axis_arg(e, args, "axis", xt.rank)
         self._index_type(it, ispan)
         if it.rank != 1:
-            raise diag.IndexingError(ispan, message=f"'index_add' needs a 1-d index, got {it}")
+            raise diag.IndexingError(ispan, message=f"'{e.func}' needs a 1-d index, got {it}")
         note = [diag.Note(f"this value is {xt}", xspan)]
         if st.rank != xt.rank:
             raise diag.RankError(sspan, note, message=(
-                f"'index_add' needs src of x's rank {xt.rank}, got {st}"))
+                f"'{e.func}' needs src of x's rank {xt.rank}, got {st}"))
         for d in range(xt.rank):
             if d != axis and st.shape[d] != xt.shape[d]:
                 raise diag.IndexingError(sspan, note, message=(
-                    f"'index_add' needs src of x's sizes but along axis {axis}; dim {d} is "
+                    f"'{e.func}' needs src of x's sizes but along axis {axis}; dim {d} is "
                     f"{st.shape[d]} here and {xt.shape[d]} in x"))
         if st.shape[axis] != it.shape[0]:
             raise diag.IndexingError(sspan, [diag.Note(f"the index is {it}", ispan)], message=(
-                f"'index_add' needs src of the index's length {it.shape[0]} along axis {axis}, "
+                f"'{e.func}' needs src of the index's length {it.shape[0]} along axis {axis}, "
                 f"got {st.shape[axis]}"))
         n = it.shape[0]
         items = tuple(("range", 0, n, 1, n) if k == axis else ("new",) for k in range(xt.rank))
@@ -414,7 +424,7 @@ class Indexing:
         indices = [(placed, ispan) if k == axis else (self._index_of(st.shape, k, e.span), e.span)
                    for k in range(xt.rank)]
         self._check_index(x, xt, axis, idx, ispan, e.span)
-        return self._put(e, x, src, sspan, indices, accumulate=True)
+        return self._put(e, x, src, sspan, indices, accumulate)
 
     @staticmethod
     def _index_type(it: TensorType, span: Span) -> None:

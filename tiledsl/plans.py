@@ -55,24 +55,37 @@ class PointwisePlan:
 class ScatterPlan:
     """Values written or added at indices (`put`): each program computes a block of the
     written values over their space, elementwise ops before them included, and stores or
-    atomically adds each at its indices into a result that starts at 0."""
+    atomically adds each at its indices into a result that starts at 0, or as a copy of the
+    input `starts` names (a `put_into`'s x, copied by the launch before the programs run)."""
 
     template: ClassVar[str] = "indexed"
     strided_stores: ClassVar[bool] = False  # it stores at the indices, into contiguous results
 
     shape: Shape  # the space: the written values' shape
-    puts: tuple[int, ...]  # the `put` ops, the region's outputs in order
+    puts: tuple[int, ...]  # the `put` and `put_into` ops, the region's outputs in order
+    starts: tuple[int | None, ...] = ()  # per put: the region input its result starts as, or None: 0
 
     def format(self, name: Name) -> str:
-        return f"plan indexed {{space = {format_shape(self.shape)}, puts = {_names(self.puts, name)}}}"
+        starts = "".join(f", {name(p)} starts as {name(i)}"
+                         for p, i in zip(self.puts, self.starts, strict=True) if i is not None)
+        puts = _names(self.puts, name)
+        return f"plan indexed {{space = {format_shape(self.shape)}, puts = {puts}{starts}}}"
 
     def verify(self, check: PlanCheck) -> None:
         if tuple(check.region.outputs) != self.puts:
             check.fail("its indexed plan's puts are not its outputs")
-        for v in self.puts:
-            check.expect(v, ("put",), "put")
-            if check.region.value_type(check.operands(v)[0]).shape != self.shape:
+        if len(self.starts) != len(self.puts):
+            check.fail("its indexed plan has not one start per put")
+        for v, start in zip(self.puts, self.starts, strict=True):
+            check.expect(v, tuple(ops.WRITTEN), "put")
+            kind = check.kind(v)
+            operands = check.operands(v)
+            if check.region.value_type(operands[ops.WRITTEN[kind]]).shape != self.shape:
                 check.fail("a put of its indexed plan writes values outside the plan's space")
+            if start != (operands[0] if kind == "put_into" else None):
+                check.fail("a put of its indexed plan does not start as its x (a put_into's) or 0")
+            if start is not None and start >= len(check.region.inputs):
+                check.fail("a put_into of its indexed plan starts as a value its kernel computes")
 
 
 # the most elements of a row a topk or sort keeps in registers (one tile of i64 keys, sorted
@@ -699,7 +712,7 @@ def zero_filled(plan: Plan | None) -> frozenset[int]:
         skipped = plan.stores if plan.bound is not None else ()
         return frozenset(r.result for r in plan.reductions) | frozenset(skipped)
     if isinstance(plan, ScatterPlan):
-        return frozenset(plan.puts)
+        return frozenset(p for p, start in zip(plan.puts, plan.starts, strict=True) if start is None)
     return frozenset()
 
 # the code templates by name: each plan class is its template's entry

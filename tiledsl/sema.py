@@ -570,6 +570,7 @@ _HANDLERS = {
     "gather": "gather", "reshape": "reshape", "squeeze": "squeeze", "expand": "expand", "flip": "flip",
     "pad": "pad", "full": "fill", "zeros": "fill",
     "scatter": "scatter", "scatter_add": "scatter_add", "index_add": "index_add",
+    "index_copy": "index_copy",
     "rand": "random", "randn": "random", "dropout": "dropout",
     "topk": "select", "sort": "select", "argsort": "select",
 }

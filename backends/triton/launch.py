@@ -26,6 +26,7 @@ from typing import Any
 
 from tiledsl.diagnostics import ArgumentError
 from tiledsl.dims import evaluate
+from tiledsl.plans import ScatterPlan
 from tiledsl.types import DType
 
 from .base import EmittedKernel, LaunchConfig
@@ -268,10 +269,22 @@ def argument_function(emitted: EmittedKernel, reads: Sequence[Read], outputs: Se
             axis = -2 if perm is None else perm[-2]
             lines.append(f"    v[{slot}] = k_major(v[{slot}], {axis})")
     lines += [f"    s{slot} = v[{slot}].stride()" for slot in strides]
+    for r, i in starts_as(emitted.kernel):  # a result that starts as an input: copied first
+        slot, perm = reads[i]
+        lines.append(f"    o[{r}].copy_(v[{slot}]{'' if perm is None else f'.permute({perm})'})")
     lines.append(f"    return ({''.join(e + ', ' for e in exprs)})")
     namespace: dict[str, Any] = {"fits": fits_int32, "k_major": k_major}
     exec(compile("\n".join(lines) + "\n", f"<arguments of {emitted.fn_name}>", "exec"), namespace)
     return namespace["args"]
+
+
+def starts_as(kernel) -> list[tuple[int, int]]:
+    """(result, region input) of each result that starts as a copy of an input (a
+    `put_into`'s x: `plans.ScatterPlan.starts`), which the argument function makes before
+    the launch."""
+    if not isinstance(kernel.plan, ScatterPlan):
+        return []
+    return [(r, i) for r, i in enumerate(kernel.plan.starts) if i is not None]
 
 
 # devices whose kernels read a B operand through a K-major descriptor (the interpreter gains

@@ -4,7 +4,8 @@ Each program handles BLOCK consecutive elements of the written values' space, as
 the pointwise template does: the elementwise ops that compute the values and
 their indices run in registers (a gathered row times a weight, say), then each
 `put` stores its values (or adds them with `tl.atomic_add`) at the element its
-indices name in its result, which starts at 0 (`plans.zero_filled`). A negative
+indices name in its result, which starts at 0 (`plans.zero_filled`), or as a copy of the
+x of a `put_into` (the out-of-place scatter; the launch copies it first). A negative
 index counts from the end; an element whose index is out of range is not
 written. Adds of f16 and bf16 values go to an f32 result. Atomic adds make the
 order of the additions at one element unspecified: float results are not
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from tiledsl import ops
 from tiledsl.ir import KernelOp
 from tiledsl.ops.render import all_of
 from tiledsl.types import Compute
@@ -37,7 +39,7 @@ def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKer
     n_in = len(region.inputs)
     for out, v in zip(outs, plan.puts, strict=True):
         put = region.ops[v - n_in]
-        src, *indices = put.operands
+        src, *indices = put.operands[ops.WRITTEN[put.op.kind]:]
         t = put.op.type
         terms, inside = [], ["mask"]
         for i, d, stride in zip(indices, t.shape, out.strides, strict=True):

@@ -45,7 +45,10 @@ def pointwise_plan(region: Region, spec: PointwiseSpec) -> PointwisePlan:
 
 def scatter_plan(region: Region, spec: ScatterSpec) -> ScatterPlan:
     """The puts are the region's outputs (nothing in the kernel reads what they write)."""
-    return ScatterPlan(spec.shape, tuple(region.outputs))
+    n_in = len(region.inputs)
+    starts = tuple(region.ops[p - n_in].operands[0] if region.ops[p - n_in].op.kind == "put_into" else None
+                   for p in region.outputs)
+    return ScatterPlan(spec.shape, tuple(region.outputs), starts)
 
 
 def row_plan(region: Region, spec: RowSpec) -> RowPlan:

@@ -43,9 +43,12 @@ ROW_KINDS = tuple(k for k, d in OPS.items()
                   if d.category in (Category.REDUCTION, Category.SOFTMAX, Category.SCAN,
                                     Category.SELECT))
 COMPARE_KINDS = {d.symbol: k for k, d in OPS.items() if d.reads is Reads.COMPARE}
+# the operand a scatter op (Category.SCATTER) writes at the indices that follow it
+WRITTEN = structure.WRITTEN
 BINARY_KINDS = {d.symbol: k for k, d in OPS.items()
                 if d.symbol and d.arity == 2 and d.reads is Reads.PROMOTED}
 
 __all__ = ["ACCUMULATE", "BINARY_KINDS", "COMPARE_KINDS", "OPS", "REQUIRED", "ROW_KINDS", "SLOW_PATH_UNITS",
+           "WRITTEN",
            "BParam", "Category", "NotDifferentiable", "OpDef", "Reads", "Reduction", "RuleError", "Scan",
            "category", "gathers_at", "in_f64", "infer", "is_elementwise", "linear_in", "units"]

@@ -151,16 +151,20 @@ def put_reference(src: torch.Tensor, *indices: torch.Tensor, shape, accumulate: 
     dtype = src.dtype
     if accumulate and dtype in (torch.float16, torch.bfloat16):
         dtype = torch.float32
-    out = torch.zeros(shape, dtype=dtype)
+    return _written(torch.zeros(shape, dtype=dtype), src, indices, accumulate)
+
+
+def _written(out: torch.Tensor, src: torch.Tensor, indices, accumulate: bool) -> torch.Tensor:
+    """`out` with src written (or added) at the indices, in place (put's and put_into's)."""
     valid = torch.ones(src.shape, dtype=torch.bool)
     wrapped = []
-    for n, i in zip(shape, indices, strict=True):
+    for n, i in zip(out.shape, indices, strict=True):
         i = i.to(torch.int64).expand(src.shape)
         i = torch.where(i < 0, i + n, i)
         inside = (i >= 0) & (i < n)
         valid &= inside
         wrapped.append(i)
-    return out.index_put_(tuple(i[valid] for i in wrapped), src[valid].to(dtype), accumulate=accumulate)
+    return out.index_put_(tuple(i[valid] for i in wrapped), src[valid].to(out.dtype), accumulate=accumulate)
 
 
 def _d_put(d, wanted):
@@ -175,6 +179,46 @@ def _d_put(d, wanted):
 # gradient build; a kernel of its own (Category.SCATTER: the indexed template), whose
 # programs store or add atomically into a result that starts at 0.
 define("put", -1, Category.SCATTER, _put, reads=Reads.OPERAND, reference=put_reference, vjp=_d_put)
+
+
+def _put_into(types, attrs):
+    x, src, *indices = types
+    if src.dtype is not x.dtype:
+        raise RuleError(diag.DTypeError, (1,), message=(
+            f"writing {src.dtype} values into {x.dtype} needs a cast first"))
+    _put((src, *indices), {"shape": x.shape, "accumulate": False})
+    return TensorType(x.dtype, x.shape)
+
+
+def _put_into_reference(x: torch.Tensor, src: torch.Tensor, *indices: torch.Tensor) -> torch.Tensor:
+    return _written(x.clone(), src, indices, accumulate=False)
+
+
+def _d_put_into(d, wanted):
+    """x's gradient is g where nothing was written (a second put marks what was); each
+    written element's is g where it went."""
+    src_shape = d.x_type(1).shape
+    indices = [d.x(k) for k in range(2, d.x_type(0).rank + 2)]
+    gx = None
+    if wanted[0]:
+        true = d.call("expand", d.c(True), shape=src_shape)
+        written = d.call("put", true, *indices, shape=d.x_type(0).shape, accumulate=False)
+        gx = d.where(written, d.c(0), d.g)
+    gsrc = d.call("take", d.g if d.shape(d.g) == d.op.shape else d.call("expand", d.g, shape=d.op.shape),
+                  *indices) if wanted[1] else None
+    return (gx, gsrc) + (None,) * len(indices)
+
+
+# put_into(x, src, i0, ..., i{r-1}) is x with src[p] written at (i0[p], ..., i{r-1}[p]): the
+# out-of-place scatter (torch's scatter, index_copy, `x[i] = v` on a clone) as canonicalize
+# folds sema's zero-filled put, its written-mask put and their merge into one. Its kernel
+# (the indexed template) starts from a copy of x that the launch makes and stores at the
+# indices: x is not read at the written values' index, nor is its producer fused (`gathers`).
+define("put_into", -1, Category.SCATTER, _put_into, reads=Reads.OPERAND, reference=_put_into_reference,
+       vjp=_d_put_into, gathers=0)
+
+# the operand a scatter op writes at the indices that follow it, by kind
+WRITTEN = {"put": 0, "put_into": 1}
 
 
 # --- reductions, softmax -------------------------------------------------------

@@ -1,0 +1,167 @@
+"""Out-of-place scatters as one kernel (`put_into`): scatter and index_copy store into a copy
+of x, with no mask of the written elements and no merge kernel, so what reads the result (a
+KV cache's attention) is the next kernel; a scatter at a permutation (argsort's positions)
+writes every element and needs no x; values gathered at a permutation and scattered back are
+the values. Against float64 torch on awkward sizes, with exact kernel counts, gradients and
+diagnostics."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import tiledsl
+from helpers import SIZES, gen, randn, run_checked
+from tiledsl import testing
+
+DECODE = """
+kernel decode(q: {t}[B, H, 1, D], k_new: {t}[B, H, 1, D], v_new: {t}[B, H, 1, D],
+              k_cache: {t}[B, H, T, D], v_cache: {t}[B, H, T, D], pos: i64[1])
+              -> ({t}[B, H, 1, D], {t}[B, H, T, D], {t}[B, H, T, D]) {{
+    k = index_copy(k_cache, 2, pos, k_new)
+    v = index_copy(v_cache, 2, pos, v_new)
+    s = q @ k.T * rsqrt(D)
+    s = where(index(s, -1) <= pos[0], s, -inf)
+    return softmax(s, axis=-1) @ v, k, v
+}}
+"""
+
+
+@pytest.mark.parametrize("t", SIZES)
+@pytest.mark.parametrize("dt", ["f32", "bf16"])
+def test_kv_cache_append_then_decode_attention_is_two_kernels(t, dt):
+    # Hugging Face's StaticCache.update (k_out.index_copy_(2, cache_position, key_states)), then
+    # eager attention over the cache at decode: the append is one indexed kernel storing into
+    # a copy of each cache, the attention reads the copies
+    dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[dt]
+    b, h, d = 2, 3, 16
+    q, kn, vn = (randn(b, h, 1, d, dtype=dtype, seed=s) for s in (1, 2, 3))
+    kc, vc = randn(b, h, t, d, dtype=dtype, seed=4), randn(b, h, t, d, dtype=dtype, seed=5)
+    pos = torch.tensor([t // 2])
+    kc0, vc0 = kc.clone(), vc.clone()
+    fn, (o, k, v) = run_checked(DECODE.format(t=dt), q, kn, vn, kc, vc, pos)
+    assert torch.equal(kc, kc0) and torch.equal(vc, vc0), "the append wrote into the caller's cache"
+    assert torch.equal(k, kc.index_copy(2, pos, kn)) and torch.equal(v, vc.index_copy(2, pos, vn))
+    kr, vr = k.double(), v.double()
+    s = q.double() @ kr.transpose(-1, -2) / math.sqrt(d)
+    s = torch.where(torch.arange(t) <= t // 2, s, -math.inf)
+    ref = torch.softmax(s, -1) @ vr
+    torch.testing.assert_close(o.double(), ref, rtol=1e-5 if dt == "f32" else 2e-2,
+                               atol=1e-5 if dt == "f32" else 2e-2)
+    assert [k.template for k in fn.kernels] == ["indexed", "attention"]
+    text = fn.explain()
+    assert f"{dt}[B, H, T, D] starting as a copy of k_cache -> " in text
+    assert f"{dt}[B, H, T, D] starting as a copy of v_cache -> " in text
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_index_copy_along_each_axis(n):
+    for axis in (0, 1):
+        x = randn(7, n, seed=axis)
+        length = x.shape[axis]
+        idx = torch.randperm(length, generator=gen(n))[: max(length // 2, 1)]
+        shape = list(x.shape)
+        shape[axis] = len(idx)
+        src = randn(*shape, seed=n + axis)
+        dims = ", ".join("K" if a == axis else "ND"[a] for a in range(2))
+        fn, out = run_checked(f"kernel f(x: f32[N, D], idx: i64[K], s: f32[{dims}]) -> f32[N, D] "
+                              f"{{ return index_copy(x, {axis}, idx, s * 2.0) + 1.0 }}", x, idx, src)
+        assert torch.equal(out, x.index_copy(axis, idx, src * 2.0) + 1.0)
+        # the copy with its writes, then the add reading it
+        assert [k.template for k in fn.kernels] == ["indexed", "pointwise"]
+
+
+def test_scatter_of_a_computed_x_keeps_x_stored_once():
+    # x is computed (x * 3): its kernel stores it, the scatter starts from a copy of it, and
+    # the caller's value is returned as computed too
+    src = """
+kernel f(x: f32[N, D], idx: i64[M, D], s: f32[M, D]) -> (f32[N, D], f32[N, D]) {
+    y = x * 3.0
+    return scatter(y, idx, s, 0), y
+}
+"""
+    x, s = randn(17, 5), randn(9, 5, seed=1)
+    idx = torch.stack([torch.randperm(17, generator=gen(c))[:9] for c in range(5)], 1)
+    fn, (out, y) = run_checked(src, x, idx, s)
+    assert torch.equal(out, (x * 3.0).scatter(0, idx, s)) and torch.equal(y, x * 3.0)
+    assert [k.template for k in fn.kernels] == ["pointwise", "indexed"]
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_gradients_through_scatter_and_index_copy(n):
+    for call in ("scatter(x, idx, s * 2.0, 0)", "index_copy(x, 0, idx[:, 0], s * 2.0)"):
+        fn = tiledsl.compile(f"kernel f(x: f32[N, D], idx: i64[M, D], s: f32[M, D]) -> f32[N, D] "
+                             f"{{ return {call} * x }}")
+        m = max(n // 2, 1)
+        idx = torch.stack([torch.randperm(n, generator=gen(c))[:m] for c in range(4)], 1)
+        if call.startswith("index_copy"):
+            idx = idx[:, :1].expand(m, 4).contiguous()
+        report = testing.check_grads(fn, randn(n, 4), idx, randn(m, 4, seed=2), generator=gen(n))
+        assert report.ok, f"{call}: {report}"
+
+
+MIN_P = """
+kernel min_p(scores: f32[M, V], min_p: f32) -> f32[M, V] {
+    probs = softmax(scores, axis=-1)
+    top_probs = max(probs, axis=-1, keepdims=true)
+    tokens_to_remove = probs < min_p * top_probs
+    sorted_indices = argsort(scores, axis=-1, descending=true)
+    sorted_indices_to_remove = gather(tokens_to_remove, sorted_indices, axis=-1)
+    sorted_indices_to_remove = where(index(scores, -1) < 1, false, sorted_indices_to_remove)
+    indices_to_remove = scatter(sorted_indices_to_remove, sorted_indices, sorted_indices_to_remove, axis=1)
+    return where(indices_to_remove, -inf, scores)
+}
+"""
+
+
+@pytest.mark.parametrize("v", SIZES)
+def test_min_p_warper(v):
+    # Hugging Face's MinPLogitsWarper.__call__ (min_tokens_to_keep = 1) as written: the mask
+    # gathered to sorted order, the first kept, scattered back at the same permutation. The
+    # scatter writes every element (argsort's positions), so it reads no x
+    scores = randn(13, v, seed=v, scale=3.0)
+    fn, out = run_checked(MIN_P, scores, 0.1)
+    probs = torch.softmax(scores.double(), -1)
+    remove = probs < 0.1 * probs.max(-1, keepdim=True).values
+    sorted_indices = torch.argsort(scores, dim=-1, descending=True)
+    sorted_remove = torch.gather(remove, 1, sorted_indices)
+    sorted_remove[..., :1] = False
+    ref = scores.masked_fill(sorted_remove.scatter(1, sorted_indices, sorted_remove), -math.inf)
+    assert torch.equal(out, ref)
+    assert "put_into" not in fn.explain()
+    # the mask's row program, the sort with its gather, the scatter, the fill: 4 (the ideal is
+    # 1, with the gather and the scatter along the row in the row program)
+    assert [k.template for k in fn.kernels] == ["rows", "rows", "indexed", "pointwise"]
+
+
+@pytest.mark.parametrize("v", SIZES)
+def test_scatter_of_a_gather_at_a_permutation_is_the_value(v):
+    src = """
+kernel f(scores: f32[M, V], t: f32[M, V]) -> f32[M, V] {
+    i = argsort(scores, axis=-1)
+    return scatter(t, i, gather(t, i, axis=-1), axis=-1) * 2.0
+}
+"""
+    scores, t = randn(5, v, seed=v), randn(5, v, seed=v + 1)
+    fn, out = run_checked(src, scores, t)
+    assert torch.equal(out, t * 2.0)
+    assert [k.template for k in fn.kernels] == ["pointwise"]
+    assert "argtopk" not in fn.explain()
+
+
+@pytest.mark.parametrize("src, message", [
+    ("kernel f(x: f32[N, D], i: i64[M, 2], s: f32[M, D]) -> f32[N, D] { return index_copy(x, 0, i, s) }",
+     "'index_copy' needs a 1-d index, got i64[M, 2]"),
+    ("kernel f(x: f32[N, D], i: i64[M], s: f32[M, 3]) -> f32[N, D] { return index_copy(x, 0, i, s) }",
+     "'index_copy' needs src of x's sizes but along axis 0; dim 1 is 3 here and D in x"),
+    ("kernel f(x: f32, i: i64[M], s: f32[M]) -> f32 { return index_copy(x, 0, i, s) }",
+     "'index_copy' needs a value of rank 1 or more, got f32"),
+    ("kernel f(x: f32[N, D], i: f32[M], s: f32[M, D]) -> f32[N, D] { return index_copy(x, 0, i, s) }",
+     "indexing needs an integer value, got f32; cast(i, i32) if it holds whole numbers"),
+])
+def test_bad_index_copies_are_located_errors(src, message):
+    with pytest.raises(tiledsl.TileDSLError) as err:
+        tiledsl.compile(src)
+    assert err.value.message == message
