@@ -15,7 +15,8 @@ reduction keeping it, a transposed product is the product of the transposes,
 a gather of a cast is a cast of the gather, a gather along a row of a value its row
 program computes is a sum selecting the element, and the transpose of a weight unpacked
 through gathers is the weight unpacked at the transposed indices. An out-of-place scatter
-(a zero-filled put, a put marking what it wrote, their merge over x) is one put into x, a
+(a zero-filled put, a put marking what it wrote, their merge over x; or a put adding
+into zeros, added to x) is one put into x, a
 put at a permutation (argsort's positions) needs no x, and values gathered at a
 permutation and scattered back at it are the values.
 Results that are NaN or that Python cannot compute (`log(0)`) are left for
@@ -748,8 +749,27 @@ class WriteInto(Pattern):
                 or p_op.type != op.type:
             return False
         src, *indices = graph.operand_edges(p)
-        rewriter.replace(node, rewriter.build.op("put_into", [x, src, *indices], op.span))
+        rewriter.replace(node, rewriter.build.op("put_into", [x, src, *indices], op.span, accumulate=False))
         return True
+
+
+class AddInto(Pattern):
+    """x plus src added at indices into zeros (`add(x, put(src, ..) {accumulate})`, sema's
+    scatter_add and index_add) is `put_into(x, src, ..) {accumulate}`: one kernel adding into
+    a copy of x, where the adds keep x's type (an f16 x's adds go to f32 and stay a put)."""
+
+    def apply(self, graph: Graph, node: int, op: Op, rewriter: Rewriter) -> bool:
+        if op.kind != "add":
+            return False
+        for p, x in (graph.operand_edges(node), reversed(graph.operand_edges(node))):
+            p_op = graph.op(p[0])
+            if is_op(graph, p[0], "put") and p_op.attr("accumulate") and p_op.type == op.type \
+                    and graph.result_type(*x) == op.type and len(graph.users(p[0])) == 1:
+                src, *indices = graph.operand_edges(p[0])
+                rewriter.replace(node, rewriter.build.op("put_into", [x, src, *indices], op.span,
+                                                         accumulate=True))
+                return True
+        return False
 
 
 class SelectOfSame(Pattern):
@@ -777,7 +797,7 @@ class PermutedWrite(Pattern):
             return False
         edges = graph.operand_edges(node)
         src, *indices = edges[1:] if op.kind == "put_into" else edges
-        if (op.kind == "put" and op.attr("accumulate")) or not _permutes(graph, indices, op.type.shape):
+        if op.attr("accumulate") or not _permutes(graph, indices, op.type.shape):
             return False
         if is_op(graph, src[0], "take") and _same_values(graph, graph.operand_edges(src[0])[1:], indices) \
                 and graph.result_type(*graph.operand_edges(src[0])[0]) == op.type:
@@ -793,7 +813,7 @@ class PermutedWrite(Pattern):
 PATTERNS = (FoldConstants(), RemoveIdentity(), DivideByReciprocal(), RemoveNoOpCast(), CancelInvolution(),
             ReshapeOfReshape(), ReduceAlongOne(), ViewOfFill(), KeepReducedDim(), TransposeProduct(),
             TransposedOperand(), TransposedGatheredOperand(), GatherBeforeElementwise(), GatherAlongRow(),
-            ViewOfGather(), RemoveIdentityGather(), WriteInto(), SelectOfSame(),
+            ViewOfGather(), RemoveIdentityGather(), WriteInto(), AddInto(), SelectOfSame(),
             PermutedWrite())
 
 

@@ -5,7 +5,8 @@ then returns one to three of its values. Expressions mix elementwise builtins,
 operators, comparisons and `where`, reductions, softmax, logsumexp, matmul (A operands of
 batch rank 0 to 2, so ranks 2 to 4, against a 2-D or a batched weight, in the shapes model
 code writes: attention, a dual GEMM, a row-normalised A, a projection), indexing
-(slices, concat, gather, scatter_add, index_add, computed indices, flip), reshape, scans (cumsum, cumprod, cummax,
+(slices, concat, gather, scatter_add, index_add, scatter and index_copy at argsort's
+positions, computed indices, flip), reshape, scans (cumsum, cumprod, cummax,
 cummin, logcumsumexp, linear_scan, reversed),
 casts and transposes, and integer and bitwise arithmetic on an i32 tensor;
 leaves include constants, dims, scalar parameters, `index` values and
@@ -144,6 +145,10 @@ class Generator:
         # and the weights gathered at index expressions that stand in for w (salt 3: the
         # first that keeps the pinned programs)
         self.layouts_rng = random.Random("layouts3:" + str(rng.getstate()[1][:8]))
+        # and so do the out-of-place writes (scatter, index_copy at argsort's positions, all
+        # or half of them) that now and then stand in for a gather or a flip (salt 3: the
+        # first that keeps the pinned programs)
+        self.writes_rng = random.Random("writes3:" + str(rng.getstate()[1][:8]))
         self.values: list[Value] = [
             Value("x", ("M", "N")), Value("y", ("N",)), Value("z", ("M", "1")), Value("s", ()),
             Value("mask", ("M", "N"), "bool"), Value("flag", (), "bool")]
@@ -411,8 +416,12 @@ class Generator:
                 return Value(f"scatter_add({a.text}, abs(k) % M, {a.text} * 0.5, 0)", a.shape)
             if kind == 1 and a.kind == "float":
                 return Value(f"index_add({a.text}, 1, abs(k[0, :]) % N, {a.text})", a.shape)
+            if a.kind == "float" and self.writes_rng.random() < 0.5:
+                return Value(self.write(a), a.shape)
             return Value(f"gather({a.text}, abs(k) % N, axis=-1)", a.shape)
         if choice == 2:
+            if a.kind == "float" and self.writes_rng.random() < 0.3:  # (draws from no other stream)
+                return Value(self.write(a), a.shape)
             return Value(f"{a.text}[M - 1 - index({a.text}, 0), index({a.text}, 1)]", a.shape)
         if choice == 3:
             if self.layouts_rng.random() < 0.4:  # a computed value's transpose, flattened and viewed
@@ -420,6 +429,20 @@ class Generator:
             return Value(f"reshape(reshape({a.text}, [-1]), [N, M])", ("N", "M"))
         axis = self.rng.randrange(len(a.shape))
         return Value(self.scan(a, axis), a.shape)
+
+    def write(self, a: Value) -> str:
+        """An out-of-place write into `a` ([M, N]) at distinct positions, so that which write
+        wins never matters: argsort's positions of k's columns (a permutation: the scatter
+        reads no x), half of them (into a copy of a), the rows of an index_copy, or a gather at
+        the permutation scattered back (the values themselves)."""
+        rng, t = self.writes_rng, a.text
+        half = "(M + 1) // 2"
+        return rng.choice([
+            f"scatter({t}, argsort(k, axis=0), {t} * 0.5, 0)",
+            f"scatter({t}, argsort(k, axis=0)[:{half}, :], tanh({t})[:{half}, :], 0)",
+            f"index_copy({t}, 0, argsort(k[:, 0], axis=0)[:{half}], {t}[:{half}, :] * 0.5)",
+            f"scatter({t}, argsort(k, axis=0, descending=true), gather({t}, argsort(k, axis=0, "
+            "descending=true), axis=0), 0)"])
 
     def scan(self, a: Value, axis: int) -> str:
         """A scan of `a` along `axis` (a cumsum half the time; the others' operands bounded, so

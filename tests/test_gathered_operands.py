@@ -111,3 +111,31 @@ def test_a_gathered_operand_may_read_a_parameter_at_the_tiles_index():
     assert [kn.template for kn in fn.kernels] == ["matmul"]
     want = x.double() @ (t.double()[q & 15] * s.double() * r.double()[:, None])
     torch.testing.assert_close(out.double(), want, rtol=0, atol=1e-4)
+
+
+MULTI_LORA = """
+kernel multi_lora(x: f32[T, K], w: f32[N, K], lora_a: f32[L, R, K], lora_b: f32[L, N, R], indices: i64[T],
+                  scaling: f32) -> f32[T, N] {
+    base = x @ w.T
+    shrunk = sum(x[:, None, :] * lora_a[indices], axis=-1)
+    return base + sum(shrunk[:, None, :] * lora_b[indices], axis=-1) * scaling
+}
+"""
+
+
+@pytest.mark.parametrize("t", [1, 17, 113])
+def test_a_multi_lora_layer_with_per_token_adapters(t):
+    # vLLM's multi-LoRA linear (punica's torch reference, bgmv: einsum("bi,boi->bo", inputs,
+    # lora_weights[indices])): each token's adapter gathered by its index, shrunk to rank R
+    # then expanded and scaled, added to the base projection. vLLM launches the base GEMM, the
+    # shrink and the expand: 3, as here (the shrink and the expand are row programs reading
+    # each token's adapter rows; the add is the GEMM's epilogue)
+    k, n, lanes, r = 64, 48, 3, 8
+    x, w = randn(t, k, seed=t), randn(n, k, seed=1)
+    a, b = randn(lanes, r, k, seed=2), randn(lanes, n, r, seed=3)
+    idx = torch.randint(0, lanes, (t,), generator=torch.Generator().manual_seed(t))
+    fn, out = run_checked(MULTI_LORA, x, w, a, b, idx, 0.5)
+    ref = x.double() @ w.double().T + torch.einsum(
+        "tr,tnr->tn", torch.einsum("tk,trk->tr", x.double(), a.double()[idx]), b.double()[idx]) * 0.5
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-4)
+    assert [kk.template for kk in fn.kernels] == ["rows", "rows", "matmul"]

@@ -28,9 +28,10 @@ SPECIAL_BUILTINS = {"index", "transpose", "sum", "max", "min", "mean", "logsumex
 # ops whose results are never differentiated: bool or integer results, index positions
 NO_DERIVATIVE = {"eq", "ne", "lt", "le", "gt", "ge", "and", "or", "xor", "shl", "shr", "not", "isnan", "isinf", "index",
                  "argmax", "argmin", "argtopk"}
-# ops built by subscripts (x[i, a:b], gather, concat) and scatters (scatter, scatter_add,
-# index_add: `put`) rather than called by name
-SUBSCRIPT_OPS = {"take": -1, "slice": 1, "put": -1}
+# ops built by subscripts (x[i, a:b], gather, concat) and scatters (scatter_add, index_add:
+# `put`; scatter, index_copy and an f32 x's adds: `put_into`, canonicalize's) rather than
+# called by name
+SUBSCRIPT_OPS = {"take": -1, "slice": 1, "put": -1, "put_into": -1}
 # ops only sema's builtins build: rand, randn and dropout are `random` at each position
 BUILT_BY_SEMA = {"random", "argtopk"}  # argtopk: the indices of topk, sort and argsort
 

@@ -1,6 +1,6 @@
 """Out-of-place scatters as one kernel (`put_into`): scatter and index_copy store into a copy
-of x, with no mask of the written elements and no merge kernel, so what reads the result (a
-KV cache's attention) is the next kernel; a scatter at a permutation (argsort's positions)
+of x, with no mask of the written elements and no merge kernel, and scatter_add and index_add
+of an f32 x add into one, so what reads the result (a KV cache's attention) is the next kernel; a scatter at a permutation (argsort's positions)
 writes every element and needs no x; values gathered at a permutation and scattered back are
 the values. Against float64 torch on awkward sizes, with exact kernel counts, gradients and
 diagnostics."""
@@ -90,8 +90,9 @@ kernel f(x: f32[N, D], idx: i64[M, D], s: f32[M, D]) -> (f32[N, D], f32[N, D]) {
 
 
 @pytest.mark.parametrize("n", SIZES)
-def test_gradients_through_scatter_and_index_copy(n):
-    for call in ("scatter(x, idx, s * 2.0, 0)", "index_copy(x, 0, idx[:, 0], s * 2.0)"):
+def test_gradients_through_scatter_index_copy_and_scatter_add(n):
+    for call in ("scatter(x, idx, s * 2.0, 0)", "index_copy(x, 0, idx[:, 0], s * 2.0)",
+                 "scatter_add(x, idx, s * 2.0, 0)"):
         fn = tiledsl.compile(f"kernel f(x: f32[N, D], idx: i64[M, D], s: f32[M, D]) -> f32[N, D] "
                              f"{{ return {call} * x }}")
         m = max(n // 2, 1)

@@ -186,34 +186,41 @@ def _put_into(types, attrs):
     if src.dtype is not x.dtype:
         raise RuleError(diag.DTypeError, (1,), message=(
             f"writing {src.dtype} values into {x.dtype} needs a cast first"))
-    _put((src, *indices), {"shape": x.shape, "accumulate": False})
+    t = _put((src, *indices), {"shape": x.shape, "accumulate": attrs["accumulate"]})
+    if t.dtype is not x.dtype:
+        raise RuleError(diag.DTypeError, (0,), message=(
+            f"adding {src.dtype} values into {x.dtype} atomically loses their sum; put them into "
+            f"{t.dtype} and add x after"))
     return TensorType(x.dtype, x.shape)
 
 
-def _put_into_reference(x: torch.Tensor, src: torch.Tensor, *indices: torch.Tensor) -> torch.Tensor:
-    return _written(x.clone(), src, indices, accumulate=False)
+def _put_into_reference(x: torch.Tensor, src: torch.Tensor, *indices: torch.Tensor,
+                        accumulate: bool) -> torch.Tensor:
+    return _written(x.clone(), src, indices, accumulate)
 
 
 def _d_put_into(d, wanted):
-    """x's gradient is g where nothing was written (a second put marks what was); each
-    written element's is g where it went."""
+    """Written: x's gradient is g where nothing was written (a second put marks what was).
+    Added: it is g. Each written or added element's is g where it went."""
     src_shape = d.x_type(1).shape
     indices = [d.x(k) for k in range(2, d.x_type(0).rank + 2)]
+    g = d.g if d.shape(d.g) == d.op.shape else d.call("expand", d.g, shape=d.op.shape)
     gx = None
-    if wanted[0]:
+    if wanted[0] and d.attr("accumulate"):
+        gx = g
+    elif wanted[0]:
         true = d.call("expand", d.c(True), shape=src_shape)
         written = d.call("put", true, *indices, shape=d.x_type(0).shape, accumulate=False)
-        gx = d.where(written, d.c(0), d.g)
-    gsrc = d.call("take", d.g if d.shape(d.g) == d.op.shape else d.call("expand", d.g, shape=d.op.shape),
-                  *indices) if wanted[1] else None
-    return (gx, gsrc) + (None,) * len(indices)
+        gx = d.where(written, d.c(0), g)
+    return (gx, d.call("take", g, *indices) if wanted[1] else None) + (None,) * len(indices)
 
 
-# put_into(x, src, i0, ..., i{r-1}) is x with src[p] written at (i0[p], ..., i{r-1}[p]): the
-# out-of-place scatter (torch's scatter, index_copy, `x[i] = v` on a clone) as canonicalize
-# folds sema's zero-filled put, its written-mask put and their merge into one. Its kernel
-# (the indexed template) starts from a copy of x that the launch makes and stores at the
-# indices: x is not read at the written values' index, nor is its producer fused (`gathers`).
+# put_into(x, src, i0, ..., i{r-1}, accumulate) is x with src[p] written (added, accumulate=true)
+# at (i0[p], ..., i{r-1}[p]): the out-of-place scatter (torch's scatter, index_copy, `x[i] = v`
+# on a clone; scatter_add and index_add of an x whose type the adds keep) as canonicalize folds
+# sema's put into zeros and its merge with x into one. Its kernel (the indexed template)
+# starts from a copy of x that the launch makes and stores (adds) at the indices: x is not
+# read at the written values' index, nor is its producer fused (`gathers`).
 define("put_into", -1, Category.SCATTER, _put_into, reads=Reads.OPERAND, reference=_put_into_reference,
        vjp=_d_put_into, gathers=0)
 
