@@ -27,8 +27,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import networkx as nx
-
 from tiledsl import ops
 from tiledsl.ir import Graph
 from tiledsl.passes.fusion.grow import Admission, elementwise_candidate, fuse_groups
@@ -55,8 +53,7 @@ class FuseScatter(Pass):
             space = _space(graph, seed)
             # what is computed from a put's result of the space (the graph is not changed
             # while groups are planned)
-            after = set().union(*(nx.descendants(graph.nx, n) for n in graph.nx
-                                  if is_put(n) and _space(graph, n) == space))
+            after = _computed_after(graph, [n for n in graph.nx if is_put(n) and _space(graph, n) == space])
             return Admission(lambda group, cand: _admit(graph, group, cand, space, after),
                              lambda members: ScatterSpec(space))
 
@@ -65,6 +62,34 @@ class FuseScatter(Pass):
 
 def _space(graph: Graph, put: int) -> tuple:
     return graph.result_type(*graph.operand_edges(put)[ops.WRITTEN[graph.op(put).kind]]).shape
+
+
+def adds_onto(graph: Graph, node: int) -> bool:
+    """Does `node` add atomically onto the result of a put of its space that only it reads
+    (`put_into(put(a, I) {accumulate}, b, J) {accumulate}`: the gradients of two gathers of
+    one weight, summed)? Then both add into one buffer in one kernel: the order of atomic
+    adds is unspecified anyway."""
+    op = graph.op(node)
+    if op.kind != "put_into" or not op.attr("accumulate"):
+        return False
+    base = graph.operands(node)[0]
+    b = graph.op(base)
+    return (b.kind in ops.WRITTEN and b.attr("accumulate") and b.type == op.type
+            and _space(graph, base) == _space(graph, node) and len(graph.users(base)) == 1)
+
+
+def _computed_after(graph: Graph, puts: list[int]) -> set[int]:
+    """What is computed from the results of `puts`, but through a put that adds onto one of
+    them (`adds_onto`), which joins their kernel."""
+    out: set[int] = set()
+    stack = list(puts)
+    while stack:
+        n = stack.pop()
+        for u, slot in graph.users(n):
+            if u not in out and not (slot == 0 and n in puts and adds_onto(graph, u)):
+                out.add(u)
+                stack.append(u)
+    return out
 
 
 def _joins(graph: Graph, group: Group, node: int, space, after: set[int]) -> bool:
@@ -81,12 +106,17 @@ def _joins(graph: Graph, group: Group, node: int, space, after: set[int]) -> boo
 
 
 def _admit(graph: Graph, group: Group, cand: int, space, after: set[int]) -> Refusal | None:
+    reads = [o for o in graph.operands(cand) if o in group]
     if graph.op(cand).kind in ops.WRITTEN:
         if _space(graph, cand) != space:
             return Refusal(Rule.TILE, f"it writes values of shape {format_shape(_space(graph, cand))}, "
                            f"not the kernel's {format_shape(space)}")
+        written = [(slot, o) for slot, o in enumerate(graph.operands(cand))
+                   if o in group and graph.op(o).kind in ops.WRITTEN]
+        if written and (written != [(0, graph.operands(cand)[0])] or not adds_onto(graph, cand)):
+            return Refusal(Rule.OP, f"it reads {describe_node(graph, written[0][1])}'s result, which the "
+                           "scatter kernel completes only when it ends")
         return None
-    reads = [o for o in graph.operands(cand) if o in group]
     if reads:
         return Refusal(Rule.OP, f"it reads {describe_node(graph, reads[0])}'s result, which the "
                        "scatter kernel completes only when it ends")

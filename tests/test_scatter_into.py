@@ -166,3 +166,15 @@ def test_bad_index_copies_are_located_errors(src, message):
     with pytest.raises(tiledsl.TileDSLError) as err:
         tiledsl.compile(src)
     assert err.value.message == message
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_the_gradients_of_two_gathers_of_one_weight_add_into_one_buffer(n):
+    # tied embeddings read twice (the input embedding and a second lookup): the backward's two
+    # scatter-adds over one space add atomically into one result, one kernel
+    fn = tiledsl.compile("kernel f(w: f32[V, D], a: i64[T], b: i64[T]) -> f32[T, D] "
+                         "{ return w[a, :] * 2.0 + w[b, :] }")
+    a, b = torch.randint(0, 11, (n,), generator=gen(n)), torch.randint(0, 11, (n,), generator=gen(n + 1))
+    report = testing.check_grads(fn, randn(11, 17, seed=n), a, b, generator=gen(n))
+    assert report.ok, f"{report}"
+    assert [k.template for k in fn.backward.kernels] == ["indexed"]

@@ -64,12 +64,29 @@ class ScatterPlan:
     shape: Shape  # the space: the written values' shape
     puts: tuple[int, ...]  # the `put` and `put_into` ops, the region's outputs in order
     starts: tuple[int | None, ...] = ()  # per put: the region input its result starts as, or None: 0
+    # (put_into, put of the kernel it adds onto): one buffer, the output's (the gradients of
+    # two gathers of one weight)
+    into: tuple[tuple[int, int], ...] = ()
 
     def format(self, name: Name) -> str:
         starts = "".join(f", {name(p)} starts as {name(i)}"
                          for p, i in zip(self.puts, self.starts, strict=True) if i is not None)
         puts = _names(self.puts, name)
-        return f"plan indexed {{space = {format_shape(self.shape)}, puts = {puts}{starts}}}"
+        into = "".join(f", {name(v)} adds onto {name(b)}" for v, b in self.into)
+        return f"plan indexed {{space = {format_shape(self.shape)}, puts = {puts}{starts}{into}}}"
+
+    def buffers(self) -> dict[int, int]:
+        """Each put of the kernel (outputs and those `into` chains) by the output whose buffer
+        it writes or adds into."""
+        onto = dict(self.into)
+        out = {}
+        for v in self.puts:
+            out[v] = v
+            w = v
+            while w in onto:
+                w = onto[w]
+                out[w] = v
+        return out
 
     def verify(self, check: PlanCheck) -> None:
         if tuple(check.region.outputs) != self.puts:
@@ -82,10 +99,22 @@ class ScatterPlan:
             operands = check.operands(v)
             if check.region.value_type(operands[ops.WRITTEN[kind]]).shape != self.shape:
                 check.fail("a put of its indexed plan writes values outside the plan's space")
-            if start != (operands[0] if kind == "put_into" else None):
-                check.fail("a put of its indexed plan does not start as its x (a put_into's) or 0")
+            root = v
+            while root in dict(self.into):
+                root = dict(self.into)[root]
+            if check.kind(root) not in ops.WRITTEN:
+                check.fail("a put of its indexed plan adds onto a value that is not a put")
+            if start != (check.operands(root)[0] if check.kind(root) == "put_into" else None):
+                check.fail("a put of its indexed plan does not start as its chain's x (a put_into's) or 0")
             if start is not None and start >= len(check.region.inputs):
                 check.fail("a put_into of its indexed plan starts as a value its kernel computes")
+        for v, base in self.into:
+            if check.kind(v) != "put_into" or check.operands(v)[0] != base:
+                check.fail("an `into` pair of its indexed plan is not a put_into and the put it adds onto")
+        n_in = len(check.region.inputs)
+        written = {n_in + k for k, r in enumerate(check.region.ops) if r.op.kind in ops.WRITTEN}
+        if written != set(self.buffers()):
+            check.fail("its indexed plan leaves a put with no buffer")
 
 
 # the most elements of a row a topk or sort keeps in registers (one tile of i64 keys, sorted

@@ -5,7 +5,8 @@ the pointwise template does: the elementwise ops that compute the values and
 their indices run in registers (a gathered row times a weight, say), then each
 `put` stores its values (or adds them with `tl.atomic_add`) at the element its
 indices name in its result, which starts at 0 (`plans.zero_filled`), or as a copy of the
-x of a `put_into` (the out-of-place scatter; the launch copies it first). A negative
+x of a `put_into` (the out-of-place scatter; the launch copies it first); a put_into adding
+onto a put of the kernel adds into that put's buffer (`ScatterPlan.into`). A negative
 index counts from the end; an element whose index is out of range is not
 written. Adds of f16 and bf16 values go to an f32 result. Atomic adds make the
 order of the additions at one element unspecified: float results are not
@@ -34,10 +35,12 @@ def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKer
                                                    for j, v in enumerate(plan.puts)], lambda tensors: True)
     sig, body, em, outs = prog.sig, prog.body, prog.em, prog.outs
     vals = prog.inputs()
-    puts = set(plan.puts)
-    em.run(region, vals, prog.index, skip=puts.__contains__)
+    buffers = plan.buffers()
+    em.run(region, vals, prog.index, skip=buffers.__contains__)
     n_in = len(region.inputs)
-    for out, v in zip(outs, plan.puts, strict=True):
+    out_of = dict(zip(plan.puts, outs, strict=True))
+    for v in sorted(buffers):  # each put, into its output's buffer (a chain of adds: one)
+        out = out_of[buffers[v]]
         put = region.ops[v - n_in]
         src, *indices = put.operands[ops.WRITTEN[put.op.kind]:]
         t = put.op.type

@@ -44,11 +44,18 @@ def pointwise_plan(region: Region, spec: PointwiseSpec) -> PointwisePlan:
 
 
 def scatter_plan(region: Region, spec: ScatterSpec) -> ScatterPlan:
-    """The puts are the region's outputs (nothing in the kernel reads what they write)."""
+    """The puts are the region's outputs; a put_into adding onto a put of the kernel adds into
+    its buffer (`into`), and each output starts as the x of the first put of its chain (an
+    input), or at 0."""
     n_in = len(region.inputs)
-    starts = tuple(region.ops[p - n_in].operands[0] if region.ops[p - n_in].op.kind == "put_into" else None
-                   for p in region.outputs)
-    return ScatterPlan(spec.shape, tuple(region.outputs), starts)
+    into, starts = [], []
+    for v in region.outputs:
+        while region.ops[v - n_in].op.kind == "put_into" and region.ops[v - n_in].operands[0] >= n_in:
+            into.append((v, region.ops[v - n_in].operands[0]))
+            v = region.ops[v - n_in].operands[0]
+        r = region.ops[v - n_in]
+        starts.append(r.operands[0] if r.op.kind == "put_into" else None)
+    return ScatterPlan(spec.shape, tuple(region.outputs), tuple(starts), tuple(sorted(into)))
 
 
 def row_plan(region: Region, spec: RowSpec) -> RowPlan:
