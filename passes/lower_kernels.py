@@ -41,7 +41,8 @@ LOWERED: dict[Category, Callable[[Graph, int], Spec]] = {
     Category.ELEMENTWISE: lambda graph, node: PointwiseSpec(graph.op(node).shape),
     Category.REDUCTION: _row, Category.SOFTMAX: _row, Category.SCAN: _row, Category.SELECT: _row,
     Category.MATMUL: lambda graph, node: GemmSpec(node),
-    Category.SCATTER: lambda graph, node: ScatterSpec(graph.result_type(*graph.operand_edges(node)[0]).shape)}
+    Category.SCATTER: lambda graph, node: ScatterSpec(graph.result_type(
+        *graph.operand_edges(node)[ops.WRITTEN[graph.op(node).kind]]).shape)}
 
 
 def _transposed_inputs(graph: Graph, node: int) -> tuple[tuple[int, int], ...]:
@@ -64,6 +65,37 @@ def _stored_in(kernel: KernelOp, res: int, order: list[int]) -> KernelOp:
     return kernel.replace(out_orders=tuple(orders))
 
 
+def _through_reshape(mem: list[int], source: tuple, out: tuple) -> list[int] | None:
+    """The memory order (axes, outermost first) of a reshape's source that gives its result
+    the memory order `mem`: the axes both shapes begin and end with map one to one, and the
+    middle ones (merged or split) must be adjacent and in order in `mem`, where the
+    source's middle axes take their place in order. None where they are not."""
+    lo = 0
+    while lo < min(len(out), len(source)) and out[lo] == source[lo]:
+        lo += 1
+    hi = 0
+    while hi < min(len(out), len(source)) - lo and out[-1 - hi] == source[-1 - hi]:
+        hi += 1
+    mid_out = list(range(lo, len(out) - hi))
+    mid_src = list(range(lo, len(source) - hi))
+    shift = len(source) - len(out)
+    result: list[int] = []
+    k = 0
+    while k < len(mem):
+        a = mem[k]
+        if a in mid_out:
+            if mem[k:k + len(mid_out)] != mid_out:
+                return None
+            result += mid_src
+            k += len(mid_out)
+            continue
+        result.append(a if a < lo else a + shift)
+        k += 1
+    if not mid_out:  # size-1 source axes the reshape drops: anywhere, here last
+        result += mid_src
+    return result
+
+
 @register
 @dataclass(frozen=True)
 class LowerKernels(Pass):
@@ -84,20 +116,25 @@ class LowerKernels(Pass):
             spec = LOWERED.get(ops.category(op.kind))
             if spec is not None:
                 replace_with_kernel(graph, [node], [node], spec(graph, node))
-        self._copy_unproduced_outputs(graph)
-        self._store_for_reshapes(graph)
+        viewed: set[int] = set()
+        self._copy_unproduced_outputs(graph, viewed)
+        self._store_for_reshapes(graph, viewed)
         for i, node in enumerate(graph.kernels()):
             kernel = graph.op(node).replace(name=f"k{i}", transposed_inputs=_transposed_inputs(graph, node))
             graph.set_op(node, kernel)
 
-    def _copy_unproduced_outputs(self, graph: Graph) -> None:
+    def _copy_unproduced_outputs(self, graph: Graph, viewed: set[int]) -> None:
+        """A returned value no kernel produces gets a copy kernel, but for views of a kernel
+        result that the kernel can make a fresh contiguous tensor (`viewed`: the reshapes of
+        them, views by construction)."""
         outputs = graph.outputs
         new_outputs = []
         for src, res in outputs:
             op = graph.op(src)
             if isinstance(op, KernelOp) or self._is_fresh_reshape(graph, src, outputs) \
                     or self._store_transposed(graph, src, outputs) \
-                    or self._is_fresh_squeeze(graph, src, outputs):
+                    or self._is_fresh_squeeze(graph, src, outputs) \
+                    or self._store_viewed(graph, src, outputs, viewed):
                 new_outputs.append((src, res))
                 continue
             if op.kind == "const":
@@ -147,7 +184,44 @@ class LowerKernels(Pass):
         return True
 
     @staticmethod
-    def _store_for_reshapes(graph: Graph) -> None:
+    def _store_viewed(graph: Graph, node: int, outputs, viewed: set[int]) -> bool:
+        """A returned chain of transposes and reshapes of a kernel result that nothing else
+        reads (`transpose(reshape(o, [B, H, S, D]), 1, 2)`: attention's output back to
+        [B, S, H, D] after a grouped-query split of its heads), from a template storing
+        through strides: the kernel stores the result in the order that makes the returned
+        value contiguous, a fresh tensor needing no copy. Each reshape must then keep the
+        dims it merges or splits adjacent and in order in that layout; the chain's reshapes
+        are recorded in `viewed`."""
+        if outputs.count((node, 0)) != 1:
+            return False
+        chain, n, res = [], node, 0
+        while isinstance(op := graph.op(n), Op) and op.kind in ("transpose", "reshape") \
+                and len(graph.users(n)) == 1 and not (op.kind == "reshape" and op.attr("copy")):
+            chain.append(n)
+            (n, res), = graph.operand_edges(n)
+        kernel = graph.op(n)
+        readers = [u for u, slot in graph.users(n) if graph.operand_edges(u)[slot] == (n, res)]
+        if not chain or not isinstance(kernel, KernelOp) or not TEMPLATES[kernel.template].strided_stores \
+                or kernel.out_order(res) is not None or readers != [chain[-1]]:
+            return False
+        mem: list[int] | None = list(range(graph.op(node).type.rank))  # axes, outermost first
+        for v in chain:
+            op = graph.op(v)
+            if op.kind == "transpose":
+                a, b = (d % op.type.rank for d in op.attr("dims"))
+                mem = [{a: b, b: a}.get(i, i) for i in mem]
+            else:
+                source = graph.result_type(*graph.operand_edges(v)[0]).shape
+                mem = _through_reshape(mem, source, op.type.shape)
+                if mem is None:
+                    return False
+        if mem != sorted(mem):
+            graph.set_op(n, _stored_in(kernel, res, mem))
+        viewed.update(v for v in chain if graph.op(v).kind == "reshape")
+        return True
+
+    @staticmethod
+    def _store_for_reshapes(graph: Graph, viewed: set[int]) -> None:
         """Intermediates' layouts are the compiler's. A reshape of transposes of a kernel
         result (the head merge after attention, `reshape(transpose(p @ v, 1, 2), [B, N, C])`)
         may merge dims that are not adjacent in the result's contiguous layout: the kernel
@@ -158,7 +232,7 @@ class LowerKernels(Pass):
         tensors can make a reshape fail."""
         for node in graph.topo_order():
             op = graph.op(node)
-            if not (isinstance(op, Op) and op.kind == "reshape") or op.attr("copy"):
+            if not (isinstance(op, Op) and op.kind == "reshape") or op.attr("copy") or node in viewed:
                 continue
             (src, res), = graph.operand_edges(node)
             swaps: list[tuple[int, int]] | None = []  # the transposes, last first

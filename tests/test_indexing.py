@@ -634,3 +634,20 @@ def test_a_row_program_does_not_gather_from_what_it_computes():
            "computed indices [rule: other-index]" in [str(r) for r in fn.remarks]
     k = torch.randint(-50, 50, (33, 17), generator=torch.Generator().manual_seed(1), dtype=torch.int32)
     run_checked(fn, randn(33, 17, dtype=torch.bfloat16, seed=2), 0.3, k)
+
+
+@pytest.mark.parametrize("r", [2, 18, 114])
+def test_concat_of_strided_halves_checks_their_sizes_at_the_call(r):
+    # GPT-J's rotate_every_two: x[..., 1::2] and x[..., ::2] have R // 2 and (R + 1) // 2
+    # elements, equal for an even R only, which the call checks
+    src = """kernel f(x: f32[S, R]) -> f32[S, R] {
+    return reshape(concat(-x[..., 1::2, None], x[..., ::2, None], axis=-1), [S, R])
+}"""
+    x = randn(5, r, seed=r)
+    fn, out = run_checked(src, x)
+    assert torch.equal(out, torch.stack((-x[:, 1::2], x[:, ::2]), -1).flatten(-2))
+    with pytest.raises(tiledsl.TileDSLError) as err:
+        fn(randn(5, r + 1))
+    assert err.value.message == (
+        "concat along axis 2 needs equal sizes in the other dims; dim 1 is (R + 1) // 2 here and R // 2 in "
+        f"the first value; at these sizes (R={r + 1}, S=5) it is not (-((R + 1) // 2) + (R // 2) = -1)")

@@ -153,3 +153,34 @@ def test_a_floor_division_the_call_never_checks_is_not_taken_as_exact():
     _, out = run_checked(fn, x)
     h = x.double()[:, :8]
     torch.testing.assert_close(out.double(), torch.cat([h, h * 2], -1), rtol=0, atol=1e-6)
+
+
+GQA_BACK = """kernel gqa(q: f32[B, S, H, D], k: f32[B, S, HK, D], v: f32[B, S, HK, D]) -> f32[B, S, H, D] {
+    s = reshape(transpose(q, 1, 2), [B, HK, H // HK, S, D]) @ transpose(transpose(k, 1, 2)[:, :, None], -1, -2)
+    o = softmax(s * rsqrt(D), axis=-1) @ transpose(v, 1, 2)[:, :, None]
+    return transpose(reshape(o, [B, H, S, D]), 1, 2)
+}"""
+
+
+@pytest.mark.parametrize("s", [1, 17, 113])
+def test_a_returned_view_chain_of_attention_is_what_attention_stores(s):
+    # Qwen3's attention output, [B, KV heads, group, S, D] after repeat_kv's grouping, merged
+    # back to heads and transposed to [B, S, H, D]: attention stores it in that order, so
+    # the returned value is a fresh contiguous tensor with no copy kernel
+    q, k, v = randn(2, s, 4, 16), randn(2, s, 2, 16, seed=1), randn(2, s, 2, 16, seed=2)
+    fn, out = run_checked(GQA_BACK, q, k, v)
+    assert [kk.template for kk in fn.kernels] == ["attention"]
+    assert out.is_contiguous()
+    kr, vr = (t.double().transpose(1, 2).repeat_interleave(2, 1) for t in (k, v))
+    want = torch.softmax(q.double().transpose(1, 2) @ kr.transpose(-1, -2) / 4.0, -1) @ vr
+    torch.testing.assert_close(out.double(), want.transpose(1, 2), rtol=0, atol=1e-5)
+    (line,) = [ln.strip() for ln in fn.explain().splitlines() if "stored as" in ln]
+    assert line.startswith("out: f32[B, HK, H // HK, S, D] stored as [B, S, HK, H // HK, D] -> ")
+
+
+def test_a_returned_view_chain_of_a_flat_kernel_is_copied():
+    # a pointwise kernel stores at a flat index: the returned view is copied by a kernel
+    fn, out = run_checked("kernel f(x: f32[A, B, C]) -> f32[B * C, A] "
+                          "{ return transpose(reshape(x * 2.0, [A, B * C]), 0, 1) }", randn(3, 5, 7))
+    assert [kk.template for kk in fn.kernels] == ["pointwise", "pointwise"]
+    assert out.is_contiguous()

@@ -182,3 +182,19 @@ def test_a_dropout_probability_given_at_the_call_outside_0_1_is_refused_naming_i
         assert lines[3] == "<string>:2:12: note: used as the dropout probability here"
     kept = fn(x, 0.0)
     assert torch.equal(kept, x) and torch.equal(fn(x, 1.0), torch.zeros(17))
+
+
+@pytest.mark.parametrize("n", [1, 17, 4099])
+def test_tritons_rand_of_seed_and_offsets(n):
+    # the low-memory dropout tutorial's `tl.rand(seed, offsets)`: the numbers at the given
+    # positions, the same as rand(x, seed) at x's flat positions, and at any others
+    src = """
+kernel f(x: f32[N], seed: i32) -> (f32[N], f32[N], f32[N], f32[N]) {
+    return rand(seed, index(x, 0)), rand(x, seed), randn(seed, index(x, 0) * 2 + 7), randn(x, seed)
+}"""
+    fn, (a, b, c, d) = run_checked(src, randn(n), 1234)
+    assert torch.equal(a, b)
+    _, shifted = run_checked("kernel f(x: f32[N], seed: i32) -> f32[N] { return randn(x, seed) }",
+                             randn(2 * n + 7), 1234)
+    assert torch.equal(c, shifted[7::2])
+    assert not torch.equal(c, d)

@@ -178,3 +178,34 @@ def test_the_gradients_of_two_gathers_of_one_weight_add_into_one_buffer(n):
     report = testing.check_grads(fn, randn(11, 17, seed=n), a, b, generator=gen(n))
     assert report.ok, f"{report}"
     assert [k.template for k in fn.backward.kernels] == ["indexed"]
+
+
+def test_a_put_into_no_fusion_pass_took_is_lowered_over_its_written_values():
+    # any pipeline is valid: lower-kernels gives a put_into the space of what it writes
+    fn = tiledsl.compile("kernel f(x: f32[N, D], idx: i64[M, D], s: f32[M, D]) -> f32[N, D] "
+                         "{ return scatter(x, idx, s, 0) }", pipeline="canonicalize,cse,dce,lower-kernels")
+    x, s = randn(17, 5), randn(9, 5, seed=1)
+    idx = torch.stack([torch.randperm(17, generator=gen(c))[:9] for c in range(5)], 1)
+    fn, out = run_checked(fn, x, idx, s)
+    assert torch.equal(out, x.scatter(0, idx, s))
+    assert "plan indexed {space = [M, D]" in fn.ir()
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_index_add_and_index_copy_take_either_order(n):
+    # torch's (x, axis, index, src), or the scatters' (x, index, src, axis=) as DLRM's
+    # translation writes it: an axis is an integer literal
+    x, s = randn(n, 6, seed=n), randn(4, 6, seed=n + 1)
+    idx = torch.randint(0, n, (4,), generator=gen(n))
+    for call in ("index_add(x, idx, s, axis=0)", "index_add(x, 0, idx, s)"):
+        fn, out = run_checked(f"kernel f(x: f32[N, D], idx: i64[K], s: f32[K, D]) -> f32[N, D] "
+                              f"{{ return {call} }}", x, idx, s)
+        torch.testing.assert_close(out.double(), x.double().index_add(0, idx, s.double()), rtol=1e-6, atol=1e-6)
+    perm = torch.randperm(n, generator=gen(n))[:1]
+    fn, out = run_checked("kernel f(x: f32[N, D], idx: i64[K], s: f32[K, D]) -> f32[N, D] "
+                          "{ return index_copy(x, idx, s, axis=0) }", x, perm, s[:1])
+    assert torch.equal(out, x.index_copy(0, perm, s[:1]))
+    with pytest.raises(tiledsl.TileDSLError) as err:
+        tiledsl.compile("kernel f(x: f32[N, D], idx: i64[K], s: f32[K, D]) -> f32[N, D] "
+                        "{ return index_add(x, idx, s) }")
+    assert err.value.message == "'index_add' is missing the argument 'axis'"

@@ -203,3 +203,39 @@ def test_softmax_top2_builds_for_sm90_without_spills(e, one_pass):
     }"""
     (r,) = aot.inspect_program(tiledsl.compile(src), {"T": 4096, "E": e})
     assert r.config["ONE_PASS"] is one_pass and r.spill_bytes == 0, r
+
+
+@pytest.mark.parametrize("n", [1, 17, 113])
+def test_a_subscript_of_a_pair_picks_a_result_as_torch_does(n):
+    # DeepSeek-V3's router writes `x.topk(2, dim=-1)[0]`: torch returns a tuple, so [0] is
+    # the values and [1] the indices, not a row of the values; max and min return one along
+    # an axis only
+    src = """
+kernel f(x: f32[M, N]) -> (f32[M, 1], i64[M, 1], i64[M, N], i64[M], f32[M], f32[N]) {
+    return (topk(x, 1)[0], topk(x, 1, axis=-1)[1], sort(x)[1], max(x, axis=-1)[1], max(x, axis=-1)[0],
+            topk(x, 1, axis=0)[0][0])
+}"""
+    x = randn(5, n, seed=n)
+    fn, (v, i, s, am, m, row) = run_checked(src, x)
+    assert torch.equal(v, x.topk(1, dim=-1)[0]) and torch.equal(i, x.topk(1, dim=-1)[1])
+    assert torch.equal(s, torch.sort(x, stable=True)[1]) and torch.equal(am, x.max(dim=-1)[1])
+    assert torch.equal(m, x.max(dim=-1)[0]) and torch.equal(row, x.topk(1, dim=0)[0][0])
+    # max over every element is one value, no pair: [0] indexes it
+    with pytest.raises(tiledsl.TileDSLError) as err:
+        tiledsl.compile("kernel f(x: f32[M, N]) -> f32 { return max(x, axis=None)[0] }")
+    assert err.value.message == "a 0-d value (f32) cannot be indexed; it broadcasts as it is"
+
+
+@pytest.mark.parametrize("n", [1, 17, 113])
+def test_positions_return_as_i32(n):
+    # vLLM's topk_softmax hands its expert ids on as int32 (Mixtral's router as written):
+    # positions along an axis shorter than 2**31 narrow exactly
+    src = "kernel f(x: f32[M, N]) -> (i32[M, 2], i32[M]) { return topk(x, 2)[1], argmax(x, axis=-1) }"
+    x = randn(7, n + 1, seed=n)
+    fn, (i, am) = run_checked(src, x)
+    assert i.dtype == torch.int32 and torch.equal(i.long(), x.topk(2, dim=-1)[1])
+    assert am.dtype == torch.int32 and torch.equal(am.long(), x.argmax(-1))
+    with pytest.raises(tiledsl.TileDSLError) as err:
+        tiledsl.compile("kernel f(x: f32[M, N]) -> i16[M, 2] { return topk(x, 2)[1] }")
+    assert err.value.message == ("the returned value is i64 but the kernel declares i16; convert it "
+                                 "explicitly with cast(..., i16)")

@@ -298,14 +298,22 @@ class Indexing:
         args = {kw.name: kw.value for kw in e.keywords}
         axis = axis_arg(e, args, "axis", first.rank)
         offsets, total = [], Lin()
-        for node, span in pieces:
+        for k, (node, span) in enumerate(pieces):
             t = self.graph.op(node).type
             for d in range(first.rank):
                 if d != axis and t.shape[d] != first.shape[d]:
-                    raise diag.IndexingError(span, [diag.Note(f"the first value is {first}", pieces[0][1])],
-                                             message=(f"concat along axis {axis} needs equal sizes "
-                                                      f"in the other dims; dim {d} is {t.shape[d]} "
-                                                      f"here and {first.shape[d]} in the first value"))
+                    message = (f"concat along axis {axis} needs equal sizes in the other dims; dim {d} is "
+                               f"{t.shape[d]} here and {first.shape[d]} in the first value")
+                    # dims only the sizes decide (x[..., ::2] and x[..., 1::2] of an even R):
+                    # read at the first value's, checked equal at every call
+                    want = first.shape[:axis] + (t.shape[axis],) + first.shape[axis + 1:]
+                    agreed = self.b.agree_shape(node, span, want, message)
+                    if agreed is None:
+                        note = diag.Note(f"the first value is {first}", pieces[0][1])
+                        raise diag.IndexingError(span, [note], message=message)
+                    node = agreed
+                    pieces[k] = (node, span)
+                    break
             offsets.append(total)
             total = total + Lin.of(t.shape[axis])
         if len(pieces) == 1:

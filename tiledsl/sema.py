@@ -17,7 +17,7 @@ from tiledsl.builder import Builder
 from tiledsl.builtins import BUILTINS, REQUIRED, TILE_HINTS, TORCH_SPELLINGS, BParam, Builtin
 from tiledsl.dims import Lin
 from tiledsl.dims import symbols as dim_symbols
-from tiledsl.indexing import Indexing, axis_arg, const_bool, const_int
+from tiledsl.indexing import Indexing, axis_arg, const_bool, const_int, literal_int
 from tiledsl.ir import Graph, make_attrs
 from tiledsl.parser import LITERAL_WORDS
 from tiledsl.passes.canonicalize import fold_value, folds
@@ -226,7 +226,9 @@ class _KernelBuilder:
                 if agreed is None:
                     raise diag.ReturnTypeError(value.span, note, message=message)
                 node = agreed
-            if got.dtype != want.dtype:
+            if got.dtype != want.dtype and self._narrowed_positions(node, want.dtype, value.span, which):
+                node = self.b.user_op("cast", [(node, value.span)], value.span, dtype=want.dtype)
+            elif got.dtype != want.dtype:
                 if not (got.dtype.is_float and want.dtype.is_float):
                     raise diag.ReturnTypeError(value.span, note, message=(
                         f"{which} is {got.dtype} but the kernel declares {want.dtype}; "
@@ -240,10 +242,44 @@ class _KernelBuilder:
             self.graph.checks = tuple(check for _, check in checks)
         self.b.ret(outs, stmt.span)
 
+    def _result_of(self, e: ast.Subscript) -> int | None:
+        """`topk(x, k)[0]`, `sort(x)[1]`, `max(x, axis=-1)[1]`: one result of a builtin with
+        several, picked as torch picks from the tuple it returns (not a row of the values).
+        max and min return a tuple only along an axis, as torch's."""
+        call = e.value
+        if not isinstance(call, ast.Call) or call.func in self.scope or len(e.items) != 1:
+            return None
+        builtin = BUILTINS.get(call.func)
+        k = literal_int(e.items[0])
+        if builtin is None or not builtin.results or k not in range(len(builtin.results)):
+            return None
+        args = _bind(builtin, call)
+        if call.func in ("max", "min") and (args.get("axis") is None or literal_int(args["axis"]) is None):
+            return None  # over every element or several axes: one value
+        return getattr(self, "_results_" + _RESULTS[call.func])(call, builtin, args)[k]
+
+    def _narrowed_positions(self, node: int, want: DType, span, which: str) -> bool:
+        """Positions along an axis (argmax's, topk's and sort's i64 indices) returned as i32,
+        as routers hand them on (vLLM's topk_softmax writes int32): exact while the axis
+        is shorter than 2**31, which the call checks where the sizes decide."""
+        op = self.graph.op(node)
+        if want is not DType.I32 or op.kind not in ("argtopk", "argmax", "argmin"):
+            return False
+        x = self.graph.op(self.graph.operands(node)[0]).type
+        n = Lin.of(x.shape[op.attr("axis") % x.rank])
+        requires = list(self.graph.requires)
+        self.indexing._require(Lin((), 2**31 - 1) - n, span, (
+            f"{which} holds positions along an axis of {x.shape[op.attr('axis') % x.rank]} elements, "
+            "more than an i32 holds"), requires)
+        self.graph.requires = tuple(requires)
+        return True
+
     # --- expressions --------------------------------------------------------------------
 
     def expr(self, e: ast.Expr) -> int:
         if isinstance(e, ast.Subscript):
+            if (picked := self._result_of(e)) is not None:
+                return picked
             return self.indexing.subscript(e)
         method = getattr(self, "_" + type(e).__name__)
         return method(e)
@@ -482,9 +518,17 @@ class _KernelBuilder:
 
     def _call_random(self, e: ast.Call, b: Builtin, args: dict[str, ast.Expr]) -> int:
         """`rand(x, seed)` and `randn(x, seed)`: f32 numbers of x's shape, uniform in [0, 1)
-        or standard normal, each a function of the seed and its position in x alone."""
-        return self._random(self._value(args, "x")[0], self._value(args, "seed"), e.span,
-                            "uniform" if e.func == "rand" else "normal")
+        or standard normal, each a function of the seed and its position in x alone. Triton's
+        `rand(seed, offsets)` (an integer scalar, then integer positions) is the numbers at
+        those positions: `tl.rand`'s, bit for bit."""
+        dist = "uniform" if e.func == "rand" else "normal"
+        x, xspan = self._value(args, "x")
+        seed, sspan = self._value(args, "seed")
+        xt, st = self.graph.op(x).type, self.graph.op(seed).type
+        if xt.rank == 0 and xt.dtype.is_int and st.rank > 0 and st.dtype.is_int:
+            position = self.b.user_op("cast", [(seed, sspan)], sspan, dtype=DType.I64)
+            return self.b.user_op("random", [(position, sspan), (x, xspan)], e.span, dist=dist)
+        return self._random(x, (seed, sspan), e.span, dist)
 
     def _call_dropout(self, e: ast.Call, b: Builtin, args: dict[str, ast.Expr]) -> int:
         """`dropout(x, p, seed)`: x * where(rand(x, seed) >= p, 1 / (1 - p), 0) in x's dtype,
@@ -581,8 +625,19 @@ _RESULTS = {"max": "extremum", "min": "extremum", "topk": "select", "sort": "sel
             "cummax": "cumulative", "cummin": "cumulative"}
 
 
+# index_add and index_copy take torch's order, (x, axis, index, src), or the scatters' order,
+# (x, index, src, axis=), told apart by the second argument: an axis is an integer literal
+_SCATTER_ORDER = ("x", "index", "src")
+
+
 def _bind(b: Builtin, call: ast.Call) -> dict[str, ast.Expr]:
     """Bind a call's arguments to the builtin's parameters, like Python does."""
+    if b.name in ("index_add", "index_copy") and len(call.args) >= 2 and literal_int(call.args[1]) is None:
+        if len(call.args) > len(_SCATTER_ORDER):
+            raise diag.ArityError(call.span, name=b.name, expected=b.arity_text(), got=len(call.args))
+        call = ast.Call(call.span, call.func, call.func_span, (), tuple(
+            ast.Keyword(name, a, a.span) for name, a in zip(_SCATTER_ORDER, call.args, strict=False)
+        ) + call.keywords, call.depth)
     if len(call.args) > len(b.params):
         raise diag.ArityError(call.span, name=b.name, expected=b.arity_text(), got=len(call.args))
     bound: dict[str, ast.Expr] = {p.name: a for p, a in zip(b.params, call.args, strict=False)}
