@@ -79,3 +79,17 @@ def make_backend(name: str, graph: Graph, allow_tf32: bool = False) -> Backend:
 
 
 BACKENDS = ("triton", "reference")
+
+
+def missing_renderings(name: str) -> list[str]:
+    """The ops the backend `name` cannot compute (none, for every backend: a test holds it).
+    The reference backend computes each op by its torch `reference`; the Triton backend by
+    its tables of renderings, reductions and scans (`backends/triton/renderings.py`)."""
+    if name == "triton":
+        from tiledsl.backends.triton.renderings import missing
+
+        return missing()
+    from tiledsl.ops import OPS, Category
+
+    return [kind for kind, d in OPS.items()
+            if d.category not in (Category.SOURCE, Category.RETURN) and d.reference is None]

@@ -6,13 +6,17 @@ way to write it in the DSL), when its constant fold and its torch reference
 disagree, or when the end-to-end op tests would not cover it.
 """
 
+import ast
 import math
+from pathlib import Path
 
 import pytest
 import test_e2e_ops
 import torch
 
+import tiledsl
 from tiledsl import ops
+from tiledsl.backends.interface import BACKENDS, missing_renderings
 from tiledsl.builtins import BUILTINS
 from tiledsl.ops import OPS, Category, Reads
 from tiledsl.passes.lower_kernels import LOWERED
@@ -50,12 +54,11 @@ def test_every_op_is_declared_whole(kind):
     assert d.params is not None or d.symbol is not None or kind in SUBSCRIPT_OPS or kind in BUILT_BY_SEMA, \
         f"{kind} cannot be written in the DSL"
     if kind == "take":
-        assert d.triton is not None and d.gathers == 0
+        assert d.gathers == 0
     if d.category is Category.ELEMENTWISE and d.arity > 0:
         assert d.fold is not None, f"{kind} has no constant fold"
-        assert d.triton is not None, f"{kind} has no Triton rendering"
     elif d.category is not Category.ELEMENTWISE:
-        assert d.fold is None and d.triton is None
+        assert d.fold is None
         assert d.category is Category.LAYOUT or d.category in LOWERED, \
             f"no template computes {d.category} ops"
 
@@ -167,3 +170,24 @@ def test_fold_agrees_with_reference(kind):
                     (args, attrs, folded, float(expected))
             checked += 1
     assert checked >= 3, "the fold refused nearly every sample"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_op_has_a_rendering_in_every_backend(backend):
+    """The registry declares what an op computes; each backend says how (Triton's renderings,
+    reductions and scans live in backends/triton/renderings.py, keyed by op, and no Triton
+    source is left in tiledsl/ops)."""
+    assert missing_renderings(backend) == []
+
+
+def test_the_op_registry_holds_no_triton_source():
+    """No string in tiledsl/ops but docstrings names a Triton function (`tl.`)."""
+    ops_dir = Path(tiledsl.__file__).parent / "ops"
+    for path in sorted(ops_dir.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        docstrings = {id(n.body[0].value) for n in ast.walk(tree)
+                      if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef)) and n.body
+                      and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+        strings = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+                   and id(n) not in docstrings]
+        assert not [t for t in strings if "tl." in t], f"{path.name} holds Triton source"

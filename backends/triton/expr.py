@@ -24,10 +24,11 @@ from tiledsl import ops
 from tiledsl.ir import Op, Region, RegionOp
 from tiledsl.ops import Reads
 from tiledsl.ops.core import read_types
-from tiledsl.ops.render import is_precise
 from tiledsl.types import NARROW, Compute, DType, TensorType, compute_type, value_compute
 
 from .codegen import Code, TensorRef
+from .render import is_precise
+from .renderings import RENDERINGS
 
 TRITON_TYPE = {Compute.F32: "tl.float32", Compute.F64: "tl.float64", Compute.I8: "tl.int8",
                Compute.U8: "tl.uint8", Compute.I16: "tl.int16", Compute.I32: "tl.int32",
@@ -443,7 +444,7 @@ class Emitter:
         if op.kind in ("mul", "div"):
             result = self.scalar_product(op, args, types, out)
         else:
-            result = opdef.triton(self, op, args, out)
+            result = RENDERINGS[op.kind](self, op, args, out)
         if op.type.rank == 0 and not result.literal and all(a.literal or a.uniform for a in args):
             return Val(result.text, result.cat, uniform=True)  # of the program's scalars only
         return result
@@ -473,7 +474,7 @@ class Emitter:
             result = self.assign(f"{base.text} * {factor.text}", out)
             self.scaled[result.text] = (base, factor)
             return result
-        result = ops.OPS[op.kind].triton(self, op, args, out)
+        result = RENDERINGS[op.kind](self, op, args, out)
         if tile is not None and not result.literal:
             if op.kind == "mul":
                 self.scaled[result.text] = (tile, args[k])

@@ -30,6 +30,7 @@ from tiledsl.types import Compute, DType
 from . import online
 from .expr import TRITON_TYPE, Emitter, Val
 from .online import NEG_INF
+from .renderings import REDUCTIONS, Reducing
 
 F32, I32, I64 = Compute.F32, Compute.I32, Compute.I64
 
@@ -59,9 +60,9 @@ class Reductions:
         self.body(f"{name} = tl.where({mask}, {x.text}, {fill})")
         return name
 
-    def reduction(self, v: int) -> Reduction | None:
-        """The declaration of a reduction (None: softmax, a scan)."""
-        return ops.OPS[self.op(v).kind].reduction
+    def reduction(self, v: int) -> Reducing | None:
+        """A reduction as Triton computes it (None: softmax, a scan)."""
+        return REDUCTIONS.get(self.op(v).kind)
 
     def reduce_cat(self, v: int) -> Compute:
         """f32 when the operand or the result is a float, else the operand's integer type."""

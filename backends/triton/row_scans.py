@@ -17,6 +17,7 @@ from tiledsl.plans import RowPlan
 from tiledsl.types import Compute, DType
 
 from .expr import HELPERS, TRITON_TYPE, Val
+from .renderings import SCANS, Scanning, scanning
 from .row_reduce import F32
 
 
@@ -26,7 +27,7 @@ def in_loop(kind: str) -> bool:
     return kind == "softmax" or ops.OPS[kind].scan is not None
 
 
-def combine_helper(kind: str, scan: Scan) -> str:
+def combine_helper(kind: str, scan: Scanning) -> str:
     """A scan's `combine` as the jit function tl.associative_scan and tl.reduce call."""
     n = len(scan.combine)
     a, b = [f"a{i}" for i in range(n)], [f"b{i}" for i in range(n)]
@@ -34,9 +35,8 @@ def combine_helper(kind: str, scan: Scan) -> str:
     return f"@triton.jit\ndef {kind}_combine({', '.join(a + b)}):\n    return {parts}\n\n"
 
 
-for _kind, _d in ops.OPS.items():
-    if _d.scan is not None:
-        HELPERS[f"{_kind}_combine"] = combine_helper(_kind, _d.scan)
+for _kind, _scan in SCANS.items():
+    HELPERS[f"{_kind}_combine"] = combine_helper(_kind, _scan)
 
 
 class Scans:
@@ -53,7 +53,7 @@ class Scans:
         then become the chunk's last partials (no tl.reduce: its combine must commute).
         f32 cumsum and cumprod accumulate in f64, like a sum."""
         em, cat, kind = self.em, self.reduce_cat(v), self.op(v).kind
-        scan = ops.OPS[kind].scan
+        scan = scanning(kind)
         lifted = self.lifted(scan, xs, cat)
         if scan.start is not None:
             last = f"{self.length} - 1" if self.op(v).attr("reverse") else "0"
@@ -123,7 +123,7 @@ class Scans:
         self.carries = {}
         for v in sorted(need):
             if self.scanned(v):
-                scan, cat = ops.OPS[self.op(v).kind].scan, self.reduce_cat(v)
+                scan, cat = scanning(self.op(v).kind), self.reduce_cat(v)
                 compute = "tl.float64" if self.wide(v) else TRITON_TYPE[cat]
                 names = self.carries[v] = [self.em.fresh("carry") for _ in scan.identity]
                 for name, identity in zip(names, scan.identity, strict=True):
@@ -143,8 +143,8 @@ def scan_words(plan: RowPlan, region) -> list[int]:
     out = []
     for v in plan.reducing:
         op = region.ops[v - n_in].op
-        scan = ops.OPS[op.kind].scan
-        if scan is not None:
+        if op.kind in SCANS:
+            scan = scanning(op.kind)
             out.append(len(scan.identity) * (2 if scan.wide and op.dtype is DType.F32 else 1)
                        + any("exp" in c for c in scan.combine))
     return out

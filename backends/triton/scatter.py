@@ -19,12 +19,12 @@ from collections.abc import Mapping
 
 from tiledsl import ops
 from tiledsl.ir import KernelOp
-from tiledsl.ops.render import all_of
 from tiledsl.types import Compute
 
 from .base import CAPS, EmittedKernel, Hints, LaunchConfig, cdiv, finish, numel
 from .codegen import next_pow2
 from .pointwise import FlatProgram
+from .render import all_of
 
 
 def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKernel:

@@ -1,12 +1,13 @@
 """The op set: every op declared once, with everything every layer needs to know of it.
 
 An op's `OpDef` (see `core.py`) holds its arity, category, type rule, DSL
-signature, how it reads its operands, its constant fold, its torch reference
-and its Triton rendering. Sema, the verifier, canonicalize, the reference
-backend and the Triton emitter all read these entries; none has a table of
-its own. Adding an elementwise builtin is one `define(...)` in `unary.py`,
-`activations.py` or `binary.py` plus tests (`tests/test_ops.py` checks that every op has every
-part).
+signature, how it reads its operands, its constant fold, its torch reference, its
+cost and its derivative: what it computes. Sema, the verifier, canonicalize, the
+passes and the reference backend read these entries; how a backend computes an op
+is the backend's, keyed by kind (Triton's: `backends/triton/renderings.py`). Adding an
+elementwise builtin is one `define(...)` in `unary.py`, `activations.py` or `binary.py`,
+its rendering, plus tests (`tests/test_ops.py` checks that every op has every part and a
+rendering in every backend).
 
 A type rule that rejects its operands raises `RuleError`, which names the
 diagnostic class and which operands to point at; sema turns it into a located

@@ -20,9 +20,7 @@ from tiledsl import diagnostics as diag
 from tiledsl.types import TensorType
 
 from .core import BParam, Category, RuleError, define
-from .render import in_wide_type
 from .rules import float_of
-from .unary import expm1_of, log1p_of, tanh_of
 
 X = BParam("x")
 # torch's SELU constants (torch/csrc/api/include/torch/nn/options/activation.h)
@@ -35,19 +33,15 @@ def _float_result(types, attrs):
     return TensorType(float_of(x.dtype), x.shape, x.weak)
 
 
-def _activation(kind, fold, reference, triton, vjp, *params: BParam, infer=_float_result,
+def _activation(kind, fold, reference, vjp, *params: BParam, infer=_float_result,
                 units: int = 4) -> None:
     define(kind, 1, Category.ELEMENTWISE, infer, params=(X, *params), fold=fold,
-           reference=reference, triton=triton, vjp=vjp, units=units)
+           reference=reference, vjp=vjp, units=units)
 
 
 def _scaled(d, g, *factors: float):
     """`g` times the constants that are not 1."""
     return d.mul(g, *(d.c(f) for f in factors if f != 1.0))
-
-
-def _lit(em, value: float, cat) -> str:
-    return em.literal(value, cat).text
 
 
 # --- softplus, logsigmoid, mish: log1p(exp(.)) ------------------------------------------------
@@ -57,42 +51,18 @@ def _softplus(a, beta=1.0, threshold=20.0):
     return a if a * beta > threshold else math.log1p(math.exp(a * beta)) / beta
 
 
-def _render_softplus(em, op, args, out):
-    """torch's: x where x * beta > threshold, else log1p(exp(x * beta)) / beta."""
-    cat, x = in_wide_type(em, op, out, args[0])
-    beta, threshold = _lit(em, op.attr("beta"), cat), _lit(em, op.attr("threshold"), cat)
-    bx = em.assign(f"{x} * {beta}", cat).text
-    soft = log1p_of(em, em.assign(f"tl.exp({bx})", cat).text, cat).text
-    return em.convert(em.assign(f"tl.where({bx} > {threshold}, {x}, {soft} / {beta})", cat), out)
-
-
 def _d_softplus(d, wanted):
     bx = _scaled(d, d.x(0), d.attr("beta"))
     below = d.mul(d.g, d.call("sigmoid", bx))  # exp(bx) / (exp(bx) + 1)
     return (d.where(d.call("gt", bx, d.c(d.attr("threshold"))), d.g, below),)
 
 
-_activation("softplus", _softplus, F.softplus, _render_softplus, _d_softplus,
+_activation("softplus", _softplus, F.softplus, _d_softplus,
             BParam("beta", "float", 1.0), BParam("threshold", "float", 20.0))
 
 
-def _render_logsigmoid(em, op, args, out):
-    """min(x, 0) - log1p(exp(-|x|)): exp never overflows (NaN stays NaN)."""
-    cat, x = in_wide_type(em, op, out, args[0])
-    soft = log1p_of(em, em.assign(f"tl.exp(-tl.abs({x}))", cat).text, cat).text
-    return em.convert(em.assign(f"tl.where({x} < 0, {x}, 0.0) - {soft}", cat), out)
-
-
 _activation("logsigmoid", lambda a: min(a, 0) - math.log1p(math.exp(-abs(a))), F.logsigmoid,
-            _render_logsigmoid, lambda d, w: (d.mul(d.g, d.call("sigmoid", d.neg(d.x(0)))),))
-
-
-def _render_mish(em, op, args, out):
-    """x * tanh(softplus(x)); softplus is x past 20, where tanh of either is 1."""
-    cat, x = in_wide_type(em, op, out, args[0])
-    soft = log1p_of(em, em.assign(f"tl.exp({x})", cat).text, cat).text
-    soft = em.assign(f"tl.where({x} > 20.0, {x}, {soft})", cat)
-    return em.convert(em.assign(f"{x} * {tanh_of(em, soft).text}", cat), out)
+            lambda d, w: (d.mul(d.g, d.call("sigmoid", d.neg(d.x(0)))),))
 
 
 def _d_mish(d, wanted):
@@ -102,7 +72,7 @@ def _d_mish(d, wanted):
     return (d.mul(d.g, d.add(t, slope)),)
 
 
-_activation("mish", lambda a: a * math.tanh(_softplus(a)), F.mish, _render_mish, _d_mish, units=8)
+_activation("mish", lambda a: a * math.tanh(_softplus(a)), F.mish, _d_mish, units=8)
 
 
 # --- elu, selu, celu: scale * (x > 0 ? x : alpha * expm1(x * input_scale)) -------------------
@@ -110,21 +80,6 @@ _activation("mish", lambda a: a * math.tanh(_softplus(a)), F.mish, _render_mish,
 
 def _elu_fold(alpha: float, scale: float, input_scale: float):
     return lambda a: scale * (a if a > 0 else alpha * math.expm1(a * input_scale))
-
-
-def _elu_render(alpha, scale: float, input_scale):
-    """`alpha`, `input_scale`: the constants from the op's attributes."""
-
-    def render(em, op, args, out):
-        cat, x = in_wide_type(em, op, out, args[0])
-        a, s = alpha(op), input_scale(op)
-        inner = x if s == 1.0 else em.assign(f"{x} * {_lit(em, s, cat)}", cat).text
-        neg = expm1_of(em, inner, cat).text
-        pos = x if scale == 1.0 else f"{x} * {_lit(em, scale, cat)}"
-        return em.convert(em.assign(
-            f"tl.where({x} > 0, {pos}, {neg} * {_lit(em, a * scale, cat)})", cat), out)
-
-    return render
 
 
 def _elu_vjp(alpha, scale: float, input_scale):
@@ -155,13 +110,11 @@ def _celu_infer(types, attrs):
 
 
 _activation("elu", lambda a, alpha: _elu_fold(alpha, 1.0, 1.0)(a), F.elu,
-            _elu_render(_alpha, 1.0, _one), _elu_vjp(_alpha, 1.0, _one),
+            _elu_vjp(_alpha, 1.0, _one),
             BParam("alpha", "float", 1.0))
 _activation("selu", _elu_fold(SELU_ALPHA, SELU_SCALE, 1.0), F.selu,
-            _elu_render(lambda op: SELU_ALPHA, SELU_SCALE, _one),
             _elu_vjp(lambda d: SELU_ALPHA, SELU_SCALE, _one))
 _activation("celu", lambda a, alpha: _elu_fold(alpha, 1.0, 1.0 / alpha)(a), F.celu,
-            _elu_render(_alpha, 1.0, lambda op: 1.0 / op.attr("alpha")),
             _elu_vjp(_alpha, 1.0, lambda d: 1.0 / d.attr("alpha")),
             BParam("alpha", "float", 1.0), infer=_celu_infer)
 
@@ -169,14 +122,9 @@ _activation("celu", lambda a, alpha: _elu_fold(alpha, 1.0, 1.0 / alpha)(a), F.ce
 # --- piecewise linear: leaky_relu, hardtanh, hardsigmoid, hardswish; softsign --------------
 
 
-def _render_leaky_relu(em, op, args, out):
-    x = em.tensor(args[0]).text
-    return em.assign(f"tl.where({x} > 0, {x}, {x} * {_lit(em, op.attr('slope'), out)})", out)
-
-
 # torch's leaky_relu_backward: the slope's side at 0
 _activation("leaky_relu", lambda a, slope: a if a > 0 else a * slope,
-            lambda x, slope: F.leaky_relu(x, slope), _render_leaky_relu,
+            lambda x, slope: F.leaky_relu(x, slope),
             lambda d, w: (d.where(d.call("gt", d.x(0), d.c(0.0)), d.g, _scaled(d, d.g, d.attr("slope"))),),
             BParam("slope", "float", 0.01), units=1)
 
@@ -188,13 +136,6 @@ def _hardtanh_infer(types, attrs):
     return _float_result(types, attrs)
 
 
-def _render_hardtanh(em, op, args, out):
-    """A clamp that keeps NaN."""
-    x = em.tensor(args[0]).text
-    lo, hi = _lit(em, op.attr("min_val"), out), _lit(em, op.attr("max_val"), out)
-    return em.assign(f"tl.where({x} < {lo}, {lo}, tl.where({x} > {hi}, {hi}, {x}))", out)
-
-
 def _d_hardtanh(d, wanted):
     """torch's hardtanh_backward: 0 at and outside the bounds."""
     x, zero = d.x(0), d.c(0.0)
@@ -203,23 +144,8 @@ def _d_hardtanh(d, wanted):
 
 
 _activation("hardtanh", lambda a, min_val, max_val: min(max(a, min_val), max_val), F.hardtanh,
-            _render_hardtanh, _d_hardtanh, BParam("min_val", "float", -1.0),
+            _d_hardtanh, BParam("min_val", "float", -1.0),
             BParam("max_val", "float", 1.0), infer=_hardtanh_infer, units=1)
-
-
-def _relu6_of(em, x: str, out) -> str:
-    """min(max(x + 3, 0), 6), NaN kept."""
-    v = em.assign(f"{x} + 3.0", out).text
-    return em.assign(f"tl.where({v} < 0.0, 0.0, tl.where({v} > 6.0, 6.0, {v}))", out).text
-
-
-def _render_hardsigmoid(em, op, args, out):
-    return em.assign(f"{_relu6_of(em, em.tensor(args[0]).text, out)} / 6.0", out)
-
-
-def _render_hardswish(em, op, args, out):
-    x = em.tensor(args[0]).text
-    return em.assign(f"{x} * {_relu6_of(em, x, out)} / 6.0", out)
 
 
 def _d_hardsigmoid(d, wanted):
@@ -243,14 +169,9 @@ def _relu6(a):
     return min(max(a + 3, 0), 6)
 
 
-_activation("hardsigmoid", lambda a: _relu6(a) / 6, F.hardsigmoid, _render_hardsigmoid,
+_activation("hardsigmoid", lambda a: _relu6(a) / 6, F.hardsigmoid,
             _d_hardsigmoid)
-_activation("hardswish", lambda a: a * _relu6(a) / 6, F.hardswish, _render_hardswish, _d_hardswish)
-
-
-def _render_softsign(em, op, args, out):
-    x = em.tensor(args[0]).text
-    return em.assign(f"{x} / (1.0 + tl.abs({x}))", out)
+_activation("hardswish", lambda a: a * _relu6(a) / 6, F.hardswish, _d_hardswish)
 
 
 def _d_softsign(d, wanted):
@@ -262,4 +183,4 @@ def _d_softsign(d, wanted):
     return (d.where(d.call("isinf", x), d.c(math.nan), d.div(d.g, d.mul(s, s))),)
 
 
-_activation("softsign", lambda a: a / (1 + abs(a)), F.softsign, _render_softsign, _d_softsign)
+_activation("softsign", lambda a: a / (1 + abs(a)), F.softsign, _d_softsign)

@@ -111,72 +111,46 @@ def in_f64(op: Any) -> bool:
 class Reduction:
     """How a reduction computes, which every template and pass reads instead of its name.
 
-    A row is reduced in partials (one per lane of a tile, or per block of a row) that
-    `combine` merges, starting from `identity`; `finalize` turns the merged total into the
-    result. The torch meaning is the op's `reference`, its derivative the op's `vjp`.
-    A reduction accumulates in f32 when its operand or its result is a float (an f32 one in
-    f64 when `wide`), otherwise in its operand's integer type (i32 for bool)."""
+    A row is reduced in partials (one per lane of a tile, or per block of a row) that merge
+    into a total, starting from `identity`, and the total gives the result; each backend says
+    how it merges and finishes them, by op (the Triton backend's `renderings.REDUCTIONS`).
+    The torch meaning is the op's `reference`, its derivative the op's `vjp`. A reduction
+    accumulates in f32 when its operand or its result is a float (an f32 one in f64 when
+    `wide`), otherwise in its operand's integer type (i32 for bool)."""
 
     # the partial that changes nothing: 0, 1, -inf or inf (an integer's lowest or highest)
     identity: float
-    # Triton: two partials {a} and {b} merged elementwise; None: `online`, whose partials
-    # are pairs (backends/triton/online.py)
-    combine: str | None
-    # Triton: a tile {x} reduced along its {axis} (None: `online`)
-    collapse: str | None
-    # a function of backends/triton/expr.HELPERS that `collapse` calls (Triton has no tl.prod)
-    helper: str | None = None
+    # partials add (sum, mean): what a GEMM accumulates from its A tiles in its K loop
+    additive: bool = False
     # float partials are NaN when one of theirs is (Triton's tl.max drops NaN; torch's
     # amax keeps it)
     nan: bool = False
     # an f32 result accumulates in f64, so an f32 row sum is as good as correctly rounded
     # (unless the op says `ACCUMULATE` = "f32": passes/sum_precision.py)
     wide: bool = False
-    # Triton: the result from the merged {total} and the axis' {length}
-    finalize: str | None = None
     # logsumexp: a running max and a sum rescaled as it grows (backends/triton/online.py)
     online: bool = False
-    # argmax/argmin: the result is the position of the partial `combine` keeps (the first
-    # of equal ones, a NaN before any number), not its value
+    # argmax/argmin: the result is the position of the partial the merge keeps (the first of
+    # equal ones, a NaN before any number), not its value
     index: bool = False
     # the result over an empty axis exists (sum: 0, mean: NaN, logsumexp: -inf); max and min
     # have none, and torch raises (`diagnostics.EmptyReductionError`)
     empty: bool = True
-
-    @property
-    def additive(self) -> bool:
-        """Partials add (sum, mean): what a GEMM accumulates from its A tiles in its K loop."""
-        return self.combine == ADD
-
-
-ADD = "{a} + {b}"
 
 
 @dataclass(frozen=True, slots=True)
 class Scan:
     """How a scan computes, which the rows template reads instead of its name.
 
-    Each element of the row is lifted to a tuple of partials; element t of the result is
-    `finalize`d from the combination of the partials of elements 0..t (t..n-1 with
-    `reverse=true`) by `combine`, an associative function of two tuples of partials whose
-    left one covers the elements before the right one's. A chunk of a row is scanned by
-    Triton's `tl.associative_scan` with it, and a row longer than a chunk carries the
-    combination of the chunks before (a running total)."""
+    Each element of the row is lifted to a tuple of partials (as many as `identity` has);
+    element t of the result is finished from the combination of the partials of elements
+    0..t (t..n-1 with `reverse=true`) by an associative function of two tuples of partials
+    whose left one covers the elements before the right one's. Each backend says how it
+    lifts, combines and finishes them, by op (the Triton backend's `renderings.SCANS`)."""
 
-    # per partial, Triton: its combination from the left partials {a0} {a1} ... and the
-    # right ones {b0} {b1} ...
-    combine: tuple[str, ...]
     # per partial: the one that changes nothing, what masked lanes hold (0, 1, -inf or inf:
     # an integer's lowest or highest)
     identity: tuple[float, ...]
-    # per partial, Triton: an element's from the operands {x0} {x1} ... (None: the operands)
-    lift: tuple[str, ...] | None = None
-    # Triton: the result from the partials {p0} {p1} ...
-    finalize: str = "{p0}"
-    # Triton's own scan with this combine (tl.cumsum), called instead of associative_scan
-    builtin: str | None = None
-    # Triton: a chunk's combination along the row from its tile {x}, when not its last partial
-    collapse: str | None = None
     # an f32 result accumulates in f64, as a sum does
     wide: bool = False
     # the partials of the state a row starts from, combined on the left of its first element
@@ -187,8 +161,6 @@ class Scan:
 
 
 Infer = Callable[[tuple[TensorType, ...], Mapping[str, Any]], TensorType]
-# (emitter, op, operands read as `reads` says, the result's compute type) -> value
-Render = Callable[..., Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,7 +174,6 @@ class OpDef:
     symbol: str | None = None  # the infix operator that builds it
     fold: Callable[..., Any] | None = None  # fold(*python_scalars, **attrs)
     reference: Callable[..., Any] | None = None  # reference(*torch_values, **attrs)
-    triton: Render | None = None  # elementwise ops: triton(em, op, args, out) -> value
     # an elementwise op's cost per element in units of one instruction (the scale below): what
     # prologue admission, recompute and the templates' spill rules sum
     units: int | None = None

@@ -17,7 +17,7 @@ import math
 import torch
 
 from tiledsl import diagnostics as diag
-from tiledsl.types import Compute, DType, TensorType
+from tiledsl.types import DType, TensorType
 
 from .core import Category, Reads, RuleError, define
 
@@ -71,13 +71,6 @@ def _infer(types, attrs):
     return TensorType(DType.F32, position.shape, position.weak)
 
 
-def _render(em, op, args, out):
-    position, seed = (em.tensor(a).text for a in args)
-    em.helpers.add("random")
-    function = "uniform_at" if op.attr("dist") == "uniform" else "normal_at"
-    return em.assign(f"{function}({seed}, {position}.to(tl.int64))", Compute.F32)
-
-
 def _fold(position, seed, dist):
     return _reference(torch.tensor(position), torch.tensor(seed), dist).item()
 
@@ -85,4 +78,4 @@ def _fold(position, seed, dist):
 # sema's rand, randn and dropout build it; its operands are integers, so it passes no
 # gradient back
 define("random", 2, Category.ELEMENTWISE, _infer, reads=Reads.OPERAND, fold=_fold, reference=_reference,
-       triton=_render, units=8, vjp=lambda d, wanted: (None, None))  # Philox's rounds
+       units=8, vjp=lambda d, wanted: (None, None))  # Philox's rounds

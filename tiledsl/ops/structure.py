@@ -25,8 +25,7 @@ from tiledsl.types import (
     result_dtype,
 )
 
-from .core import ADD, BParam, Category, Reads, Reduction, RuleError, Scan, define
-from .render import take as _take_render
+from .core import BParam, Category, Reads, Reduction, RuleError, Scan, define
 from .rules import axis, float_of, reduced_shape
 
 X = BParam("x")
@@ -120,7 +119,7 @@ def _d_take(d, wanted):
 
 
 define("take", -1, Category.ELEMENTWISE, _take, reads=Reads.OPERAND, reference=_take_reference,
-       triton=_take_render, gathers=0, units=2, vjp=_d_take)
+       gathers=0, units=2, vjp=_d_take)
 
 
 def _put(types, attrs):
@@ -315,31 +314,26 @@ def _argextremum(kind: str):
     return rule
 
 
-_SUM = "tl.sum({x}, axis={axis})"
 # sum reads its operand as i32 (bool sums count); torch accumulates integers in i64
-_reduction("sum", _sum, torch.sum, lambda d, w: (d.keep(d.g),), Reduction(0.0, ADD, _SUM, wide=True))
+_reduction("sum", _sum, torch.sum, lambda d, w: (d.keep(d.g),), Reduction(0.0, additive=True, wide=True))
 # `pair` (the values of torch's pair, `values, indices = max(x, axis)`) says only where
 # their gradient goes (`_d_extremum`)
-_reduction("max", _minmax, torch.amax, _d_extremum, Reduction(
-    -math.inf, "tl.maximum({a}, {b}{nan})", "tl.max({x}, axis={axis})", nan=True, empty=False),
+_reduction("max", _minmax, torch.amax, _d_extremum, Reduction(-math.inf, nan=True, empty=False),
     discardable=frozenset({"pair"}))
-_reduction("min", _minmax, torch.amin, _d_extremum, Reduction(
-    math.inf, "tl.minimum({a}, {b}{nan})", "tl.min({x}, axis={axis})", nan=True, empty=False),
+_reduction("min", _minmax, torch.amin, _d_extremum, Reduction(math.inf, nan=True, empty=False),
     discardable=frozenset({"pair"}))
 _reduction("mean", _mean, torch.mean, lambda d, w: (d.div(d.keep(d.g), d.axis_size()),),
-           Reduction(0.0, ADD, _SUM, wide=True, finalize="{total} / {length}"))
-_reduction("logsumexp", _logsumexp, torch.logsumexp, _d_logsumexp, Reduction(
-    -math.inf, None, None, online=True))
+           Reduction(0.0, additive=True, wide=True))
+_reduction("logsumexp", _logsumexp, torch.logsumexp, _d_logsumexp, Reduction(-math.inf, online=True))
 # prod has sum's dtypes (an i32 product wraps; torch's is i64)
-_reduction("prod", _sum, torch.prod, _d_prod, Reduction(
-    1.0, "{a} * {b}", "tl.reduce({x}, {axis}, mul_combine)", "mul_combine", wide=True))
+_reduction("prod", _sum, torch.prod, _d_prod, Reduction(1.0, wide=True))
 # argmax/argmin: the position (i64, torch's) of the first extremum; integers have no
 # derivative, so they stop the gradient as torch's do
 _reduction("argmax", _argextremum("argmax"), torch.argmax, None, Reduction(
-    -math.inf, "tl.maximum({a}, {b}{nan})", "tl.max({x}, axis={axis})", nan=True, index=True, empty=False),
+    -math.inf, nan=True, index=True, empty=False),
     reads=Reads.OPERAND)
 _reduction("argmin", _argextremum("argmin"), torch.argmin, None, Reduction(
-    math.inf, "tl.minimum({a}, {b}{nan})", "tl.min({x}, axis={axis})", nan=True, index=True, empty=False),
+    math.inf, nan=True, index=True, empty=False),
     reads=Reads.OPERAND)
 
 
@@ -513,31 +507,23 @@ def _scan(kind, arity, infer, function, vjp, scan: Scan) -> None:
 
 
 # cumsum and cumprod keep sum's dtypes (i32 for bool and i32; torch's integer ones are i64)
-_scan("cumsum", 1, _cumsum, torch.cumsum, _d_cumsum, Scan(
-    ("{a0} + {b0}",), (0.0,), builtin="tl.cumsum", collapse="tl.sum({x}, axis=1)", wide=True))
-_scan("cumprod", 1, _cumsum, torch.cumprod, _d_cumprod, Scan(
-    ("{a0} * {b0}",), (1.0,), builtin="tl.cumprod", wide=True))
+_scan("cumsum", 1, _cumsum, torch.cumsum, _d_cumsum, Scan((0.0,), wide=True))
+_scan("cumprod", 1, _cumsum, torch.cumprod, _d_cumprod, Scan((1.0,), wide=True))
 # cummax/cummin: the values of torch's (values, indices); a NaN stays, as torch's
 _scan("cummax", 1, _cumulative_extremum, lambda x, dim: torch.cummax(x, dim).values,
-      _d_cumulative_extremum, Scan(("tl.maximum({a0}, {b0}, propagate_nan=tl.PropagateNan.ALL)",),
-                                   (-math.inf,)))
+      _d_cumulative_extremum, Scan((-math.inf,)))
 _scan("cummin", 1, _cumulative_extremum, lambda x, dim: torch.cummin(x, dim).values,
-      _d_cumulative_extremum, Scan(("tl.minimum({a0}, {b0}, propagate_nan=tl.PropagateNan.ALL)",),
-                                   (math.inf,)))
+      _d_cumulative_extremum, Scan((math.inf,)))
 # logcumsumexp's partials are a running max m and the sum of exp(x - m), as online
 # logsumexp's (log(1 + e) in one partial loses e's low bits at every step: 9e-5 over 4k
 # elements); a rescale is 1 where the maxima are equal (two -inf or two inf)
-_M = "tl.maximum({a0}, {b0}, propagate_nan=tl.PropagateNan.ALL)"
-_LOG_ADD_EXP = (_M, f"tl.where({{a0}} == {_M}, 1.0, tl.exp({{a0}} - {_M})) * {{a1}} + "
-                    f"tl.where({{b0}} == {_M}, 1.0, tl.exp({{b0}} - {_M})) * {{b1}}")
-_scan("logcumsumexp", 1, _logcumsumexp, torch.logcumsumexp, _d_logcumsumexp, Scan(
-    _LOG_ADD_EXP, (-math.inf, 0.0), lift=("{x0}", "1.0"), finalize="{p0} + tl.log({p1})"))
+_scan("logcumsumexp", 1, _logcumsumexp, torch.logcumsumexp, _d_logcumsumexp, Scan((-math.inf, 0.0)))
 # linear_scan(a, b): h[t] = a[t] * h[t-1] + b[t], h[-1] = 0; its partials are (the product
 # of a, h) over a stretch of the row, and a row starts from the constant function h = 0
 # (0, 0), so its first element is a[0] * 0 + b[0] (NaN where a[0] is NaN or inf, as the
 # recurrence says)
 _scan("linear_scan", 2, _linear_scan, _linear_scan_reference, _d_linear_scan, Scan(
-    ("{a0} * {b0}", "{b0} * {a1} + {b1}"), (1.0, 0.0), finalize="{p1}", start=(0.0, 0.0)))
+    (1.0, 0.0), start=(0.0, 0.0)))
 
 
 # --- selection ------------------------------------------------------------------------
@@ -820,5 +806,5 @@ def _expand(types, attrs):
 # Elementwise: templates read x at each element's index with its size-1 dims broadcast
 define("expand", 1, Category.ELEMENTWISE, _expand, params=(X, BParam("shape", "shape")),
        fold=lambda a, shape: a, reference=lambda x, shape: x.expand(shape),
-       triton=lambda em, op, args, out: args[0], units=0, vjp=lambda d, w: (d.g,))
+       units=0, vjp=lambda d, w: (d.g,))
 define("return", -1, Category.RETURN, _return)

@@ -1,4 +1,5 @@
-"""Triton renderings for the common shapes of elementwise op.
+"""Triton renderings for the common shapes of elementwise op (`renderings.py` says which op
+renders how).
 
 A rendering is `render(em, op, args, out) -> value`: `em` is the Triton
 emitter (`backends/triton/expr.py`), `args` are the operands already read as
@@ -15,11 +16,13 @@ fast f32 forms: their error is far below a half-precision ulp.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from tiledsl.types import Compute, DType
 
-from .core import Render
+# (emitter, op, operands read as `reads` says, the result's compute type) -> value
+Render = Callable[..., Any]
 
 NAN_ALL = ", propagate_nan=tl.PropagateNan.ALL"
 
