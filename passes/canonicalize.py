@@ -39,7 +39,7 @@ from tiledsl.passes.fusion.admission import gathered_operand
 from tiledsl.passes.fusion.score_space import is_op, swaps_last
 from tiledsl.passes.registry import Pass, PassContext, register
 from tiledsl.passes.rewrite import Pattern, Rewriter, apply_patterns
-from tiledsl.types import DType, Shape, TensorType
+from tiledsl.types import DType, Shape, TensorType, reshape_ends
 
 
 def _round(value: float | int | bool, dtype: DType) -> float | int | bool:
@@ -633,12 +633,7 @@ def _view_coords(b: Builder, op: Op, source: Shape) -> list[int]:
                             op.span)
     # a reshape: the axes both shapes begin and end with are read as they are; the flat
     # index of the middle ones is split by the source's middle dims
-    lo = 0
-    while lo < min(len(out), len(source)) and out[lo] == source[lo]:
-        lo += 1
-    hi = 0
-    while hi < min(len(out), len(source)) - lo and out[-1 - hi] == source[-1 - hi]:
-        hi += 1
+    lo, hi = reshape_ends(source, out)
     mid_out, mid_src = list(range(lo, len(out) - hi)), list(range(lo, len(source) - hi))
     flat = None
     wide = len(mid_out) > 1 and len(mid_src) > 1  # a flat index of several axes: in i64

@@ -29,6 +29,7 @@ from tiledsl.passes.fusion.spec import GemmSpec, PointwiseSpec, RowSpec, Scatter
 from tiledsl.passes.regions import is_by_value, is_clonable, remove_dead_clonables, replace_with_kernel
 from tiledsl.passes.registry import Pass, PassContext, register
 from tiledsl.plans import TEMPLATES, PointwisePlan
+from tiledsl.types import reshape_ends
 
 
 def _row(graph: Graph, node: int) -> RowSpec:
@@ -70,12 +71,7 @@ def _through_reshape(mem: list[int], source: tuple, out: tuple) -> list[int] | N
     the memory order `mem`: the axes both shapes begin and end with map one to one, and the
     middle ones (merged or split) must be adjacent and in order in `mem`, where the
     source's middle axes take their place in order. None where they are not."""
-    lo = 0
-    while lo < min(len(out), len(source)) and out[lo] == source[lo]:
-        lo += 1
-    hi = 0
-    while hi < min(len(out), len(source)) - lo and out[-1 - hi] == source[-1 - hi]:
-        hi += 1
+    lo, hi = reshape_ends(source, out)
     mid_out = list(range(lo, len(out) - hi))
     mid_src = list(range(lo, len(source) - hi))
     shift = len(source) - len(out)

@@ -224,6 +224,18 @@ def broadcasts_to(shape: Shape, target: Shape) -> bool:
         return False
 
 
+def reshape_ends(source: Shape, out: Shape) -> tuple[int, int]:
+    """How many axes a reshape of `source` to `out` keeps at its start and at its end (the
+    dims both shapes begin and end with); the middle ones are merged or split."""
+    lo = 0
+    while lo < min(len(out), len(source)) and out[lo] == source[lo]:
+        lo += 1
+    hi = 0
+    while hi < min(len(out), len(source)) - lo and out[-1 - hi] == source[-1 - hi]:
+        hi += 1
+    return lo, hi
+
+
 def normalize_axis(axis: int, rank: int) -> int | None:
     """`axis` as a non-negative index, or None when out of range."""
     if -rank <= axis < rank:
