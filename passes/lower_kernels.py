@@ -66,6 +66,13 @@ def _stored_in(kernel: KernelOp, res: int, order: list[int]) -> KernelOp:
     return kernel.replace(out_orders=tuple(orders))
 
 
+def _viewed_result(graph: Graph, edge: tuple[int, int]) -> tuple[int, int]:
+    """The value a chain of views (transposes, slices, reshapes) `edge` reads reads."""
+    while isinstance(op := graph.op(edge[0]), Op) and op.kind in ("transpose", "slice", "reshape"):
+        (edge,) = graph.operand_edges(edge[0])
+    return edge
+
+
 def _through_reshape(mem: list[int], source: tuple, out: tuple) -> list[int] | None:
     """The memory order (axes, outermost first) of a reshape's source that gives its result
     the memory order `mem`: the axes both shapes begin and end with map one to one, and the
@@ -279,11 +286,14 @@ class LowerKernels(Pass):
 
     @staticmethod
     def _is_fresh_reshape(graph: Graph, node: int, outputs) -> bool:
-        """A reshape of a kernel result that nothing else reads, returned once: the kernel's
-        fresh contiguous tensor viewed in the returned shape is already a fresh output."""
+        """A reshape of a kernel result returned once, where no other output is that result
+        or a view of it: the kernel's fresh contiguous tensor viewed in the returned shape is
+        already a fresh output (kernels reading the result too read it, never write it: a
+        KV cache appended to, returned and read by attention)."""
         op = graph.op(node)
         if not (isinstance(op, Op) and op.kind == "reshape") or outputs.count((node, 0)) != 1:
             return False
         (src, res), = graph.operand_edges(node)
-        readers = [u for u, slot in graph.users(src) if graph.operand_edges(u)[slot] == (src, res)]
-        return isinstance(graph.op(src), KernelOp) and readers == [node] and len(graph.users(node)) == 1
+        if not isinstance(graph.op(src), KernelOp):
+            return False
+        return [o for o in outputs if _viewed_result(graph, o) == (src, res)] == [(node, 0)]

@@ -184,3 +184,15 @@ def test_a_returned_view_chain_of_a_flat_kernel_is_copied():
                           "{ return transpose(reshape(x * 2.0, [A, B * C]), 0, 1) }", randn(3, 5, 7))
     assert [kk.template for kk in fn.kernels] == ["pointwise", "pointwise"]
     assert out.is_contiguous()
+
+
+def test_returned_views_of_one_result_never_alias():
+    # a reshape of a kernel result is returned as a view of it only when no other output is
+    # that result or a view of it
+    fn = tiledsl.compile("kernel f(x: f32[A, B]) -> (f32[A * B], f32[B, A], f32[A, B]) "
+                         "{ y = x * 2.0 \n return reshape(y, [A * B]), reshape(y, [B, A]), y }")
+    x = randn(3, 5)
+    outs = fn(x)
+    assert len({o.data_ptr() for o in outs}) == 3
+    assert torch.equal(outs[0], (x * 2).reshape(-1)) and torch.equal(outs[1], (x * 2).reshape(5, 3))
+    assert [k.template for k in fn.kernels] == ["pointwise", "pointwise", "pointwise"]

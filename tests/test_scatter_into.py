@@ -209,3 +209,44 @@ def test_index_add_and_index_copy_take_either_order(n):
         tiledsl.compile("kernel f(x: f32[N, D], idx: i64[K], s: f32[K, D]) -> f32[N, D] "
                         "{ return index_add(x, idx, s) }")
     assert err.value.message == "'index_add' is missing the argument 'axis'"
+
+
+PAGED_APPEND = """
+kernel append_then_decode(q: f32[B, H, D], k_new: f32[B, H, D], v_new: f32[B, H, D],
+                          k_cache: f32[NB, P, H, D], v_cache: f32[NB, P, H, D], slot_mapping: i64[B],
+                          block_table: i32[B, L], lens: i32[B])
+                          -> (f32[B, H, D], f32[NB, P, H, D], f32[NB, P, H, D]) {
+    k_cache = reshape(index_copy(reshape(k_cache, [NB * P, H, D]), 0, slot_mapping, k_new), [NB, P, H, D])
+    v_cache = reshape(index_copy(reshape(v_cache, [NB * P, H, D]), 0, slot_mapping, v_new), [NB, P, H, D])
+    k = reshape(transpose(transpose(k_cache[block_table], 1, 3), 2, 3), [B, H, L * P, D])
+    v = reshape(transpose(transpose(v_cache[block_table], 1, 3), 2, 3), [B, H, L * P, D])
+    s = q[:, :, None, :] @ k.T * rsqrt(D)
+    s = where(index(s, -1) < lens[:, None, None, None], s, -inf)
+    return (softmax(s) @ v)[:, :, 0, :], k_cache, v_cache
+}
+"""
+
+
+@pytest.mark.parametrize("p", [1, 4, 16])
+def test_a_paged_cache_append_then_paged_decode_is_two_kernels(p):
+    # vLLM's reshape_and_cache (each new token's k and v written at its slot of the paged
+    # cache, the cache viewed flat: key_cache.view(-1, H, D).index_copy_(0, slot_mapping, key))
+    # then PagedAttention over the block table: the appends are one indexed kernel, the
+    # attention reads the caches they return (returned as views of what it stores)
+    b, h, d, nb, blocks = 3, 2, 16, 9, 3
+    q, kn, vn = (randn(b, h, d, seed=s) for s in (1, 2, 3))
+    kc, vc = randn(nb, p, h, d, seed=4), randn(nb, p, h, d, seed=5)
+    table = torch.randperm(nb, generator=gen(p))[:b * blocks].reshape(b, blocks).int()
+    lens = torch.tensor([1, 2 * p + 1, blocks * p]).clamp(max=blocks * p).int()
+    slots = torch.stack([table[i, (lens[i] - 1) // p].long() * p + (lens[i] - 1) % p for i in range(b)])
+    fn, (o, k2, v2) = run_checked(PAGED_APPEND, q, kn, vn, kc, vc, slots, table, lens)
+    kr = kc.double().reshape(-1, h, d).index_copy(0, slots, kn.double()).reshape(nb, p, h, d)
+    vr = vc.double().reshape(-1, h, d).index_copy(0, slots, vn.double()).reshape(nb, p, h, d)
+    assert torch.equal(k2.double(), kr) and torch.equal(v2.double(), vr)
+    for i in range(b):
+        ks = kr[table[i].long()].reshape(blocks * p, h, d)[:lens[i]]
+        vs = vr[table[i].long()].reshape(blocks * p, h, d)[:lens[i]]
+        want = torch.einsum("hn,nhd->hd", torch.softmax(torch.einsum("hd,nhd->hn", q[i].double(), ks) / d ** 0.5,
+                                                        -1), vs)
+        torch.testing.assert_close(o[i].double(), want, rtol=0, atol=1e-5)
+    assert [k.template for k in fn.kernels] == ["indexed", "attention"]
