@@ -146,6 +146,16 @@ class Assign:
 
 
 @dataclass(frozen=True, slots=True)
+class AssignItem:
+    """`name[items] = value`: the name bound to its value with `value` written at the
+    elements `name[items]` reads (`target` holds the subscript as an expression)."""
+
+    target: Subscript
+    value: Expr
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
 class Unpack:
     """`v, i = max(x, -1)` (a builtin with several results) or `a, b = b, a` (a tuple)."""
     targets: tuple[str, ...]

@@ -24,6 +24,7 @@ from tiledsl.types import (
     DType,
     TensorType,
     broadcast_shapes,
+    broadcasts_to,
     format_shape,
     normalize_axis,
 )
@@ -54,7 +55,98 @@ class Indexing:
         """NumPy indexing. Integers, slices and None build a view (`slice`, read in place
         through an offset and strides); integer tensors or expressions among the items
         (advanced indexing) gather with `take`, NumPy's broadcasting and placement rules."""
-        value = self.expr(e.value)
+        return self._indexed(e, self.expr(e.value), read_through=True)
+
+    def write(self, e: ast.Subscript, x: int, value: tuple[int, Span], span: Span) -> int:
+        """`x[items] = v` (torch's setitem, index_put_), out of place: x with v (cast to x's
+        dtype, broadcast to the shape x[items] has) written at the elements x[items] reads;
+        where tensor indices repeat an element, which write wins is unspecified (as torch's).
+        The name is bound to the result: values bound before keep their elements."""
+        read = self._indexed(e, x, read_through=False)
+        shape = self.graph.op(read).shape
+        v, vspan = value
+        vt = self.graph.op(v).type
+        if vt.shape != shape and not broadcasts_to(vt.shape, shape):
+            note = diag.Note(f"these elements are {format_shape(shape)}", e.span)
+            raise diag.IndexingError(vspan, [note], message=(
+                f"cannot write a value of shape {format_shape(vt.shape)} into {format_shape(shape)} "
+                "elements"))
+        if read == x or self.graph.op(read).kind == "slice":
+            return self._write_box(x, read, v, span)
+        indices = self._positions(x, read, span)
+        if vt.shape != shape:
+            v = self.b.user_op("expand", [(v, vspan)], vspan, shape=shape)
+        return self._put(span, x, v, vspan, [(i, span) for i in indices], accumulate=False)
+
+    def _write_box(self, x: int, view: int, v: int, span: Span) -> int:
+        """A write through basic indexing (ints, slices, None) covers a box of x: x's elements
+        there are v's, read at the view's index (x's index less the slice's start, over its
+        step), elsewhere x's, an elementwise select that fuses with what reads it (min-p's
+        `sorted_indices_to_remove[..., :1] = False` stays in its row program)."""
+        xt = self.graph.op(x).type
+        if view == x:
+            inside, at = None, [self._index_of(xt.shape, d, span) for d in range(xt.rank)]
+        else:
+            conds, at, axis = [], [], 0
+            for item in self.graph.op(view).attr("items"):
+                if item[0] == "new":
+                    at.append(None)
+                    continue
+                i = self._index_of(xt.shape, axis, span)
+                axis += 1
+                if item[0] == "at":
+                    conds.append(self.b.user_op("eq", [(i, span), (self.b.size(item[1], span), span)], span))
+                    continue
+                _, start, stop, step, _ = item
+                j = i if start == 0 else self.b.user_op("sub", [(i, span), (self.b.size(start, span), span)],
+                                                        span)
+                zero = self.b.const(0, DType.I32, span)
+                conds.append(self.b.user_op("ge", [(j, span), (zero, span)], span))
+                conds.append(self.b.user_op("lt", [(i, span), (self.b.size(stop, span), span)], span))
+                if step != 1:
+                    k = self.b.const(step, DType.I32, span)
+                    rem = self.b.user_op("mod", [(j, span), (k, span)], span)
+                    conds.append(self.b.user_op("eq", [(rem, span), (self.b.const(0, DType.I32, span), span)],
+                                                span))
+                    j = self.b.user_op("floordiv", [(j, span), (k, span)], span)
+                at.append(j)
+            inside = conds[0]
+            for c in conds[1:]:
+                inside = self.b.user_op("and", [(inside, span), (c, span)], span)
+        vt = self.graph.op(v).type
+        if vt.rank:  # v read at the view's index of each element of x
+            view_shape = xt.shape if view == x else self.graph.op(view).shape
+            lead = len(view_shape) - vt.rank
+            sub = [None if d == 1 else at[lead + k] for k, d in enumerate(vt.shape)]
+            v = reindex(self.b, v, sub, span)
+        if vt.dtype is not xt.dtype and not xt.weak:
+            v = self.b.user_op("cast", [(v, span)], span, dtype=xt.dtype)
+        if inside is None:  # x[...] = v: every element
+            return self.b.user_op("expand", [(v, span)], span, shape=xt.shape) \
+                if self.graph.op(v).shape != xt.shape else v
+        out = self.b.user_op("where", [(inside, span), (v, span), (x, span)], span)
+        if self.graph.op(out).type.dtype is not xt.dtype:
+            out = self.b.user_op("cast", [(out, span)], span, dtype=xt.dtype)
+        return out
+
+    def _positions(self, x: int, read: int, span: Span) -> list[int]:
+        """For each axis of x, the index of the element of x each element of `read` (x itself,
+        a slice of it, or a take of either) reads."""
+        op = self.graph.op(read)
+        if read == x:
+            return [self._index_of(op.shape, d, span) for d in range(op.type.rank)]
+        if op.kind == "slice":
+            at = [self._index_of(op.shape, d, span) for d in range(op.type.rank)]
+            return slice_source(self.b, op, at, span)
+        source, *indices = self.graph.operands(read)  # a take
+        if source == x:
+            return list(indices)
+        view = self.graph.op(source)  # a take of a slice of x: the slice's source indices
+        return slice_source(self.b, view, list(indices), span)
+
+    def _indexed(self, e: ast.Subscript, value: int, read_through: bool) -> int:
+        """`value[e.items]`: a view, or a gather of one; `read_through`: a slice of an index
+        map is computed at its elements (`_read_positional`)."""
         t = self.graph.op(value).type
         if t.rank == 0:  # a scalar is computed where it is read: there is nothing to view
             raise diag.IndexingError(e.span, message=(
@@ -74,7 +166,8 @@ class Indexing:
                 advanced[axis] = (node, item.span)
             axis += 1
         if not advanced:
-            return self._read_positional(self._view(e, value, t, items), e.span)
+            view = self._view(e, value, t, items)
+            return self._read_positional(view, e.span) if read_through else view
         if any(isinstance(i, ast.NoneLit) for i in items):
             raise diag.IndexingError(e.span, message=(
                 "None (a new axis) cannot be mixed with tensor indices; add the axis in a "
@@ -389,7 +482,7 @@ class Indexing:
         indices = [(idx, ispan) if k == axis else (self._index_of(it.shape, k, e.span), e.span)
                    for k in range(xt.rank)]
         self._check_index(x, xt, axis, idx, ispan, e.span)
-        return self._put(e, x, src, sspan, indices, accumulate)
+        return self._put(e.span, x, src, sspan, indices, accumulate)
 
     def index_add(self, e: ast.Call, args: dict[str, ast.Expr]) -> int:
         """torch.index_add, out of place: `out[.., idx[j], ..] += src[.., j, ..]` along `axis`
@@ -432,7 +525,7 @@ class Indexing:
         indices = [(placed, ispan) if k == axis else (self._index_of(st.shape, k, e.span), e.span)
                    for k in range(xt.rank)]
         self._check_index(x, xt, axis, idx, ispan, e.span)
-        return self._put(e, x, src, sspan, indices, accumulate)
+        return self._put(e.span, x, src, sspan, indices, accumulate)
 
     @staticmethod
     def _index_type(it: TensorType, span: Span) -> None:
@@ -440,7 +533,7 @@ class Indexing:
             raise diag.IndexingError(span, [diag.Note(f"this index is {it}", span)],
                                      message=index_dtype_message(it.dtype))
 
-    def _put(self, e: ast.Call, x: int, src: int, sspan: Span, indices: list, accumulate: bool) -> int:
+    def _put(self, span: Span, x: int, src: int, sspan: Span, indices: list, accumulate: bool) -> int:
         """x with src written (or added) at `indices`: a `put` into zeros, then added to x, or
         selected over x where a second `put` marks the written elements. src is cast to x's
         dtype (a literal x, expand(0.0, [..]), takes src's); x = 0 is not added."""
@@ -448,7 +541,6 @@ class Indexing:
         dtype = st.dtype if xt.weak else xt.dtype
         if st.dtype is not dtype:
             src = self.b.user_op("cast", [(src, sspan)], sspan, dtype=dtype)
-        span = e.span
         put = self.b.user_op("put", [(src, sspan), *indices], span, shape=xt.shape, accumulate=accumulate)
         zero = _is_zero(self.graph, x)
         if accumulate:

@@ -247,6 +247,15 @@ class _Builder(lark.visitors.Transformer_NonRecursive):
         return ast.Assign(str(name), self._tok(name), value, self._span(meta))
 
     @lark.v_args(meta=True)
+    def assign_item(self, meta, children):
+        name, *items, value = (c for c in children if c is not None)
+        target = ast.Name(self._tok(name), str(name))
+        end = self.src.text.index("]", items[-1].span.end) + 1  # the subscript's closing bracket
+        span = Span(self.src, name.start_pos, end)
+        sub = ast.Subscript(span, target, tuple(items), self._nested(span, target, *items))
+        return ast.AssignItem(sub, value, self._span(meta))
+
+    @lark.v_args(meta=True)
     def unpack(self, meta, children):
         n = next(i for i, c in enumerate(children) if not isinstance(c, lark.Token))  # NAME, NAME, ... =
         names, values = children[:n], [c for c in children[n:] if c is not None]

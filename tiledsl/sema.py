@@ -97,6 +97,13 @@ class _KernelBuilder:
                 raise diag.ReturnError(stmt.span, message="statement after 'return' is unreachable")
             if isinstance(stmt, ast.Assign):
                 self.scope[stmt.target] = (self.expr(stmt.value), stmt.target_span)
+            elif isinstance(stmt, ast.AssignItem):
+                name = stmt.target.value.id
+                if name not in self.scope:
+                    self.expr(stmt.target.value)  # the unknown name's located error
+                x, span = self.scope[name]
+                value = (self.expr(stmt.value), stmt.value.span)
+                self.scope[name] = (self.indexing.write(stmt.target, x, value, stmt.span), span)
             elif isinstance(stmt, ast.Unpack):
                 values = self._unpacked(stmt)
                 for name, span, value in zip(stmt.targets, stmt.target_spans, values, strict=True):

@@ -1,0 +1,110 @@
+"""`x[items] = v`, torch's setitem, out of place: the name is bound to x with v written at
+the elements x[items] reads. Through basic indexing (ints, slices, None, `...`) it is an
+elementwise select over x that fuses with what reads it; through tensor indices a scatter
+into a copy of x (`put_into`). Against torch's in-place setitem on awkward sizes, with
+kernel counts, gradients and diagnostics."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import tiledsl
+from helpers import SIZES, gen, randn, run_checked
+from tiledsl import testing
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_basic_writes_are_one_elementwise_kernel(n):
+    src = """
+kernel f(x: f32[M, N], v: f32[N], r: f32[M, 1]) -> f32[M, N] {
+    y = x * 2.0
+    y[..., :1] = -1.0
+    y[1::2, :] = v
+    y[0] = 7.5
+    y[:, -1:] = r
+    return y + 1.0
+}"""
+    x, v, r = randn(5, n, seed=n), randn(n, seed=n + 1), randn(5, 1, seed=n + 2)
+    fn, out = run_checked(src, x, v, r)
+    want = x * 2.0
+    want[..., :1] = -1.0
+    want[1::2, :] = v
+    want[0] = 7.5
+    want[:, -1:] = r
+    assert torch.equal(out, want + 1.0)
+    assert [k.template for k in fn.kernels] == ["pointwise"]
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_writes_at_tensor_indices_scatter_into_a_copy(n):
+    # HF StaticCache's fallback, `k_out[:, :, cache_position] = key_states`
+    src = """
+kernel f(cache: f32[B, H, T, D], pos: i64[S], k: f32[B, H, S, D]) -> f32[B, H, T, D] {
+    cache[:, :, pos] = k
+    return cache
+}"""
+    cache, k = randn(2, 3, n + 4, 5, seed=n), randn(2, 3, 2, 5, seed=n + 1)
+    pos = torch.randperm(n + 4, generator=gen(n))[:2]
+    before = cache.clone()
+    fn, out = run_checked(src, cache, pos, k)
+    want = cache.clone()
+    want[:, :, pos] = k
+    assert torch.equal(out, want) and torch.equal(cache, before)
+    assert [kk.template for kk in fn.kernels] == ["indexed"]
+
+
+@pytest.mark.parametrize("v", SIZES)
+def test_min_p_as_hugging_face_writes_it(v):
+    # MinPLogitsWarper.__call__, min_tokens_to_keep = 1, written as the warper writes it:
+    # `sorted_indices_to_remove[..., :min_tokens_to_keep] = False`
+    src = """
+kernel min_p(scores: f32[M, V], min_p: f32) -> f32[M, V] {
+    probs = softmax(scores, axis=-1)
+    top_probs = max(probs, axis=-1, keepdims=true)
+    tokens_to_remove = probs < min_p * top_probs
+    sorted_indices = argsort(scores, axis=-1, descending=true)
+    sorted_indices_to_remove = gather(tokens_to_remove, sorted_indices, axis=-1)
+    sorted_indices_to_remove[..., :1] = false
+    indices_to_remove = scatter(sorted_indices_to_remove, sorted_indices, sorted_indices_to_remove, axis=1)
+    return where(indices_to_remove, -inf, scores)
+}"""
+    scores = randn(13, v, seed=v, scale=3.0)
+    fn, out = run_checked(src, scores, 0.1)
+    probs = torch.softmax(scores.double(), -1)
+    remove = probs < 0.1 * probs.max(-1, keepdim=True).values
+    sorted_indices = torch.argsort(scores, dim=-1, descending=True)
+    sorted_remove = torch.gather(remove, 1, sorted_indices)
+    sorted_remove[..., :1] = False
+    assert torch.equal(out, scores.masked_fill(sorted_remove.scatter(1, sorted_indices, sorted_remove), -math.inf))
+    assert [k.template for k in fn.kernels] == ["rows", "rows", "indexed", "pointwise"]
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_gradients_flow_through_writes(n):
+    fn = tiledsl.compile("""
+kernel f(x: f32[M, N], v: f32[M, 1], idx: i64[K], w: f32[K, N]) -> f32[M, N] {
+    y = x * x
+    y[:, :1] = v * 3.0
+    y[idx] = w
+    return y
+}""")
+    m = n + 3
+    idx = torch.randperm(m, generator=gen(n))[:2]
+    report = testing.check_grads(fn, randn(m, n, seed=n), randn(m, 1, seed=1), idx, randn(2, n, seed=2),
+                                 generator=gen(n))
+    assert report.ok, f"{report}"
+
+
+@pytest.mark.parametrize("src, message", [
+    ("kernel f(x: f32[M, N], v: f32[3]) -> f32[M, N] { x[:, :2] = v \n return x }",
+     "cannot write a value of shape [3] into [M, 2] elements"),
+    ("kernel f(x: f32[M, N]) -> f32[M, N] { y[0] = 1.0 \n return x }",
+     "undefined name 'y'"),
+])
+def test_bad_writes_are_located_errors(src, message):
+    with pytest.raises(tiledsl.TileDSLError) as err:
+        tiledsl.compile(src)
+    assert err.value.message == message
