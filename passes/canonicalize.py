@@ -31,15 +31,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tiledsl import ops
-from tiledsl.builder import Builder
-from tiledsl.indexing import reindex, slice_source
+from tiledsl.indexing import _positional, index_map_of_inputs, reindex, view_coords
 from tiledsl.ir import Edge, Graph, Op, walk
 from tiledsl.ops.core import read_types
 from tiledsl.passes.fusion.admission import gathered_operand
 from tiledsl.passes.fusion.score_space import is_op, swaps_last
 from tiledsl.passes.registry import Pass, PassContext, register
 from tiledsl.passes.rewrite import Pattern, Rewriter, apply_patterns
-from tiledsl.types import DType, Shape, TensorType, reshape_ends
+from tiledsl.types import DType, Shape, TensorType
 
 
 def _round(value: float | int | bool, dtype: DType) -> float | int | bool:
@@ -582,7 +581,7 @@ class ViewOfGather(Pattern):
         if not all(_reindexable(graph, i) for i, _ in indices):
             return False
         b = rewriter.build
-        coords = _view_coords(b, op, take.shape)
+        coords = view_coords(b, op, take.shape)
 
         def at(v: int) -> int:
             """Index tensor `v` (broadcast to the gather's shape) read at each element's
@@ -599,6 +598,32 @@ class ViewOfGather(Pattern):
         return True
 
 
+class ReshapeOfIndexMap(Pattern):
+    """A reshape of a value computed elementwise from positions (a concat of slices, as
+    GPT-J's rotate_every_two interleaves `-x[..., 1::2]` and `x[..., ::2]` along a new axis
+    and merges it) read only through views is that value computed at the reshape's source
+    positions: the map read through, as a slice of one is (sema's `_read_positional`), so
+    what reads it computes it at its own index instead of gathering it from a store."""
+
+    def apply(self, graph: Graph, node: int, op: Op, rewriter: Rewriter) -> bool:
+        if op.kind != "reshape":
+            return False
+        (src,) = graph.operands(node)
+        s_op = graph.op(src)
+        if not isinstance(s_op, Op) or s_op.kind in ("index", "take") or not ops.is_elementwise(s_op.kind) \
+                or not _positional(graph, src, {}) or not index_map_of_inputs(graph, src) or not all(
+                isinstance(u := graph.op(n), Op) and ops.category(u.kind) is ops.Category.LAYOUT
+                for n, _ in graph.users(src)):
+            return False
+        b = rewriter.build
+        coords = view_coords(b, op, s_op.shape)
+        out = reindex(b, src, coords, op.span)
+        if b.types([out])[0] != op.type:
+            return False
+        rewriter.replace(node, out)
+        return True
+
+
 def _reindexable(graph: Graph, node: int) -> bool:
     """Can `reindex` read index tensor `node` again at other positions: is every value it
     walks through (elementwise ops and slices, and what they read) an op, not a kernel an
@@ -610,56 +635,6 @@ def _reindexable(graph: Graph, node: int) -> bool:
         return graph.operands(n) if walked else []
 
     return all(isinstance(graph.op(n), Op) for n in walk([node], read))
-
-
-def _view_coords(b: Builder, op: Op, source: Shape) -> list[int]:
-    """For each axis of a view's source (of shape `source`), the index expression of the
-    source position each element of the view `op` reads, over the view's own `index`es."""
-    out = op.shape
-
-    def index(axis: int) -> int:
-        return b.op("index", [], op.span, axis=axis, shape=tuple(d if k == axis else 1
-                                                                   for k, d in enumerate(out)))
-
-    def size(dim) -> int:
-        return b.size(dim, op.span)
-
-    if op.kind == "transpose":
-        p, q = (a % len(out) for a in op.attr("dims"))
-        return [index({p: q, q: p}.get(a, a)) for a in range(len(out))]
-    if op.kind == "slice":  # (a new axis reads no source axis: it needs no index)
-        kept = [item[0] for item in op.attr("items") if item[0] != "at"]
-        return slice_source(b, op, [index(a) if kind == "range" else None for a, kind in enumerate(kept)],
-                            op.span)
-    # a reshape: the axes both shapes begin and end with are read as they are; the flat
-    # index of the middle ones is split by the source's middle dims
-    lo, hi = reshape_ends(source, out)
-    mid_out, mid_src = list(range(lo, len(out) - hi)), list(range(lo, len(source) - hi))
-    flat = None
-    wide = len(mid_out) > 1 and len(mid_src) > 1  # a flat index of several axes: in i64
-    for k in mid_out:
-        if out[k] == 1:
-            continue
-        term = index(k)
-        term = b.op("cast", [term], op.span, dtype=DType.I64) if wide else term
-        for d in out[k + 1:len(out) - hi]:
-            if d != 1:
-                term = b.op("mul", [term, size(d)], op.span)
-        flat = term if flat is None else b.op("add", [flat, term], op.span)
-    flat = flat if flat is not None else b.const(0, DType.I32, op.span)
-    coords = [index(a) for a in range(lo)]
-    for n, a in enumerate(mid_src):
-        if source[a] == 1:
-            coords.append(b.const(0, DType.I32, op.span))
-            continue
-        at = flat
-        for d in source[a + 1:len(source) - hi]:
-            if d != 1:
-                at = b.op("floordiv", [at, size(d)], op.span)
-        coords.append(at if n == 0 else b.op("mod", [at, size(source[a])], op.span))
-    shift = len(out) - len(source)
-    coords += [index(a + shift) for a in range(len(source) - hi, len(source))]
-    return coords
 
 
 class RemoveIdentityGather(Pattern):
@@ -808,8 +783,8 @@ class PermutedWrite(Pattern):
 PATTERNS = (FoldConstants(), RemoveIdentity(), DivideByReciprocal(), RemoveNoOpCast(), CancelInvolution(),
             ReshapeOfReshape(), ReduceAlongOne(), ViewOfFill(), KeepReducedDim(), TransposeProduct(),
             TransposedOperand(), TransposedGatheredOperand(), GatherBeforeElementwise(), GatherAlongRow(),
-            ViewOfGather(), RemoveIdentityGather(), WriteInto(), AddInto(), SelectOfSame(),
-            PermutedWrite())
+            ViewOfGather(), ReshapeOfIndexMap(), RemoveIdentityGather(), WriteInto(), AddInto(),
+            SelectOfSame(), PermutedWrite())
 
 
 @register

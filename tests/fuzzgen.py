@@ -149,6 +149,9 @@ class Generator:
         # or half of them) that now and then stand in for a gather or a flip (salt 3: the
         # first that keeps the pinned programs)
         self.writes_rng = random.Random("writes3:" + str(rng.getstate()[1][:8]))
+        # and so do the subscript writes (`t[..., :1] = s`) that now and then follow a statement
+        # (salt 2: the first that keeps the pinned programs)
+        self.items_rng = random.Random("items2:" + str(rng.getstate()[1][:8]))
         self.values: list[Value] = [
             Value("x", ("M", "N")), Value("y", ("N",)), Value("z", ("M", "1")), Value("s", ()),
             Value("mask", ("M", "N"), "bool"), Value("flag", (), "bool")]
@@ -462,7 +465,20 @@ class Generator:
         name = f"t{i}"
         self.values.append(Value(name, v.shape, v.kind))
         # a scalar may be integer-valued (`N - 1`); `* 1.0` makes it a float, exactly
-        return f"    {name} = {v.text}" + (" * 1.0" if not v.shape else "")
+        line = f"    {name} = {v.text}" + (" * 1.0" if not v.shape else "")
+        return line + self.write_items(name, v)
+
+    def write_items(self, name: str, v: Value) -> str:
+        """Now and then, a write into the statement's [M, N] float value: through slices (a
+        select over it) or at distinct rows (argsort's positions: a scatter into a copy)."""
+        rng = self.items_rng
+        if v.shape != ("M", "N") or v.kind != "float" or rng.random() >= 0.05:
+            return ""
+        return "\n    " + rng.choice([
+            f"{name}[..., :1] = s",
+            f"{name}[1::2] = tanh({name}[1::2])",
+            f"{name}[:, N // 2:] = y[N // 2:] * 0.5",
+            f"{name}[argsort(k[:, 0], axis=0)[:(M + 1) // 2]] = {name}[:(M + 1) // 2] * 0.5"])
 
 
 def _type(v: Value, dt: str) -> str:

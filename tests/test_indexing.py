@@ -651,3 +651,28 @@ def test_concat_of_strided_halves_checks_their_sizes_at_the_call(r):
     assert err.value.message == (
         "concat along axis 2 needs equal sizes in the other dims; dim 1 is (R + 1) // 2 here and R // 2 in "
         f"the first value; at these sizes (R={r + 1}, S=5) it is not (-((R + 1) // 2) + (R // 2) = -1)")
+
+
+@pytest.mark.parametrize("r", [2, 18, 64])
+def test_gptj_rotate_every_two_rope_is_one_kernel(r):
+    # GPT-J's apply_rotary_pos_emb: sin and cos repeat_interleave'd (a concat along a new axis,
+    # merged) and rotate_every_two (stack((-x[..., 1::2], x[..., ::2]), -1).flatten(-2)): each
+    # reshape of those index maps is read through, computed at the reader's index
+    src = """kernel f(q: f32[S, D], table: f32[P, R], pos: i32[S]) -> f32[S, D] {
+    sincos = table[pos]
+    sin = reshape(concat(sincos[:, :R // 2, None], sincos[:, :R // 2, None], axis=-1), [S, R])
+    cos = reshape(concat(sincos[:, R // 2:, None], sincos[:, R // 2:, None], axis=-1), [S, R])
+    rot = q[:, :R]
+    rot2 = reshape(concat(-rot[..., 1::2, None], rot[..., ::2, None], axis=-1), [S, R])
+    return concat(rot * cos + rot2 * sin, q[:, R:], axis=-1)
+}"""
+    s, d, p = 37, r + 6, 50
+    q, table = randn(s, d, seed=r), randn(p, r, seed=r + 1)
+    pos = torch.randint(0, p, (s,), generator=torch.Generator().manual_seed(r)).int()
+    fn, out = run_checked(src, q, table, pos)
+    sc = table[pos.long()]
+    sin, cos = (torch.repeat_interleave(t, 2, -1) for t in sc.split(r // 2, -1))
+    rot = q[:, :r]
+    rot2 = torch.stack((-rot[:, 1::2], rot[:, ::2]), -1).flatten(-2)
+    torch.testing.assert_close(out, torch.cat([rot * cos + rot2 * sin, q[:, r:]], -1), rtol=0, atol=1e-6)
+    assert [k.template for k in fn.kernels] == ["pointwise"]

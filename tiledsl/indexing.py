@@ -22,11 +22,13 @@ from tiledsl.types import (
     MAX_RANK,
     BroadcastMismatch,
     DType,
+    Shape,
     TensorType,
     broadcast_shapes,
     broadcasts_to,
     format_shape,
     normalize_axis,
+    reshape_ends,
 )
 
 
@@ -602,7 +604,14 @@ class Indexing:
                 if exact(diff, [division]) == Lin((), 0):
                     self.exact.append(division)  # the call checks diff == 0: the division is exact
         copy = const_bool(args.get("copy"), "'copy' of 'reshape'")
-        return self.b.user_op("reshape", [(x, xspan)], e.span, shape=new, copy=copy)
+        out = self.b.user_op("reshape", [(x, xspan)], e.span, shape=new, copy=copy)
+        op = self.graph.op(x)
+        if op.kind not in ("index", "take") and ops.is_elementwise(op.kind) and op.type.rank \
+                and _positional(self.graph, x, self.positional) and index_map_of_inputs(self.graph, x):
+            # a value computed from positions (a concat of slices: GPT-J's interleave) is read
+            # through the reshape, as through a slice (`_read_positional`): computed where read
+            return reindex(self.b, x, view_coords(self.b, self.graph.op(out), t.shape), e.span)
+        return out
 
     def expand(self, e: ast.Call, args: dict[str, ast.Expr]) -> int:
         """expand(x, [d0, ...]): x broadcast to a shape; -1 keeps x's dim (torch's expand)."""
@@ -845,10 +854,84 @@ def _positional(graph, node: int, memo: dict[int, bool]) -> bool:
     return memo[node]
 
 
+def index_map_of_inputs(graph, node: int) -> bool:
+    """Is `node` computed elementwise from positions and the program's inputs alone (an
+    `index`, constants and dims, parameters and views of them, gathers from those): what a
+    kernel reading it at other positions computes again from loads, never from another
+    kernel's result (a matmul, a reduction)?"""
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        op = graph.op(n)
+        kind = getattr(op, "kind", None)
+        if kind in ("param", "const", "dim", "index"):
+            continue
+        if kind in ("slice", "reshape", "transpose"):
+            stack.append(graph.operands(n)[0])
+        elif kind is not None and ops.is_elementwise(kind):
+            stack.extend(graph.operands(n))
+        else:
+            return False
+    return True
+
+
 def _computed(op) -> bool:
     """Is `op` an elementwise value computed from others (not a parameter, an index, a
     reduction or a matmul, which are read through their slices)?"""
     return op.kind != "index" and ops.is_elementwise(op.kind)
+
+
+def view_coords(b: Builder, op, source: Shape) -> list[int]:
+    """For each axis of a view's source (of shape `source`), the index expression of the
+    source position each element of the view `op` reads, over the view's own `index`es."""
+    out = op.shape
+
+    def index(axis: int) -> int:
+        return b.op("index", [], op.span, axis=axis, shape=tuple(d if k == axis else 1
+                                                                   for k, d in enumerate(out)))
+
+    def size(dim) -> int:
+        return b.size(dim, op.span)
+
+    if op.kind == "transpose":
+        p, q = (a % len(out) for a in op.attr("dims"))
+        return [index({p: q, q: p}.get(a, a)) for a in range(len(out))]
+    if op.kind == "slice":  # (a new axis reads no source axis: it needs no index)
+        kept = [item[0] for item in op.attr("items") if item[0] != "at"]
+        return slice_source(b, op, [index(a) if kind == "range" else None for a, kind in enumerate(kept)],
+                            op.span)
+    # a reshape: the axes both shapes begin and end with are read as they are; the flat
+    # index of the middle ones is split by the source's middle dims
+    lo, hi = reshape_ends(source, out)
+    mid_out, mid_src = list(range(lo, len(out) - hi)), list(range(lo, len(source) - hi))
+    flat = None
+    wide = len(mid_out) > 1 and len(mid_src) > 1  # a flat index of several axes: in i64
+    for k in mid_out:
+        if out[k] == 1:
+            continue
+        term = index(k)
+        term = b.op("cast", [term], op.span, dtype=DType.I64) if wide else term
+        for d in out[k + 1:len(out) - hi]:
+            if d != 1:
+                term = b.op("mul", [term, size(d)], op.span)
+        flat = term if flat is None else b.op("add", [flat, term], op.span)
+    flat = flat if flat is not None else b.const(0, DType.I32, op.span)
+    coords = [index(a) for a in range(lo)]
+    for n, a in enumerate(mid_src):
+        if source[a] == 1:
+            coords.append(b.const(0, DType.I32, op.span))
+            continue
+        at = flat
+        for d in source[a + 1:len(source) - hi]:
+            if d != 1:
+                at = b.op("floordiv", [at, size(d)], op.span)
+        coords.append(at if n == 0 else b.op("mod", [at, size(source[a])], op.span))
+    shift = len(out) - len(source)
+    coords += [index(a + shift) for a in range(len(source) - hi, len(source))]
+    return coords
 
 
 def slice_source(b: Builder, op, indices: list, span: Span | None) -> list[int]:
