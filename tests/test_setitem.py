@@ -108,3 +108,12 @@ def test_bad_writes_are_located_errors(src, message):
     with pytest.raises(tiledsl.TileDSLError) as err:
         tiledsl.compile(src)
     assert err.value.message == message
+
+
+def test_a_generic_kernel_writes_in_each_dtype():
+    fn = tiledsl.compile("kernel f[T: f16 | f32](x: T[M, N]) -> T[M, N] { y = x * 2.0 \n y[:, :1] = 0.0 \n return y }")
+    for dtype in (torch.float32, torch.float16):
+        x = randn(5, 17, dtype=dtype)
+        want = x * 2.0
+        want[:, :1] = 0.0
+        assert torch.equal(fn(x), want)

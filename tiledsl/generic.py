@@ -81,7 +81,7 @@ def check(kernel: ast.Kernel) -> None:
                 f"dtype variable '{tp.name}' is not the dtype of any tensor parameter, so no call "
                 "could bind it"))
     names = [(p.name, p.name_span) for p in kernel.params] + [
-        (target, span) for stmt in kernel.body if not isinstance(stmt, ast.Return)
+        (target, span) for stmt in kernel.body if not isinstance(stmt, ast.Return | ast.AssignItem)
         for target, span in (zip(stmt.targets, stmt.target_spans, strict=True)
                              if isinstance(stmt, ast.Unpack) else [(stmt.target, stmt.target_span)])]
     for name, span in names:
