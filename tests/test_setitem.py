@@ -103,6 +103,10 @@ kernel f(x: f32[M, N], v: f32[M, 1], idx: i64[K], w: f32[K, N]) -> f32[M, N] {
      "cannot write a value of shape [3] into [M, 2] elements"),
     ("kernel f(x: f32[M, N]) -> f32[M, N] { y[0] = 1.0 \n return x }",
      "undefined name 'y'"),
+    ("kernel f(x: f32[M, N]) -> f32[M, N] { N[0] = 1.0 \n return x }",
+     "cannot write into 'N': it is a dim, not a value"),
+    ("kernel f(x: f32[M, N], s: f32) -> f32[M, N] { s[0] = 1.0 \n return x }",
+     "a 0-d value (f32) cannot be indexed; it broadcasts as it is"),
 ])
 def test_bad_writes_are_located_errors(src, message):
     with pytest.raises(tiledsl.TileDSLError) as err:

@@ -101,6 +101,8 @@ class _KernelBuilder:
                 name = stmt.target.value.id
                 if name not in self.scope:
                     self.expr(stmt.target.value)  # the unknown name's located error
+                    raise diag.IndexingError(stmt.target.value.span, message=(
+                        f"cannot write into '{name}': it is a dim, not a value"))
                 x, span = self.scope[name]
                 value = (self.expr(stmt.value), stmt.value.span)
                 self.scope[name] = (self.indexing.write(stmt.target, x, value, stmt.span), span)
