@@ -45,8 +45,16 @@ def _is(graph: Graph, node: int, kind: str) -> bool:
 
 
 def _row_max_of(graph: Graph, m: Edge, x: Edge, axis: int) -> bool:
-    """Is `m` = max(x, axis, keepdims=true)?"""
+    """Is `m` = max(x, axis, keepdims=true), or, where x widens y (`cast(s_bf16, f32)`, as
+    `s - m` reads bf16 scores beside an f32 sink), cast(max(y)) to x's dtype: the same value,
+    since a widening cast keeps the order and every value exactly?"""
     op = graph.op(m[0])
+    if _is(graph, m[0], "cast") and _is(graph, x[0], "cast") \
+            and op.attr("dtype") is graph.op(x[0]).attr("dtype"):
+        (y,) = graph.operand_edges(x[0])
+        yt, wide = graph.result_type(*y), op.attr("dtype")
+        if yt.dtype.is_float and wide.is_float and wide.itemsize >= yt.dtype.itemsize:
+            return _row_max_of(graph, graph.operand_edges(m[0])[0], y, axis)
     return (_is(graph, m[0], "max") and graph.operand_edges(m[0]) == [x] and op.attr("axis") == axis
             and bool(op.attr("keepdims")))
 
@@ -200,12 +208,16 @@ class RecognizeSinkSoftmax(Pattern):
     @staticmethod
     def _rewrite(graph: Graph, node: int, op: Op, x: Edge, sink: Edge, axis: int, rewriter: Rewriter) -> bool:
         xt, st = graph.result_type(*x), graph.result_type(*sink)
+        b, span = rewriter.build, op.span
+        if xt.dtype is not op.dtype and xt.dtype.is_float and op.dtype.itemsize > xt.dtype.itemsize:
+            # 16-bit scores beside an f32 sink: the written form computes in f32, as this does
+            x = (b.op("cast", [x], span, dtype=op.dtype), 0)
+            xt = graph.result_type(*x)
         if xt.dtype is not op.dtype or st.dtype is not op.dtype and not st.weak:
             return False
         row_shape = xt.shape[:axis] + (1,) + xt.shape[axis + 1:]
         if broadcast_shapes(row_shape, st.shape) != row_shape:
             return False
-        b, span = rewriter.build, op.span
         sm = b.op("softmax", [x], span, axis=axis)
         wide = x if xt.dtype is DType.F32 else (b.op("cast", [x], span, dtype=DType.F32), 0)
         lse = b.op("logsumexp", [wide], span, axis=axis, keepdims=True)

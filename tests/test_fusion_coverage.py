@@ -376,6 +376,20 @@ def test_attention_with_a_sink_logit_is_one_kernel(dt, m_form, m):
         "epilogue: " in structure and "sub (line 5), sigmoid (line 5)" in structure
 
 
+@pytest.mark.parametrize("dt", ["f16", "bf16"])
+@pytest.mark.parametrize("m", SIZES)
+def test_a_16_bit_attention_with_an_f32_sink_is_one_kernel(dt, m):
+    # gpt-oss's torch reference with 16-bit q, k, v and an f32 sink: `s - m` reads the scores
+    # beside the f32 max of them and the sink (the max rounded to the scores' dtype first), so
+    # the written softmax computes in f32, as the recognized one then does
+    src = SINKS.replace("sink: {dt}[H, 1, 1]", "sink: f32[H, 1, 1]")
+    tdt = torch.float16 if dt == "f16" else torch.bfloat16
+    r = lambda *s: randn(*s, dtype=tdt)  # noqa: E731
+    fn, _ = run_checked(src.format(dt=dt, m="maximum(max(s, axis=-1, keepdims=true), sink)"),
+                        r(2, m, 16), r(2, m + 5, 16), r(2, m + 5, 16), randn(2, 1, 1))
+    assert templates(fn) == ["attention"]
+
+
 def test_a_value_per_query_row_from_the_logsumexp_is_stored_by_the_attention_kernel():
     src = """kernel f(q: f32[H, M, D], k: f32[H, N, D], v: f32[H, N, D], b: f32[H, 1, 1]) -> (f32[H, M, D],
                                                                                     f32[H, M, 1]) {
