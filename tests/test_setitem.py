@@ -83,6 +83,26 @@ kernel min_p(scores: f32[M, V], min_p: f32) -> f32[M, V] {
 
 
 @pytest.mark.parametrize("n", SIZES)
+def test_writes_through_a_bool_mask_are_a_select(n):
+    # `scores[scores < t] = -inf`, `x[mask] = 0`: masked_fill as model code writes it
+    src = """
+kernel f(x: f32[M, N], t: f32, rows: bool[M]) -> f32[M, N] {
+    y = x * 2.0
+    y[y < t] = -inf
+    y[rows] = 0
+    return softmax(y, axis=0)
+}"""
+    x, rows = randn(9, n, seed=n), torch.rand(9, generator=gen(n)) < 0.3
+    rows[0] = True  # a row of zeros: no column is all -inf
+    fn, out = run_checked(src, x, 0.3, rows)
+    y = x * 2.0
+    y[y < 0.3] = -math.inf
+    y[rows] = 0
+    torch.testing.assert_close(out, torch.softmax(y, 0), rtol=0, atol=1e-6)
+    assert [k.template for k in fn.kernels] == ["rows"]
+
+
+@pytest.mark.parametrize("n", SIZES)
 def test_gradients_flow_through_writes(n):
     fn = tiledsl.compile("""
 kernel f(x: f32[M, N], v: f32[M, 1], idx: i64[K], w: f32[K, N]) -> f32[M, N] {
@@ -103,6 +123,11 @@ kernel f(x: f32[M, N], v: f32[M, 1], idx: i64[K], w: f32[K, N]) -> f32[M, N] {
      "cannot write a value of shape [3] into [M, 2] elements"),
     ("kernel f(x: f32[M, N]) -> f32[M, N] { y[0] = 1.0 \n return x }",
      "undefined name 'y'"),
+    ("kernel f(x: f32[M, N], v: f32[M, N]) -> f32[M, N] { x[x > 0.0] = v \n return x }",
+     "a write through a bool mask takes one value (torch's would need as many as the mask selects, a "
+     "count only the call knows); write where(mask, v, x) for a tensor v"),
+    ("kernel f(x: f32[M, N], m: bool[N]) -> f32[M, N] { x[m] = 0.0 \n return x }",
+     "a bool mask of shape [N] must have the leading dims of [M, N]"),
     ("kernel f(x: f32[M, N]) -> f32[M, N] { N[0] = 1.0 \n return x }",
      "cannot write into 'N': it is a dim, not a value"),
     ("kernel f(x: f32[M, N], s: f32) -> f32[M, N] { s[0] = 1.0 \n return x }",

@@ -64,6 +64,11 @@ class Indexing:
         dtype, broadcast to the shape x[items] has) written at the elements x[items] reads;
         where tensor indices repeat an element, which write wins is unspecified (as torch's).
         The name is bound to the result: values bound before keep their elements."""
+        if len(e.items) == 1 and not isinstance(e.items[0], ast.Slice | ast.EllipsisLit | ast.NoneLit) \
+                and literal_int(e.items[0]) is None:
+            mask = self.expr(e.items[0])
+            if self.graph.op(mask).type.dtype is DType.BOOL:
+                return self._write_where(e, x, (mask, e.items[0].span), value, span)
         read = self._indexed(e, x, read_through=False)
         shape = self.graph.op(read).shape
         v, vspan = value
@@ -127,6 +132,33 @@ class Indexing:
             return self.b.user_op("expand", [(v, span)], span, shape=xt.shape) \
                 if self.graph.op(v).shape != xt.shape else v
         out = self.b.user_op("where", [(inside, span), (v, span), (x, span)], span)
+        if self.graph.op(out).type.dtype is not xt.dtype:
+            out = self.b.user_op("cast", [(out, span)], span, dtype=xt.dtype)
+        return out
+
+    def _write_where(self, e: ast.Subscript, x: int, mask: tuple[int, Span], value: tuple[int, Span],
+                     span: Span) -> int:
+        """`x[mask] = v` with a bool mask of x's leading dims (torch's: a [M] mask of an [M, N]
+        x selects rows) and one value (`scores[scores < t] = -inf`, masked_fill_):
+        `where(mask, v, x)` in x's dtype."""
+        xt = self.graph.op(x).type
+        (m, mspan), (v, vspan) = mask, value
+        mt = self.graph.op(m).type
+        if mt.shape != xt.shape[:mt.rank]:
+            note = diag.Note(f"the value written into is {xt}", e.span)
+            raise diag.IndexingError(mspan, [note], message=(
+                f"a bool mask of shape {format_shape(mt.shape)} must have the leading dims of "
+                f"{format_shape(xt.shape)}"))
+        if self.graph.op(v).type.rank != 0:
+            raise diag.IndexingError(vspan, message=(
+                "a write through a bool mask takes one value (torch's would need as many as the mask "
+                "selects, a count only the call knows); write where(mask, v, x) for a tensor v"))
+        if mt.rank < xt.rank:  # the mask's trailing axes, of size 1
+            items = tuple(("range", 0, d, 1, d) for d in mt.shape) + (("new",),) * (xt.rank - mt.rank)
+            m = self.b.user_op("slice", [(m, mspan)], mspan, items=items)
+        if self.graph.op(v).type.dtype is not xt.dtype and not xt.weak:
+            v = self.b.user_op("cast", [(v, vspan)], vspan, dtype=xt.dtype)
+        out = self.b.user_op("where", [(m, mspan), (v, vspan), (x, span)], span)
         if self.graph.op(out).type.dtype is not xt.dtype:
             out = self.b.user_op("cast", [(out, span)], span, dtype=xt.dtype)
         return out
