@@ -469,8 +469,9 @@ class Generator:
         return line + self.write_items(name, v)
 
     def write_items(self, name: str, v: Value) -> str:
-        """Now and then, a write into the statement's [M, N] float value: through slices (a
-        select over it) or at distinct rows (argsort's positions: a scatter into a copy)."""
+        """Now and then, a write into the statement's [M, N] float value: through slices or a
+        bool mask (a select over it) or at distinct rows (argsort's positions: a scatter into
+        a copy)."""
         rng = self.items_rng
         if v.shape != ("M", "N") or v.kind != "float" or rng.random() >= 0.05:
             return ""
@@ -478,7 +479,8 @@ class Generator:
             f"{name}[..., :1] = s",
             f"{name}[1::2] = tanh({name}[1::2])",
             f"{name}[:, N // 2:] = y[N // 2:] * 0.5",
-            f"{name}[argsort(k[:, 0], axis=0)[:(M + 1) // 2]] = {name}[:(M + 1) // 2] * 0.5"])
+            f"{name}[argsort(k[:, 0], axis=0)[:(M + 1) // 2]] = {name}[:(M + 1) // 2] * 0.5",
+            f"{name}[{name} < 0.0] = 0.25"])
 
 
 def _type(v: Value, dt: str) -> str:
