@@ -14,7 +14,8 @@ A value is recomputed when
   scalar or index expressions, or recomputed values, so that a clone needs no other
   kernel's result (a gathered operand must be a parameter);
 - every reader is an elementwise op, a reduction or a softmax that reads it broadcast to a
-  larger shape, or a recomputed value; it is not returned, not gathered from, and does not
+  larger shape, a scatter reading it as an index broadcast over the values it writes, or a
+  recomputed value; it is not returned, not gathered from, and does not
   reach a matmul operand through ops read once each (such a chain may become a dot
   prologue, which reads tensors, not tiles of an index space);
 - its expression costs at most `profitability.RECOMPUTE_BUDGET` operation units per element.
@@ -172,6 +173,12 @@ def _readers_ok(graph: Graph, n: int, chosen: set[int]) -> bool:
         if u in chosen:
             continue
         op = graph.op(u)
+        if isinstance(op, Op) and op.kind in ops.WRITTEN and slot > ops.WRITTEN[op.kind]:
+            # an index of a scatter, read broadcast over the values it writes
+            space = graph.result_type(*graph.operand_edges(u)[ops.WRITTEN[op.kind]]).shape
+            if space == shape or not broadcasts_to(shape, space):
+                return False
+            continue
         if not isinstance(op, Op) or not ops.is_elementwise(op.kind) or ops.gathers_at(op.kind, slot):
             return False
         if op.shape == shape or not broadcasts_to(shape, op.shape):
