@@ -209,6 +209,9 @@ HABITS = {
     "return torch.view(x, [-1])": (
         "<string>:2:22: error: unexpected '('; expected one of: ',', ';', '[', '}', a newline, an operator",
         "note: tiledsl writes reshape(x, [...])"),
+    "return x.masked_fill(x > 0, 0.0)": (
+        "<string>:2:25: error: unexpected '('; expected one of: ',', ';', '[', '}', a newline, an operator",
+        "note: tiledsl values have no methods: write where(mask, value, x), or x[mask] = value"),
     "return (x > 0) // 2": (
         "<string>:2:12: error: '//' is not defined for bool values",
         "<string>:2:13: note: this operand is bool[M, N]"),

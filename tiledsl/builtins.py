@@ -88,6 +88,7 @@ TORCH_SPELLINGS = {
     "amax": "max({x}, axis=...)", "amin": "min({x}, axis=...)", "pow": "pow({x}, y) or {x} ** y",
     "reshape": "reshape({x}, [...])", "squeeze": "squeeze({x}, axis)", "cumsum": "cumsum({x}, axis=...)",
     "take_along_dim": "gather({x}, idx, axis=...)", "clip": "clamp({x}, lo, hi)",
+    "masked_fill": "where(mask, value, {x}), or {x}[mask] = value", "index_put": "{x}[idx] = value",
 }
 
 # @tile(...) hints; SPLITS: how many programs share a GEMM's K loop or an attention's keys
