@@ -18,6 +18,7 @@ kernels are named k0, k1, ... in launch (topological) order. Must run last.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,7 +29,7 @@ from tiledsl.passes.fusion.legality import RowSpace, reduced_axes
 from tiledsl.passes.fusion.spec import GemmSpec, PointwiseSpec, RowSpec, ScatterSpec, Spec
 from tiledsl.passes.regions import is_by_value, is_clonable, remove_dead_clonables, replace_with_kernel
 from tiledsl.passes.registry import Pass, PassContext, register
-from tiledsl.plans import TEMPLATES, PointwisePlan
+from tiledsl.plans import TEMPLATES, PointwisePlan, ScatterPlan
 from tiledsl.types import reshape_ends
 
 
@@ -122,6 +123,7 @@ class LowerKernels(Pass):
         viewed: set[int] = set()
         self._copy_unproduced_outputs(graph, viewed)
         self._store_for_reshapes(graph, viewed)
+        self._write_in_place(graph)
         for i, node in enumerate(graph.kernels()):
             kernel = graph.op(node).replace(name=f"k{i}", transposed_inputs=_transposed_inputs(graph, node))
             graph.set_op(node, kernel)
@@ -185,6 +187,29 @@ class LowerKernels(Pass):
         order[a], order[b] = order[b], order[a]
         graph.set_op(src, _stored_in(kernel, res, order))
         return True
+
+    @staticmethod
+    def _write_in_place(graph: Graph) -> None:
+        """A scatter that starts from another kernel's result (a put_into's x: `y = x * 2;
+        y[idx] = v`) nothing else reads, not returned and stored contiguous, writes into it
+        in place: the launch hands the result over instead of copying it (`ScatterPlan.in_place`)."""
+        outputs = set(graph.outputs)
+        for node in graph.kernels():
+            kernel = graph.op(node)
+            if not isinstance(kernel.plan, ScatterPlan) or not any(s is not None for s in kernel.plan.starts):
+                continue
+            edges = graph.operand_edges(node)
+            in_place = []
+            for start in kernel.plan.starts:
+                edge = edges[start] if start is not None else None
+                source = graph.op(edge[0]) if edge is not None else None
+                readers = [] if edge is None else [
+                    (u, slot) for u, slot in graph.users(edge[0]) if graph.operand_edges(u)[slot] == edge]
+                in_place.append(isinstance(source, KernelOp) and source.out_order(edge[1]) is None
+                                and edge not in outputs and readers == [(node, start)])
+            if any(in_place):
+                plan = dataclasses.replace(kernel.plan, in_place=tuple(in_place))
+                graph.set_op(node, kernel.replace(plan=plan))
 
     @staticmethod
     def _store_viewed(graph: Graph, node: int, outputs, viewed: set[int]) -> bool:

@@ -250,3 +250,30 @@ def test_a_paged_cache_append_then_paged_decode_is_two_kernels(p):
                                                         -1), vs)
         torch.testing.assert_close(o[i].double(), want, rtol=0, atol=1e-5)
     assert [k.template for k in fn.kernels] == ["indexed", "attention"]
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_a_write_into_an_intermediate_nothing_else_reads_is_in_place(n):
+    # `y = x * 2; y[idx] = v`: the scatter takes over the kernel's fresh y instead of copying
+    # it; where y is also returned it copies (the returned y keeps its elements)
+    src = """kernel f(x: f32[M, N], idx: i64[K], v: f32[K, N]) -> f32[M, N] {
+    y = x * 2.0
+    y[idx] = v
+    return y + 1.0
+}"""
+    x, v = randn(n + 2, 5, seed=n), randn(2, 5, seed=n + 1)
+    idx = torch.randperm(n + 2, generator=gen(n))[:2]
+    x0 = x.clone()
+    fn, out = run_checked(src, x, idx, v)
+    want = x * 2.0
+    want[idx] = v
+    assert torch.equal(out, want + 1.0) and torch.equal(x, x0)
+    assert [k.template for k in fn.kernels] == ["pointwise", "indexed", "pointwise"]
+    assert "out: f32[M, N] written in place of k0 -> k2" in fn.explain()
+    assert "in place}" in fn.ir()
+    fn2, (out2, y) = run_checked(src.replace("-> f32[M, N]", "-> (f32[M, N], f32[M, N])").replace(
+        "y = x * 2.0", "y = x * 2.0\n    z = y").replace("return y + 1.0", "return y + 1.0, z"), x, idx, v)
+    assert torch.equal(out2, want + 1.0) and torch.equal(y, x * 2.0)
+    assert "starting as a copy of k0" in fn2.explain()
+    report = testing.check_grads(fn, x, idx, v, generator=gen(n))
+    assert report.ok, f"{report}"

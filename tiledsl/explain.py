@@ -98,7 +98,9 @@ def explain(program: Program, dims: Mapping[str, int] | None = None) -> str:
             stored = "" if order is None else \
                 f" stored as [{', '.join(str(t.shape[a]) for a in order)}]"  # (lower-kernels' layout)
             if isinstance(op.plan, ScatterPlan) and (i := op.plan.starts[r]) is not None:
-                stored += f" starting as a copy of {_name(graph, *graph.operand_edges(k)[i])}"
+                how = "written in place of" if op.plan.in_place and op.plan.in_place[r] else \
+                    "starting as a copy of"
+                stored += f" {how} {_name(graph, *graph.operand_edges(k)[i])}"
             outs.append(f"{t}{stored} -> {', '.join(users) or f'{op.name} (a combine)'}")
         lines.append(f"  {'':<{width}}    out: {'; '.join(outs)}")
         if isinstance(op.plan, (AttentionPlan, AttentionBackwardPlan)):

@@ -67,12 +67,17 @@ class ScatterPlan:
     # (put_into, put of the kernel it adds onto): one buffer, the output's (the gradients of
     # two gathers of one weight)
     into: tuple[tuple[int, int], ...] = ()
+    # per put: its start is another kernel's result that nothing else reads, which it writes
+    # in place instead of copying (lower-kernels decides; empty: none)
+    in_place: tuple[bool, ...] = ()
 
     def format(self, name: Name) -> str:
         starts = "".join(f", {name(p)} starts as {name(i)}"
                          for p, i in zip(self.puts, self.starts, strict=True) if i is not None)
         puts = _names(self.puts, name)
         into = "".join(f", {name(v)} adds onto {name(b)}" for v, b in self.into)
+        into += "".join(f", {name(p)} in place" for p, inplace in zip(self.puts, self.in_place, strict=False)
+                        if inplace)
         return f"plan indexed {{space = {format_shape(self.shape)}, puts = {puts}{starts}{into}}}"
 
     def buffers(self) -> dict[int, int]:
@@ -93,6 +98,10 @@ class ScatterPlan:
             check.fail("its indexed plan's puts are not its outputs")
         if len(self.starts) != len(self.puts):
             check.fail("its indexed plan has not one start per put")
+        pairs = zip(self.in_place, self.starts, strict=False)
+        if self.in_place and (len(self.in_place) != len(self.puts)
+                              or any(inplace and start is None for inplace, start in pairs)):
+            check.fail("its indexed plan writes in place a put that starts at 0")
         for v, start in zip(self.puts, self.starts, strict=True):
             check.expect(v, tuple(ops.WRITTEN), "put")
             kind = check.kind(v)

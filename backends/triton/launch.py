@@ -269,9 +269,13 @@ def argument_function(emitted: EmittedKernel, reads: Sequence[Read], outputs: Se
             axis = -2 if perm is None else perm[-2]
             lines.append(f"    v[{slot}] = k_major(v[{slot}], {axis})")
     lines += [f"    s{slot} = v[{slot}].stride()" for slot in strides]
+    plan = emitted.kernel.plan
     for r, i in starts_as(emitted.kernel):  # a result that starts as an input: copied first
         slot, perm = reads[i]
-        lines.append(f"    o[{r}].copy_(v[{slot}]{'' if perm is None else f'.permute({perm})'})")
+        if perm is None and plan.in_place and plan.in_place[r]:  # or handed over, where contiguous
+            lines.append(f"    o[{r}] = v[{slot}] if v[{slot}].is_contiguous() else o[{r}].copy_(v[{slot}])")
+        else:
+            lines.append(f"    o[{r}].copy_(v[{slot}]{'' if perm is None else f'.permute({perm})'})")
     lines.append(f"    return ({''.join(e + ', ' for e in exprs)})")
     namespace: dict[str, Any] = {"fits": fits_int32, "k_major": k_major}
     exec(compile("\n".join(lines) + "\n", f"<arguments of {emitted.fn_name}>", "exec"), namespace)
