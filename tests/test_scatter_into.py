@@ -277,3 +277,15 @@ def test_a_write_into_an_intermediate_nothing_else_reads_is_in_place(n):
     assert "starting as a copy of k0" in fn2.explain()
     report = testing.check_grads(fn, x, idx, v, generator=gen(n))
     assert report.ok, f"{report}"
+
+
+def test_the_kv_cache_decode_example_is_two_kernels():
+    from pathlib import Path
+
+    fn = tiledsl.compile(Path(__file__).resolve().parents[1] / "examples" / "kv_cache_decode.tdsl")
+    b, h, t, d = 2, 3, 17, 16
+    args = [randn(b, h, 1, d, dtype=torch.float16, seed=s) for s in (1, 2, 3)]
+    args += [randn(b, h, t, d, dtype=torch.float16, seed=s) for s in (4, 5)]
+    fn, (o, k, v) = run_checked(fn, *args, torch.tensor([9]))
+    assert torch.equal(k, args[3].index_copy(2, torch.tensor([9]), args[1]))
+    assert [kk.template for kk in fn.kernels] == ["indexed", "attention"]
