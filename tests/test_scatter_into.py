@@ -289,3 +289,23 @@ def test_the_kv_cache_decode_example_is_two_kernels():
     fn, (o, k, v) = run_checked(fn, *args, torch.tensor([9]))
     assert torch.equal(k, args[3].index_copy(2, torch.tensor([9]), args[1]))
     assert [kk.template for kk in fn.kernels] == ["indexed", "attention"]
+
+
+@pytest.mark.parametrize("v", SIZES)
+def test_hf_repetition_penalty_is_one_kernel(v):
+    # RepetitionPenaltyLogitsProcessor.__call__ as Hugging Face writes it: the scores of the
+    # tokens seen gathered, scaled by the penalty by their sign, scattered back
+    src = """
+kernel repetition_penalty(input_ids: i64[B, L], scores: f32[B, V], penalty: f32) -> f32[B, V] {
+    score = gather(scores, input_ids, axis=1)
+    score = where(score < 0, score * penalty, score / penalty)
+    return scatter(scores, input_ids, score, axis=1)
+}"""
+    scores = randn(3, v + 7, seed=v)
+    ids = torch.stack([torch.randperm(v + 7, generator=gen(v + c))[:5] for c in range(3)])
+    fn, out = run_checked(src, ids, scores, 1.3)
+    score = torch.gather(scores.double(), 1, ids)
+    score = torch.where(score < 0, score * 1.3, score / 1.3)
+    torch.testing.assert_close(out.double(), scores.double().scatter(1, ids, score), rtol=1e-6, atol=1e-7)
+    # the gather, the penalty and the write into a copy of the scores: one indexed kernel
+    assert [k.template for k in fn.kernels] == ["indexed"]

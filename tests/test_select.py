@@ -239,3 +239,20 @@ def test_positions_return_as_i32(n):
         tiledsl.compile("kernel f(x: f32[M, N]) -> i16[M, 2] { return topk(x, 2)[1] }")
     assert err.value.message == ("the returned value is i64 but the kernel declares i16; convert it "
                                  "explicitly with cast(..., i16)")
+
+
+@pytest.mark.parametrize("v", [5, 17, 113])
+def test_hf_top_k_warper(v):
+    # TopKLogitsWarper.__call__ as Hugging Face writes it: the k-th largest score picked from
+    # torch's pair (`torch.topk(scores, top_k)[0][..., -1, None]`), the scores below it
+    # filled with -inf (masked_fill: where). 2 kernels: the top 5, then the fill reading the
+    # 5th of them (one row program would need an index along the selected elements)
+    src = """
+kernel top_k(scores: f32[B, V]) -> f32[B, V] {
+    indices_to_remove = scores < topk(scores, 5)[0][..., -1, None]
+    return where(indices_to_remove, -inf, scores)
+}"""
+    scores = randn(7, v, seed=v, scale=3.0)
+    fn, out = run_checked(src, scores)
+    assert torch.equal(out, scores.masked_fill(scores < torch.topk(scores, 5)[0][..., -1, None], -math.inf))
+    assert [k.template for k in fn.kernels] == ["rows", "pointwise"]
