@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tiledsl import ops
-from tiledsl.indexing import _positional, index_map_of_inputs, reindex, view_coords
+from tiledsl.indexing import read_through, reindex, view_coords
 from tiledsl.ir import Edge, Graph, Op, walk
 from tiledsl.ops.core import read_types
 from tiledsl.passes.fusion.admission import gathered_operand
@@ -609,12 +609,11 @@ class ReshapeOfIndexMap(Pattern):
         if op.kind != "reshape":
             return False
         (src,) = graph.operands(node)
-        s_op = graph.op(src)
-        if not isinstance(s_op, Op) or s_op.kind in ("index", "take") or not ops.is_elementwise(s_op.kind) \
-                or not _positional(graph, src, {}) or not index_map_of_inputs(graph, src) or not all(
+        if not read_through(graph, src, {}) or not all(
                 isinstance(u := graph.op(n), Op) and ops.category(u.kind) is ops.Category.LAYOUT
                 for n, _ in graph.users(src)):
             return False
+        s_op = graph.op(src)
         b = rewriter.build
         coords = view_coords(b, op, s_op.shape)
         out = reindex(b, src, coords, op.span)

@@ -16,6 +16,7 @@ from tiledsl import ast, ops
 from tiledsl import diagnostics as diag
 from tiledsl.builder import Builder
 from tiledsl.dims import Lin, exact, factors, floor_divisions, never_zero
+from tiledsl.ir import Op, walk
 from tiledsl.ops.structure import index_dtype_message
 from tiledsl.source import Span
 from tiledsl.types import (
@@ -637,9 +638,7 @@ class Indexing:
                     self.exact.append(division)  # the call checks diff == 0: the division is exact
         copy = const_bool(args.get("copy"), "'copy' of 'reshape'")
         out = self.b.user_op("reshape", [(x, xspan)], e.span, shape=new, copy=copy)
-        op = self.graph.op(x)
-        if op.kind not in ("index", "take") and ops.is_elementwise(op.kind) and op.type.rank \
-                and _positional(self.graph, x, self.positional) and index_map_of_inputs(self.graph, x):
+        if read_through(self.graph, x, self.positional):
             # a value computed from positions (a concat of slices: GPT-J's interleave) is read
             # through the reshape, as through a slice (`_read_positional`): computed where read
             return reindex(self.b, x, view_coords(self.b, self.graph.op(out), t.shape), e.span)
@@ -886,28 +885,30 @@ def _positional(graph, node: int, memo: dict[int, bool]) -> bool:
     return memo[node]
 
 
+def read_through(graph, node: int, memo: dict[int, bool]) -> bool:
+    """Is `node` a map of positions a view of it is read through (computed again at the
+    view's elements, never stored): an elementwise op, not an `index` or a gather itself,
+    computed from positions (`_positional`, `memo` its answers) and the inputs alone?"""
+    op = graph.op(node)
+    return (isinstance(op, Op) and op.kind not in ("index", "take") and ops.is_elementwise(op.kind)
+            and op.type.rank > 0 and _positional(graph, node, memo) and index_map_of_inputs(graph, node))
+
+
 def index_map_of_inputs(graph, node: int) -> bool:
     """Is `node` computed elementwise from positions and the program's inputs alone (an
     `index`, constants and dims, parameters and views of them, gathers from those): what a
     kernel reading it at other positions computes again from loads, never from another
     kernel's result (a matmul, a reduction)?"""
-    seen, stack = set(), [node]
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        op = graph.op(n)
-        kind = getattr(op, "kind", None)
-        if kind in ("param", "const", "dim", "index"):
-            continue
-        if kind in ("slice", "reshape", "transpose"):
-            stack.append(graph.operands(n)[0])
-        elif kind is not None and ops.is_elementwise(kind):
-            stack.extend(graph.operands(n))
-        else:
-            return False
-    return True
+    def kind(n: int) -> str | None:
+        return getattr(graph.op(n), "kind", None)
+
+    def read(n: int) -> list[int]:
+        k = kind(n)
+        return [] if k in ("param", "const", "dim", "index") else list(graph.operands(n))
+
+    return all(k in ("param", "const", "dim", "index", "slice", "reshape", "transpose")
+               or (k is not None and ops.is_elementwise(k))
+               for k in map(kind, walk([node], read)))
 
 
 def _computed(op) -> bool:

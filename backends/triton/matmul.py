@@ -63,7 +63,7 @@ from .base import (
 )
 from .codegen import Code, Signature, TensorRef, next_pow2
 from .expr import Emitter, Val, dot_kwargs, literal
-from .renderings import reducing
+from .renderings import REDUCTIONS
 
 DOT_HINTS = ("BLOCK_M", "BLOCK_N", "BLOCK_K")
 OPERAND_BLOCKS = (("BLOCK_M", "BLOCK_K"), ("BLOCK_K", "BLOCK_N"))  # the a and b tiles
@@ -488,7 +488,7 @@ class GemmProgram:
     def finalize_stats(self) -> None:
         """The row statistics from their sums along K (a mean divides by K)."""
         for j, v in enumerate(self.stats):
-            finalize = reducing(self.region.ops[v - self.n_in].op.kind).finalize
+            finalize = REDUCTIONS[self.region.ops[v - self.n_in].op.kind].finalize
             if finalize is not None:
                 self.body(f"stat{j} = " + finalize.format(total=f"stat{j}", length=self.K))
 

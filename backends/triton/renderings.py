@@ -574,14 +574,6 @@ _SCAN_TEXT: dict[str, dict[str, Any]] = {
 SCANS: dict[str, Scanning] = {kind: Scanning(ops.OPS[kind].scan, **text) for kind, text in _SCAN_TEXT.items()}
 
 
-def reducing(kind: str) -> Reducing:
-    return REDUCTIONS[kind]
-
-
-def scanning(kind: str) -> Scanning:
-    return SCANS[kind]
-
-
 def missing() -> list[str]:
     """The ops this backend cannot compute: an elementwise op with no rendering, a reduction
     or a scan with no Triton text (the other categories are templates of their own)."""

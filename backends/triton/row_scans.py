@@ -17,7 +17,7 @@ from tiledsl.plans import RowPlan
 from tiledsl.types import Compute, DType
 
 from .expr import HELPERS, TRITON_TYPE, Val
-from .renderings import SCANS, Scanning, scanning
+from .renderings import SCANS, Scanning
 from .row_reduce import F32
 
 
@@ -53,7 +53,7 @@ class Scans:
         then become the chunk's last partials (no tl.reduce: its combine must commute).
         f32 cumsum and cumprod accumulate in f64, like a sum."""
         em, cat, kind = self.em, self.reduce_cat(v), self.op(v).kind
-        scan = scanning(kind)
+        scan = SCANS[kind]
         lifted = self.lifted(scan, xs, cat)
         if scan.start is not None:
             last = f"{self.length} - 1" if self.op(v).attr("reverse") else "0"
@@ -123,7 +123,7 @@ class Scans:
         self.carries = {}
         for v in sorted(need):
             if self.scanned(v):
-                scan, cat = scanning(self.op(v).kind), self.reduce_cat(v)
+                scan, cat = SCANS[self.op(v).kind], self.reduce_cat(v)
                 compute = "tl.float64" if self.wide(v) else TRITON_TYPE[cat]
                 names = self.carries[v] = [self.em.fresh("carry") for _ in scan.identity]
                 for name, identity in zip(names, scan.identity, strict=True):
@@ -144,7 +144,7 @@ def scan_words(plan: RowPlan, region) -> list[int]:
     for v in plan.reducing:
         op = region.ops[v - n_in].op
         if op.kind in SCANS:
-            scan = scanning(op.kind)
+            scan = SCANS[op.kind]
             out.append(len(scan.identity) * (2 if scan.wide and op.dtype is DType.F32 else 1)
                        + any("exp" in c for c in scan.combine))
     return out

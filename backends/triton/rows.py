@@ -48,7 +48,7 @@ from .base import CAPS, PROGRAM_ID, EmittedKernel, Hints, LaunchConfig, cdiv, de
 from .codegen import Code, Signature, TensorRef, next_pow2
 from .combine import emit_combine
 from .expr import TRITON_TYPE, Emitter, Val, literal
-from .renderings import SCANS, scanning
+from .renderings import SCANS
 from .row_layout import Layout
 from .row_reduce import F32, Reductions
 from .row_scans import Scans, in_loop, scan_words
@@ -174,7 +174,7 @@ class RowProgram(Layout, Reductions, Scans, Selections, Split):
                 if all(x in vals for x in self.operands(v)):
                     vals[v] = self.scan(v, [vals[x] for x in self.operands(v)])
             elif op.kind in SCANS and not self.is_row_op(v):
-                scan = scanning(op.kind)
+                scan = SCANS[op.kind]
                 if all(x in vals for x in self.operands(v)):  # along a size-1 axis: one element
                     xs, cat = [vals[x] for x in self.operands(v)], self.reduce_cat(v)
                     lifted = self.lifted(scan, xs, cat)
