@@ -102,6 +102,7 @@ class ScatterPlan:
         if self.in_place and (len(self.in_place) != len(self.puts)
                               or any(inplace and start is None for inplace, start in pairs)):
             check.fail("its indexed plan writes in place a put that starts at 0")
+        onto = dict(self.into)
         for v, start in zip(self.puts, self.starts, strict=True):
             check.expect(v, tuple(ops.WRITTEN), "put")
             kind = check.kind(v)
@@ -109,8 +110,8 @@ class ScatterPlan:
             if check.region.value_type(operands[ops.WRITTEN[kind]]).shape != self.shape:
                 check.fail("a put of its indexed plan writes values outside the plan's space")
             root = v
-            while root in dict(self.into):
-                root = dict(self.into)[root]
+            while root in onto:
+                root = onto[root]
             if check.kind(root) not in ops.WRITTEN:
                 check.fail("a put of its indexed plan adds onto a value that is not a put")
             if start != (check.operands(root)[0] if check.kind(root) == "put_into" else None):
