@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tiledsl import ops
-from tiledsl.indexing import read_through, reindex, view_coords
+from tiledsl.indexing import permuted_axis, read_through, reindex, view_coords
 from tiledsl.ir import Edge, Graph, Op, walk
 from tiledsl.ops.core import read_types
 from tiledsl.passes.fusion.admission import gathered_operand
@@ -659,27 +659,6 @@ class RemoveIdentityGather(Pattern):
         return True
 
 
-def _own_index(graph: Graph, edge: Edge, k: int, shape: Shape) -> bool:
-    """Is `edge` the index along axis k of `shape` (0 where that axis has size 1)?"""
-    i_op = graph.op(edge[0])
-    return ((isinstance(i_op, Op) and i_op.kind == "index" and i_op.attr("axis") == k
-             and i_op.type.rank == len(shape) and i_op.shape[k] == shape[k])
-            or (shape[k] == 1 and const_value(graph, edge[0]) == 0))
-
-
-def _permutes(graph: Graph, indices: Sequence[Edge], shape: Shape) -> bool:
-    """Do `indices` name every element of `shape` once: their own index along every axis but
-    one, and along that one a sort's positions of a row as long as the axis (argsort's result,
-    `argtopk` with k the axis' length)?"""
-    moved = [k for k, e in enumerate(indices) if not _own_index(graph, e, k, shape)]
-    if len(moved) != 1:
-        return False
-    (k,) = moved
-    sel = graph.op(indices[k][0])
-    return (isinstance(sel, Op) and sel.kind == "argtopk" and sel.type.shape == tuple(shape)
-            and sel.attr("axis") % len(shape) == k and sel.attr("k") == shape[k])
-
-
 def _same_values(graph: Graph, a: Sequence[Edge], b: Sequence[Edge]) -> bool:
     """Are the values `a` and `b` pairwise the same: one edge, or ops of no operands (an
     `index`, a constant) alike (canonicalize runs before cse merges them)?"""
@@ -766,7 +745,7 @@ class PermutedWrite(Pattern):
             return False
         edges = graph.operand_edges(node)
         src, *indices = edges[1:] if op.kind == "put_into" else edges
-        if op.attr("accumulate") or not _permutes(graph, indices, op.type.shape):
+        if op.attr("accumulate") or permuted_axis(graph, indices, op.type.shape) is None:
             return False
         if is_op(graph, src[0], "take") and _same_values(graph, graph.operand_edges(src[0])[1:], indices) \
                 and graph.result_type(*graph.operand_edges(src[0])[0]) == op.type:
@@ -779,11 +758,117 @@ class PermutedWrite(Pattern):
         return False
 
 
+def _permuted(graph: Graph, b, edge: Edge, indices: Sequence[Edge], shape: Shape, k: int) -> Edge | int:
+    """`edge` (an operand of an elementwise op of `shape`) read at the permutation `indices`
+    of axis k, as `_permuted_kind` says: itself, or its gather at the same indices."""
+    return edge if _permuted_kind(graph, edge, shape, k) == "same" else b.op("take", [edge, *indices], None)
+
+
+def _permuted_kind(graph: Graph, edge: Edge, shape: Shape, k: int) -> str | None:
+    """How an elementwise op of `shape` permuted along axis k reads its operand `edge`: "same"
+    where it does not vary along k (a scalar, a row's statistic), "gather" at the same indices
+    where it has the op's shape, None where it cannot (a value broadcast along another axis)."""
+    t = graph.result_type(*edge)
+    lead = len(shape) - t.rank
+    if k < lead or t.shape[k - lead] == 1:
+        return "same"
+    return "gather" if t.shape == tuple(shape) else None
+
+
+def _sorts_row(graph: Graph, edge: Edge, indices: Sequence[Edge], k: int) -> bool:
+    """Are `indices` argsort's positions of the row `edge` itself (its gather there is the
+    sort's values)?"""
+    sel = indices[k][0]
+    return graph.operand_edges(sel)[0] == tuple(edge)
+
+
+class SortedValues(Pattern):
+    """A row gathered at its own sort's positions, `take(x, .., argtopk(x))` with k the row's
+    length (torch's `x.gather(-1, x.argsort(-1))`), is the sort's values, `topk(x)` of the
+    same attributes: a row program computes them with the positions, from one sort."""
+
+    def apply(self, graph: Graph, node: int, op: Op, rewriter: Rewriter) -> bool:
+        if op.kind != "take":
+            return False
+        x, *indices = graph.operand_edges(node)
+        shape = graph.result_type(*x).shape
+        if shape != op.shape or (k := permuted_axis(graph, indices, shape)) is None \
+                or not _sorts_row(graph, x, indices, k):
+            return False
+        sel = graph.op(indices[k][0])
+        rewriter.replace(node, rewriter.build.op("topk", [x], op.span, **sel.attr_map))
+        return True
+
+
+class GatherAtPermutation(Pattern):
+    """A gather at a permutation of a row (argsort's positions) of an elementwise op, or of a
+    softmax along that row, is the op of the gathered operands: `take(p < t * m, I)` is
+    `take(p, I) < t * m` for a statistic m of the row, and `take(softmax(x), I)` is
+    `softmax(take(x, I))` (softmax commutes with permuting its row). Moved when the gather
+    is the op's only reader, or when every gather it leaves is of the sorted row itself
+    (the sort's values, `SortedValues`): Hugging Face's min-p warper gathers its mask to sorted
+    order so, and the row program computes it there from the sort it already holds."""
+
+    def apply(self, graph: Graph, node: int, op: Op, rewriter: Rewriter) -> bool:
+        if op.kind != "take":
+            return False
+        (x, res), *indices = graph.operand_edges(node)
+        shape = graph.result_type(x, res).shape
+        x_op = graph.op(x)
+        if shape != op.shape or not isinstance(x_op, Op) or x_op.kind == "take" \
+                or (k := permuted_axis(graph, indices, shape)) is None:
+            return False
+        if not (ops.is_elementwise(x_op.kind) or (x_op.kind == "softmax" and x_op.attr("axis") == k)):
+            return False
+        edges = graph.operand_edges(x)
+        moved = [e for e in edges if _permuted_kind(graph, e, shape, k) == "gather"]
+        if any(_permuted_kind(graph, e, shape, k) is None for e in edges):
+            return False
+        if len(graph.users(x)) > 1 and not all(_sorts_row(graph, e, indices, k) for e in moved):
+            return False
+        b = rewriter.build
+        operands = [_permuted(graph, b, e, indices, shape, k) for e in edges]
+        rewriter.replace(node, b.op(x_op.kind, operands, x_op.span, **x_op.attr_map))
+        return True
+
+
+class ElementwiseOfPermutedWrite(Pattern):
+    """An elementwise op of a scatter at a permutation of a row (argsort's positions), read
+    by nothing else, is that scatter of the op computed in sorted order, the other operands
+    gathered there: `where(put(m, I), -inf, x)` is `put(where(m, -inf, take(x, I)), I)`.
+    Hugging Face's top-p and min-p warpers fill the logits so with the mask they scatter
+    back to vocabulary order; with x the sorted row (`SortedValues`), one row program sorts,
+    computes and stores the filled row at the positions."""
+
+    def apply(self, graph: Graph, node: int, op: Op, rewriter: Rewriter) -> bool:
+        if not ops.is_elementwise(op.kind) or op.kind == "take":
+            return False
+        edges = graph.operand_edges(node)
+        puts = [e for e in edges if is_op(graph, e[0], "put")]
+        if len(puts) != 1 or len(graph.users(puts[0][0])) != 1 or puts[0][1] != 0:
+            return False
+        put = puts[0][0]
+        p_op = graph.op(put)
+        src, *indices = graph.operand_edges(put)
+        if p_op.attr("accumulate") or p_op.type.shape != op.shape \
+                or (k := permuted_axis(graph, indices, op.shape)) is None:
+            return False
+        others = [e for e in edges if e[0] != put]
+        if any(_permuted_kind(graph, e, op.shape, k) is None for e in others):
+            return False
+        b = rewriter.build
+        operands = [src if e[0] == put else _permuted(graph, b, e, indices, op.shape, k) for e in edges]
+        value = b.op(op.kind, operands, op.span, **op.attr_map)
+        rewriter.replace(node, b.op("put", [value, *indices], p_op.span, shape=op.shape, accumulate=False))
+        return True
+
+
 PATTERNS = (FoldConstants(), RemoveIdentity(), DivideByReciprocal(), RemoveNoOpCast(), CancelInvolution(),
             ReshapeOfReshape(), ReduceAlongOne(), ViewOfFill(), KeepReducedDim(), TransposeProduct(),
             TransposedOperand(), TransposedGatheredOperand(), GatherBeforeElementwise(), GatherAlongRow(),
             ViewOfGather(), ReshapeOfIndexMap(), RemoveIdentityGather(), WriteInto(), AddInto(),
-            SelectOfSame(), PermutedWrite())
+            SelectOfSame(), PermutedWrite(), SortedValues(), GatherAtPermutation(),
+            ElementwiseOfPermutedWrite())
 
 
 @register

@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tiledsl import ops
+from tiledsl.indexing import permuted_axis
 from tiledsl.ir import Graph, Op, Region
 from tiledsl.passes.fusion.grow import Admission, candidate_kind, fuse_groups, outputs_of
 from tiledsl.passes.fusion.legality import (
@@ -58,7 +59,8 @@ class FuseRows(Pass):
     def run(self, graph: Graph, ctx: PassContext) -> None:
         def consider(node: int) -> bool:
             kind = graph.op(node).kind
-            return candidate_kind(graph, node) and (ops.is_elementwise(kind) or kind in ROW_OPS)
+            return candidate_kind(graph, node) and (ops.is_elementwise(kind) or kind in ROW_OPS
+                                                    or _permuted_put(graph, node))
 
         def admit_for(plan: GroupPlan, seed: int) -> Admission:
             x = graph.result_type(*graph.operand_edges(seed)[0])
@@ -94,7 +96,34 @@ class FuseRows(Pass):
                 or any(continues_reduction(op, graph.op(u)) for u, _ in graph.users(node))
 
         fuse_groups(graph, ctx.remarks, self.name, lambda node: graph.op(node).kind in ROW_OPS, consider,
-                    admit_for, first=along_the_row)
+                    admit_for, first=along_the_row, related=lambda node: _same_sort(graph, node))
+
+
+def _permuted_put(graph: Graph, node: int) -> bool:
+    """A put at a sort's positions along a row (each element once): a row program holding the
+    sort stores its values there."""
+    op = graph.op(node)
+    return op.kind == "put" and not op.attr("accumulate") \
+        and permuted_axis(graph, graph.operand_edges(node)[1:], op.shape) is not None
+
+
+def _same_sort(graph: Graph, node: int) -> list[int]:
+    """The other selections of one sort (topk's values and argtopk's positions of one row and
+    attributes): a row program holding one computes the others from the same keys, so they
+    are its candidates though they share no value (top-p's sorted values and the positions it
+    scatters them back to); and beside the positions, the other indices of the puts at them
+    (each row's own index), which such a put reads before it can join."""
+    op = graph.op(node)
+    if not isinstance(op, Op) or op.kind not in ("topk", "argtopk"):
+        return []
+    source = graph.operand_edges(node)[0]
+    out = [u for u, slot in graph.users(source[0]) if u != node and slot == 0
+           and graph.operand_edges(u)[0] == source and isinstance(o := graph.op(u), Op)
+           and o.kind in ("topk", "argtopk") and o.attr_map == op.attr_map]
+    for put, _ in graph.users(node):
+        if _permuted_put(graph, put):
+            out += [i for i in graph.operands(put)[1:] if i != node]
+    return out
 
 
 def _unshare_reductions(graph: Graph) -> None:

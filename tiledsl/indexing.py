@@ -987,3 +987,27 @@ def slice_source(b: Builder, op, indices: list, span: Span | None) -> list[int]:
                 i = b.op("add", [i, b.size(start, span)], span)
             source.append(i)
     return source
+
+
+def own_index(graph, edge, k: int, shape: Shape) -> bool:
+    """Is `edge` the index along axis k of `shape` (0 where that axis has size 1)?"""
+    i_op = graph.op(edge[0])
+    if not isinstance(i_op, Op):
+        return False
+    if i_op.kind == "index":
+        return i_op.attr("axis") == k and i_op.type.rank == len(shape) and i_op.shape[k] == shape[k]
+    return shape[k] == 1 and i_op.kind == "const" and i_op.attr("value") == 0
+
+
+def permuted_axis(graph, indices, shape: Shape) -> int | None:
+    """The axis `indices` permute, where they name every element of `shape` once: their own
+    index along every axis but one, and along that one a sort's positions of a row as long as
+    the axis (argsort's result, `argtopk` with k the axis' length); None otherwise."""
+    moved = [k for k, e in enumerate(indices) if not own_index(graph, e, k, shape)]
+    if len(moved) != 1:
+        return None
+    (k,) = moved
+    sel = graph.op(indices[k][0])
+    permutes = (isinstance(sel, Op) and sel.kind == "argtopk" and sel.type.shape == tuple(shape)
+                and sel.attr("axis") % len(shape) == k and sel.attr("k") == shape[k])
+    return k if permutes else None

@@ -45,6 +45,14 @@ class Layout:
                 (False, True): "rmask"}[(rows, cols)]
         return f"{ref.ptr} + {offset}", mask
 
+    def put_at(self, j: int, v: int, vals) -> tuple[str, str]:
+        """(pointer, mask) of a put's output at the positions it writes the selected tile's
+        elements (fuse-rows admits a put at a sort's positions only: `legality._row_put`)."""
+        src, *indices = self.operands(v)
+        at = [self.em.tensor(vals[i]).text if self.region.value_type(i).shape[k] != 1 else None
+              for k, i in enumerate(indices)]
+        return f"{self.outs[j].ptr} + {self.outs[j].offset(at)}", self.chosen_mask(src)
+
     def flat_offset(self, ref: TensorRef, layout) -> str | None:
         """A tensor's offset whose rows may be the flat row index times a stride: where
         it has every row dim, in their order, the per-call flag (`RowsFlat`) picks
@@ -74,7 +82,7 @@ class Layout:
         for j, v in enumerate(self.region.outputs):
             if self.full(v) != full or v in skip or v in self.plan.tail:
                 continue
-            ptr, mask = self.access(self.outs[j], v)
+            ptr, mask = self.access(self.outs[j], v) if self.op(v).kind != "put" else self.put_at(j, v, vals)
             if ptr is None:  # a single element (no kept dims): row 0 writes it
                 ptr = f"{self.outs[j].ptr} + o[:, None] * 0"
             if not full and v not in self.plan.selected:

@@ -55,14 +55,18 @@ class Scans:
         em, cat, kind = self.em, self.reduce_cat(v), self.op(v).kind
         scan = SCANS[kind]
         lifted = self.lifted(scan, xs, cat)
+        source = self.plan.source(v)
+        selected = source in self.plan.selected  # along a selection's k (forward only)
         if scan.start is not None:
             last = f"{self.length} - 1" if self.op(v).attr("reverse") else "0"
-            lifted = self.started(scan, lifted, cat, f"(r == {last})[None, :]")
+            first = f"({self.lanes} == 0)[None, :]" if selected else f"(r == {last})[None, :]"
+            lifted = self.started(scan, lifted, cat, first)
+        mask = self.chosen_mask(source) if selected else "tmask"
         parts = []
         for x, identity in zip(lifted, scan.identity, strict=True):
             if self.wide(v):
                 x = em.assign(f"{em.tensor(x).text}.to(tl.float64)", F32)
-            parts.append(self.masked(x, self.identity(identity, cat)))
+            parts.append(self.masked(x, self.identity(identity, cat), mask))
         names = [em.fresh("cs") for _ in parts]
         reverse = ", reverse=True" if self.op(v).attr("reverse") else ""
         if scan.builtin is not None:

@@ -42,9 +42,15 @@ class Selections:
 
     def k_of(self, v: int) -> str:
         """How many elements the selection `v` (or the one an op of a selection reads) holds."""
-        while (op := self.op(v)).kind in ops.OPS and ops.category(op.kind) is not ops.Category.SELECT:
-            v = next(o for o in self.operands(v) if o in self.plan.selected)
-        return self.sig.size(op.shape[op.attr("axis")])
+        stack, seen = [v], set()
+        while stack:  # (through the selected values it reads; positions alone select none)
+            v = stack.pop()
+            op = self.op(v)
+            if op is not None and ops.category(op.kind) is ops.Category.SELECT:
+                return self.sig.size(op.shape[op.attr("axis")])
+            seen.add(v)
+            stack.extend(o for o in self.operands(v) if o in self.plan.selected and o not in seen)
+        raise AssertionError("a selected value reads a selection")
 
     def select_key(self, v: int) -> tuple:
         op = self.op(v)
@@ -136,6 +142,7 @@ class Selections:
         most = ks[0]
         for k in ks[1:]:
             most = f"tl.maximum({most}, {k})"
+        self.start_scans(set(self.long_values))  # (scans of the selected values, carried)
         body(f"for s0 in range(0, {most}, BLOCK_R):")
         with body.indent():
             body("lanes = s0 + r_base")

@@ -94,7 +94,9 @@ class RowProgram(Layout, Reductions, Scans, Selections, Split):
         # selections whose k may pass SELECT_LIMIT, the values computed from them, and the
         # workspace rows of each selection's keys (`emit_long`)
         self.long = self.plan.long_selections(region)
-        self.long_values = self.reading(set(self.long))
+        # (and the values of positions a selected value reads: the j-th element's is j)
+        self.long_values = self.reading(set(self.long) | {v for v in self.plan.selected
+                                                          if self.op(v).kind == "index"})
         self.long_keys = list(dict.fromkeys(self.select_key(v) for v in self.long))
         self.partials: dict[int, tuple[str, str, bool]] = {}  # a split program's (`emit_split`)
         self.lanes = "r_base"  # the positions among a selection's k of its tile's lanes
@@ -162,14 +164,21 @@ class RowProgram(Layout, Reductions, Scans, Selections, Split):
                 vals[v] = literal(op.attr("value"), compute_type(op.dtype))
             elif op.kind == "index":
                 axis = op.attr("axis")
-                expr = self.index(self.layouts[v][axis]) if op.shape[axis] != 1 else None
+                selected = v in self.plan.selected
+                expr = self.index(self.layouts[v][axis], selected) if op.shape[axis] != 1 else None
                 vals[v] = em.index(expr)
+            elif op.kind == "put":  # stored at its positions (`store`)
+                if self.operands(v)[0] in vals:
+                    vals[v] = vals[self.operands(v)[0]]
             elif op.kind == "softmax" and self.is_row_op(v):
                 (x,) = self.operands(v)
                 if v in self.softmax_stats and x in vals:
                     ms, inv = self.softmax_stats[v]
                     xt = em.tensor(em.convert(vals[x], F32))
                     vals[v] = em.assign(f"tl.exp({xt.text} - {ms}) * {inv}", F32)
+                elif x in self.plan.selected and x in vals:  # (a long one's: refused at the call)
+                    vals[v] = self.one_pass_reduce(v, vals[x], self.chosen_mask(x), "r_base[None, :]",
+                                                   self.k_of(x))
             elif self.scanned(v):
                 if all(x in vals for x in self.operands(v)):
                     vals[v] = self.scan(v, [vals[x] for x in self.operands(v)])
@@ -281,15 +290,16 @@ class RowProgram(Layout, Reductions, Scans, Selections, Split):
         the long selections sort their rows in the workspace (`emit_long`)."""
         body = self.body
         self.long_mode = long
+        self.softmax_stats = {}
         row_vals: dict[int, Val] = {}
         self.emit_row_values(row_vals)
         reductions = [v for v in self.values if self.is_row_op(v) and not self.scanned(v)
-                      and self.plan.source(v) not in self.plan.selected]
+                      and self.reduced(v) not in self.plan.selected]
         self.selections = {}
         for p in range(1, max((self.plan.phases[v] for v in reductions), default=0) + 1):
             current = [v for v in reductions if self.plan.phases[v] == p]
             state = {v: self.init_state(v) for v in current}
-            need = self.needed([self.plan.source(v) for v in current])
+            need = self.needed([self.reduced(v) for v in current])
             self.start_scans(need)
             body(f"for r0 in range(0, {self.length}, BLOCK_R):")
             with body.indent():
@@ -298,7 +308,7 @@ class RowProgram(Layout, Reductions, Scans, Selections, Split):
                 vals = dict(row_vals)
                 self.emit_values(vals, need)
                 for v in current:
-                    self.accumulate(v, state[v], vals[self.plan.source(v)])
+                    self.accumulate(v, state[v], vals[self.reduced(v)])
             for v in current:
                 self.finalize(v, state[v], row_vals)
             self.emit_row_values(row_vals)
@@ -327,10 +337,23 @@ class RowProgram(Layout, Reductions, Scans, Selections, Split):
         self.long_mode = False
 
     def emit_row_values(self, row_vals: dict[int, Val]) -> None:
-        """Per-row values whose inputs are known: computed once, outside the loops."""
+        """Per-row values whose inputs are known: computed once, outside the loops (a long
+        selection's values in its own loop, `emit_long`)."""
         self.emit_values(row_vals, {v for v in self.values if not self.full(v)
                                     and (not self.is_row_op(v) or in_loop(self.op(v).kind)
-                                         or self.plan.source(v) in self.plan.selected)})
+                                         or self.plan.source(v) in self.plan.selected)
+                                    and not (self.long_mode and v in self.long_values)})
+
+    def reduced(self, v: int) -> int:
+        """The value a reduction's loop reduces: its source, but for a softmax of a long sort's
+        values (a permutation of the row), the row itself, whose statistics they share; the
+        sorted values are then scaled by them as `emit_long` reads them back."""
+        source = self.plan.source(v)
+        if self.long_mode and self.op(v).kind == "softmax" and source in self.long:
+            sort, row = self.op(source), self.plan.source(source)
+            if sort.attr("k") == self.region.value_type(row).shape[sort.attr("axis")]:
+                return row
+        return source
 
     def chunk(self, need: set[int]) -> None:
         """The positions of the loop's chunk r0: from the start of the row, or from its end
@@ -468,7 +491,11 @@ def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKer
         if not any(k > SELECT_LIMIT for k in keeps.values()):
             return False
         for v in sorted(prog.plan.reducing):
-            if prog.plan.source(v) in prog.long_values:
+            prog.long_mode = True
+            reduced = prog.reduced(v)
+            prog.long_mode = False
+            if prog.plan.source(v) in prog.long_values and reduced in prog.long_values \
+                    and not prog.scanned(v):
                 op = prog.op(v)
                 raise LimitError(op.span, what=f"a {op.kind} of more than {SELECT_LIMIT} elements a topk "
                                  f"or sort selected ({max(keeps.values())} at this call)",

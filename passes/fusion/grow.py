@@ -51,11 +51,13 @@ def elementwise_candidate(graph: Graph, node: int) -> bool:
 
 
 def grow(plan: GroupPlan, seed: int, admit: Admit, pass_name: str,
-         remarks: list, consider: Callable[[int], bool]) -> set[int]:
+         remarks: list, consider: Callable[[int], bool],
+         related: Callable[[int], list[int]] | None = None) -> set[int]:
     """The maximal group around `seed` that `admit` accepts and that creates no cycle.
 
-    A worklist visits each new member's producers and users once; candidates
-    refused on the way are retried after the group has grown (a bigger group
+    A worklist visits each new member's producers and users once (and the nodes `related`
+    names for it, which share no value with it: a sort's positions beside its values);
+    candidates refused on the way are retried after the group has grown (a bigger group
     can absorb what made a cycle), until a round admits nothing.
     """
     graph = plan.graph
@@ -78,6 +80,7 @@ def grow(plan: GroupPlan, seed: int, admit: Admit, pass_name: str,
         while work:
             member = work.popleft()
             neighbours = graph.operands(member) + [u for u, _ in graph.users(member)]
+            neighbours += related(member) if related is not None else []
             for cand in dict.fromkeys(neighbours):
                 if cand not in group and not plan.grouped(cand) and consider(cand):
                     visit(member, cand)
@@ -103,7 +106,8 @@ def outputs_of(graph: Graph, members: list[int]) -> list[int]:
 
 def fuse_groups(graph: Graph, remarks: list, pass_name: str, is_seed: Callable[[int], bool],
                 consider: Callable[[int], bool], admit_for: Callable[[GroupPlan, int], Admission],
-                first: Callable[[int], bool] | None = None) -> None:
+                first: Callable[[int], bool] | None = None,
+                related: Callable[[int], list[int]] | None = None) -> None:
     """The driver of a fusion pass: grow a group from every seed not yet grouped
     (in topological order), then rewrite every group into one kernel of its spec.
 
@@ -121,10 +125,10 @@ def fuse_groups(graph: Graph, remarks: list, pass_name: str, is_seed: Callable[[
             continue
         admission = admit_for(plan, seed)
         said = len(remarks)
-        members = grow(plan, seed, admission.admit, pass_name, remarks, consider)
+        members = grow(plan, seed, admission.admit, pass_name, remarks, consider, related)
         while admission.settle is not None and admission.settle(sorted(members, key=plan.order.__getitem__)):
             del remarks[said:]  # the last growth's remarks stand
-            members = grow(plan, seed, admission.admit, pass_name, remarks, consider)
+            members = grow(plan, seed, admission.admit, pass_name, remarks, consider, related)
         plan.add_group(members, admission.spec(sorted(members, key=plan.order.__getitem__)))
     rewrite_groups(plan)
 

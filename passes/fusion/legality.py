@@ -299,7 +299,8 @@ def row_layouts(region: Region, space: RowSpace) -> dict[int, Layout] | Refusal:
     if refusal := scan_directions(region):
         return refusal
 
-    chosen = selected(region)
+    sorted_values, positions = selections(region)
+    chosen = sorted_values | positions
     across = None  # the kept dim the region's reductions across rows reduce
 
     def fit(v: int, layout: Layout) -> Refusal | None:
@@ -313,6 +314,9 @@ def row_layouts(region: Region, space: RowSpace) -> dict[int, Layout] | Refusal:
         if op.kind == "const":
             layouts[vid] = ()
             continue
+        if any(v >= n_in and region.ops[v - n_in].op.kind == "put" for v in rop.operands):
+            return Refusal(Rule.OP, f"{op.kind} reads a put, which the row program completes only when "
+                           "it ends")
         if op.kind in ROW_OPS:
             x = rop.operands[0]  # (linear_scan's b has a's shape, so its layout)
             xt = region.value_type(x)
@@ -336,9 +340,9 @@ def row_layouts(region: Region, space: RowSpace) -> dict[int, Layout] | Refusal:
                                "the row program's axes only")
             if ops.category(op.kind) is not ops.Category.REDUCTION and len(space.runs) > 1:
                 return Refusal(Rule.TILE, f"{op.kind} runs along one of the row program's axes only")
-            if x in chosen and ops.category(op.kind) is not ops.Category.REDUCTION:
-                return Refusal(Rule.TILE, f"{op.kind} runs along the elements a topk or sort selected "
-                               "(a row program of its own)")
+            if x in chosen and ops.category(op.kind) is ops.Category.SCAN and op.attr("reverse"):
+                return Refusal(Rule.TILE, f"{op.kind} runs backward along the elements a topk or sort "
+                               "selected (a row program of its own)")
             if x not in layouts and (err := fit(x, lx)):
                 return err
             for other in rop.operands[1:]:
@@ -352,6 +356,10 @@ def row_layouts(region: Region, space: RowSpace) -> dict[int, Layout] | Refusal:
                 layouts[vid] = lx[:axis] + lx[axis + 1:]
             if ops.category(op.kind) is ops.Category.REDUCTION and space.runs & set(layouts[vid]):
                 partial.add(vid)  # the reductions reading it reduce the rest of the row
+            continue
+        if op.kind == "put" and vid in chosen:
+            if refusal := _row_put(region, rop, vid, layouts, fit):
+                return refusal
             continue
         if not ops.is_elementwise(op.kind):
             return Refusal(Rule.TILE, f"{op.kind} is not part of a row program")
@@ -384,7 +392,7 @@ def row_layouts(region: Region, space: RowSpace) -> dict[int, Layout] | Refusal:
                 if v not in chosen and space.runs & along:
                     return Refusal(Rule.OTHER_INDEX, f"{op.kind} combines the elements a topk or sort "
                                    "selected with values along the row")
-            if len({region.value_type(v).shape for v in read if v in chosen}) > 1:
+            if len({region.value_type(v).shape for v in read if v in sorted_values}) > 1:
                 return Refusal(Rule.OTHER_INDEX, f"{op.kind} combines two selections")
         for j, dim in enumerate(result):
             if dim is not None and space.shape[dim] != shape[j] and not (vid in chosen and dim in space.runs):
@@ -526,19 +534,74 @@ def across_reductions(region: Region, space: RowSpace,
     return next(iter(dims), None), frozenset(out)
 
 
+def _row_put(region: Region, rop, vid: int, layouts: dict[int, Layout], fit) -> Refusal | None:
+    """A put in a row program: its values selected from the row by a sort, written at the
+    sort's positions (each of the row's elements once: `indexing.permuted_axis`), so the row
+    program stores the selected tile there. Its layout is its values'; the other indices are
+    their own dims' positions."""
+    n_in = len(region.inputs)
+    src, *indices = rop.operands
+    shape = rop.op.shape
+    if rop.op.attr("accumulate") or src not in layouts or region.value_type(src).shape != shape:
+        return Refusal(Rule.OP, "a row program puts only the elements a sort selected, at its positions")
+    for k, v in enumerate(indices):
+        i_op = region.ops[v - n_in].op if v >= n_in else None
+        if i_op is None:
+            return Refusal(Rule.OP, "a row program puts only at the positions of a sort it computes")
+        if i_op.kind == "argtopk":
+            if i_op.type.shape != shape or i_op.attr("axis") != k or i_op.attr("k") != shape[k] \
+                    or layouts.get(v) != layouts[src]:
+                return Refusal(Rule.OP, "a row program puts only at the positions of a sort of the row")
+        elif not (i_op.kind == "index" and i_op.attr("axis") == k and i_op.shape[k] == shape[k]):
+            return Refusal(Rule.OP, "a row program puts only along the row it sorts")
+        elif err := fit(v, tuple(layouts[src][d] if d == k else None for d in range(len(shape)))):
+            return err
+    if sum(region.ops[v - n_in].op.kind == "argtopk" for v in indices) != 1:
+        return Refusal(Rule.OP, "a row program puts only at the positions of a sort of the row")
+    layouts[vid] = layouts[src]
+    return None
+
+
 def selected(region: Region) -> frozenset[int]:
+    """The values along the elements a topk or sort selected (`selections`), with the
+    values of positions only they read."""
+    chosen, positions = selections(region)
+    return chosen | positions
+
+
+def selections(region: Region) -> tuple[frozenset[int], frozenset[int]]:
     """The values along the elements a topk or sort selected, not along the row: the
-    selections and the elementwise ops reading them (a reduction of one is per row)."""
+    selections, the elementwise ops, softmax and scans reading them (a reduction of one is
+    per row), a put of them at the sort's positions (stored along the row from the selected
+    tile, `row_put`); and apart, the values computed from positions alone that only these
+    read (the j-th selected element's position along the row is j: `index(x, -1) < 1`, the
+    first)."""
     n_in = len(region.inputs)
     out: set[int] = set()
     for i, rop in enumerate(region.ops):
         kind = rop.op.kind
-        if kind in ops.OPS and ops.category(kind) is ops.Category.SELECT:
+        category = ops.category(kind) if kind in ops.OPS else None
+        if category is ops.Category.SELECT:
             out.add(n_in + i)
-        elif ops.is_elementwise(kind) and any(v in out for slot, v in enumerate(rop.operands)
-                                              if not ops.gathers_at(kind, slot)):
+        elif (ops.is_elementwise(kind) or kind == "put") and any(
+                v in out for slot, v in enumerate(rop.operands) if not ops.gathers_at(kind, slot)):
             out.add(n_in + i)
-    return frozenset(out)
+        elif category in (ops.Category.SOFTMAX, ops.Category.SCAN) and rop.operands[0] in out:
+            out.add(n_in + i)
+    # values of positions alone (index ops, and elementwise ops of them and of scalars)
+    positional = {n_in + i for i, rop in enumerate(region.ops) if rop.op.kind == "index"}
+    users: dict[int, set[int]] = {}
+    for i, rop in enumerate(region.ops):
+        for v in rop.operands:
+            users.setdefault(v, set()).add(n_in + i)
+        if ops.is_elementwise(rop.op.kind) and region.value_type(n_in + i).rank and all(
+                v in positional or not region.value_type(v).rank for v in rop.operands):
+            positional.add(n_in + i)
+    outputs, positions = set(region.outputs), set()
+    for v in sorted(positional - out - outputs, reverse=True):  # users first
+        if users.get(v) and users[v] <= out | positions:
+            positions.add(v)
+    return frozenset(out), frozenset(positions)
 
 
 def scan_directions(region: Region) -> Refusal | None:
