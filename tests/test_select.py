@@ -128,17 +128,23 @@ def test_a_topk_of_more_than_registers_hold_keeps_the_first_k_of_the_sorted_row(
     assert torch.equal(v.double(), want_v * 2) and torch.equal(i, want_i)
 
 
-def test_a_reduction_of_more_selected_elements_than_registers_hold_is_refused_naming_it():
+def test_a_reduction_of_a_selection_that_may_pass_registers_reads_it_stored():
+    """A sort whose k may pass 16384 is sorted in memory: a reduction of its values is a
+    row program of its own, reading them stored, at any length."""
     fn = tiledsl.compile("""
     kernel f(x: f32[M, N]) -> f32[M, N] {
         v, i = sort(x, descending=true)
         return v / sum(v, axis=-1, keepdims=true)
     }""")
-    with pytest.raises(tiledsl.TileDSLError) as err:
-        fn(randn(1, 16385, seed=1))
-    assert err.value.message == (
-        "a sum of more than 16384 elements a topk or sort selected (16385 at this call) exceeds the "
-        "limit of 16384 (a reduction of selected elements reads them in registers)")
+    for n in (17, 16385):
+        x = randn(2, n, seed=1)
+        _, out = run_checked(fn, x, sm90=False)
+        v = torch.sort(x.double(), -1, descending=True).values
+        torch.testing.assert_close(out.double(), v / v.sum(-1, keepdim=True), rtol=1e-5, atol=1e-6)
+    assert [k.template for k in fn.kernels] == ["rows", "rows"]
+    assert ("[fuse-rows] refused: topk (line 3) -> sum (line 4): sum reduces the elements a topk selected, which "
+            "a row longer than 16384 sorts in memory (a row program of its own reads them) [rule: tile]"
+            ) in fn.explain()
 
 
 def test_a_vocabulary_sort_builds_for_sm90_without_spills():

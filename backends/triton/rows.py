@@ -38,7 +38,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from tiledsl import ops
-from tiledsl.diagnostics import EmptyReductionError, LimitError
+from tiledsl.diagnostics import EmptyReductionError
 from tiledsl.dims import evaluate
 from tiledsl.ir import KernelOp, Op
 from tiledsl.plans import SELECT_LIMIT, RowPlan
@@ -176,7 +176,7 @@ class RowProgram(Layout, Reductions, Scans, Selections, Split):
                     ms, inv = self.softmax_stats[v]
                     xt = em.tensor(em.convert(vals[x], F32))
                     vals[v] = em.assign(f"tl.exp({xt.text} - {ms}) * {inv}", F32)
-                elif x in self.plan.selected and x in vals:  # (a long one's: refused at the call)
+                elif x in self.plan.selected and x in vals:  # (of a selection in registers)
                     vals[v] = self.one_pass_reduce(v, vals[x], self.chosen_mask(x), "r_base[None, :]",
                                                    self.k_of(x))
             elif self.scanned(v):
@@ -485,23 +485,10 @@ def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKer
         return LaunchConfig((cdiv(rows, block_o),), constexprs, num_warps=warps)
 
     def long_at(dims: Mapping[str, int]) -> bool:
-        """Do this call's selections keep more than a tile holds? (Refused where a reduction
-        reads what they selected: it would need the selected values in registers.)"""
-        keeps = {v: evaluate(prog.op(v).shape[prog.op(v).attr("axis")], dims) for v in prog.long}
-        if not any(k > SELECT_LIMIT for k in keeps.values()):
-            return False
-        for v in sorted(prog.plan.reducing):
-            prog.long_mode = True
-            reduced = prog.reduced(v)
-            prog.long_mode = False
-            if prog.plan.source(v) in prog.long_values and reduced in prog.long_values \
-                    and not prog.scanned(v):
-                op = prog.op(v)
-                raise LimitError(op.span, what=f"a {op.kind} of more than {SELECT_LIMIT} elements a topk "
-                                 f"or sort selected ({max(keeps.values())} at this call)",
-                                 limit=f"{SELECT_LIMIT} (a reduction of selected elements reads them in "
-                                       "registers)")
-        return True
+        """Do this call's selections keep more than a tile holds? (fuse-rows admits no
+        reduction of the values of one that may: `legality._reduces_long_selection`.)"""
+        return any(evaluate(prog.op(v).shape[prog.op(v).attr("axis")], dims) > SELECT_LIMIT
+                   for v in prog.long)
 
     def workspace(dims: Mapping[str, int], target: str) -> tuple[tuple[int, str], ...]:
         """The long selections' sorted rows (int64 words: one row of 2**SORT_LOG keys per row

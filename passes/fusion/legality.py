@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from tiledsl import ops
 from tiledsl.ir import Graph, KernelOp, Op, Region
+from tiledsl.plans import SELECT_LIMIT
 from tiledsl.types import Shape, format_shape
 
 from .remarks import Refusal, Rule
@@ -343,6 +344,9 @@ def row_layouts(region: Region, space: RowSpace) -> dict[int, Layout] | Refusal:
             if x in chosen and ops.category(op.kind) is ops.Category.SCAN and op.attr("reverse"):
                 return Refusal(Rule.TILE, f"{op.kind} runs backward along the elements a topk or sort "
                                "selected (a row program of its own)")
+            if x in sorted_values and ops.category(op.kind) is not ops.Category.SCAN \
+                    and (refusal := _reduces_long_selection(region, rop, sorted_values)):
+                return refusal
             if x not in layouts and (err := fit(x, lx)):
                 return err
             for other in rop.operands[1:]:
@@ -490,13 +494,39 @@ def _dims(layout: Layout | None) -> set[int]:
 
 def _long_selection(region: Region) -> str | None:
     """The kind of a topk or sort whose k may pass `SELECT_LIMIT` (not a literal up to it)."""
-    from tiledsl.plans import SELECT_LIMIT
-
     for r in region.ops:
-        if r.op.kind in ops.OPS and ops.category(r.op.kind) is ops.Category.SELECT:
-            k = r.op.shape[r.op.attr("axis")]
-            if not isinstance(k, int) or k > SELECT_LIMIT:
-                return r.op.kind
+        if r.op.kind in ops.OPS and ops.category(r.op.kind) is ops.Category.SELECT and _may_be_long(r.op):
+            return r.op.kind
+    return None
+
+
+def _may_be_long(op: Op) -> bool:
+    k = op.shape[op.attr("axis")]
+    return not isinstance(k, int) or k > SELECT_LIMIT
+
+
+def _reduces_long_selection(region: Region, rop, sorted_values: frozenset[int]) -> Refusal | None:
+    """A reduction of the elements a selection holds reads them in registers, which a
+    selection whose k may pass `SELECT_LIMIT` sorts in memory: it is a row program of its
+    own, reading them stored (a scan streams them; a softmax of a whole row's sort scales
+    them by the row's statistics)."""
+    n_in = len(region.inputs)
+    stack, seen = [rop.operands[0]], set()
+    while stack:
+        v = stack.pop()
+        seen.add(v)
+        sel = region.ops[v - n_in].op
+        if ops.category(sel.kind) is ops.Category.SELECT:
+            if not _may_be_long(sel):
+                continue
+            axis = sel.attr("axis")
+            whole = sel.attr("k") == region.value_type(region.ops[v - n_in].operands[0]).shape[axis]
+            if rop.op.kind == "softmax" and rop.operands[0] == v and whole:
+                continue
+            return Refusal(Rule.TILE, f"{rop.op.kind} reduces the elements a {sel.kind} selected, which a "
+                           f"row longer than {SELECT_LIMIT} sorts in memory (a row program of its own "
+                           "reads them)")
+        stack.extend(o for o in region.ops[v - n_in].operands if o in sorted_values and o not in seen)
     return None
 
 
