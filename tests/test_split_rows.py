@@ -266,15 +266,22 @@ def test_a_max_across_no_rows_raises_as_torch():
 
 def test_a_sort_of_a_call_sized_k_does_not_split():
     """A topk whose k the call decides may sort its rows in the workspace, one program a row:
-    its row program does not also split a reduction across rows (a kernel of its own)."""
+    the reduction of its values is a row program of its own, which splits across the rows."""
     fn = tiledsl.compile("""kernel f(x: f32[M, N], k: i32[K]) -> (f32[M, K], f32[]) {
         t = topk(x, K, axis=-1)
         return t, sum(sum(t, axis=-1), axis=0)
     }""")
-    assert "split" not in fn.ir()
+    assert [k.template for k in fn.kernels] == ["rows", "rows"]
+    sort, total = fn.kernel_ops()
+    assert not sort.plan.split and total.plan.split
     refusals = [str(r) for r in fn.remarks if isinstance(r, FusionRemark) and not r.fused]
-    assert any("topk may keep more than a tile of each row (sorted in memory): its row program does "
-               "not also split a reduction across its rows [rule: tile]" in r for r in refusals), refusals
+    assert any("sum reduces the elements a topk selected, which a row longer than 16384 sorts in memory "
+               "(a row program of its own reads them) [rule: tile]" in r for r in refusals), refusals
+    x = randn(37, 11, seed=5)
+    t, total_sum = fn(x, torch.zeros(4, dtype=torch.int32))
+    want = torch.topk(x.double(), 4).values
+    assert torch.equal(t.double(), want)
+    torch.testing.assert_close(total_sum.double(), want.sum(), rtol=1e-6, atol=1e-6)
 
 
 def test_a_column_sum_merges_into_the_split_row_program_reading_the_same_gradient():
