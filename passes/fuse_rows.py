@@ -29,7 +29,14 @@ from dataclasses import dataclass
 from tiledsl import ops
 from tiledsl.indexing import permuted_axis
 from tiledsl.ir import Graph, Op, Region
-from tiledsl.passes.fusion.grow import Admission, candidate_kind, fuse_groups, outputs_of
+from tiledsl.passes.fusion.grow import (
+    Admission,
+    broadcast_axes,
+    candidate_kind,
+    computed_view,
+    fuse_groups,
+    outputs_of,
+)
 from tiledsl.passes.fusion.legality import (
     PASS_OPS,
     ROW_OPS,
@@ -60,11 +67,16 @@ class FuseRows(Pass):
         def consider(node: int) -> bool:
             kind = graph.op(node).kind
             return candidate_kind(graph, node) and (ops.is_elementwise(kind) or kind in ROW_OPS
-                                                    or _permuted_put(graph, node))
+                                                    or _permuted_put(graph, node)) \
+                or computed_view(graph, node)
 
         def admit_for(plan: GroupPlan, seed: int) -> Admission:
             x = graph.result_type(*graph.operand_edges(seed)[0])
-            space = RowSpace(x.shape, _row_axes(x.shape, [graph.op(seed), *_continuing(graph, seed, plan)]))
+            if graph.op(seed).kind in ROW_OPS:
+                chain = [graph.op(seed), *_continuing(graph, seed, plan)]
+                space = RowSpace(x.shape, _row_axes(x.shape, chain))
+            else:  # an elementwise op reading a computed value broadcast along `axes`
+                space = RowSpace(graph.op(seed).shape, broadcast_axes(graph, seed))
             unjoined: set[int] = set()  # reductions whose continuation did not join (`settle`)
 
             def admit(group: set[int], cand: int) -> Refusal | None:
@@ -88,6 +100,8 @@ class FuseRows(Pass):
             from a cast of the gradient it reads, it would take the ops a norm's backward
             along the row needs (split, that row program sums the columns too)."""
             op = graph.op(node)
+            if isinstance(op, Op) and op.kind not in ROW_OPS:  # a broadcast join: after every reduction's
+                return False
             if not isinstance(op, Op) or ops.category(op.kind) is not ops.Category.REDUCTION:
                 return True
             source = graph.operand_edges(node)[0]
@@ -95,8 +109,11 @@ class FuseRows(Pass):
                 or continues_reduction(graph.op(source[0]), op) \
                 or any(continues_reduction(op, graph.op(u)) for u, _ in graph.users(node))
 
-        fuse_groups(graph, ctx.remarks, self.name, lambda node: graph.op(node).kind in ROW_OPS, consider,
-                    admit_for, first=along_the_row, related=lambda node: _same_sort(graph, node))
+        def is_seed(node: int) -> bool:
+            return graph.op(node).kind in ROW_OPS or bool(broadcast_axes(graph, node))
+
+        fuse_groups(graph, ctx.remarks, self.name, is_seed, consider, admit_for, first=along_the_row,
+                    related=lambda node: _same_sort(graph, node))
 
 
 def _permuted_put(graph: Graph, node: int) -> bool:

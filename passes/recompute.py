@@ -29,7 +29,10 @@ again at the slice's elements: `cos(ang)[:, None]` becomes an elementwise value 
 can recompute. Moved when every op on the way is elementwise (not `index`, whose value is a
 position, nor a gather), it reaches no other value (a row statistic: the moved ops would
 run over the slice's shape, where no row program reads them), and the chain costs at most
-`RECOMPUTE_BUDGET` operation units per element.
+`RECOMPUTE_BUDGET` operation units per element. Not moved: a view inserting size-1 dims
+that elementwise ops read broadcast along their trailing dims (`a[..., None]` of a merge of
+attention states), which seeds a row program computing the value once a row
+(`fusion.grow.broadcast_axes`).
 Runs before the fusion passes, which read its marks. After one, it leaves the kernels
 formed as they are: a slice of a kernel's result is a view of a stored tensor, a chain
 reading one is not moved (a kernel's result is no value a clone reads as it is), and a
@@ -44,6 +47,7 @@ from tiledsl import ops
 from tiledsl.builder import Builder
 from tiledsl.ir import Graph, Op
 from tiledsl.ops.structure import format_items
+from tiledsl.passes.fusion.grow import broadcast_axes, computed_view
 from tiledsl.passes.fusion.profitability import RECOMPUTE_BUDGET, recompute_refusal
 from tiledsl.passes.fusion.remarks import FusionRemark, Refusal, Rule
 from tiledsl.passes.regions import feeds_dot, is_clonable
@@ -208,6 +212,8 @@ def _move_slice(graph: Graph, node: int, ctx: PassContext) -> None:
     (src,) = graph.operands(node)
     if not _movable(graph, src):  # (a kernel's result is stored: its slice is a view)
         return
+    if computed_view(graph, node) and all(broadcast_axes(graph, u) for u, _ in graph.users(node)):
+        return  # read per row by the row program its readers seed (`fuse_rows`): computed once a row
     items = _items_for(graph.op(node).attr("items"), graph.op(src).shape)
     chain: dict[int, None] = {}  # the elementwise ops computed again, in dependency order
     if items is None or not _slice_plan(graph, src, items, chain):

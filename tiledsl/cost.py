@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from tiledsl import ops
 from tiledsl.dims import evaluate as dim_size
 from tiledsl.ir import KernelOp, Region
 from tiledsl.types import TensorType
@@ -73,12 +74,16 @@ def kernel_traffic(kernel: KernelOp) -> Poly:
 
 
 def op_by_op_traffic(region: Region) -> Poly:
-    """Bytes the same ops move as separate kernels (each reads operands, writes its result)."""
+    """Bytes the same ops move as separate kernels (each reads operands, writes its result;
+    a view moves nothing, its readers read its source)."""
     n_in = len(region.inputs)
     in_memory = {v for v in range(n_in) if not region.inputs[v].scalar}
     total: list[Poly] = []
     for i, rop in enumerate(region.ops):
         if rop.op.kind == "const":
+            continue
+        if ops.category(rop.op.kind) is ops.Category.LAYOUT:
+            in_memory.add(n_in + i)
             continue
         in_memory.add(n_in + i)
         total.extend(tensor_bytes(region.value_type(v)) for v in rop.operands if v in in_memory)

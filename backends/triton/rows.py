@@ -167,7 +167,9 @@ class RowProgram(Layout, Reductions, Scans, Selections, Split):
                 selected = v in self.plan.selected
                 expr = self.index(self.layouts[v][axis], selected) if op.shape[axis] != 1 else None
                 vals[v] = em.index(expr)
-            elif op.kind == "put":  # stored at its positions (`store`)
+            elif op.kind == "put" or ops.category(op.kind) is ops.Category.LAYOUT:
+                # a put is stored at its positions (`store`); a view is its source's tile (its
+                # layout names the same space dims: a transpose, size-1 dims)
                 if self.operands(v)[0] in vals:
                     vals[v] = vals[self.operands(v)[0]]
             elif op.kind == "softmax" and self.is_row_op(v):

@@ -18,7 +18,7 @@ from tiledsl import ops
 from tiledsl.ir import Graph, KernelOp, Op
 from tiledsl.passes.regions import is_clonable, remove_dead_clonables, replace_with_kernel
 
-from .legality import Group, GroupPlan
+from .legality import Group, GroupPlan, view_dims
 from .remarks import FusionRemark, Refusal
 from .spec import Spec
 
@@ -43,6 +43,66 @@ def candidate_kind(graph: Graph, node: int) -> bool:
     op = graph.op(node)
     return (isinstance(op, Op) and op.kind not in ("param", "dim", "const", "return")
             and ops.category(op.kind) is not ops.Category.LAYOUT and not is_clonable(graph, node))
+
+
+def computed_view(graph: Graph, node: int) -> bool:
+    """A transpose, or a view inserting or dropping size-1 dims, of a value a kernel computes
+    (a view of an input is read through its strides): a row program reads it as its source,
+    along the dims its layout names (`legality.view_dims`)."""
+    op = graph.op(node)
+    if not isinstance(op, Op) or ops.category(op.kind) is not ops.Category.LAYOUT:
+        return False
+    src = graph.operands(node)[0]
+    s_op = graph.op(src)
+    return isinstance(s_op, Op) and view_dims(op, s_op.shape) is not None \
+        and (ops.is_elementwise(s_op.kind) or computed_view(graph, src))
+
+
+def broadcast_axes(graph: Graph, node: int) -> tuple[int, ...]:
+    """The trailing axes along which an elementwise op reads a value computed elementwise
+    over a smaller space from tensors (through transposes and size-1 views: vLLM's
+    merge_attn_states scales [T, H, D] outputs by `p_scale.T[:, :, None]` of an [H, T]
+    chain; FlashInfer's merge_state by `exp(s_a - s_max)[..., None]`): a row program over the
+    op's space with those axes computes the value once per row, where it would be stored by
+    a kernel of its own or computed again at every element (empty: no such operand)."""
+    op = graph.op(node)
+    if not isinstance(op, Op) or not ops.is_elementwise(op.kind) or op.kind == "take" \
+            or not candidate_kind(graph, node) or len(op.shape) < 2:
+        return ()
+    for edge in graph.operand_edges(node):
+        src = edge[0]
+        while computed_view(graph, src):
+            src = graph.operands(src)[0]
+        s_op = graph.op(src)
+        if not isinstance(s_op, Op) or not ops.is_elementwise(s_op.kind) or s_op.kind == "take" \
+                or not (candidate_kind(graph, src) or graph.recomputed(src)) or not _reads_tensor(graph, src):
+            continue
+        t = graph.result_type(*edge)
+        lead = len(op.shape) - t.rank
+        axes = tuple(j for j in range(len(op.shape))
+                     if op.shape[j] != 1 and (j < lead or t.shape[j - lead] == 1))
+        if axes and axes == tuple(range(axes[0], len(op.shape))) and len(axes) < len(op.shape):
+            return axes
+    return ()
+
+
+def _reads_tensor(graph: Graph, node: int) -> bool:
+    """Is the elementwise value `node` computed from a tensor (not positions and scalars
+    alone: a mask of index expressions is no value worth a row program)?"""
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        op = graph.op(n)
+        if not isinstance(op, Op) or (op.shape != () and not ops.is_elementwise(op.kind)
+                                      and ops.category(op.kind) is not ops.Category.LAYOUT):
+            return True  # a parameter, a kernel's or a reduction's result
+        if op.kind == "param":
+            return op.shape != ()
+        stack.extend(graph.operands(n))
+    return False
 
 
 def elementwise_candidate(graph: Graph, node: int) -> bool:

@@ -303,6 +303,7 @@ def row_layouts(region: Region, space: RowSpace) -> dict[int, Layout] | Refusal:
     sorted_values, positions = selections(region)
     chosen = sorted_values | positions
     across = None  # the kept dim the region's reductions across rows reduce
+    hints = _view_hints(region, space)
 
     def fit(v: int, layout: Layout) -> Refusal | None:
         if v in layouts and layouts[v] != layout:
@@ -365,6 +366,24 @@ def row_layouts(region: Region, space: RowSpace) -> dict[int, Layout] | Refusal:
             if refusal := _row_put(region, rop, vid, layouts, fit):
                 return refusal
             continue
+        if ops.category(op.kind) is ops.Category.LAYOUT:
+            (src,) = rop.operands
+            dims = view_dims(op, region.value_type(src).shape)
+            if dims is None:
+                return Refusal(Rule.OTHER_INDEX, f"a row program reads through a {op.kind} only a "
+                               "transpose or size-1 dims")
+            if src in chosen or src in partial:
+                return Refusal(Rule.TILE, f"{op.kind} views a value along some of the row program's axes")
+            if src >= n_in:  # the view of a value it computes: its source's dims
+                layout = tuple(None if k is None else layouts[src][k] for k in dims)
+            elif (layout := hints.get(vid) or space.default_layout(op.shape)) is None:
+                return Refusal(Rule.TILE, f"{op.kind} of shape {format_shape(op.shape)} does not fit the "
+                               "row space")
+            elif err := fit(src, _source_layout(dims, layout, region.value_type(src).rank)):
+                return err  # (an input read through the view: at the dims its reader wants)
+            if err := fit(vid, layout):
+                return err
+            continue
         if not ops.is_elementwise(op.kind):
             return Refusal(Rule.TILE, f"{op.kind} is not part of a row program")
         shape = op.shape
@@ -382,7 +401,7 @@ def row_layouts(region: Region, space: RowSpace) -> dict[int, Layout] | Refusal:
                 if result[lead + k] not in (None, dim):
                     return Refusal(Rule.OTHER_INDEX, f"{op.kind} combines values read along different dims")
                 result[lead + k] = dim
-        default = space.default_layout(shape)
+        default = hints.get(vid) or space.default_layout(shape)
         for j, d in enumerate(shape):
             if result[j] is None and d != 1:
                 if default is None or default[j] is None:
@@ -485,6 +504,73 @@ def split_tail(region: Region, layouts: dict[int, Layout], across_reducing: froz
                            "program's dims (a combine launch computes one value per position along the row)")
         tail.add(v)
     return frozenset(tail)
+
+
+def view_dims(op: Op, source: Shape) -> tuple[int | None, ...] | None:
+    """For each dim of a view, the dim of its source it reads (None: a size-1 dim it
+    inserts), where the view is a transpose or only inserts or drops size-1 dims (a
+    `[:, :, None]`, `x[0]` of a size-1 dim, a reshape to the same dims but size-1 ones);
+    None for any other view (a slice of part of a dim, a reshape merging or splitting)."""
+    if op.kind == "transpose":
+        a, b = (d % len(source) for d in op.attr("dims"))
+        out = list(range(len(source)))
+        out[a], out[b] = out[b], out[a]
+        return tuple(out)
+    if op.kind == "reshape":
+        if [d for d in source if d != 1] != [d for d in op.shape if d != 1]:
+            return None
+        places = iter(k for k, d in enumerate(source) if d != 1)
+        return tuple(None if d == 1 else next(places) for d in op.shape)
+    if op.kind != "slice":
+        return None
+    out, axis = [], 0
+    for item in op.attr("items"):
+        if item[0] == "new":
+            out.append(None)
+            continue
+        if item[0] == "at" and not (source[axis] == 1 and item[1] == 0):
+            return None
+        if item[0] == "range":
+            if item[1] != 0 or item[3] != 1 or item[4] != source[axis]:
+                return None
+            out.append(axis)
+        axis += 1
+    return tuple(out)
+
+
+def _source_layout(dims: tuple[int | None, ...], layout: Layout, rank: int) -> Layout:
+    """The layout of a view's source of `rank`, for the view's `layout` (`view_dims`)."""
+    source: list[int | None] = [None] * rank
+    for j, k in enumerate(dims):
+        if k is not None:
+            source[k] = layout[j]
+    return tuple(source)
+
+
+def _view_hints(region: Region, space: RowSpace) -> dict[int, Layout]:
+    """The layouts of values the program reads through views, from the views' readers back:
+    a [H, T] value read as `v.T[:, :, None]` by an op over a [T, H, D] space runs along its
+    dims (1, 0). Every value this reaches (the elementwise ops computing it, back to the
+    inputs) takes its layout; `row_layouts` checks them as it meets each op."""
+    n_in = len(region.inputs)
+    hints: dict[int, Layout] = {}
+    for i in reversed(range(len(region.ops))):
+        vid, rop = n_in + i, region.ops[i]
+        op = rop.op
+        if ops.category(op.kind) is ops.Category.LAYOUT:
+            (src,) = rop.operands
+            dims = view_dims(op, region.value_type(src).shape)
+            layout = hints.get(vid) or space.default_layout(op.shape)
+            if dims is None or layout is None or src in hints:
+                continue
+            hints[src] = _source_layout(dims, layout, region.value_type(src).rank)
+        elif vid in hints and ops.is_elementwise(op.kind):
+            for o in rop.operands:
+                t = region.value_type(o)
+                lead = op.type.rank - t.rank
+                if t.rank and o not in hints and lead >= 0:
+                    hints[o] = tuple(None if t.shape[k] == 1 else hints[vid][lead + k] for k in range(t.rank))
+    return hints
 
 
 def _dims(layout: Layout | None) -> set[int]:
