@@ -30,8 +30,9 @@ can recompute. Moved when every op on the way is elementwise (not `index`, whose
 position, nor a gather), it reaches no other value (a row statistic: the moved ops would
 run over the slice's shape, where no row program reads them), and the chain costs at most
 `RECOMPUTE_BUDGET` operation units per element. Not moved: a view inserting size-1 dims
-that elementwise ops read broadcast along their trailing dims (`a[..., None]` of a merge of
-attention states), which seeds a row program computing the value once a row
+that elementwise ops read broadcast along their trailing dims, of a value whose chain feeds
+another value too (`a[..., None]` of a merge of attention states, whose `a` also gives the
+merged lse), which seeds a row program computing both once a row
 (`fusion.grow.broadcast_axes`).
 Runs before the fusion passes, which read its marks. After one, it leaves the kernels
 formed as they are: a slice of a kernel's result is a view of a stored tensor, a chain
@@ -47,7 +48,7 @@ from tiledsl import ops
 from tiledsl.builder import Builder
 from tiledsl.ir import Graph, Op
 from tiledsl.ops.structure import format_items
-from tiledsl.passes.fusion.grow import broadcast_axes, computed_view
+from tiledsl.passes.fusion.grow import broadcast_axes, computed_view, shared_chain
 from tiledsl.passes.fusion.profitability import RECOMPUTE_BUDGET, recompute_refusal
 from tiledsl.passes.fusion.remarks import FusionRemark, Refusal, Rule
 from tiledsl.passes.regions import feeds_dot, is_clonable
@@ -212,7 +213,8 @@ def _move_slice(graph: Graph, node: int, ctx: PassContext) -> None:
     (src,) = graph.operands(node)
     if not _movable(graph, src):  # (a kernel's result is stored: its slice is a view)
         return
-    if computed_view(graph, node) and all(broadcast_axes(graph, u) for u, _ in graph.users(node)):
+    if computed_view(graph, node) and shared_chain(graph, src) \
+            and all(broadcast_axes(graph, u) for u, _ in graph.users(node)):
         return  # read per row by the row program its readers seed (`fuse_rows`): computed once a row
     items = _items_for(graph.op(node).attr("items"), graph.op(src).shape)
     chain: dict[int, None] = {}  # the elementwise ops computed again, in dependency order

@@ -164,9 +164,9 @@ def grads_ok(fn, *args):
 @pytest.mark.parametrize("src, extra, backward", [
     (LINEAR.format(dt="f32"), (), ["attention_backward"] * 2),
     (RETENTION.format(dt="f32"), (0.96875,), ["attention_backward"] * 2),
-    # the normaliser's gradient is a row value (a row program and an independent pointwise
-    # scale of g, over different spaces: one launch)
-    (NORMALISED, (), ["merged", "attention_backward", "attention_backward"]),
+    # the normaliser's gradient is a row value: one row program along E computes it and
+    # scales g by the normaliser read per row (the broadcast join)
+    (NORMALISED, (), ["rows", "attention_backward", "attention_backward"]),
 ], ids=["linear", "retention", "normalised"])
 @pytest.mark.parametrize("m", [1, 17, 113])
 def test_derived_backward_recomputes_the_scores(src, extra, backward, m):

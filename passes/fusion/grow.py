@@ -62,12 +62,14 @@ def broadcast_axes(graph: Graph, node: int) -> tuple[int, ...]:
     """The trailing axes along which an elementwise op reads a value computed elementwise
     over a smaller space from tensors (through transposes and size-1 views: vLLM's
     merge_attn_states scales [T, H, D] outputs by `p_scale.T[:, :, None]` of an [H, T]
-    chain; FlashInfer's merge_state by `exp(s_a - s_max)[..., None]`): a row program over the
-    op's space with those axes computes the value once per row, where it would be stored by
-    a kernel of its own or computed again at every element (empty: no such operand)."""
+    chain; FlashInfer's merge_state by `exp(s_a - s_max)[..., None]`), where that value
+    would be stored by a kernel of its own (not recomputed), or is recomputed but its chain
+    feeds another value too (`shared_chain`): a row program over the op's space with those
+    axes computes it once per row, with that other value (empty: no such operand; a value
+    recomputed by its readers alone, a gate `sigmoid(g)[:, :, None]`, stays so)."""
     op = graph.op(node)
     if not isinstance(op, Op) or not ops.is_elementwise(op.kind) or op.kind == "take" \
-            or not candidate_kind(graph, node) or len(op.shape) < 2:
+            or not candidate_kind(graph, node) or len(op.shape) < 2 or _broadcast_later(graph, node):
         return ()
     for edge in graph.operand_edges(node):
         src = edge[0]
@@ -75,7 +77,8 @@ def broadcast_axes(graph: Graph, node: int) -> tuple[int, ...]:
             src = graph.operands(src)[0]
         s_op = graph.op(src)
         if not isinstance(s_op, Op) or not ops.is_elementwise(s_op.kind) or s_op.kind == "take" \
-                or not (candidate_kind(graph, src) or graph.recomputed(src)) or not _reads_tensor(graph, src):
+                or not _reads_tensor(graph, src) \
+                or not (candidate_kind(graph, src) or graph.recomputed(src) and shared_chain(graph, src)):
             continue
         t = graph.result_type(*edge)
         lead = len(op.shape) - t.rank
@@ -84,6 +87,50 @@ def broadcast_axes(graph: Graph, node: int) -> tuple[int, ...]:
         if axes and axes == tuple(range(axes[0], len(op.shape))) and len(axes) < len(op.shape):
             return axes
     return ()
+
+
+def _broadcast_later(graph: Graph, node: int) -> bool:
+    """Is the value of elementwise op `node` read, through elementwise ops and views, by an
+    elementwise op over a larger space (YaRN's [B, 1, S, D] cos table scaling [B, H, S, D]
+    queries)? A row program over its own space would then hold a value the larger one reads
+    broadcast: the row program belongs to the larger space, or the value to its readers."""
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        shape = graph.op(n).shape
+        for u, _ in graph.users(n):
+            u_op = graph.op(u)
+            if not isinstance(u_op, Op):
+                continue
+            if ops.category(u_op.kind) is ops.Category.LAYOUT:
+                stack.append(u)
+            elif ops.is_elementwise(u_op.kind):
+                if u_op.shape != shape:  # read broadcast
+                    return True
+                stack.append(u)
+    return False
+
+
+def shared_chain(graph: Graph, node: int) -> bool:
+    """Is a value of the elementwise chain computing `node` read in its own shape by an op
+    besides the chain (not broadcast, not through a view: FlashInfer's merge_state scales
+    the values by `a[..., None]` of `a = exp(s_a - s_max)`, and `a + b` gives the merged
+    lse)? A row program computing `node` per row then computes that reader's value too,
+    where recomputing `node` at each element leaves that reader a kernel of its own."""
+    chain, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        op = graph.op(n)
+        if n in chain or not isinstance(op, Op) or not ops.is_elementwise(op.kind) or op.shape == ():
+            continue
+        chain.add(n)
+        stack.extend(graph.operands(n))
+    return any(u not in chain and isinstance(o := graph.op(u), Op) and o.shape == graph.op(n).shape
+               and ops.category(o.kind) is not ops.Category.LAYOUT
+               for n in chain for u, _ in graph.users(n))
 
 
 def _reads_tensor(graph: Graph, node: int) -> bool:
