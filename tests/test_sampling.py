@@ -146,3 +146,50 @@ def test_a_vocabulary_warper_builds_for_sm90_without_spills(src):
     (r,) = aot.inspect_program(tiledsl.compile(src), {"M": 64, "V": 128256})
     assert (r.config["LONG"], r.config["SORT_LOG"], r.config["BLOCK_R"]) == (True, 17, 4096), r
     assert r.spill_bytes == 0, r
+
+
+VLLM_TOP_K_TOP_P = """
+kernel apply_top_k_top_p(logits: f32[B, V], k: i64[B], p: f32[B]) -> f32[B, V] {
+    logits_sort, logits_idx = sort(logits, axis=-1)
+    top_k_mask = V - k
+    top_k_mask = gather(logits_sort, top_k_mask[:, None], axis=1)
+    top_k_mask = logits_sort < top_k_mask
+    logits_sort = where(top_k_mask, -inf, logits_sort)
+    probs_sort = softmax(logits_sort, axis=-1)
+    probs_sum = cumsum(probs_sort, axis=-1)
+    top_p_mask = probs_sum <= 1 - p[:, None]
+    top_p_mask[:, -1] = false
+    logits_sort = where(top_p_mask, -inf, logits_sort)
+    return scatter(logits, logits_idx, logits_sort, axis=-1)
+}"""
+
+
+def vllm_top_k_top_p(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """vllm/v1/sample/ops/topk_topp_sampler.py apply_top_k_top_p, as written."""
+    logits = logits.clone()
+    logits_sort, logits_idx = logits.sort(dim=-1, descending=False)
+    top_k_mask = logits_sort.size(1) - k.to(torch.long)
+    top_k_mask = logits_sort.gather(1, top_k_mask.unsqueeze(dim=1))
+    top_k_mask = logits_sort < top_k_mask
+    logits_sort.masked_fill_(top_k_mask, -float("inf"))
+    probs_sort = logits_sort.softmax(dim=-1)
+    probs_sum = torch.cumsum(probs_sort, dim=-1)
+    top_p_mask = probs_sum <= 1 - p.unsqueeze(dim=1)
+    top_p_mask[:, -1] = False
+    logits_sort.masked_fill_(top_p_mask, -float("inf"))
+    return logits.scatter_(dim=-1, index=logits_idx, src=logits_sort)
+
+
+@pytest.mark.parametrize("b, v", [(1, 1), (5, 113), (3, 20000)])
+def test_vllm_top_k_top_p_as_written(b, v):
+    # per-request k and p; the k-th value gathered from the sorted row at a per-row position,
+    # which the sort's row program cannot read (it gathers from its own selection), so: the
+    # sort with the masks' positions, the masks and the softmax's cumsum over the stored
+    # sorted row, the scatter back (3 kernels; vLLM's torch path is 11 ops)
+    fn = tiledsl.compile(VLLM_TOP_K_TOP_P)
+    logits = randn(b, v, seed=v, scale=3.0)
+    k = torch.randint(1, v + 1, (b,), generator=torch.Generator().manual_seed(v))
+    p = torch.rand(b, generator=torch.Generator().manual_seed(v + 1)) * 0.5 + 0.4
+    out = fn(logits, k, p)
+    assert torch.equal(out, vllm_top_k_top_p(logits.double(), k, p.double()).float())
+    assert [kk.template for kk in fn.kernels] == ["rows", "rows", "indexed"]
