@@ -77,9 +77,13 @@ class FuseRows(Pass):
                 space = RowSpace(x.shape, _row_axes(x.shape, chain))
             else:  # an elementwise op reading a computed value broadcast along `axes`
                 space = RowSpace(graph.op(seed).shape, broadcast_axes(graph, seed))
-            unjoined: set[int] = set()  # reductions whose continuation did not join (`settle`)
+            # reductions whose continuation did not join, views read outside (`settle`)
+            unjoined: set[int] = set()
 
             def admit(group: set[int], cand: int) -> Refusal | None:
+                if cand in unjoined and ops.category(graph.op(cand).kind) is ops.Category.LAYOUT:
+                    return Refusal(Rule.OP, f"{graph.op(cand).kind} is read outside the row program, "
+                                   "which reads the value it views through its strides")
                 if cand in unjoined:
                     return Refusal(Rule.TILE, f"{graph.op(cand).kind} reduces some of the row program's "
                                    "axes only, and the rest of its reduction did not join it")
@@ -200,7 +204,13 @@ def _admit(graph: Graph, plan: GroupPlan, group: set[int], cand: int,
 def _unjoined(graph: Graph, plan: GroupPlan, members: list[int], space: RowSpace) -> set[int]:
     """The reductions of a grown group that reduce only some of its axes, are used outside
     it, and whose continuing reductions (`_admit` admitted them for) did not all join: the
-    kernel would store a value it never computes."""
+    kernel would store a value it never computes; and the views read outside it, which the
+    kernel would store beside the value they view (that reader reads the value through the
+    view's strides, as before the view joined)."""
+    views = {node for node in outputs_of(graph, members)
+             if ops.category(graph.op(node).kind) is ops.Category.LAYOUT}
+    if views:
+        return views
     region, _, _ = outline(graph, members, members)
     layouts = row_layouts(region, space)
     if isinstance(layouts, Refusal):
