@@ -68,17 +68,35 @@ def test_top_p_as_hugging_face_writes_it_is_one_row_program(m, v):
         run_checked(fn, scores, 0.9)
 
 
-def test_min_p_of_a_row_longer_than_registers_hold_is_one_row_program():
-    scores = randn(2, 20000, seed=7, scale=3.0)
-    fn = tiledsl.compile(MIN_P)
-    out = fn(scores, 0.05)
+def min_p_reference(scores: torch.Tensor, min_p: float) -> torch.Tensor:
+    """MinPLogitsWarper.__call__ (min_tokens_to_keep = 1) in float64."""
     probs = torch.softmax(scores.double(), -1)
-    remove = probs < 0.05 * probs.max(-1, keepdim=True).values
+    remove = probs < min_p * probs.max(-1, keepdim=True).values
     sorted_indices = torch.argsort(scores, dim=-1, descending=True)
     sorted_remove = torch.gather(remove, 1, sorted_indices)
     sorted_remove[..., :1] = False
-    assert torch.equal(out, scores.masked_fill(sorted_remove.scatter(1, sorted_indices, sorted_remove), -math.inf))
+    return scores.masked_fill(sorted_remove.scatter(1, sorted_indices, sorted_remove), -math.inf)
+
+
+# the first kept written as a select of positions, not a subscript write
+MIN_P_WHERE = MIN_P.replace("    sorted_indices_to_remove[..., :1] = false\n", "    sorted_indices_to_remove = "
+                            "where(index(scores, -1) < 1, false, sorted_indices_to_remove)\n")
+
+
+@pytest.mark.parametrize("src", [MIN_P, MIN_P_WHERE], ids=["setitem", "where"])
+@pytest.mark.parametrize("m, v", [(13, n) for n in SIZES] + [(2, 20000)])
+def test_min_p_as_hugging_face_writes_it_is_one_row_program(m, v, src):
+    # `sorted_indices_to_remove[..., :min_tokens_to_keep] = False` as the warper writes it:
+    # the mask computed in sorted order, the first kept (its position along the sort), the
+    # fill stored at the sort's positions; past 16384 tokens the row sorted in memory
+    assert src.count("false") == 1
+    scores = randn(m, v, seed=v, scale=3.0)
+    fn = tiledsl.compile(src)
+    out = fn(scores, 0.1)
+    assert torch.equal(out, min_p_reference(scores, 0.1))
     assert [k.template for k in fn.kernels] == ["rows"]
+    if v < 20000:
+        run_checked(fn, scores, 0.1)
 
 
 @pytest.mark.parametrize("n", (17, 113, 5000))

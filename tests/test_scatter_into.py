@@ -103,41 +103,6 @@ def test_gradients_through_scatter_index_copy_and_scatter_add(n):
         assert report.ok, f"{call}: {report}"
 
 
-MIN_P = """
-kernel min_p(scores: f32[M, V], min_p: f32) -> f32[M, V] {
-    probs = softmax(scores, axis=-1)
-    top_probs = max(probs, axis=-1, keepdims=true)
-    tokens_to_remove = probs < min_p * top_probs
-    sorted_indices = argsort(scores, axis=-1, descending=true)
-    sorted_indices_to_remove = gather(tokens_to_remove, sorted_indices, axis=-1)
-    sorted_indices_to_remove = where(index(scores, -1) < 1, false, sorted_indices_to_remove)
-    indices_to_remove = scatter(sorted_indices_to_remove, sorted_indices, sorted_indices_to_remove, axis=1)
-    return where(indices_to_remove, -inf, scores)
-}
-"""
-
-
-@pytest.mark.parametrize("v", SIZES)
-def test_min_p_warper(v):
-    # Hugging Face's MinPLogitsWarper.__call__ (min_tokens_to_keep = 1) as written: the mask
-    # gathered to sorted order, the first kept, scattered back at the same permutation. The
-    # scatter writes every element (argsort's positions), so it reads no x
-    scores = randn(13, v, seed=v, scale=3.0)
-    fn, out = run_checked(MIN_P, scores, 0.1)
-    probs = torch.softmax(scores.double(), -1)
-    remove = probs < 0.1 * probs.max(-1, keepdim=True).values
-    sorted_indices = torch.argsort(scores, dim=-1, descending=True)
-    sorted_remove = torch.gather(remove, 1, sorted_indices)
-    sorted_remove[..., :1] = False
-    ref = scores.masked_fill(sorted_remove.scatter(1, sorted_indices, sorted_remove), -math.inf)
-    assert torch.equal(out, ref)
-    assert "put_into" not in fn.explain()
-    # one row program: the mask computed in sorted order from the sort it holds (the gather
-    # at the permutation moved to the mask's operands, softmax commuting with it), the fill
-    # moved before the scatter, and the filled sorted row stored at the sort's positions
-    assert [k.template for k in fn.kernels] == ["rows"]
-
-
 @pytest.mark.parametrize("v", SIZES)
 def test_scatter_of_a_gather_at_a_permutation_is_the_value(v):
     src = """

@@ -56,32 +56,6 @@ kernel f(cache: f32[B, H, T, D], pos: i64[S], k: f32[B, H, S, D]) -> f32[B, H, T
     assert [kk.template for kk in fn.kernels] == ["indexed"]
 
 
-@pytest.mark.parametrize("v", SIZES)
-def test_min_p_as_hugging_face_writes_it(v):
-    # MinPLogitsWarper.__call__, min_tokens_to_keep = 1, written as the warper writes it:
-    # `sorted_indices_to_remove[..., :min_tokens_to_keep] = False`
-    src = """
-kernel min_p(scores: f32[M, V], min_p: f32) -> f32[M, V] {
-    probs = softmax(scores, axis=-1)
-    top_probs = max(probs, axis=-1, keepdims=true)
-    tokens_to_remove = probs < min_p * top_probs
-    sorted_indices = argsort(scores, axis=-1, descending=true)
-    sorted_indices_to_remove = gather(tokens_to_remove, sorted_indices, axis=-1)
-    sorted_indices_to_remove[..., :1] = false
-    indices_to_remove = scatter(sorted_indices_to_remove, sorted_indices, sorted_indices_to_remove, axis=1)
-    return where(indices_to_remove, -inf, scores)
-}"""
-    scores = randn(13, v, seed=v, scale=3.0)
-    fn, out = run_checked(src, scores, 0.1)
-    probs = torch.softmax(scores.double(), -1)
-    remove = probs < 0.1 * probs.max(-1, keepdim=True).values
-    sorted_indices = torch.argsort(scores, dim=-1, descending=True)
-    sorted_remove = torch.gather(remove, 1, sorted_indices)
-    sorted_remove[..., :1] = False
-    assert torch.equal(out, scores.masked_fill(sorted_remove.scatter(1, sorted_indices, sorted_remove), -math.inf))
-    assert [k.template for k in fn.kernels] == ["rows"]
-
-
 @pytest.mark.parametrize("n", SIZES)
 def test_writes_through_a_bool_mask_are_a_select(n):
     # `scores[scores < t] = -inf`, `x[mask] = 0`: masked_fill as model code writes it

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from tiledsl import ops
-from tiledsl.ir import Graph, KernelOp, Op
+from tiledsl.ir import Graph, KernelOp, Op, walk
 from tiledsl.passes.regions import is_clonable, remove_dead_clonables, replace_with_kernel
 
 from .legality import Group, GroupPlan, view_dims
@@ -94,24 +94,25 @@ def _broadcast_later(graph: Graph, node: int) -> bool:
     elementwise op over a larger space (YaRN's [B, 1, S, D] cos table scaling [B, H, S, D]
     queries)? A row program over its own space would then hold a value the larger one reads
     broadcast: the row program belongs to the larger space, or the value to its readers."""
-    stack, seen = [node], set()
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        shape = graph.op(n).shape
-        for u, _ in graph.users(n):
-            u_op = graph.op(u)
-            if not isinstance(u_op, Op):
-                continue
-            if ops.category(u_op.kind) is ops.Category.LAYOUT:
-                stack.append(u)
-            elif ops.is_elementwise(u_op.kind):
-                if u_op.shape != shape:  # read broadcast
-                    return True
-                stack.append(u)
-    return False
+    def readers(n: int) -> list[tuple[int, Op]]:
+        return [(u, o) for u, _ in graph.users(n) if isinstance(o := graph.op(u), Op)
+                and (ops.is_elementwise(o.kind) or ops.category(o.kind) is ops.Category.LAYOUT)]
+
+    def onward(n: int) -> list[int]:  # (what reads n at its own shape, or views it)
+        return [u for u, o in readers(n)
+                if o.shape == graph.op(n).shape or not ops.is_elementwise(o.kind)]
+
+    return any(ops.is_elementwise(o.kind) and o.shape != graph.op(n).shape
+               for n in walk([node], onward) for _, o in readers(n))
+
+
+def _elementwise_chain(graph: Graph, node: int) -> set[int]:
+    """`node` and the elementwise ops (of tensors) it is computed from."""
+    def chain(n: int) -> bool:
+        op = graph.op(n)
+        return isinstance(op, Op) and ops.is_elementwise(op.kind) and op.shape != ()
+
+    return set(walk([node], lambda n: [o for o in graph.operands(n) if chain(o)]))
 
 
 def shared_chain(graph: Graph, node: int) -> bool:
@@ -120,36 +121,25 @@ def shared_chain(graph: Graph, node: int) -> bool:
     the values by `a[..., None]` of `a = exp(s_a - s_max)`, and `a + b` gives the merged
     lse)? A row program computing `node` per row then computes that reader's value too,
     where recomputing `node` at each element leaves that reader a kernel of its own."""
-    chain, stack = set(), [node]
-    while stack:
-        n = stack.pop()
-        op = graph.op(n)
-        if n in chain or not isinstance(op, Op) or not ops.is_elementwise(op.kind) or op.shape == ():
-            continue
-        chain.add(n)
-        stack.extend(graph.operands(n))
+    chain = _elementwise_chain(graph, node)
     return any(u not in chain and isinstance(o := graph.op(u), Op) and o.shape == graph.op(n).shape
                and ops.category(o.kind) is not ops.Category.LAYOUT
                for n in chain for u, _ in graph.users(n))
 
 
 def _reads_tensor(graph: Graph, node: int) -> bool:
-    """Is the elementwise value `node` computed from a tensor (not positions and scalars
-    alone: a mask of index expressions is no value worth a row program)?"""
-    stack, seen = [node], set()
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
+    """Is the elementwise value `node` computed from a tensor (a parameter, a kernel's or a
+    reduction's result; not positions and scalars alone: a mask of index expressions is no
+    value worth a row program)?"""
+    def computed(op: Op) -> bool:  # (an elementwise op or a view: walked through)
+        return ops.is_elementwise(op.kind) or ops.category(op.kind) is ops.Category.LAYOUT
+
+    def through(n: int) -> list[int]:
         op = graph.op(n)
-        if not isinstance(op, Op) or (op.shape != () and not ops.is_elementwise(op.kind)
-                                      and ops.category(op.kind) is not ops.Category.LAYOUT):
-            return True  # a parameter, a kernel's or a reduction's result
-        if op.kind == "param":
-            return op.shape != ()
-        stack.extend(graph.operands(n))
-    return False
+        return graph.operands(n) if isinstance(op, Op) and (op.shape == () or computed(op)) else []
+
+    return any(not isinstance(op := graph.op(n), Op)
+               or op.shape != () and (op.kind == "param" or not computed(op)) for n in walk([node], through))
 
 
 def elementwise_candidate(graph: Graph, node: int) -> bool:
