@@ -152,6 +152,10 @@ class Generator:
         # and so do the subscript writes (`t[..., :1] = s`) that now and then follow a statement
         # (salt 2: the first that keeps the pinned programs)
         self.items_rng = random.Random("items2:" + str(rng.getstate()[1][:8]))
+        # and so do the sampling warpers that now and then stand in for an out-of-place write
+        # (a mask computed along the sorted row, scattered back to the row's order and filling
+        # it; salt 2: the first that keeps the pinned programs)
+        self.sample_rng = random.Random("sample2:" + str(rng.getstate()[1][:8]))
         self.values: list[Value] = [
             Value("x", ("M", "N")), Value("y", ("N",)), Value("z", ("M", "1")), Value("s", ()),
             Value("mask", ("M", "N"), "bool"), Value("flag", (), "bool")]
@@ -439,6 +443,8 @@ class Generator:
         reads no x), half of them (into a copy of a), the rows of an index_copy, or a gather at
         the permutation scattered back (the values themselves)."""
         rng, t = self.writes_rng, a.text
+        if self.sample_rng.random() < 0.3:
+            return self.warper(a)
         half = "(M + 1) // 2"
         return rng.choice([
             f"scatter({t}, argsort(k, axis=0), {t} * 0.5, 0)",
@@ -446,6 +452,22 @@ class Generator:
             f"index_copy({t}, 0, argsort(k[:, 0], axis=0)[:{half}], {t}[:{half}, :] * 0.5)",
             f"scatter({t}, argsort(k, axis=0, descending=true), gather({t}, argsort(k, axis=0, "
             "descending=true), axis=0), 0)"])
+
+    def warper(self, a: Value) -> str:
+        """A sampling warper's filter of `a` ([M, N]) along its rows, as Hugging Face writes
+        top-p and min-p: a mask computed in sorted order (a cumulative softmax, or a mask of
+        the row gathered there, the first element kept), scattered back at the sort's
+        positions, filling `a` with a finite value."""
+        rng, t = self.sample_rng, a.text
+        if rng.random() < 0.5:
+            keep = rng.choice(["0.3", "0.6", "0.9"])
+            m = f"cumsum(softmax(sort({t}, axis=1)[0], axis=1), axis=1) <= {keep}"
+            i = f"argsort({t}, axis=1)"
+        else:
+            i = f"argsort({t}, axis=1, descending=true)"
+            m = (f"where(index({t}, 1) < 1, false, gather(softmax({t}, axis=1) < 0.2 * max(softmax({t}, "
+                 f"axis=1), axis=1, keepdims=true), {i}, axis=1))")
+        return f"where(scatter({m}, {i}, {m}, 1), {rng.choice(['0.0', '-1.0'])}, {t})"
 
     def scan(self, a: Value, axis: int) -> str:
         """A scan of `a` along `axis` (a cumsum half the time; the others' operands bounded, so
