@@ -523,6 +523,46 @@ class GatherAlongRow(Pattern):
         return True
 
 
+class PickAlongRow(Pattern):
+    """A slice picking one element along the axis a row program computes its value along, at
+    a position of its own (`topk(x, 5)[0][..., -1, None]`, Hugging Face's top-k warper's k-th
+    largest; gpt-fast's pivot `v.select(-1, -1)`), is a sum over that axis selecting it, as
+    a gather there is (`GatherAlongRow`): the row program holds the row, or the selected
+    elements, and reads the element per row, which the readers of the slice then read as a
+    per-row value, in the same kernel."""
+
+    def apply(self, graph: Graph, node: int, op: Op, rewriter: Rewriter) -> bool:
+        if op.kind != "slice":
+            return False
+        (v, res), = graph.operand_edges(node)
+        shape = graph.result_type(v, res).shape
+        items = op.attr("items")
+        picks = [k for k, it in enumerate(items) if it[0] == "at"]
+        if len(picks) != 1:
+            return False
+        axis = sum(1 for it in items[:picks[0]] if it[0] != "new")
+        own = [it for it in items if it[0] != "new"]
+        if shape[axis] == 1 or any(it[0] == "range" and (it[1] != 0 or it[3] != 1 or it[4] != shape[k])
+                                   for k, it in enumerate(own)):
+            return False
+        news = [k for k, it in enumerate(items) if it[0] == "new"]
+        keep = bool(news)
+        if news and (len(news) != 1 or abs(news[0] - picks[0]) != 1):
+            return False  # (one new axis beside the picked one: where keepdims leaves it)
+        if not _computed_along(graph, v, axis):
+            return False
+        b, span = rewriter.build, op.span
+        at = items[picks[0]][1]
+        small = tuple(d if k == axis else 1 for k, d in enumerate(shape))
+        hit = b.op("eq", [b.op("index", [], span, axis=axis, shape=small), b.size(at, span)], span)
+        zero = b.const(0, graph.result_type(v, res).dtype, span)
+        picked = b.op("sum", [b.op("where", [hit, (v, res), zero], span)], span, axis=axis, keepdims=keep)
+        if b.types([picked])[0] != op.type:
+            return False
+        rewriter.replace(node, picked)
+        return True
+
+
 def _gathered_axis(graph: Graph, indices: list[Edge], shape: tuple, out: tuple) -> int | None:
     """The one axis a gather of a value of `shape` reads at computed indices, every other
     axis read at its own index (the gather's result is the value without that axis); None
@@ -549,7 +589,7 @@ def _computed_along(graph: Graph, node: int, axis: int, depth: int = 8) -> bool:
     if not isinstance(op, Op):
         return False
     category = ops.category(op.kind)
-    if category in (ops.Category.SOFTMAX, ops.Category.SCAN, ops.Category.REDUCTION):
+    if category in (ops.Category.SOFTMAX, ops.Category.SCAN, ops.Category.REDUCTION, ops.Category.SELECT):
         return op.attr("axis") == axis and (category is not ops.Category.REDUCTION or op.attr("keepdims"))
     if depth == 0 or not ops.is_elementwise(op.kind) or op.kind == "take":
         return False
@@ -866,8 +906,8 @@ class ElementwiseOfPermutedWrite(Pattern):
 PATTERNS = (FoldConstants(), RemoveIdentity(), DivideByReciprocal(), RemoveNoOpCast(), CancelInvolution(),
             ReshapeOfReshape(), ReduceAlongOne(), ViewOfFill(), KeepReducedDim(), TransposeProduct(),
             TransposedOperand(), TransposedGatheredOperand(), GatherBeforeElementwise(), GatherAlongRow(),
-            ViewOfGather(), ReshapeOfIndexMap(), RemoveIdentityGather(), WriteInto(), AddInto(),
-            SelectOfSame(), PermutedWrite(), SortedValues(), GatherAtPermutation(),
+            PickAlongRow(), ViewOfGather(), ReshapeOfIndexMap(), RemoveIdentityGather(), WriteInto(),
+            AddInto(), SelectOfSame(), PermutedWrite(), SortedValues(), GatherAtPermutation(),
             ElementwiseOfPermutedWrite())
 
 

@@ -251,8 +251,8 @@ def test_positions_return_as_i32(n):
 def test_hf_top_k_warper(v):
     # TopKLogitsWarper.__call__ as Hugging Face writes it: the k-th largest score picked from
     # torch's pair (`torch.topk(scores, top_k)[0][..., -1, None]`), the scores below it
-    # filled with -inf (masked_fill: where). 2 kernels: the top 5, then the fill reading the
-    # 5th of them (one row program would need an index along the selected elements)
+    # filled with -inf (masked_fill: where). One row program: the top 5 streamed, the 5th
+    # picked from them per row (a sum selecting its position), the fill written after
     src = """
 kernel top_k(scores: f32[B, V]) -> f32[B, V] {
     indices_to_remove = scores < topk(scores, 5)[0][..., -1, None]
@@ -261,4 +261,26 @@ kernel top_k(scores: f32[B, V]) -> f32[B, V] {
     scores = randn(7, v, seed=v, scale=3.0)
     fn, out = run_checked(src, scores)
     assert torch.equal(out, scores.masked_fill(scores < torch.topk(scores, 5)[0][..., -1, None], -math.inf))
-    assert [k.template for k in fn.kernels] == ["rows", "pointwise"]
+    assert [k.template for k in fn.kernels] == ["rows"]
+
+
+@pytest.mark.parametrize("v", [17, 113, 5000])
+def test_gpt_fast_top_k_sampling_filter(v):
+    # gpt-fast's logits_to_probs: `v, _ = torch.topk(logits, top_k); pivot = v.select(-1, -1)
+    # .unsqueeze(-1); logits = torch.where(logits < pivot, -inf, logits)`, then the softmax of
+    # the temperature-scaled logits: one row program (a row of 5000 streams through the topk)
+    src = """
+kernel logits_to_probs(logits: f32[B, V], temperature: f32) -> f32[B, V] {
+    logits = logits / maximum(temperature, 1e-5)
+    v, _ = topk(logits, 7)
+    pivot = v[..., -1][..., None]
+    logits = where(logits < pivot, -inf, logits)
+    return softmax(logits, axis=-1)
+}"""
+    logits = randn(3, v, seed=v, scale=3.0)
+    fn, out = run_checked(src, logits, 0.8)
+    x = logits.double() / 0.8
+    pivot = torch.topk(x, 7).values[..., -1:]
+    torch.testing.assert_close(out.double(), torch.softmax(torch.where(x < pivot, -math.inf, x), -1),
+                               rtol=1e-5, atol=1e-7)
+    assert [k.template for k in fn.kernels] == ["rows"]

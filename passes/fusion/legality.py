@@ -402,6 +402,10 @@ def row_layouts(region: Region, space: RowSpace) -> dict[int, Layout] | Refusal:
                     return Refusal(Rule.OTHER_INDEX, f"{op.kind} combines values read along different dims")
                 result[lead + k] = dim
         default = hints.get(vid) or space.default_layout(shape)
+        if default is None and vid in chosen:  # along a selection's k, not the row's length
+            lead = len(space.shape) - len(shape)
+            default = space.default_layout(tuple(space.shape[lead + j] if lead + j in space.runs and d != 1
+                                                 else d for j, d in enumerate(shape)))
         for j, d in enumerate(shape):
             if result[j] is None and d != 1:
                 if default is None or default[j] is None:
