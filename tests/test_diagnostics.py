@@ -165,6 +165,9 @@ HABITS = {
     "return max(x, 0.0)": (
         "<string>:2:19: error: 'axis' of 'max' must be an integer constant",
         "note: 'max' reduces along an axis; the elementwise maximum of two values is maximum(a, b)"),
+    "return x / max(x[0, 0], 1e-5)": (  # gpt-fast's `logits / max(temperature, 1e-5)`
+        "<string>:2:16: error: 'max' needs a value of rank 1 or more",
+        "note: 'max' reduces along an axis; the elementwise maximum of two values is maximum(a, b)"),
     "return min(x, 2)": (
         "<string>:2:19: error: axis 2 is out of range for a value of rank 2 (valid: -2 to 1)",
         "note: 'min' reduces along an axis; the elementwise minimum of two values is minimum(a, b)"),

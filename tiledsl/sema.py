@@ -397,7 +397,8 @@ class _KernelBuilder:
         x = self._value(args, "x")
         rank = self.graph.op(x[0]).type.rank
         if rank == 0:
-            raise diag.RankError(e.span, message=f"'{e.func}' needs a value of rank 1 or more")
+            raise diag.RankError(e.span, self._elementwise_spelling(e),
+                                 message=f"'{e.func}' needs a value of rank 1 or more")
         given = args.get("axis")
         if isinstance(given, ast.TupleLit | ast.NoneLit):
             if ops.OPS[e.func].reduction.index:
@@ -407,14 +408,21 @@ class _KernelBuilder:
         try:
             axis = axis_arg(e, args, "axis", rank)
         except (diag.ConstantExpected, diag.AxisError) as err:
-            if e.func in _ELEMENTWISE_SPELLING and len(e.args) == 2:  # max(x, 0.0): Python's max
-                spelling = _ELEMENTWISE_SPELLING[e.func]
-                note = diag.Note(f"'{e.func}' reduces along an axis; the elementwise {spelling} "
-                                 f"of two values is {spelling}(a, b)")
-                raise type(err)(err.span, (*err.notes, note), **err.fields) from None
+            if notes := self._elementwise_spelling(e):
+                raise type(err)(err.span, (*err.notes, *notes), **err.fields) from None
             raise
         keepdims = const_bool(args.get("keepdims"), f"'keepdims' of '{e.func}'")
         return self.b.user_op(e.func, [x], e.span, axis=axis, keepdims=keepdims, **attrs)
+
+    @staticmethod
+    def _elementwise_spelling(e: ast.Call) -> list[diag.Note]:
+        """A note for Python's `max(a, b)` of two values (`max(x, 0.0)`, gpt-fast's
+        `max(temperature, 1e-5)`): the elementwise op's name."""
+        if e.func not in _ELEMENTWISE_SPELLING or len(e.args) != 2:
+            return []
+        spelling = _ELEMENTWISE_SPELLING[e.func]
+        return [diag.Note(f"'{e.func}' reduces along an axis; the elementwise {spelling} of two values "
+                          f"is {spelling}(a, b)")]
 
     def _results_extremum(self, e: ast.Call, b: Builtin, args: dict[str, ast.Expr]) -> tuple[int, int]:
         """`values, indices = max(x, axis)`, torch's pair: the max along one axis and the
