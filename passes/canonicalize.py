@@ -861,6 +861,8 @@ class GatherAtPermutation(Pattern):
         if not (ops.is_elementwise(x_op.kind) or (x_op.kind == "softmax" and x_op.attr("axis") == k)):
             return False
         edges = graph.operand_edges(x)
+        if not any(graph.result_type(*e).rank for e in edges):
+            return False  # (`index`: a position, which the permutation moves; a fill)
         moved = [e for e in edges if _permuted_kind(graph, e, shape, k) == "gather"]
         if any(_permuted_kind(graph, e, shape, k) is None for e in edges):
             return False

@@ -397,3 +397,14 @@ def test_a_gemm_operand_prologue_computed_from_positions():
     program = fuzzgen.generate(random.Random("49:546"), seed=546)
     assert "(index(y, 0) * 0.01)" in program.source  # the program pinned
     assert fuzzgen.run_grads(program).status == "pass"
+
+
+def test_a_position_gathered_at_a_permutation_is_the_permutation():
+    """Fuzzer, seed 5302, program 1109: `scatter(a, p, gather(a, p))` of positions
+    `a = index(x, 0) * 0.01` at argsort's positions is a; canonicalize's move of a gather at
+    a permutation into an elementwise op went on into the `index` op itself, as if a
+    position did not move with the permutation (error 0.32). An op of no tensor operand is
+    not moved into."""
+    program = fuzzgen.generate(random.Random("5302:1109"), seed=1109)
+    assert "gather((index(x, 0) * 0.01), argsort(k, axis=0" in program.source  # the program pinned
+    assert fuzzgen.run(program).status == "pass"
