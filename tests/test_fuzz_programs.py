@@ -408,3 +408,13 @@ def test_a_position_gathered_at_a_permutation_is_the_permutation():
     program = fuzzgen.generate(random.Random("5302:1109"), seed=1109)
     assert "gather((index(x, 0) * 0.01), argsort(k, axis=0" in program.source  # the program pinned
     assert fuzzgen.run(program).status == "pass"
+
+
+def test_a_dropout_of_a_permuted_write_draws_at_the_elements_own_positions():
+    """Fuzzer, seed 5302, program 7735: a top-p-like fill scattered back at argsort's
+    positions, then dropped out: moving the dropout before the scatter gathers its random
+    numbers' positions at the permutation, which the move into `index` left unmoved (a
+    mask drawn at the sorted positions: error 0.2)."""
+    program = fuzzgen.generate(random.Random("5302:7735"), seed=7735)
+    assert "dropout(where(scatter(cumsum(softmax(sort(" in program.source  # the program pinned
+    assert fuzzgen.run(program).status == "pass"
