@@ -156,6 +156,10 @@ class Generator:
         # (a mask computed along the sorted row, scattered back to the row's order and filling
         # it; salt 2: the first that keeps the pinned programs)
         self.sample_rng = random.Random("sample2:" + str(rng.getstate()[1][:8]))
+        # and so do the values of the rows computed over a transposed smaller space that now
+        # and then scale an indexed value (a broadcast join; salt 1 keeps the
+        # pinned programs)
+        self.joins_rng = random.Random("joins1:" + str(rng.getstate()[1][:8]))
         self.values: list[Value] = [
             Value("x", ("M", "N")), Value("y", ("N",)), Value("z", ("M", "1")), Value("s", ()),
             Value("mask", ("M", "N"), "bool"), Value("flag", (), "bool")]
@@ -388,7 +392,20 @@ class Generator:
         out = self._indexed(a)
         if len(a.shape) == 2 and a.kind == "float" and self.fills_rng.random() < 0.2:
             return self.fill(a)
+        if out.shape == ("M", "N") and out.kind == "float" and self.joins_rng.random() < 0.15:
+            return self.join(out)
         return out
+
+    def join(self, a: Value) -> Value:
+        """`a` ([M, N]) scaled by a value of its rows computed over the transposed [1, M]
+        space of z and read back transposed (vLLM's merge of attention states reads its lse
+        so): a row program over [M, N] computes it once a row."""
+        rng = self.joins_rng
+        zt = "transpose(z, 0, 1)"
+        f = rng.choice([f"exp({zt} * 0.5) + 1.0", f"sigmoid({zt}) * tanh({zt} + 0.5)",
+                        f"log(1.0 + exp({zt} - max({zt}, axis=-1, keepdims=true)))"])
+        shift = rng.choice(["", f" + transpose({zt} * 0.25, 0, 1)"])
+        return Value(f"({a.text} * transpose({f}, 0, 1){shift})", a.shape)
 
     def fill(self, a: Value) -> Value:
         """A value of a's 2-D shape: a shift (a pad and a slice), a fill, a sort, dropout or
