@@ -676,6 +676,73 @@ def _reindexable(graph: Graph, node: int) -> bool:
     return all(isinstance(graph.op(n), Op) for n in walk([node], read))
 
 
+class GatherOfView(Pattern):
+    """A gather reading some axes of x at the result's own positions of other axes, `take(x,
+    b, s, h, d')` over a [B, H, S, D] result (s: the index along the result's axis 2, h along
+    its axis 1), reads a transpose of x at its own positions there: `take(transpose(x, 1,
+    2), b, h, s, d')`; and `take(k, b, s, hk, d)` over [B, HK, 1, S, D], every axis at an
+    own position, is the view `transpose(k, 1, 2)[:, :, None]`. A view of a parameter is
+    read through its strides, one of a computed value by the row program computing it, and
+    a gather at every axis's own position is the value (`RemoveIdentityGather`): Qwen3's
+    rotary halves of its normalised, transposed q and k read q and k so, and the rows'
+    statistic as a view."""
+
+    def apply(self, graph: Graph, node: int, op: Op, rewriter: Rewriter) -> bool:
+        if op.kind != "take":
+            return False
+        x, *indices = graph.operand_edges(node)
+        shape, rank = graph.result_type(*x).shape, len(op.shape)
+        n = len(shape)
+        if len(indices) != n or n > rank:
+            return False
+
+        def along(k: int) -> int | None:
+            """The result axis x's axis k is read along: an `index` of it, or an index
+            computed along that axis alone (a rotation of it); None: a size-1 axis read at 0."""
+            i_op = graph.op(indices[k][0])
+            if shape[k] == 1 and const_value(graph, indices[k][0]) == 0:
+                return None
+            t = graph.result_type(*indices[k])
+            varying = [r for r in range(t.rank) if t.shape[r] != 1]
+            if t.rank != rank or len(varying) != 1 or t.shape[varying[0]] != op.shape[varying[0]]:
+                return -1
+            return varying[0] if not (isinstance(i_op, Op) and i_op.kind == "index") \
+                or i_op.attr("axis") == varying[0] else -1
+
+        places = [along(k) for k in range(n)]
+        ones = [r for r in range(rank) if op.shape[r] == 1 and r not in places]
+        for k in range(n):  # a size-1 axis read at 0 takes a size-1 place of the result
+            if places[k] is None:
+                if not ones:
+                    return False
+                places[k] = ones.pop(0)
+        if -1 in places or len(set(places)) != n or places == list(range(n)) \
+                or any(op.shape[r] != 1 for r in range(rank) if r not in places):
+            return False
+        b = rewriter.build
+        view, current = x, list(range(n))  # current[j]: the axis of x at the view's place j
+        for j, axis in enumerate(sorted(range(n), key=places.__getitem__)):
+            at = current.index(axis)
+            if at != j:
+                view = b.op("transpose", [view], op.span, dims=(j, at))
+                current[j], current[at] = current[at], current[j]
+        read = sorted(places)
+        if n != rank:
+            v_shape = b.types([view])[0].shape
+            items = []
+            for r in range(rank):
+                j = read.index(r) if r in read else None
+                items.append(("range", 0, v_shape[j], 1, v_shape[j]) if j is not None else ("new",))
+            view = b.op("slice", [view], op.span, items=tuple(items))
+        at_axis = {places[k]: indices[k] for k in range(n)}
+        zero = b.const(0, DType.I32, op.span)
+        out = b.op("take", [view, *(at_axis.get(r, zero) for r in range(rank))], op.span)
+        if b.types([out])[0] != op.type:
+            return False
+        rewriter.replace(node, out)
+        return True
+
+
 class RemoveIdentityGather(Pattern):
     """A gather of each element at its own index, `take(x, i0, .., ik)` where `ik` is the
     index along axis k (0 where x has size 1 there), is `x`: a concat's piece re-indexed
@@ -908,7 +975,8 @@ class ElementwiseOfPermutedWrite(Pattern):
 PATTERNS = (FoldConstants(), RemoveIdentity(), DivideByReciprocal(), RemoveNoOpCast(), CancelInvolution(),
             ReshapeOfReshape(), ReduceAlongOne(), ViewOfFill(), KeepReducedDim(), TransposeProduct(),
             TransposedOperand(), TransposedGatheredOperand(), GatherBeforeElementwise(), GatherAlongRow(),
-            PickAlongRow(), ViewOfGather(), ReshapeOfIndexMap(), RemoveIdentityGather(), WriteInto(),
+            PickAlongRow(), ViewOfGather(), ReshapeOfIndexMap(), GatherOfView(), RemoveIdentityGather(),
+            WriteInto(),
             AddInto(), SelectOfSame(), PermutedWrite(), SortedValues(), GatherAtPermutation(),
             ElementwiseOfPermutedWrite())
 

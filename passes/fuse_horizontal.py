@@ -33,8 +33,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tiledsl import cost
-from tiledsl.ir import Graph, KernelOp
+from tiledsl import cost, ops
+from tiledsl.ir import Graph, KernelOp, Op
 from tiledsl.passes.fusion.legality import (
     Group,
     GroupPlan,
@@ -254,8 +254,16 @@ def _inputs(graph: Graph, node: int) -> set[tuple[int, int]]:
     results of other kernels (a clipping coefficient every gradient's scale reads: merged,
     the scales are one launch, as torch's foreach kernels are)."""
     kernel = graph.op(node)
-    return {e for e, inp in zip(graph.operand_edges(node), kernel.region.inputs, strict=True)
+    return {_viewed(graph, e) for e, inp in zip(graph.operand_edges(node), kernel.region.inputs, strict=True)
             if not inp.scalar and (inp.type.rank > 0 or isinstance(graph.op(e[0]), KernelOp))}
+
+
+def _viewed(graph: Graph, edge: tuple[int, int]) -> tuple[int, int]:
+    """The tensor a view reads (views of one tensor share it: q's and k's RoPE read the same
+    cos table viewed for H and for HK heads)."""
+    while isinstance(op := graph.op(edge[0]), Op) and ops.category(op.kind) is ops.Category.LAYOUT:
+        edge = graph.operand_edges(edge[0])[0]
+    return edge
 
 
 def _shared(graph: Graph, group, node: int) -> set[tuple[int, int]]:

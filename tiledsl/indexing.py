@@ -842,6 +842,11 @@ def reindex(b: Builder, node: int, indices: list, span: Span | None) -> int:
         return b.const(0, DType.I32, span) if op.shape[axis] == 1 else indices[axis]
     if op.kind == "slice" and _computed(graph.op(graph.operands(node)[0])):
         return reindex(b, graph.operands(node)[0], slice_source(b, op, indices, span), span)
+    if op.kind == "transpose" and _computed(graph.op(graph.operands(node)[0])):
+        a, c = (d % op.type.rank for d in op.attr("dims"))  # (a transpose of one: its source swapped)
+        swapped = list(indices)
+        swapped[a], swapped[c] = indices[c], indices[a]
+        return reindex(b, graph.operands(node)[0], swapped, span)
     if ops.is_elementwise(op.kind):
         operands = []
         for slot, o in enumerate(graph.operands(node)):
@@ -912,9 +917,9 @@ def index_map_of_inputs(graph, node: int) -> bool:
 
 
 def _computed(op) -> bool:
-    """Is `op` an elementwise value computed from others (not a parameter, an index, a
-    reduction or a matmul, which are read through their slices)?"""
-    return op.kind != "index" and ops.is_elementwise(op.kind)
+    """Is `op` an elementwise value computed from others, or a transpose (not a parameter,
+    an index, a reduction or a matmul, which are read through their slices)?"""
+    return op.kind != "index" and ops.is_elementwise(op.kind) or op.kind == "transpose"
 
 
 def view_coords(b: Builder, op, source: Shape) -> list[int]:

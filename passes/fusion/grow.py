@@ -47,15 +47,16 @@ def candidate_kind(graph: Graph, node: int) -> bool:
 
 def computed_view(graph: Graph, node: int) -> bool:
     """A transpose, or a view inserting or dropping size-1 dims, of a value a kernel computes
-    (a view of an input is read through its strides): a row program reads it as its source,
-    along the dims its layout names (`legality.view_dims`)."""
+    (elementwise, or a row's statistic: a view of an input is read through its strides): a
+    row program reads it as its source, along the dims its layout names
+    (`legality.view_dims`)."""
     op = graph.op(node)
     if not isinstance(op, Op) or ops.category(op.kind) is not ops.Category.LAYOUT:
         return False
     src = graph.operands(node)[0]
     s_op = graph.op(src)
     return isinstance(s_op, Op) and view_dims(op, s_op.shape) is not None \
-        and (ops.is_elementwise(s_op.kind) or computed_view(graph, src))
+        and (ops.is_elementwise(s_op.kind) or s_op.kind in ops.ROW_KINDS or computed_view(graph, src))
 
 
 def broadcast_axes(graph: Graph, node: int) -> tuple[int, ...]:

@@ -240,7 +240,23 @@ class RowSpace:
             if len(fits) == 1:
                 (dims,) = fits
                 return tuple(None if shape[k] == 1 else d for k, d in enumerate(dims))
-        return right
+        return right or self._by_size(shape)
+
+    def _by_size(self, shape: Shape) -> Layout | None:
+        """Each dim of `shape` along the one dim of the space of its size, where each size is
+        the space's once and no two dims of `shape` take one: [H, T] in a [T, H, D] space
+        (vLLM's lse per head and token) runs along (1, 0), [B, H, S, D] in [B, S, H, D] along
+        (0, 2, 1, 3). None where a size is missing or repeated."""
+        out = []
+        for d in shape:
+            if d == 1:
+                out.append(None)
+                continue
+            dims = [j for j, e in enumerate(self.shape) if e == d]
+            if len(dims) != 1 or dims[0] in out:
+                return None
+            out.append(dims[0])
+        return tuple(out)
 
     def _right_aligned(self, shape: Shape) -> Layout | None:
         lead = len(self.shape) - len(shape)
