@@ -34,7 +34,7 @@ from tiledsl import ops
 from tiledsl.indexing import permuted_axis, read_through, reindex, view_coords
 from tiledsl.ir import Edge, Graph, Op, walk
 from tiledsl.ops.core import read_types
-from tiledsl.passes.fusion.admission import gathered_operand
+from tiledsl.passes.fusion.admission import gathered_operand, parameter_or_view
 from tiledsl.passes.fusion.score_space import is_op, swaps_last
 from tiledsl.passes.registry import Pass, PassContext, register
 from tiledsl.passes.rewrite import Pattern, Rewriter, apply_patterns
@@ -693,8 +693,8 @@ class GatherOfView(Pattern):
         x, *indices = graph.operand_edges(node)
         shape, rank = graph.result_type(*x).shape, len(op.shape)
         n = len(shape)
-        if len(indices) != n or n > rank:
-            return False
+        if len(indices) != n or n > rank or parameter_or_view(graph, x[0]):
+            return False  # (a parameter's gather loads it through its pointer, as it is)
 
         def along(k: int) -> int | None:
             """The result axis x's axis k is read along: an `index` of it, or an index
@@ -703,11 +703,15 @@ class GatherOfView(Pattern):
             if shape[k] == 1 and const_value(graph, indices[k][0]) == 0:
                 return None
             t = graph.result_type(*indices[k])
+            if isinstance(i_op, Op) and i_op.kind == "index":
+                axis = i_op.attr("axis")
+                return axis if t.rank == rank and t.shape[axis] == op.shape[axis] == shape[k] else -1
             varying = [r for r in range(t.rank) if t.shape[r] != 1]
             if t.rank != rank or len(varying) != 1 or t.shape[varying[0]] != op.shape[varying[0]]:
                 return -1
-            return varying[0] if not (isinstance(i_op, Op) and i_op.kind == "index") \
-                or i_op.attr("axis") == varying[0] else -1
+            # a computed index stays at its place (a gathered GEMM operand's packed axis,
+            # computed along another, is `TransposedGatheredOperand`'s)
+            return varying[0] if varying[0] == k + rank - n else -1
 
         places = [along(k) for k in range(n)]
         ones = [r for r in range(rank) if op.shape[r] == 1 and r not in places]

@@ -43,6 +43,7 @@ from tiledsl.passes.fusion.legality import (
     row_layouts,
     short_across,
     split_tail,
+    view_dims,
 )
 from tiledsl.passes.fusion.profitability import LAUNCH_BOUND_BYTES, MAX_ROW_OPS, MAX_ROW_PHASES
 from tiledsl.passes.fusion.remarks import FusionRemark, Refusal, Rule
@@ -259,9 +260,11 @@ def _inputs(graph: Graph, node: int) -> set[tuple[int, int]]:
 
 
 def _viewed(graph: Graph, edge: tuple[int, int]) -> tuple[int, int]:
-    """The tensor a view reads (views of one tensor share it: q's and k's RoPE read the same
-    cos table viewed for H and for HK heads)."""
-    while isinstance(op := graph.op(edge[0]), Op) and ops.category(op.kind) is ops.Category.LAYOUT:
+    """The tensor a view of all its elements reads (a transpose, size-1 dims: views of one
+    tensor so share it, as q's and k's RoPE read one cos table viewed for H and for HK
+    heads; a slice of part of it is an input of its own)."""
+    while isinstance(op := graph.op(edge[0]), Op) and ops.category(op.kind) is ops.Category.LAYOUT \
+            and view_dims(op, graph.result_type(*graph.operand_edges(edge[0])[0]).shape) is not None:
         edge = graph.operand_edges(edge[0])[0]
     return edge
 

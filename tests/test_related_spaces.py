@@ -102,3 +102,31 @@ kernel f(x: f32[H, T], y: f32[HT, D]) -> f32[HT, D] {
     e = torch.exp(x - x.max(1, keepdim=True).values) * 3.0 + torch.sin(x) * torch.cos(x) + torch.tanh(x)
     torch.testing.assert_close(out.double(), y * e.reshape(15, 1), rtol=1e-6, atol=1e-6)
     assert len(fn.kernels) == 2
+
+
+QK_NORM_ROPE = """
+kernel qk_norm_rope(q: bf16[B, S, H, D], w: bf16[D], cos: bf16[B, S, D], sin: bf16[B, S, D], eps: f32) -> bf16[B, H, S, D] {
+    qf = cast(q, f32)
+    qn = transpose(w * cast(qf * rsqrt(mean(qf * qf, axis=-1, keepdims=true) + eps), bf16), 1, 2)
+    c = cos[:, None]
+    s = sin[:, None]
+    return qn * c + concat(-qn[..., D // 2:], qn[..., :D // 2], axis=-1) * s
+}"""
+
+
+@pytest.mark.parametrize("b, s, h, d", [(1, 1, 1, 2), (2, 17, 3, 16), (1, 113, 5, 64)])
+def test_qk_norm_then_rope_after_the_head_transpose_is_one_row_program(b, s, h, d):
+    # Qwen3's q_norm, `.transpose(1, 2)`, then rotate-half RoPE, as its attention writes them:
+    # the halves of the transposed, normalised q are read through at the rows' own positions
+    # (q gathered transposed along D, the statistic through a transposed view), and the
+    # [B, H, S, D] RoPE runs along (0, 2, 1, 3) of the norm's [B, S, H, D] row program
+    q = randn(b, s, h, d, dtype=torch.bfloat16, seed=1, scale=3.0)
+    w = randn(d, dtype=torch.bfloat16, seed=2) * 0.2 + 1
+    cos, sin = randn(b, s, d, dtype=torch.bfloat16, seed=3), randn(b, s, d, dtype=torch.bfloat16, seed=4)
+    fn, out = run_checked(QK_NORM_ROPE, q, w, cos, sin, 1e-6)
+    qf = q.double()
+    qn = (w.double() * (qf * torch.rsqrt(qf.pow(2).mean(-1, keepdim=True) + 1e-6))).transpose(1, 2)
+    half = d // 2
+    want = qn * cos.double()[:, None] + torch.cat([-qn[..., half:], qn[..., :half]], -1) * sin.double()[:, None]
+    torch.testing.assert_close(out.double(), want, rtol=3e-2, atol=3e-2)
+    assert [k.template for k in fn.kernels] == ["rows"]

@@ -106,7 +106,7 @@ def gathered_operand(graph: Graph, edge: tuple[int, int]) -> frozenset[int]:
         n = stack.pop()
         op = graph.op(n)
         if n in out or isinstance(op, Op) and (op.kind in ("const", "dim") or op.shape == ()
-                                               or _parameter_or_view(graph, n)):
+                                               or parameter_or_view(graph, n)):
             continue
         if not isinstance(op, Op) or not ops.is_elementwise(op.kind) or not broadcasts_to(op.shape, shape):
             return frozenset()
@@ -120,7 +120,7 @@ def gathered_operand(graph: Graph, edge: tuple[int, int]) -> frozenset[int]:
     return frozenset(out) if any(graph.op(n).kind == "take" for n in out) else frozenset()
 
 
-def _parameter_or_view(graph: Graph, node: int) -> bool:
+def parameter_or_view(graph: Graph, node: int) -> bool:
     """A parameter, or a view (slice, reshape, transpose) of one, through views."""
     op = graph.op(node)
     while isinstance(op, Op) and ops.category(op.kind) is ops.Category.LAYOUT:
