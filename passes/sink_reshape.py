@@ -113,9 +113,11 @@ def _sinkable(graph: Graph, operand: int, shape) -> bool:
         return False
     (src,) = graph.operands(operand)
     producer = graph.op(src)
+    if not isinstance(producer, Op):  # (a kernel's result, in a pipeline that formed one first)
+        return False
     if op.kind == "slice" and not _unit_slice(op, producer.shape):
         return False
-    return (isinstance(producer, Op) and producer.kind not in ("param", "reshape", "slice", "transpose")
+    return (producer.kind not in ("param", "reshape", "slice", "transpose")
             and all(isinstance(graph.op(u), Op) and ops.is_elementwise(graph.op(u).kind)
                     for u, _ in graph.users(operand)))
 

@@ -124,6 +124,13 @@ def test_every_program_with_every_pipeline():
 # --- the defects the sweep found, one test each -------------------------------------------------
 
 
+def test_sink_reshape_after_fuse_rows_leaves_a_kernels_result_alone():
+    """With fuse-rows first, a slice of the qk-norm row program's result has a kernel as its
+    producer, which sink-reshape read as an op (an internal error: KernelOp has no shape):
+    a kernel's result is no value it sinks an op before."""
+    check_pipeline("qk_norm_rope_attention", "fuse-rows,sink-reshape")
+
+
 def test_fuse_elementwise_alone_forms_no_kernel_without_results():
     """Without dce, RoPE's `-q[..., D // 2:]` (read through the rewritten concat, not by
     itself) is dead: fuse-elementwise made it a kernel of no results, an internal error in
