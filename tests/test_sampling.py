@@ -211,3 +211,16 @@ def test_vllm_top_k_top_p_as_written(b, v):
     out = fn(logits, k, p)
     assert torch.equal(out, vllm_top_k_top_p(logits.double(), k, p.double()).float())
     assert [kk.template for kk in fn.kernels] == ["rows", "rows", "indexed"]
+
+
+@pytest.mark.parametrize("src, arg", [(TOP_P, 0.9), (MIN_P, 0.1)], ids=["top_p", "min_p"])
+@pytest.mark.parametrize("v", [113, 20000])
+def test_warpers_of_bf16_logits_round_as_torch_does(src, arg, v):
+    # bf16 logits, as a model hands them: the softmax and its running sum in bf16, as the
+    # warper computes them in torch; the one row program gives torch's tokens exactly
+    fn = tiledsl.compile(src.replace("f32[M, V]", "bf16[M, V]"))
+    scores = randn(2, v, seed=v, scale=3.0).to(torch.bfloat16)
+    out = fn(scores, arg)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, fn.reference(scores, arg))
+    assert [k.template for k in fn.kernels] == ["rows"]
