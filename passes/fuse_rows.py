@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from tiledsl import ops
 from tiledsl.indexing import permuted_axis
-from tiledsl.ir import Graph, Op, Region
+from tiledsl.ir import Graph, Op, Region, walk
 from tiledsl.passes.fusion.grow import (
     Admission,
     broadcast_axes,
@@ -68,7 +68,7 @@ class FuseRows(Pass):
             kind = graph.op(node).kind
             return candidate_kind(graph, node) and (ops.is_elementwise(kind) or kind in ROW_OPS
                                                     or _permuted_put(graph, node)) \
-                or computed_view(graph, node)
+                or computed_view(graph, node) and _read_by_row_ops(graph, node)
 
         def admit_for(plan: GroupPlan, seed: int) -> Admission:
             x = graph.result_type(*graph.operand_edges(seed)[0])
@@ -118,6 +118,17 @@ class FuseRows(Pass):
 
         fuse_groups(graph, ctx.remarks, self.name, is_seed, consider, admit_for, first=along_the_row,
                     related=lambda node: _same_sort(graph, node))
+
+
+def _read_by_row_ops(graph: Graph, node: int) -> bool:
+    """Is a view read, through views, by an op a row program may hold (an elementwise op, a
+    reduction)? One that only a matmul or an attention reads is read through its strides."""
+    def views(n: int) -> list[int]:
+        return [u for u, _ in graph.users(n)
+                if isinstance(op := graph.op(u), Op) and ops.category(op.kind) is ops.Category.LAYOUT]
+
+    return any(isinstance(op := graph.op(u), Op) and (ops.is_elementwise(op.kind) or op.kind in ROW_OPS)
+               for n in walk([node], views) for u, _ in graph.users(n))
 
 
 def _permuted_put(graph: Graph, node: int) -> bool:
