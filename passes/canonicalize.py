@@ -677,15 +677,15 @@ def _reindexable(graph: Graph, node: int) -> bool:
 
 
 class GatherOfView(Pattern):
-    """A gather reading some axes of x at the result's own positions of other axes, `take(x,
-    b, s, h, d')` over a [B, H, S, D] result (s: the index along the result's axis 2, h along
-    its axis 1), reads a transpose of x at its own positions there: `take(transpose(x, 1,
-    2), b, h, s, d')`; and `take(k, b, s, hk, d)` over [B, HK, 1, S, D], every axis at an
-    own position, is the view `transpose(k, 1, 2)[:, :, None]`. A view of a parameter is
-    read through its strides, one of a computed value by the row program computing it, and
-    a gather at every axis's own position is the value (`RemoveIdentityGather`): Qwen3's
-    rotary halves of its normalised, transposed q and k read q and k so, and the rows'
-    statistic as a view."""
+    """A gather of a computed value reading some of its axes at the result's own positions of
+    other axes reads a view of it at its own positions there: `take(m, b, s, h, 0)` over a
+    [B, H, S, 1] result (s: the index along the result's axis 2, h along its axis 1) is
+    `take(transpose(m, 1, 2), b, h, s, 0)`, and new size-1 axes of the result are new axes of
+    the view; an index computed along one axis of the result stays at its place. At every
+    own position it is the view (`RemoveIdentityGather`), which the row program computing the
+    value reads: Qwen3's RoPE, read through its head transpose at the rows' positions, reads
+    the rows' statistic so. A parameter's gather stays as it is (loaded through its pointer:
+    an attention's gathered queries, a GEMM's gathered operand)."""
 
     def apply(self, graph: Graph, node: int, op: Op, rewriter: Rewriter) -> bool:
         if op.kind != "take":
@@ -698,7 +698,8 @@ class GatherOfView(Pattern):
 
         def along(k: int) -> int | None:
             """The result axis x's axis k is read along: an `index` of it, or an index
-            computed along that axis alone (a rotation of it); None: a size-1 axis read at 0."""
+            computed along that axis alone (a rotation of it); None: a size-1 axis read at 0;
+            -1: neither (no view reads it)."""
             i_op = graph.op(indices[k][0])
             if shape[k] == 1 and const_value(graph, indices[k][0]) == 0:
                 return None
@@ -869,10 +870,10 @@ class PermutedWrite(Pattern):
         return False
 
 
-def _permuted(graph: Graph, b, edge: Edge, indices: Sequence[Edge], shape: Shape, k: int) -> Edge | int:
-    """`edge` (an operand of an elementwise op of `shape`) read at the permutation `indices`
-    of axis k, as `_permuted_kind` says: itself, or its gather at the same indices."""
-    return edge if _permuted_kind(graph, edge, shape, k) == "same" else b.op("take", [edge, *indices], None)
+def _permuted(b, edge: Edge, kind: str, indices: Sequence[Edge]) -> Edge | int:
+    """`edge` read at the permutation `indices`, as its `_permuted_kind` says: itself, or its
+    gather at the same indices."""
+    return edge if kind == "same" else b.op("take", [edge, *indices], None)
 
 
 def _permuted_kind(graph: Graph, edge: Edge, shape: Shape, k: int) -> str | None:
@@ -934,13 +935,13 @@ class GatherAtPermutation(Pattern):
         edges = graph.operand_edges(x)
         if not any(graph.result_type(*e).rank for e in edges):
             return False  # (`index`: a position, which the permutation moves; a fill)
-        moved = [e for e in edges if _permuted_kind(graph, e, shape, k) == "gather"]
-        if any(_permuted_kind(graph, e, shape, k) is None for e in edges):
-            return False
-        if len(graph.users(x)) > 1 and not all(_sorts_row(graph, e, indices, k) for e in moved):
+        kinds = [_permuted_kind(graph, e, shape, k) for e in edges]
+        gathered = [e for e, kind in zip(edges, kinds, strict=True) if kind == "gather"]
+        if None in kinds or len(graph.users(x)) > 1 and not all(_sorts_row(graph, e, indices, k)
+                                                                for e in gathered):
             return False
         b = rewriter.build
-        operands = [_permuted(graph, b, e, indices, shape, k) for e in edges]
+        operands = [_permuted(b, e, kind, indices) for e, kind in zip(edges, kinds, strict=True)]
         rewriter.replace(node, b.op(x_op.kind, operands, x_op.span, **x_op.attr_map))
         return True
 
@@ -966,11 +967,12 @@ class ElementwiseOfPermutedWrite(Pattern):
         if p_op.attr("accumulate") or p_op.type.shape != op.shape \
                 or (k := permuted_axis(graph, indices, op.shape)) is None:
             return False
-        others = [e for e in edges if e[0] != put]
-        if any(_permuted_kind(graph, e, op.shape, k) is None for e in others):
+        kinds = [None if e[0] == put else _permuted_kind(graph, e, op.shape, k) for e in edges]
+        if any(kind is None and e[0] != put for e, kind in zip(edges, kinds, strict=True)):
             return False
         b = rewriter.build
-        operands = [src if e[0] == put else _permuted(graph, b, e, indices, op.shape, k) for e in edges]
+        operands = [src if e[0] == put else _permuted(b, e, kind, indices)
+                    for e, kind in zip(edges, kinds, strict=True)]
         value = b.op(op.kind, operands, op.span, **op.attr_map)
         rewriter.replace(node, b.op("put", [value, *indices], p_op.span, shape=op.shape, accumulate=False))
         return True
@@ -980,8 +982,7 @@ PATTERNS = (FoldConstants(), RemoveIdentity(), DivideByReciprocal(), RemoveNoOpC
             ReshapeOfReshape(), ReduceAlongOne(), ViewOfFill(), KeepReducedDim(), TransposeProduct(),
             TransposedOperand(), TransposedGatheredOperand(), GatherBeforeElementwise(), GatherAlongRow(),
             PickAlongRow(), ViewOfGather(), ReshapeOfIndexMap(), GatherOfView(), RemoveIdentityGather(),
-            WriteInto(),
-            AddInto(), SelectOfSame(), PermutedWrite(), SortedValues(), GatherAtPermutation(),
+            WriteInto(), AddInto(), SelectOfSame(), PermutedWrite(), SortedValues(), GatherAtPermutation(),
             ElementwiseOfPermutedWrite())
 
 

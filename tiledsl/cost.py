@@ -82,10 +82,9 @@ def op_by_op_traffic(region: Region) -> Poly:
     for i, rop in enumerate(region.ops):
         if rop.op.kind == "const":
             continue
-        if ops.category(rop.op.kind) is ops.Category.LAYOUT:
-            in_memory.add(n_in + i)
-            continue
         in_memory.add(n_in + i)
+        if ops.category(rop.op.kind) is ops.Category.LAYOUT:
+            continue
         total.extend(tensor_bytes(region.value_type(v)) for v in rop.operands if v in in_memory)
         total.append(tensor_bytes(rop.op.type))
     return add(*total)

@@ -25,7 +25,7 @@ from tiledsl import ops
 from tiledsl.types import DType, Shape, format_shape
 
 if TYPE_CHECKING:
-    from tiledsl.ir import Region
+    from tiledsl.ir import Op, Region
     from tiledsl.verifier import PlanCheck
 
 Name = Callable[[int], str]  # a value's printed name (%a0, %r3)
@@ -132,6 +132,21 @@ class ScatterPlan:
 SELECT_LIMIT = 1 << 14
 
 
+def may_be_long(select: Op) -> bool:
+    """May the selection `select` (a topk or sort) keep more than `SELECT_LIMIT` elements (k
+    not a literal up to it)? A call whose does sorts its rows in a workspace in memory."""
+    k = select.shape[select.attr("axis")]
+    return not isinstance(k, int) or k > SELECT_LIMIT
+
+
+def sorts_whole_row(region: Region, v: int) -> bool:
+    """Is the selection `v` of `region` a sort of its whole row (k the row's length): its
+    values a permutation of the row, whose softmax statistics they share?"""
+    rop = region.ops[v - len(region.inputs)]
+    axis = rop.op.attr("axis")
+    return rop.op.attr("k") == region.value_type(rop.operands[0]).shape[axis]
+
+
 @dataclass(frozen=True, slots=True)
 class RowPlan:
     """Reductions along the `axes` of the space `shape`, with the elementwise ops around them.
@@ -178,14 +193,8 @@ class RowPlan:
         """The selections whose k may pass `SELECT_LIMIT` (k not a literal up to it): when a
         call's does, the row is sorted through a workspace in memory, not in registers."""
         n_in = len(region.inputs)
-        out = []
-        for v in sorted(self.reducing):
-            op = region.ops[v - n_in].op
-            if ops.category(op.kind) is ops.Category.SELECT:
-                k = op.shape[op.attr("axis")]
-                if not isinstance(k, int) or k > SELECT_LIMIT:
-                    out.append(v)
-        return tuple(out)
+        return tuple(v for v in sorted(self.reducing) if ops.category(region.ops[v - n_in].op.kind)
+                     is ops.Category.SELECT and may_be_long(region.ops[v - n_in].op))
 
     def full(self, value: int) -> bool:
         """Does the value vary along the row axes (a selection's values vary along its k)?"""

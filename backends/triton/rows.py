@@ -41,7 +41,7 @@ from tiledsl import ops
 from tiledsl.diagnostics import EmptyReductionError
 from tiledsl.dims import evaluate
 from tiledsl.ir import KernelOp, Op
-from tiledsl.plans import SELECT_LIMIT, RowPlan
+from tiledsl.plans import SELECT_LIMIT, RowPlan, sorts_whole_row
 from tiledsl.types import compute_type
 
 from .base import CAPS, PROGRAM_ID, EmittedKernel, Hints, LaunchConfig, cdiv, decompose, finish, numel
@@ -351,10 +351,9 @@ class RowProgram(Layout, Reductions, Scans, Selections, Split):
         values (a permutation of the row), the row itself, whose statistics they share; the
         sorted values are then scaled by them as `emit_long` reads them back."""
         source = self.plan.source(v)
-        if self.long_mode and self.op(v).kind == "softmax" and source in self.long:
-            sort, row = self.op(source), self.plan.source(source)
-            if sort.attr("k") == self.region.value_type(row).shape[sort.attr("axis")]:
-                return row
+        if self.long_mode and self.op(v).kind == "softmax" and source in self.long \
+                and sorts_whole_row(self.region, source):
+            return self.plan.source(source)
         return source
 
     def chunk(self, need: set[int]) -> None:

@@ -70,22 +70,23 @@ def broadcast_axes(graph: Graph, node: int) -> tuple[int, ...]:
     recomputed by its readers alone, a gate `sigmoid(g)[:, :, None]`, stays so)."""
     op = graph.op(node)
     if not isinstance(op, Op) or not ops.is_elementwise(op.kind) or op.kind == "take" \
-            or not candidate_kind(graph, node) or len(op.shape) < 2 or _broadcast_later(graph, node):
+            or not candidate_kind(graph, node) or len(op.shape) < 2:
         return ()
     for edge in graph.operand_edges(node):
-        src = edge[0]
-        while computed_view(graph, src):
-            src = graph.operands(src)[0]
-        s_op = graph.op(src)
-        if not isinstance(s_op, Op) or not ops.is_elementwise(s_op.kind) or s_op.kind == "take" \
-                or not _reads_tensor(graph, src) \
-                or not (candidate_kind(graph, src) or graph.recomputed(src) and shared_chain(graph, src)):
-            continue
+        # the cheap tests first: every elementwise op of a program is asked
         t = graph.result_type(*edge)
         lead = len(op.shape) - t.rank
         axes = tuple(j for j in range(len(op.shape))
                      if op.shape[j] != 1 and (j < lead or t.shape[j - lead] == 1))
-        if axes and axes == tuple(range(axes[0], len(op.shape))) and len(axes) < len(op.shape):
+        if not axes or axes != tuple(range(axes[0], len(op.shape))) or len(axes) == len(op.shape):
+            continue
+        src = edge[0]
+        while computed_view(graph, src):
+            src = graph.operands(src)[0]
+        s_op = graph.op(src)
+        if isinstance(s_op, Op) and ops.is_elementwise(s_op.kind) and s_op.kind != "take" \
+                and (candidate_kind(graph, src) or graph.recomputed(src) and shared_chain(graph, src)) \
+                and _reads_tensor(graph, src) and not _broadcast_later(graph, node):
             return axes
     return ()
 

@@ -20,8 +20,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from tiledsl import ops
-from tiledsl.ir import Graph, KernelOp, Op, Region
-from tiledsl.plans import SELECT_LIMIT
+from tiledsl.ir import Graph, KernelOp, Op, Region, walk
+from tiledsl.plans import SELECT_LIMIT, may_be_long, sorts_whole_row
 from tiledsl.types import Shape, format_shape
 
 from .remarks import Refusal, Rule
@@ -319,7 +319,6 @@ def row_layouts(region: Region, space: RowSpace) -> dict[int, Layout] | Refusal:
     sorted_values, positions = selections(region)
     chosen = sorted_values | positions
     across = None  # the kept dim the region's reductions across rows reduce
-    hints = _view_hints(region, space)
 
     def fit(v: int, layout: Layout) -> Refusal | None:
         if v in layouts and layouts[v] != layout:
@@ -392,7 +391,7 @@ def row_layouts(region: Region, space: RowSpace) -> dict[int, Layout] | Refusal:
                 return Refusal(Rule.TILE, f"{op.kind} views a value along some of the row program's axes")
             if src >= n_in:  # the view of a value it computes: its source's dims
                 layout = tuple(None if k is None else layouts[src][k] for k in dims)
-            elif (layout := hints.get(vid) or space.default_layout(op.shape)) is None:
+            elif (layout := space.default_layout(op.shape)) is None:
                 return Refusal(Rule.TILE, f"{op.kind} of shape {format_shape(op.shape)} does not fit the "
                                "row space")
             elif err := fit(src, _source_layout(dims, layout, region.value_type(src).rank)):
@@ -417,7 +416,7 @@ def row_layouts(region: Region, space: RowSpace) -> dict[int, Layout] | Refusal:
                 if result[lead + k] not in (None, dim):
                     return Refusal(Rule.OTHER_INDEX, f"{op.kind} combines values read along different dims")
                 result[lead + k] = dim
-        default = hints.get(vid) or space.default_layout(shape)
+        default = space.default_layout(shape)
         if default is None and vid in chosen:  # along a selection's k, not the row's length
             lead = len(space.shape) - len(shape)
             default = space.default_layout(tuple(space.shape[lead + j] if lead + j in space.runs and d != 1
@@ -567,32 +566,6 @@ def _source_layout(dims: tuple[int | None, ...], layout: Layout, rank: int) -> L
     return tuple(source)
 
 
-def _view_hints(region: Region, space: RowSpace) -> dict[int, Layout]:
-    """The layouts of values the program reads through views, from the views' readers back:
-    a [H, T] value read as `v.T[:, :, None]` by an op over a [T, H, D] space runs along its
-    dims (1, 0). Every value this reaches (the elementwise ops computing it, back to the
-    inputs) takes its layout; `row_layouts` checks them as it meets each op."""
-    n_in = len(region.inputs)
-    hints: dict[int, Layout] = {}
-    for i in reversed(range(len(region.ops))):
-        vid, rop = n_in + i, region.ops[i]
-        op = rop.op
-        if ops.category(op.kind) is ops.Category.LAYOUT:
-            (src,) = rop.operands
-            dims = view_dims(op, region.value_type(src).shape)
-            layout = hints.get(vid) or space.default_layout(op.shape)
-            if dims is None or layout is None or src in hints:
-                continue
-            hints[src] = _source_layout(dims, layout, region.value_type(src).rank)
-        elif vid in hints and ops.is_elementwise(op.kind):
-            for o in rop.operands:
-                t = region.value_type(o)
-                lead = op.type.rank - t.rank
-                if t.rank and o not in hints and lead >= 0:
-                    hints[o] = tuple(None if t.shape[k] == 1 else hints[vid][lead + k] for k in range(t.rank))
-    return hints
-
-
 def _dims(layout: Layout | None) -> set[int]:
     """The space dims a value's layout runs along."""
     return {d for d in layout or () if d is not None}
@@ -601,38 +574,31 @@ def _dims(layout: Layout | None) -> set[int]:
 def _long_selection(region: Region) -> str | None:
     """The kind of a topk or sort whose k may pass `SELECT_LIMIT` (not a literal up to it)."""
     for r in region.ops:
-        if r.op.kind in ops.OPS and ops.category(r.op.kind) is ops.Category.SELECT and _may_be_long(r.op):
+        if r.op.kind in ops.OPS and ops.category(r.op.kind) is ops.Category.SELECT and may_be_long(r.op):
             return r.op.kind
     return None
-
-
-def _may_be_long(op: Op) -> bool:
-    k = op.shape[op.attr("axis")]
-    return not isinstance(k, int) or k > SELECT_LIMIT
 
 
 def _reduces_long_selection(region: Region, rop, sorted_values: frozenset[int]) -> Refusal | None:
     """A reduction of the elements a selection holds reads them in registers, which a
     selection whose k may pass `SELECT_LIMIT` sorts in memory: it is a row program of its
     own, reading them stored (a scan streams them; a softmax of a whole row's sort scales
-    them by the row's statistics)."""
+    them by the row's statistics, `plans.sorts_whole_row`)."""
     n_in = len(region.inputs)
-    stack, seen = [rop.operands[0]], set()
-    while stack:
-        v = stack.pop()
-        seen.add(v)
+
+    def selected_operands(v: int) -> list[int]:  # (a selection's own operand is the row)
         sel = region.ops[v - n_in].op
-        if ops.category(sel.kind) is ops.Category.SELECT:
-            if not _may_be_long(sel):
-                continue
-            axis = sel.attr("axis")
-            whole = sel.attr("k") == region.value_type(region.ops[v - n_in].operands[0]).shape[axis]
-            if rop.op.kind == "softmax" and rop.operands[0] == v and whole:
-                continue
-            return Refusal(Rule.TILE, f"{rop.op.kind} reduces the elements a {sel.kind} selected, which a "
-                           f"row longer than {SELECT_LIMIT} sorts in memory (a row program of its own "
-                           "reads them)")
-        stack.extend(o for o in region.ops[v - n_in].operands if o in sorted_values and o not in seen)
+        return [] if ops.category(sel.kind) is ops.Category.SELECT \
+            else [o for o in region.ops[v - n_in].operands if o in sorted_values]
+
+    for v in walk([rop.operands[0]], selected_operands):
+        sel = region.ops[v - n_in].op
+        if ops.category(sel.kind) is not ops.Category.SELECT or not may_be_long(sel) \
+                or rop.op.kind == "softmax" and rop.operands[0] == v and sorts_whole_row(region, v):
+            continue
+        return Refusal(Rule.TILE, f"{rop.op.kind} reduces the elements a {sel.kind} selected, which a "
+                       f"row longer than {SELECT_LIMIT} sorts in memory (a row program of its own "
+                       "reads them)")
     return None
 
 
