@@ -352,10 +352,11 @@ class TransposeProduct(Pattern):
 
 
 class TransposedOperand(Pattern):
-    """A matmul operand that is the transpose of an elementwise op of one integer parameter
-    (and scalars), `x @ cast(w_int8, f16).T` (gpt-fast's int8 weight-only linear), is the op of
-    the transpose, `x @ cast(w_int8.T, f16)`: the transpose is a view of the parameter, and
-    the op a prologue the GEMM applies to each tile it loads, never a stored copy."""
+    """A matmul operand that is the transpose of an elementwise op of one parameter (and
+    scalars), `x @ cast(w_int8, f16).T` (gpt-fast's int8 weight-only linear; an fp8 or bf16
+    weight cast as `F.linear` takes it), is the op of the transpose, `x @ cast(w_int8.T, f16)`:
+    the transpose is a view of the parameter, and the op a prologue the GEMM applies to each
+    tile it loads, never a stored copy."""
 
     def apply(self, graph: Graph, node: int, op: Op, rewriter: Rewriter) -> bool:
         if op.kind != "transpose" or not graph.users(node):
@@ -367,19 +368,67 @@ class TransposedOperand(Pattern):
         if not isinstance(x_op, Op) or not ops.is_elementwise(x_op.kind) or graph.users(x) != [(node, 0)]:
             return False
         tensors = [e for e in graph.operand_edges(x) if graph.result_type(*e).rank > 0]
-        # a quantized weight's dequantization: an op of an integer parameter (a computed
+        # a weight's dequantization or cast: an op of a parameter (a computed
         # value's transpose is a product's own business: the attention backward reads `ds.T`
         # as a transposed score-space value; fuse-attention takes `(k * c).T` as it is)
         if len(tensors) != 1 or x_op.kind == "index" or not is_op(graph, tensors[0][0], "param"):
             return False
-        w_type = graph.result_type(*tensors[0])
-        if w_type.shape != x_op.shape or not w_type.dtype.is_int:
+        if graph.result_type(*tensors[0]).shape != x_op.shape:
             return False
         b = rewriter.build
         moved = b.op("transpose", [tensors[0]], op.span, **op.attr_map)
         operands = [moved if e == tensors[0] else e for e in graph.operand_edges(x)]
         rewriter.replace(node, b.op(x_op.kind, operands, x_op.span, **x_op.attr_map))
         return True
+
+
+class ViewOfCast(Pattern):
+    """A view (a reshape, a transpose) of a cast is the cast of the view when the cast reads a
+    parameter, or a view of one, or when matmuls alone read the view (through further
+    views) and nothing else the cast. DeepSeek-V3's block quantizer
+    `reshape(cast(x, f32), [M, K // 128, 128])` is then a cast of a view of x, computed by the
+    row program over the blocks, which no reshape of a computed value separates from its
+    statistics; a GEMM's `transpose(cast(q, f32), 0, 1)` or
+    `reshape(cast(w, f32), ...)` is a prologue on the tiles the GEMM loads through the view.
+    A reshape moved onto a parameter copies a tensor whose strides cannot view it
+    (`copy=true`): the program's reshape was of a value the compiler laid out."""
+
+    def apply(self, graph: Graph, node: int, op: Op, rewriter: Rewriter) -> bool:
+        if op.kind not in ("reshape", "transpose") or not graph.users(node):
+            return False
+        (x,) = graph.operand_edges(node)
+        cast = graph.op(x[0])
+        if not (isinstance(cast, Op) and cast.kind == "cast"):
+            return False
+        (src,) = graph.operand_edges(x[0])
+        # a computed value's cast: read by this view alone, which is not a swap of the last
+        # two dims (an attention backward reads `ds.T` as a transposed score-space value)
+        computed = graph.users(x[0]) == [(node, 0)] and _read_by_matmuls(graph, node) and not (
+            swaps_last(graph, node))
+        if not (parameter_or_view(graph, src[0]) or computed):
+            return False
+        attrs = dict(op.attr_map)
+        if op.kind == "reshape" and parameter_or_view(graph, src[0]):
+            attrs["copy"] = True
+        b = rewriter.build
+        moved = b.op(op.kind, [src], op.span, **attrs)
+        rewriter.replace(node, b.op("cast", [moved], cast.span, **cast.attr_map))
+        return True
+
+
+def _read_by_matmuls(graph: Graph, node: int) -> bool:
+    """Do matmuls alone read `node`, through views?"""
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        for u, _ in graph.users(n):
+            kind = graph.op(u).kind
+            if kind in ("reshape", "transpose") and u not in seen:
+                seen.add(u)
+                stack.append(u)
+            elif kind != "matmul":
+                return False
+    return True
 
 
 class TransposedGatheredOperand(Pattern):
@@ -980,10 +1029,10 @@ class ElementwiseOfPermutedWrite(Pattern):
 
 PATTERNS = (FoldConstants(), RemoveIdentity(), DivideByReciprocal(), RemoveNoOpCast(), CancelInvolution(),
             ReshapeOfReshape(), ReduceAlongOne(), ViewOfFill(), KeepReducedDim(), TransposeProduct(),
-            TransposedOperand(), TransposedGatheredOperand(), GatherBeforeElementwise(), GatherAlongRow(),
-            PickAlongRow(), ViewOfGather(), ReshapeOfIndexMap(), GatherOfView(), RemoveIdentityGather(),
-            WriteInto(), AddInto(), SelectOfSame(), PermutedWrite(), SortedValues(), GatherAtPermutation(),
-            ElementwiseOfPermutedWrite())
+            TransposedOperand(), ViewOfCast(), TransposedGatheredOperand(), GatherBeforeElementwise(),
+            GatherAlongRow(), PickAlongRow(), ViewOfGather(), ReshapeOfIndexMap(), GatherOfView(),
+            RemoveIdentityGather(), WriteInto(), AddInto(), SelectOfSame(), PermutedWrite(), SortedValues(),
+            GatherAtPermutation(), ElementwiseOfPermutedWrite())
 
 
 @register

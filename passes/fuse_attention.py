@@ -46,7 +46,12 @@ import networkx as nx
 
 from tiledsl import ops
 from tiledsl.ir import Graph, Op, walk
-from tiledsl.passes.fusion.admission import epilogue_refusal, keys_are_data, prologue_op_refusal
+from tiledsl.passes.fusion.admission import (
+    epilogue_refusal,
+    keys_are_data,
+    prologue_op_refusal,
+    prologue_units,
+)
 from tiledsl.passes.fusion.grow import elementwise_candidate, rewrite_groups
 from tiledsl.passes.fusion.legality import Group, GroupPlan, describe_node
 from tiledsl.passes.fusion.remarks import FusionRemark, Refusal, Rule
@@ -422,6 +427,7 @@ class _Match:
         graph = self.graph
         out: set[int] = set()
         node, user = graph.operands(qk)[slot], qk
+        spent = 0  # the prologue's units per element so far
         while not self.plan.grouped(node):
             op = graph.op(node)
             if self._gather(node, {user, pv} if slot == 1 else {user}):
@@ -435,7 +441,9 @@ class _Match:
                 nxt = graph.operands(node)[0]
                 if not elementwise_candidate(graph, nxt):
                     break  # a plain `k.T`: read in place through its strides
-            elif elementwise_candidate(graph, node) and prologue_op_refusal(graph, node, False) is None:
+            elif elementwise_candidate(graph, node) and prologue_op_refusal(graph, node, False,
+                                                                          spent=spent) is None:
+                spent += prologue_units(graph, node)
                 nxt = next(s for s, r in graph.operand_edges(node) if graph.result_type(s, r).rank > 0)
             else:
                 break

@@ -12,8 +12,9 @@ After: one `matmul` kernel per matmul whose region holds
   their strides. A member used outside the group (returned, or read by a
   later kernel) is stored as well: the kernel has several outputs.
 - the prologue: cheap elementwise ops that feed one GEMM operand element for
-  element from a single tensor (a cast or scale of A), applied right after
-  the operand tile is loaded; or, for B, the ops that compute it from gathers at
+  element from a single tensor (a cast or scale of A; a per-token quantizer
+  `cast(cast(x / s, f8e4m3), f32)` reading its scale `s: [M, 1]` once per row), applied
+  right after the operand tile is loaded; or, for B, the ops that compute it from gathers at
   index expressions of its tile (a packed int4 weight unpacked with shifts and masks,
   its zero points and scales read per group: GPTQ), loaded through the indices;
 - dual GEMMs: a further matmul of the same A whose product the epilogue reads
@@ -37,13 +38,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import networkx as nx
+
 from tiledsl import ops
 from tiledsl.ir import Graph, KernelOp, Op
 from tiledsl.passes.fusion.admission import (
     epilogue_refusal,
     gathered_operand,
     gathered_prologue_refusal,
+    pending_source,
+    prologue_budget,
     prologue_op_refusal,
+    prologue_units,
 )
 from tiledsl.passes.fusion.grow import Admission, elementwise_candidate, fuse_groups
 from tiledsl.passes.fusion.legality import GroupPlan, describe_node
@@ -94,6 +100,8 @@ class _Kernel:
         self.matmuls = {seed}  # the seed and the dual matmuls admitted with it
         self.prologue: set[int] = set()  # members feeding the matmuls' operands or the stats
         self.a_side: set[int] = set()  # ... those computed from A's tiles (stats included)
+        self.spent = {True: 0, False: 0}  # the units per element of A's prologue, of B's
+        self.budget = prologue_budget(graph, seed)
         self.stats: set[int] = set()  # reductions of A's rows along K, done in the K loop
         self.rows: set[int] = set()  # values of the rows' shape [..., M, 1], from the stats
         self.memo: dict = {}  # producers' sources, with the duals this seed may take
@@ -102,6 +110,9 @@ class _Kernel:
         # product's dim it is (a summed one kept as size 1 with keepdims too)
         self.batch_sums: list[int] = []
         self.summed: list[int] = []
+        # the muls scaling each batch element's product before the first batch sum adds it
+        # (DeepSeek-V3's per-block scales: sum_t (A_t @ B_t) * sa_t * sb_t)
+        self.batch_scales: tuple[int, ...] = ()
         self.axes = list(range(len(graph.op(seed).shape)))
         self.row_shape = self.out_shape[:-1] + (1,)
         # A may be a result of an earlier kernel (an attention's output): an edge, not a node
@@ -149,13 +160,19 @@ class _Kernel:
         users = [(u, slot) for u, slot in graph.users(cand)]
         consumers = self.matmuls | self.prologue | self.stats
         if any(u in consumers for u, _ in users):  # a prologue op
-            if any(u in group and u not in consumers for u, _ in users):
-                return Refusal(Rule.OTHER_INDEX, "it feeds both a matmul operand and the epilogue")
             on_a = any((u == self.seed or u in self.matmuls) and slot == 0 or u in self.a_side
                        for u, slot in users)
-            k = self.a_shape[-1] if on_a else None
-            reason = prologue_op_refusal(graph, cand, any(u not in group for u, _ in users), k_vectors=k)
+            if on_a and graph.op(cand).shape != self.a_shape and \
+                    (source := pending_source(graph, cand)) is not None:  # a per-token scale
+                return Refusal(Rule.TILE, f"a prologue reads it at every step of the K loop, and it is "
+                               f"computed from {describe_node(graph, source)}, which needs whole rows "
+                               "first: another kernel computes it")
+            if any(u in group and u not in consumers for u, _ in users):
+                return Refusal(Rule.OTHER_INDEX, "it feeds both a matmul operand and the epilogue")
+            reason = prologue_op_refusal(graph, cand, any(u not in group for u, _ in users),
+                                         self.a_shape if on_a else None, self.spent[on_a], self.budget)
             if reason is None:
+                self.spent[on_a] += prologue_units(graph, cand)
                 self.prologue.add(cand)
                 if on_a:
                     self.a_side.add(cand)
@@ -185,7 +202,9 @@ class _Kernel:
         (x,) = graph.operands(cand)
         shape = graph.op(x).shape
         axis = op.attr("axis") % len(shape)
-        if x != (self.batch_sums[-1] if self.batch_sums else self.seed) or axis >= len(shape) - 2:
+        scales = () if self.batch_sums else self.scale_chain(x)
+        if x != (self.batch_sums[-1] if self.batch_sums else self.seed) and scales is None \
+                or axis >= len(shape) - 2:
             return Refusal(Rule.TILE, "a reduction of the product needs whole rows of the output; "
                            "the GEMM holds one tile of them")
         if self.axes[axis] in self.summed:
@@ -196,7 +215,25 @@ class _Kernel:
         if [u for u, _ in graph.users(x)] != [cand]:
             return Refusal(Rule.MATERIALIZE, f"{describe_node(graph, x)} is also used elsewhere, and "
                            "the GEMM summing it over the batch never holds it whole")
+        self.batch_scales = scales or ()
         return None
+
+    def scale_chain(self, x: int) -> tuple[int, ...] | None:
+        """The muls from the product to `x`, in order, when `x` is the product scaled by
+        factors the product does not feed (`p * sa * sb`), each value read only by the next
+        and of the product's shape: applied to each batch element's product in the K loop, so
+        the sum of the scaled products is still one accumulator. None otherwise."""
+        graph, shape, chain = self.graph, self.graph.op(self.seed).shape, []
+        while x != self.seed:
+            op = graph.op(x)
+            if not isinstance(op, Op) or op.kind != "mul" or op.shape != shape or not op.dtype.is_float:
+                return None
+            on = [o for o in graph.operands(x) if o == self.seed or self.seed in nx.ancestors(graph.nx, o)]
+            if len(on) != 1 or len(graph.users(on[0])) != 1:
+                return None
+            chain.append(x)
+            x = on[0]
+        return tuple(reversed(chain))
 
     def add_batch_sum(self, cand: int) -> None:
         """Take batch sum `cand` into the K loop: the output tiles are now its."""
@@ -212,7 +249,7 @@ class _Kernel:
         """The group as this kernel admitted it: the seed, its duals and the statistics of A."""
         return GemmSpec(self.seed, tuple(m for m in members if m in self.matmuls and m != self.seed),
                         tuple(m for m in members if m in self.stats), tuple(self.batch_sums),
-                        tuple(sorted(self.summed)))
+                        tuple(sorted(self.summed)), self.batch_scales)
 
     def users_outside(self, group: set[int], cand: int) -> Refusal | None:
         if any(u not in group for u, _ in self.graph.users(cand)):

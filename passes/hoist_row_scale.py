@@ -1,5 +1,8 @@
-"""hoist-row-scale: a factor constant along K is taken out of a GEMM's A operand and applied
-to its product: (r * A) @ B = r * (A @ B), for r of shape [..., M, 1].
+"""hoist-row-scale: a factor constant along K is taken out of a GEMM's operand and applied
+to its product: (r * A) @ B = r * (A @ B), for r of shape [..., M, 1]; A @ (B * c) = (A @ B) * c,
+for c of shape [..., 1, N] (a weight's per-channel scale, `(cast(w, f32) * ws).T` with
+`ws: [N, 1]`, found through the transpose; the operand left, `cast(w, f32).T`, becomes
+canonicalize's `cast(w.T, f32)`, a prologue of the tile the GEMM loads).
 
 Before: a pre-norm projection `cast(xf * rsqrt(mean(xf * xf, -1) + eps) * g, f16) @ w.T`.
 The row statistic needs the whole row of x, so the normalised A operand is a tensor of its
@@ -37,11 +40,13 @@ from dataclasses import dataclass
 from tiledsl import cost
 from tiledsl.builder import Builder
 from tiledsl.ir import Edge, Graph, Op
+from tiledsl.passes.canonicalize import TransposedOperand
 from tiledsl.passes.cse import merge_transposed_product, transposed_operand
 from tiledsl.passes.fuse_epilogue import FuseEpilogue
 from tiledsl.passes.fusion.legality import describe_node
 from tiledsl.passes.fusion.remarks import FusionRemark, Refusal, Rule
 from tiledsl.passes.registry import Pass, PassContext, register
+from tiledsl.passes.rewrite import apply_patterns
 from tiledsl.types import DType, broadcasts_to, format_shape
 
 NAME = "hoist-row-scale"
@@ -65,38 +70,43 @@ class HoistRowScale(Pass):
                 continue
             a_type = graph.result_type(*graph.operand_edges(mm)[0])
             refused: list[Edge] = []
-            pairs = _row_factors(graph, mm, refused, mm in twins)
+            pairs = _row_factors(graph, mm, refused, mm in twins) + _column_factors(graph, mm, refused)
             for factor in refused:
                 self._refuse(ctx, graph, factor, op, (
                     f"the A operand is rounded to f16 after {_describe(graph, factor)} scales it; unscaled "
                     "it could overflow f16 or lose precision, so the scale stays on A (a bf16 or f32 "
                     "operand has no such limit)"))
             if pairs and not fused_later and op.dtype is not DType.F32:
-                for _, factor in pairs:
-                    self._refuse(ctx, graph, factor, op, (
-                        f"no fuse-epilogue follows in this pipeline to apply {_describe(graph, factor)} to "
-                        f"the f32 accumulator: the {op.dtype} product would be rounded before the scale, "
-                        "so the scale stays on A"))
+                for factor in pairs:
+                    self._refuse(ctx, graph, factor.value, op, (
+                        "no fuse-epilogue follows in this pipeline to apply "
+                        f"{_describe(graph, factor.value)} to the f32 accumulator: the {op.dtype} product "
+                        f"would be rounded before the scale, so the scale stays on {'AB'[factor.slot]}"))
                 continue
             if not pairs:
                 if mm in twins:  # unscaled, the transpose of a product hoisted before it
                     merge_transposed_product(graph, mm, visited)
                 continue
-            saving = cost.format_poly(cost.add(*[cost.tensor_bytes(a_type)] * 2))
-            for _, factor in pairs:
-                shape = graph.result_type(*factor).shape
-                what = f"the row scale {_describe(graph, factor)} {format_shape(shape)}" if shape else \
-                    f"the scale {_describe(graph, factor)}"
-                why = f"the scaled {format_shape(a_type.shape)} operand need not be stored " \
+            for factor in pairs:
+                operand_type = a_type if factor.slot == 0 else graph.result_type(*graph.operand_edges(mm)[1])
+                saving = cost.format_poly(cost.add(*[cost.tensor_bytes(operand_type)] * 2))
+                shape = graph.result_type(*factor.value).shape
+                kind = "row" if factor.slot == 0 else "column"
+                what = f"the {kind} scale {_describe(graph, factor.value)} {format_shape(shape)}" if shape \
+                    else f"the scale {_describe(graph, factor.value)}"
+                why = f"the scaled {format_shape(operand_type.shape)} operand need not be stored " \
                     f"(modelled saving: {saving} B)"
                 if not shape and mm in twins:
                     why = "the product is then one another matmul computes too (equal or transposed), " \
                         "computed once"
+                law = "not to the A operand ((r * A) @ B = r * (A @ B))" if factor.slot == 0 else \
+                    "not to the B operand (A @ (B * c) = (A @ B) * c)"
                 ctx.remarks.append(FusionRemark(
-                    NAME, True, None, _value_op(graph, factor), op,
-                    f"{what} is applied to the product, not to the A operand ((r * A) @ B = r * (A @ B)): "
-                    f"{why}"))
+                    NAME, True, None, _value_op(graph, factor.value), op,
+                    f"{what} is applied to the product, {law}: {why}"))
             _hoist(graph, mm, pairs)
+            if any(f.slot == 1 for f in pairs):  # `(cast(w, f32) * ws).T` is now `cast(w, f32).T`
+                apply_patterns(graph, (TransposedOperand(),))
             if not _merge_equal_product(graph, mm):
                 merge_transposed_product(graph, mm, visited)
 
@@ -166,47 +176,84 @@ def _scaled_twins(graph: Graph, order: list[int]) -> set[int]:
     return {mm for group in seen.values() if len(group) > 1 for mm in group}
 
 
-def _row_factors(graph: Graph, mm: int, refused: list[Edge], scalars: bool = False) -> list[tuple[int, Edge]]:
-    """(mul, factor) pairs: a `mul` among the ops forming A (through muls and float casts,
-    each read only by the next) and its operand constant along K. Values are edges: A and
-    the factors may be results of kernels an earlier pass formed. A 0-d factor is one off a
+@dataclass(frozen=True)
+class Factor:
+    """A factor of a matmul operand constant along K: `mul` drops it, and the product is
+    multiplied by it (`value`; transposed first when `swapped`: a factor of B's rows found
+    through the transpose forming B, `w * ws` with `ws: [N, 1]` in `(w * ws).T`). `slot`: 0
+    for A, 1 for B."""
+    mul: int
+    value: Edge
+    slot: int = 0
+    swapped: bool = False
+
+
+def _row_factors(graph: Graph, mm: int, refused: list[Edge], scalars: bool = False) -> list[Factor]:
+    """The factors of A constant along K: of shape [..., M, 1], found through the ops that
+    form A (muls and float casts, each read only by the next). Values are edges: A and the
+    factors may be results of kernels an earlier pass formed. A 0-d factor is one off a
     softmax, or, with `scalars`, off any A (a product another shares unscaled).
 
     Not below a cast that narrows to f16: the unscaled values would be rounded to f16's
     range and precision (a large activation overflows, a small one loses bits), where the
     scaled ones fitted; such factors go to `refused`. bf16 has f32's range."""
     rows = graph.op(mm).shape[:-1]
-    a = graph.operands(mm)[0]
-    found: list[tuple[int, Edge]] = []
-    stack, reader, narrowed = [a], {a: mm}, {a: False}
+
+    def constant_along_k(shape, other: Edge, swapped: bool) -> bool:
+        return broadcasts_to(shape, (*rows, 1)) and (shape != () or scalars or _is_softmax(graph, other))
+    return _factors(graph, mm, 0, constant_along_k, refused)
+
+
+def _column_factors(graph: Graph, mm: int, refused: list[Edge]) -> list[Factor]:
+    """The factors of B constant along K: of shape [..., 1, N] in B's layout, or [..., N, 1]
+    through a transpose of its last two dims (a weight's per-channel scale `ws: [N, 1]` in
+    `(cast(w, f32) * ws).T`), found as `_row_factors` finds A's."""
+    *batch, _, n = graph.op(mm).shape
+
+    def constant_along_k(shape, other: Edge, swapped: bool) -> bool:
+        along = (*batch, n, 1) if swapped else (*batch, 1, n)
+        return len(shape) >= 1 + swapped and broadcasts_to(shape, along) and any(d != 1 for d in shape)
+    return _factors(graph, mm, 1, constant_along_k, refused)
+
+
+def _factors(graph: Graph, mm: int, slot: int, constant_along_k, refused: list[Edge]) -> list[Factor]:
+    """The factors `constant_along_k(shape, other operand, swapped)` accepts among the muls
+    forming operand `slot` of `mm` (through float casts and, for B, transposes of the last two
+    dims), each op read only by the next."""
+    start = graph.operands(mm)[slot]
+    found: list[Factor] = []
+    stack, reader, narrowed, swapped = [start], {start: mm}, {start: False}, {start: False}
     while stack:
         n = stack.pop()
         op = graph.op(n)
         if not isinstance(op, Op) or [u for u, _ in graph.users(n)] != [reader[n]]:
             continue
-        if op.kind == "cast" and op.dtype.is_float and _float(graph, graph.operand_edges(n)[0]):
+        last_two = (op.type.rank - 2, op.type.rank - 1)
+        if op.kind == "cast" and op.dtype.is_float and _float(graph, graph.operand_edges(n)[0]) or \
+                slot == 1 and op.kind == "transpose" and op.attr("dims") == last_two:
             (src,) = graph.operand_edges(n)
             reader[src[0]] = n
-            narrowed[src[0]] = narrowed[n] or (op.dtype is DType.F16
+            narrowed[src[0]] = narrowed[n] or (op.kind == "cast" and op.dtype is DType.F16
                                                and graph.result_type(*src).dtype is not DType.F16)
+            swapped[src[0]] = swapped[n] != (op.kind == "transpose")
             stack.append(src[0])
         elif op.kind == "mul":
             x, y = graph.operand_edges(n)
             for factor, other in ((y, x), (x, y)):
                 ft = graph.result_type(*factor)
-                if factor != other and broadcasts_to(ft.shape, (*rows, 1)) and ft.dtype.is_float \
-                        and graph.result_type(*other) == op.type \
-                        and (ft.shape != () or scalars or _is_softmax(graph, other)):
+                if factor != other and ft.dtype.is_float and graph.result_type(*other) == op.type \
+                        and constant_along_k(ft.shape, other, swapped[n]):
                     if narrowed[n]:
                         refused.append(factor)
                     else:
-                        found.append((n, factor))
+                        found.append(Factor(n, factor, slot, swapped[n]))
                     break
             else:
                 for o, _ in (x, y):
                     if o not in reader:
                         reader[o] = n
                         narrowed[o] = narrowed[n]
+                        swapped[o] = swapped[n]
                         stack.append(o)
     return found
 
@@ -226,14 +273,14 @@ def _is_softmax(graph: Graph, value: Edge) -> bool:
     return isinstance(op, Op) and op.kind == "softmax"
 
 
-def _hoist(graph: Graph, mm: int, pairs: list[tuple[int, Edge]]) -> None:
+def _hoist(graph: Graph, mm: int, pairs: list[Factor]) -> None:
     """Drop each factor from its `mul` and multiply the product by them all, in f32."""
     op = graph.op(mm)
-    spans = [graph.op(mul).span for mul, _ in pairs]
-    for mul, factor in pairs:
-        (other,) = [e for e in graph.operand_edges(mul) if e != factor]
-        graph.replace_uses(mul, other[0], new_res=other[1])
-        graph.remove(mul)
+    spans = [graph.op(f.mul).span for f in pairs]
+    for f in pairs:
+        (other,) = [e for e in graph.operand_edges(f.mul) if e != f.value]
+        graph.replace_uses(f.mul, other[0], new_res=other[1])
+        graph.remove(f.mul)
     users = graph.users(mm)
     b = Builder(graph)
 
@@ -243,8 +290,12 @@ def _hoist(graph: Graph, mm: int, pairs: list[tuple[int, Edge]]) -> None:
         return b.op("cast", [value], span, dtype=DType.F32), 0
 
     product = f32((mm, 0), op.span)
-    for (_, factor), span in zip(pairs, spans, strict=True):
-        product = b.op("mul", [product, f32(factor, _value_op(graph, factor).span)], span), 0
+    for f, span in zip(pairs, spans, strict=True):
+        value = f32(f.value, _value_op(graph, f.value).span)
+        if f.swapped:
+            rank = graph.result_type(*value).rank
+            value = b.op("transpose", [value], span, dims=(rank - 2, rank - 1)), 0
+        product = b.op("mul", [product, value], span), 0
     if op.dtype is not DType.F32:
         product = b.op("cast", [product], op.span, dtype=op.dtype), 0
     for user, slot in users:

@@ -148,7 +148,7 @@ def test_operand_prologues_are_computed_on_the_loaded_tiles(dt):
     }}""")
     grads_ok(fn, *qkv(2, 3, 17, 33, 16, dt), 0.7)
     assert templates(fn.backward) == ["rows", "attention_backward", "attention_backward"]
-    assert "operand prologues: mul (line 5), mul (line 3), mul (line 3), mul (line 3); score dots" \
+    assert "operand prologues: mul (line 3), mul (line 3), mul (line 5), mul (line 3); score dots" \
         in fn.backward.explain()
 
 

@@ -107,6 +107,11 @@ def explain(program: Program, dims: Mapping[str, int] | None = None) -> str:
             lines.append(f"  {'':<{width}}    structure: {_attention_structure(op)}")
         if isinstance(op.plan, AttentionPlan):
             lines.append(f"  {'':<{width}}    launches: {_attention_launches(op.plan)}")
+        if isinstance(op.plan, GemmPlan) and op.plan.batch_scales:
+            n_in = len(op.region.inputs)
+            scales = ", ".join(describe(op.region.ops[v - n_in].op) for v in op.plan.batch_scales)
+            lines.append(f"  {'':<{width}}    structure: each summed batch element's product scaled "
+                         f"({scales}) before the accumulator adds it")
         if isinstance(op.plan, GemmPlan):
             steps = "the K loop of every summed batch element" if op.plan.batch_sums else "the K loop"
             lines.append(f"  {'':<{width}}    launches: 1, or 2 where its output tiles alone cannot fill "

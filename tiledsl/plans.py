@@ -302,6 +302,11 @@ class GemmPlan:
     # sum them, in order: the epilogue reads the last one
     summed_axes: tuple[int, ...] = ()
     batch_sums: tuple[int, ...] = ()
+    # the muls scaling each batch element's product before the first batch sum adds it, in
+    # order (DeepSeek-V3's per-block scales: sum_t (A_t @ B_t) * sa_t * sb_t), and every value
+    # they compute from at the product's tile (their factors' ops): done inside the batch loop
+    batch_scales: tuple[int, ...] = ()
+    scale_ops: frozenset[int] = frozenset()
 
     @property
     def has_prologue(self) -> bool:
@@ -323,6 +328,8 @@ class GemmPlan:
                    if self.row_stats else "")
                 + (f"batch_sums = {_names(self.batch_sums, name)} over axes "
                    f"({', '.join(map(str, self.summed_axes))}), " if self.batch_sums else "")
+                + (f"batch_scales = {_names(self.batch_scales, name)} of {_names(self.scale_ops, name)}, "
+                   if self.batch_scales else "")
                 + f"epilogue = {_names(self.epilogue, name)}}}")
 
     def verify(self, check: PlanCheck) -> None:
@@ -354,10 +361,15 @@ class GemmPlan:
         if self.duals or self.row_stats:
             check.fail("a GEMM summing its batch has a second accumulator or row statistics")
         previous = self.matmul
+        for v in self.batch_scales:
+            check.expect(v, ("mul",), "batch scale")
+            if previous not in check.operands(v) or v not in self.scale_ops:
+                check.fail("a batch scale does not multiply the product (or the scale before it)")
+            previous = v
         for v in self.batch_sums:
             check.expect(v, ("sum", "mean"), "batch sum")
             if check.operands(v) != (previous,):
-                check.fail("a batch sum does not read the product (or the batch sum before it)")
+                check.fail("a batch sum does not read the product (or the batch sum or scale before it)")
             previous = v
         out, product = check.region.value_type(previous).shape, check.region.value_type(self.matmul).shape
         if out[-2:] != product[-2:]:

@@ -107,9 +107,16 @@ def mul_combine(a, b):
 # f32 -> f8: the 23 mantissa bits rounded to `mantissa` (to nearest even) in the normal
 # range, where past the largest finite code an e4m3 saturates (126: 448) and an e5m2 is
 # inf (124); below the smallest normal, the nearest even multiple of the smallest subnormal.
+# On a GPU an e4m3 is the hardware's conversion (`cvt.rn.satfinite.e4m3x2.f32`: to nearest
+# even, saturating at 448 past the largest finite value and for infinities, as torch does): one
+# instruction for two values, where the bit arithmetic takes about twenty, which a GEMM whose
+# prologue quantizes each A tile would be issue-bound on. An e5m2's saturates where torch
+# overflows to inf: it keeps the bit arithmetic.
 F8_NARROW = """\
 @triton.jit
-def f32_to_{name}(x):
+def f32_to_{name}(x, INTERPRETER: tl.constexpr):
+    if {hardware} and not INTERPRETER:
+        return x.to({tl_type})
     u = x.to(tl.uint32, bitcast=True) & 0x7FFFFFFF
     sign = ((x.to(tl.uint32, bitcast=True) >> 24) & 128).to(tl.int32)
     a = tl.abs(x)
@@ -141,7 +148,7 @@ def f8e4m3_to_f32(x, INTERPRETER: tl.constexpr):
 
 {narrow}""").format(narrow=F8_NARROW.format(name="f8e4m3", mantissa=3, mask=7, rebias=120, max_finite=126,
                                              overflow=126, subnormal_scale=512.0, min_normal=2.0**-6,
-                                             tl_type="tl.float8e4nv"))
+                                             tl_type="tl.float8e4nv", hardware=True))
 HELPERS["f8e5m2"] = ("""\
 @triton.jit
 def f8e5m2_to_f32(x, INTERPRETER: tl.constexpr):
@@ -153,7 +160,7 @@ def f8e5m2_to_f32(x, INTERPRETER: tl.constexpr):
 
 {narrow}""").format(narrow=F8_NARROW.format(name="f8e5m2", mantissa=2, mask=3, rebias=112, max_finite=123,
                                              overflow=124, subnormal_scale=65536.0, min_normal=2.0**-14,
-                                             tl_type="tl.float8e5"))
+                                             tl_type="tl.float8e5", hardware=False))
 
 
 def with_scalar_operands(region: Region, values: Iterable[int], have: Container[int]) -> set[int]:
@@ -284,7 +291,7 @@ class Emitter:
             return f"f32_to_bf16({text}, INTERPRETER)"
         if dtype.is_f8:  # torch's rounding, bit for bit, on every target (see HELPERS)
             self.helpers.add(dtype.value)
-            return f"f32_to_{dtype.value}({text})"
+            return f"f32_to_{dtype.value}({text}, INTERPRETER)"
         if dtype is DType.F16:
             return f"{text}.to(tl.float16)"
         return text

@@ -146,6 +146,9 @@ def operand_tile(em: Emitter, region: Region, name: str, ptrs: str | None, mask:
         if keep is not None:
             keep.update(vals)
     if value != src or index is not None:
+        last = region.ops[value - n_in] if value >= n_in else None
+        if dot.is_f8 and last is not None and last.op.kind == "cast" and last.op.dtype is dot:
+            value = last.operands[0]  # rounded to f8 once, by the narrowing below
         result = em.tensor(em.convert(vals[value], compute_type(dot)))
         body(f"{name} = tl.where({mask}, {em.narrow(result.text, dot)}, {'0' if dot.is_int else '0.0'})")
     elif src_type.dtype is not dot:  # mixed operands meet in the promoted dtype (f32)
@@ -174,11 +177,12 @@ class GemmProgram:
         self.values = [plan.a, plan.b, *(d.b for d in plan.duals)]
         self.matmuls = [self.mm, *(d.matmul for d in plan.duals)]  # one accumulator each
         self.stats = plan.row_stats  # sums and means of A's rows, accumulated in the K loop
-        # what each operand enters the dot as: the product's dtype, or an f8 operand as it is
-        # (f8 products accumulate in f32, their result dtype), or i8 (i8 products give i32)
+        # what each operand enters the dot as: i8 (i8 products give i32), or f8 where every
+        # operand's value is an f8 one (f8 products accumulate in f32, their result dtype),
+        # or the product's dtype
         self.integer = self.op.dtype is DType.I32
-        self.dots = [DType.I8 if self.integer else region.inputs[s].type.dtype
-                     if region.inputs[s].type.dtype.is_f8 else self.op.dtype for s in self.sources]
+        self.dots = [DType.I8] * len(self.sources) if self.integer else self.f8_operands() \
+            or [self.op.dtype] * len(self.sources)
         # a batch sum (`plan.batch_sums`) sums the product over its batch axes `summed` in the
         # K loop: the output tiles, the grid and the workspaces are the sum's, whose batch
         # dims are the product's others (or size 1 with keepdims)
@@ -189,6 +193,28 @@ class GemmProgram:
         self.batch = self.shape[:-2]
         self.sig, self.body = Signature(), Code()
         self.em = Emitter(self.body)
+
+    def f8_operands(self) -> list[DType] | None:
+        """The f8 dtype of each operand when every one is an f8 value: its f8 source as it is,
+        or a widening cast of an f8 value its prologue computes (a per-token quantizer's
+        `cast(cast(x / s, f8e4m3), f32)`; the operand is then the f8 value, its widening left
+        to the tensor core). None when any is not: a mixed dot widens its f8 operands."""
+        region, n_in = self.region, self.n_in
+        dots, values = [], list(self.values)
+        for w, (src, value) in enumerate(zip(self.sources, self.values, strict=True)):
+            if value == src and region.inputs[src].type.dtype.is_f8:
+                dots.append(region.inputs[src].type.dtype)
+                continue
+            rop = region.ops[value - n_in] if value >= n_in else None
+            if rop is None or rop.op.kind != "cast" or not rop.op.dtype.is_float:
+                return None
+            inner = region.value_type(rop.operands[0]).dtype
+            if not inner.is_f8:
+                return None
+            dots.append(inner)
+            values[w] = rop.operands[0]
+        self.values = values
+        return dots
 
     # --- emission ----------------------------------------------------------------------------
 
@@ -396,7 +422,12 @@ class GemmProgram:
                 with body.indent():
                     body("kb_lo = tl.maximum(s_lo - tb * k_blocks, 0) * BLOCK_K")
                     body(f"kb_hi = tl.minimum(tl.minimum(s_hi - tb * k_blocks, k_blocks) * BLOCK_K, {K})")
-                self.k_loop(descs, accs, "kb_lo", "kb_hi")
+                if self.plan.batch_scales:  # this element's product, scaled, then added
+                    body(f"part = tl.zeros((BLOCK_M, BLOCK_N), dtype={self.acc_type()})")
+                    self.k_loop(descs, ["part"], "kb_lo", "kb_hi")
+                    body(f"acc += {self.scaled_part('part')}")
+                else:
+                    self.k_loop(descs, accs, "kb_lo", "kb_hi")
         else:
             self.k_loop(descs, accs, "k_lo", "k_hi")
         body("if SPLITS > 1:")
@@ -413,6 +444,36 @@ class GemmProgram:
             for half in (0, 1):
                 body(f"rn = pid_n * BLOCK_N + {half} * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)")
                 self.epilogue([f"{acc}_{half}" for acc in accs])
+
+    def scaled_part(self, part: str) -> str:
+        """The product of one summed batch element (`part`, the whole tile) times its scales
+        (`GemmPlan.batch_scales`), their factors read at the product's tile of this element."""
+        em, region = self.em, self.region
+        plan = self.plan
+        rank = len(self.product)
+        vals: dict[int, Val] = {self.mm: Val(part, Compute.F32)}
+        names = [*self.bnames, "rm[:, None]", "rn[None, :]"]
+        for i, inp in enumerate(region.inputs):
+            if any(i in region.ops[v - self.n_in].operands and not ops.gathers_at(
+                    region.ops[v - self.n_in].op.kind, region.ops[v - self.n_in].operands.index(i))
+                   for v in plan.scale_ops):
+                if inp.type.rank == 0:
+                    vals[i] = self.prologue_scalars.get(i) or self.scalar_input(i)
+                    continue
+                shape = inp.type.shape
+                lead = rank - len(shape)
+                idx = [names[lead + k] if shape[k] != 1 else None for k in range(len(shape))]
+                rows, cols = "rm[:, None]" in idx, "rn[None, :]" in idx
+                mask = " & ".join([f"(rm < {self.M})[:, None]"] * rows + [f"(rn < {self.N})[None, :]"] * cols)
+                ref = self.refs[i]
+                vals[i] = em.load_at(f"{ref.ptr} + {ref.offset(idx)}", mask or None, inp.type)
+
+        def index(op: Op) -> Val:
+            axis = op.attr("axis") % len(op.shape) + rank - len(op.shape)
+            return em.index(names[axis] if op.shape[op.attr("axis")] != 1 else None)
+
+        em.run(region, vals, index, skip=lambda v: v not in plan.scale_ops)
+        return em.tensor(em.convert(vals[plan.batch_scales[-1]], Compute.F32)).text
 
     def k_loop(self, descs: list[tma.Descriptors | None], accs: list[str], k_lo: str, k_hi: str) -> None:
         """The operands' pointers at this batch element and the loop over K from `k_lo` to
@@ -507,10 +568,10 @@ class GemmProgram:
 
     def descriptors(self, which: int) -> tma.Descriptors | None:
         """TMA descriptors for operand `which` when it is its source tensor as it is (no
-        prologue)."""
+        prologue, or only the widening of an f8 source the tensor core multiplies as it is)."""
         src = self.sources[which]
         t = self.region.inputs[src].type
-        if self.prologues[which] != {src} or not tma.eligible(t, self.dots[which]) or (
+        if self.values[which] != src or not tma.eligible(t, self.dots[which]) or (
                 which == 0 and self.stats):
             return None
         return tma.declare(self.sig, self.body, self.operand_names()[which], src, self.refs[src], t,
@@ -548,6 +609,12 @@ class GemmProgram:
             inp = region.inputs[i] if i < n_in else None
             if inp is not None and i != self.sources[0] and not inp.scalar and inp.type.rank > 0:
                 ref = self.refs[i]
+                if inp.type.rank >= 2 and inp.type.shape[-2] != 1 and inp.type.shape[-1] == 1:
+                    # a vector along A's rows (a per-token scale): a column of the tile's rows
+                    ptrs = f"{batch_base(ref, inp.type.rank, self.bnames)} + " \
+                        f"{ref.offset([None] * (inp.type.rank - 2) + ['rm[:, None]', None])}"
+                    vectors[i] = f"tl.load({ptrs}, mask=(rm < {self.M})[:, None], other=0.0)"
+                    continue
                 if inp.type.rank >= 2 and inp.type.shape[-2] != 1:
                     # a tensor of A's rows (a statistic of `g * o`, both stored by other
                     # kernels): its tile at A's
@@ -619,7 +686,8 @@ class GemmProgram:
         self.batch_sum_values(vals)
         # prologue ops are done inside the K loop; an input may feed both an operand and the
         # epilogue, and so may a constant or scalar op, which the epilogue computes again
-        skip = self.plan.prologue_only | set(self.matmuls) | set(self.stats) | set(self.sums)
+        skip = self.plan.prologue_only | set(self.matmuls) | set(self.stats) | set(self.sums) \
+            | self.plan.scale_ops
         for i, inp in enumerate(region.inputs):
             if i in skip or not self._used_in_epilogue(i, skip):
                 continue
@@ -646,6 +714,9 @@ class GemmProgram:
         """The batch sums' values from the accumulator, which summed the product over their
         axes: a mean divides by its axis's size."""
         previous = self.mm
+        if self.plan.batch_scales:  # the accumulator summed the scaled products
+            previous = self.plan.batch_scales[-1]
+            vals[previous] = vals[self.mm]
         for v in self.sums:
             rop = self.region.ops[v - self.n_in]
             val = vals[previous]

@@ -9,8 +9,10 @@ pass that grows one (fuse-epilogue, fuse-attention).
   group value transposed or broadcast ("other-index"), and the epilogue reads
   at most `MAX_EPILOGUE_INPUTS` extra tensors ("profit").
 - A prologue op feeds a dot operand from one tensor of the operand's shape
-  plus scalars ("other-index" otherwise), is cheap to recompute per tile and
-  has no other user ("profit", `profitability.prologue_refusal`).
+  plus scalars and, on A, vectors along K or along its rows ("other-index" otherwise),
+  the prologue's ops at the operand's shape are cheap to recompute per tile
+  (`profitability.PROLOGUE_BUDGET`), and it has no other user ("profit",
+  `profitability.prologue_refusal`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from tiledsl.ir import Graph, KernelOp, Op
 from tiledsl.types import Shape, TensorType, broadcasts_to, format_shape
 
 from .legality import describe_node, reads_other_index
-from .profitability import MAX_EPILOGUE_INPUTS, prologue_refusal, unpacking_refusal
+from .profitability import MAX_EPILOGUE_INPUTS, PROLOGUE_BUDGET, prologue_refusal, unpacking_refusal
 from .remarks import Refusal, Rule
 
 
@@ -34,12 +36,12 @@ def epilogue_refusal(graph: Graph, group: set[int], cand: int, shape: Shape, wha
     `epilogue`: the epilogue ops admitted so far; the extra tensors they and `cand`
     read from outside the group count against `MAX_EPILOGUE_INPUTS`. `joins`: ops the
     kernel may take besides elementwise ones (the dual matmuls of a GEMM), which a producer
-    may be computed from; `memo`: the caller's memo for them (see `_pending_source`);
+    may be computed from; `memo`: the caller's memo for them (see `pending_source`);
     `broadcast`: members the kernel computes per row, which ops may read broadcast.
     """
     op = graph.op(cand)
     consumer = any(s in group for s in graph.operands(cand))
-    if not consumer and (source := _pending_source(graph, cand, joins, memo)) is not None:
+    if not consumer and (source := pending_source(graph, cand, joins, memo)) is not None:
         return Refusal(Rule.PROFIT, f"it is computed from {describe_node(graph, source)}, which "
                        "a later fusion can keep in registers with it; the epilogue takes values "
                        "computed from the program's inputs")
@@ -71,21 +73,78 @@ def keys_are_data(*right: TensorType) -> bool:
 
 
 def prologue_op_refusal(graph: Graph, cand: int, users_outside: bool,
-                        k_vectors: object | None = None) -> Refusal | None:
-    """Why `cand` cannot be applied to each loaded tile of a dot operand. `k_vectors`: the K
-    dim of an A operand, whose prologue may also read vectors along K (`x * g` with `g: [K]`),
-    loaded once per K step."""
+                        a_shape: Shape | None = None, spent: int = 0,
+                        budget: int = PROLOGUE_BUDGET) -> Refusal | None:
+    """Why `cand` cannot be applied to each loaded tile of a dot operand, where the ops the
+    prologue holds already cost `spent` units per element (`prologue_units`) of the `budget`
+    (`prologue_budget`). `a_shape`: the shape of an A operand, whose prologue may also read
+    vectors along K (`x * g` with `g: [K]`), loaded once per K step, and along its rows (a
+    per-token scale `x / s` with `s: [M, 1]` another kernel computes), loaded once per row of
+    the tile.
+
+    A narrowing cast whose operand's own ops would pass the budget is refused too: the
+    prologue stops at the narrowest value of the chain (a quantizer's f8 values, stored by
+    the kernel computing them, a byte each), not at a wider one above it."""
     op = graph.op(cand)
-    why = prologue_refusal(op.kind, users_outside)
+    why = prologue_refusal(op.kind, users_outside, spent if per_element(op.shape) else 0, budget)
     if why:
         return Refusal(Rule.PROFIT, why)
+    if op.kind == "cast" and per_element(op.shape):
+        (src,) = graph.operand_edges(cand)
+        wider = graph.result_type(*src).dtype
+        total = spent + ops.units(op.kind) + _chain_units(graph, src[0])
+        if op.dtype.itemsize < wider.itemsize and total > budget:
+            return Refusal(Rule.PROFIT, f"with the ops computing its {wider} operand the prologue would "
+                           f"cost {total} units per element, more than the {budget} the dot hides: the "
+                           f"kernel computing them stores its {op.dtype} result, the chain's narrowest")
     tensors = list(dict.fromkeys(  # one tensor read twice (`x * x`) is one tensor
         s for s in graph.operand_edges(cand) if graph.result_type(*s).rank > 0
-        and not (k_vectors is not None and _along_k(graph.result_type(*s).shape, k_vectors))))
+        and not (a_shape is not None and _a_vector(graph.result_type(*s).shape, a_shape))))
     if len(tensors) != 1 or graph.result_type(*tensors[0]).shape != op.shape:
         return Refusal(Rule.OTHER_INDEX,
                        "a prologue reads one operand tensor element for element (plus scalars)")
     return None
+
+
+def prologue_budget(graph: Graph, matmul: int) -> int:
+    """The units per element a prologue of `matmul`'s operands may cost: `PROLOGUE_BUDGET`,
+    half that for a dot of f8 values (an f8 parameter, or a widening cast of an f8 value, on
+    both sides), whose tensor cores multiply twice as fast."""
+    def f8(edge: tuple[int, int]) -> bool:
+        op = graph.op(edge[0])
+        if graph.result_type(*edge).dtype.is_f8:
+            return True
+        return isinstance(op, Op) and op.kind == "cast" and graph.result_type(
+            *graph.operand_edges(edge[0])[0]).dtype.is_f8
+    return PROLOGUE_BUDGET // 2 if all(f8(e) for e in graph.operand_edges(matmul)) else PROLOGUE_BUDGET
+
+
+def _chain_units(graph: Graph, node: int) -> int:
+    """The units per element of the elementwise ops computing `node` at a tile's shape, each
+    read by nothing else, back to the tensors they load."""
+    total, stack, seen = 0, [node], set()
+    while stack:
+        n = stack.pop()
+        op = graph.op(n)
+        if n in seen or not isinstance(op, Op) or not ops.is_elementwise(op.kind) or op.kind == "take" \
+                or not per_element(op.shape):
+            continue
+        seen.add(n)
+        total += ops.units(op.kind)
+        stack.extend(o for o in graph.operands(n) if len(graph.users(o)) == 1)
+    return total
+
+
+def prologue_units(graph: Graph, cand: int) -> int:
+    """What prologue op `cand` adds to its prologue's cost per element: its units at the
+    operand's shape, none at a vector's (computed once per row or column of the tile)."""
+    op = graph.op(cand)
+    return ops.units(op.kind) if per_element(op.shape) else 0
+
+
+def per_element(shape: Shape) -> bool:
+    """Does a value of `shape` vary along both dims of a tile (no size-1 dim among its last two)?"""
+    return len(shape) >= 2 and shape[-1] != 1 and shape[-2] != 1
 
 
 def gathered_operand(graph: Graph, edge: tuple[int, int]) -> frozenset[int]:
@@ -146,7 +205,7 @@ def gathered_units(graph: Graph, inside: frozenset[int], matmul: int) -> int:
     return sum(ops.units(graph.op(n).kind) for n in inside if graph.op(n).shape == full)
 
 
-def _pending_source(graph: Graph, node: int, joins: Callable[[int], bool] | None = None,
+def pending_source(graph: Graph, node: int, joins: Callable[[int], bool] | None = None,
                     memo: dict | None = None) -> int | None:
     """The first op `node` is computed from, through elementwise ops and views, that no kernel
     computes yet and that is not elementwise (a reduction, a softmax, a matmul), or None when
@@ -176,6 +235,10 @@ def _pending_source(graph: Graph, node: int, joins: Callable[[int], bool] | None
     return next((memo[o] for o in graph.operands(node) if memo[o] is not None), None)
 
 
-def _along_k(shape, k) -> bool:
-    """A vector along A's K dim: [K], or [1, ..., 1, K]."""
-    return len(shape) >= 1 and shape[-1] == k and all(d == 1 for d in shape[:-1])
+def _a_vector(shape: Shape, a_shape: Shape) -> bool:
+    """A vector along A's K dim ([K], or [1, ..., 1, K]) or along its rows ([..., M, 1], its
+    batch dims A's or 1)."""
+    if len(shape) >= 1 and shape[-1] == a_shape[-1] and all(d == 1 for d in shape[:-1]):
+        return True
+    return 2 <= len(shape) <= len(a_shape) and shape[-1] == 1 and shape[-2] == a_shape[-2] \
+        and broadcasts_to(shape, a_shape)

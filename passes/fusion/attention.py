@@ -295,8 +295,8 @@ def _keeps_neg_inf(region: Region, kind: str, args, neg_inf) -> bool:
 
 def operand_source(region: Region, chain: frozenset[int]) -> int:
     """The one tensor input a dot operand is loaded from (its prologue adds only scalars and,
-    for a GEMM's A, vectors along K: [1, ..., 1, K]); for a gathered operand, the tensor it
-    gathers from (the first, for a GEMM's B gathered from several: a packed weight, its
+    for a GEMM's A, vectors along K or its rows: [1, ..., 1, K], [..., M, 1]); for a gathered
+    operand, the tensor it gathers from (the first, for a GEMM's B gathered from several: a packed weight, its
     scales and zero points)."""
     n_in = len(region.inputs)
     takes = sorted(v for v in chain if v >= n_in and region.ops[v - n_in].op.kind == "take")
@@ -307,8 +307,9 @@ def operand_source(region: Region, chain: frozenset[int]) -> int:
     if not tensors:
         tensors = [v for v in chain if v < n_in and not region.inputs[v].scalar
                    and region.inputs[v].type.rank > 0]
-    if len(tensors) > 1:
-        tensors = [v for v in tensors if any(d != 1 for d in region.inputs[v].type.shape[:-1])]
+    if len(tensors) > 1:  # not the vectors along K ([1, K]) or along A's rows ([M, 1])
+        tensors = [v for v in tensors if len(shape := region.inputs[v].type.shape) >= 2
+                   and shape[-1] != 1 and shape[-2] != 1]
     assert len(tensors) == 1, "a dot operand is computed from one tensor"
     return tensors[0]
 

@@ -113,11 +113,16 @@ def gemm_plan(region: Region, spec: GemmSpec) -> GemmPlan:
     prologue = a_chain | b_chain | frozenset().union(*(d.b_prologue for d in duals)) | stat_chain
     matmuls = {mm, *more}
     prologue_only = _prologue_only(region, matmuls | set(stats), prologue)
+    # the muls scaling each summed product and the ops computing their factors, at the
+    # product's tile inside the batch loop
+    scales = frozenset(region.depends(spec.batch_scales[-1]) - region.depends(mm) - set(range(n_in))) \
+        if spec.batch_scales else frozenset()
     epilogue = tuple(v for v in range(n_in, n_in + len(region.ops))
-                     if v not in matmuls and v not in prologue_only and v not in stats and v not in sums)
+                     if v not in matmuls and v not in prologue_only and v not in stats and v not in sums
+                     and v not in scales)
     return GemmPlan(mm, a, b, operand_source(region, a_chain), operand_source(region, b_chain),
                     a_chain, b_chain, prologue_only, epilogue, tuple(duals), stats, stat_chain,
-                    spec.summed_axes, sums)
+                    spec.summed_axes, sums, spec.batch_scales, scales)
 
 
 def _prologue_only(region: Region, matmuls: set[int], prologue: frozenset[int]) -> frozenset[int]:

@@ -5,9 +5,10 @@ reading its producer at another index is refused there). What is left to
 weigh here is work that a fused kernel repeats:
 
 - a GEMM operand prologue is recomputed for every column tile of the output,
-  so only ops of `PROLOGUE_UNITS` qualify (a cast, a scale, a shift, a clamp:
-  the registry's `units`); an exponential or a division of every A element per
-  tile would cost more than the one extra pass over A that materializing it takes.
+  so its ops at the operand's shape may sum to at most `PROLOGUE_BUDGET` units
+  per element (the registry's `units`: a cast, a scale, a shift 1; a division or an
+  exponential 4): a per-token quantizer `cast(cast(x / s, f8), f32)` qualifies, a chain of
+  transcendentals would cost more than the one extra pass over A that materializing it takes.
   A B operand loaded through gathers (a packed int4 weight, a 4-bit code looked up in
   a 16-entry table) is unpacked in the K loop while its ops per element sum to at most
   `GATHERED_PROLOGUE_BUDGET` units;
@@ -40,8 +41,11 @@ from __future__ import annotations
 
 from tiledsl import ops
 
-# the most an op of a plain prologue may cost per element: one instruction
-PROLOGUE_UNITS = 1
+# the most the ops of a plain prologue may cost per element of its operand: a tensor core does
+# BLOCK_N (128) products per loaded A element and column tile, in the time of about 16 of them
+# per f32 instruction on an H100's CUDA cores (989 dense bf16 TFLOPS against 67 f32), so about 8
+# instructions per element hide under the dot (4 under an f8 dot, twice as fast)
+PROLOGUE_BUDGET = 8
 # a B operand loaded through gathers (a packed int4 weight, its zero points and scales read at
 # k // 8, k // G; an NF4 code's value in a 16-entry table) unpacks each tile element with the
 # ops computing it at the operand's shape: GPTQ's take 14 units (three gathers, two shifts and
@@ -69,13 +73,16 @@ def recompute_refusal(units: int) -> str | None:
     return None
 
 
-def prologue_refusal(kind: str, users_outside: bool) -> str | None:
-    """Why an elementwise op on a GEMM operand should not fuse into the operand load."""
+def prologue_refusal(kind: str, users_outside: bool, spent: int = 0,
+                     budget: int = PROLOGUE_BUDGET) -> str | None:
+    """Why an elementwise op on a GEMM operand should not fuse into the operand load, where
+    the prologue's ops admitted so far cost `spent` units per element of its `budget`."""
     if users_outside:
         return "its value is also used elsewhere, so it is stored anyway"
-    if ops.units(kind) > PROLOGUE_UNITS:
-        return (f"{kind} would be recomputed for every column tile of the output; it costs "
-                f"{ops.units(kind)} units per element, a prologue op at most {PROLOGUE_UNITS}")
+    if spent + ops.units(kind) > budget:
+        return (f"{kind} would be recomputed for every column tile of the output; with it the "
+                f"prologue costs {spent + ops.units(kind)} units per element, more than the "
+                f"{budget} the dot hides")
     return None
 
 

@@ -97,6 +97,7 @@ class GemmSpec:
     stats: tuple[int, ...] = nodes(default=())
     batch_sums: tuple[int, ...] = nodes(default=())
     summed_axes: tuple[int, ...] = ()
+    batch_scales: tuple[int, ...] = nodes(default=())  # the muls scaling each product summed
 
 
 @dataclass(frozen=True)
