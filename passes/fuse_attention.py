@@ -48,6 +48,7 @@ from tiledsl import ops
 from tiledsl.ir import Graph, Op, walk
 from tiledsl.passes.fusion.admission import (
     epilogue_refusal,
+    grouped_dot,
     keys_are_data,
     prologue_op_refusal,
     prologue_units,
@@ -183,7 +184,8 @@ class _Match:
         if found is None:
             return None
         qk, chain = found
-        if not keys_are_data(graph.result_type(*graph.operand_edges(qk)[1]), graph.result_type(*v)):
+        if not keys_are_data(graph.result_type(*graph.operand_edges(qk)[1]), graph.result_type(*v)) \
+                or grouped_dot(graph, qk) or grouped_dot(graph, pv):  # experts' MLPs per token
             return None
         sums = self._key_sums([qk, *chain], len(shape) - 1)
         return self._group(qk, chain, pv, None, None, [], sums, "chained matmuls", "score function")

@@ -50,6 +50,7 @@ from tiledsl.passes.fusion.admission import (
     prologue_budget,
     prologue_op_refusal,
     prologue_units,
+    row_segment,
 )
 from tiledsl.passes.fusion.grow import Admission, elementwise_candidate, fuse_groups
 from tiledsl.passes.fusion.legality import GroupPlan, describe_node
@@ -122,6 +123,7 @@ class _Kernel:
         # a B operand loaded through gathers at index expressions of its tile (a packed int4
         # weight): the ops computing it, each tile's prologue
         self.gathered = gathered_operand(graph, graph.operand_edges(seed)[1])
+        self.gathered_of = {seed: self.gathered}  # each matmul's, the grouped duals' too
 
     def joins(self, node: int) -> bool:
         """Ops besides elementwise ones an epilogue producer may be computed from."""
@@ -137,6 +139,8 @@ class _Kernel:
             reason = _dual_refusal(graph, self.seed, self.matmuls, cand, self.accumulators)
             if reason is None and not self.plan.creates_cycle(group, cand):
                 self.matmuls.add(cand)
+                # a grouped dual's B, selected by the same index: unpacked in the K loop too
+                self.gathered_of[cand] = gathered_operand(graph, graph.operand_edges(cand)[1])
             return reason
         if _is_stat_kind(graph, cand):
             if any(o in group for o in graph.operands(cand)):
@@ -152,8 +156,9 @@ class _Kernel:
                 self.stats.add(cand)
                 self.a_side.add(cand)
             return reason
-        if cand in self.gathered:
-            reason = gathered_prologue_refusal(graph, cand, self.gathered, self.seed)
+        owner = next((m for m, ops_ in self.gathered_of.items() if cand in ops_), None)
+        if owner is not None:
+            reason = gathered_prologue_refusal(graph, cand, self.gathered_of[owner], owner)
             if reason is None:
                 self.prologue.add(cand)
             return reason
@@ -247,9 +252,14 @@ class _Kernel:
 
     def spec(self, members: list[int]) -> GemmSpec:
         """The group as this kernel admitted it: the seed, its duals and the statistics of A."""
-        return GemmSpec(self.seed, tuple(m for m in members if m in self.matmuls and m != self.seed),
-                        tuple(m for m in members if m in self.stats), tuple(self.batch_sums),
-                        tuple(sorted(self.summed)), self.batch_scales)
+        duals = tuple(m for m in members if m in self.matmuls and m != self.seed)
+        stats = tuple(m for m in members if m in self.stats)
+        # a product of one row per batch element whose B is gathered by a per-row index: a
+        # grouped GEMM, its rows the batch elements (`admission.row_segment`)
+        segment = None if stats or self.batch_sums or not self.gathered & set(members) \
+            else row_segment(self.graph, self.seed, self.gathered)
+        return GemmSpec(self.seed, duals, stats, tuple(self.batch_sums), tuple(sorted(self.summed)),
+                        self.batch_scales, segment)
 
     def users_outside(self, group: set[int], cand: int) -> Refusal | None:
         if any(u not in group for u, _ in self.graph.users(cand)):
@@ -332,6 +342,11 @@ def _dual_refusal(graph: Graph, seed: int, matmuls: set[int], cand: int,
                        "B); cse computes it once")
     if graph.operands(cand)[0] != graph.operands(seed)[0]:
         return Refusal(Rule.OP, "a dual GEMM shares the A operand; these multiply different ones")
+    gathered = [gathered_operand(graph, graph.operand_edges(m)[1]) for m in (seed, cand)]
+    segments = {row_segment(graph, m, g) if g else None for m, g in zip((seed, cand), gathered, strict=True)}
+    if any(gathered) and (len(segments) != 1 or None in segments):
+        return Refusal(Rule.OP, "a dual GEMM loads its B operands through their pointers, or selects both "
+                       "by the same index per row (a grouped GEMM's); this one gathers a B otherwise")
     if other.shape != first.shape or other.dtype is not first.dtype:
         return Refusal(Rule.TILE, f"its product {other.type} is not the kernel's {first.type}")
     if accumulators == 1:

@@ -151,8 +151,8 @@ def _leaf(graph: Graph, n: int, memo: dict[int, bool]) -> bool:
     while isinstance(op, Op) and ops.category(op.kind) is ops.Category.LAYOUT:
         n = graph.operands(n)[0]
         op = graph.op(n)
-        if op.kind != "param" and ops.category(op.kind) is not ops.Category.LAYOUT:
-            return False
+        if not isinstance(op, Op) or op.kind != "param" and ops.category(op.kind) is not ops.Category.LAYOUT:
+            return False  # (a view of a kernel's result, or of a computed value)
     return isinstance(op, Op) and (op.kind in ("param", "dim", "const") or is_clonable(graph, n, memo))
 
 

@@ -164,7 +164,9 @@ def outline(
         values[(node, 0)] = len(inputs) + len(body)
         body.append(RegionOp(graph.op(node), operands))
     region = Region(tuple(inputs), tuple(body), tuple(values[(n, 0)] for n in outputs))
-    return region, external, {n: values[(n, 0)] for n in nodes}
+    # the members' values and those of the clones computed inside (a spec may name an index
+    # expression a member reads: a grouped GEMM's per-row index)
+    return region, external, {n: v for (n, r), v in values.items() if r == 0 and v >= len(inputs)}
 
 
 def replace_with_kernel(graph: Graph, nodes: Sequence[int], outputs: Sequence[int],

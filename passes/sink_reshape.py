@@ -69,6 +69,8 @@ def _sink(graph: Graph, node: int, remarks: list) -> bool:
     found = next((i for i, o in enumerate(operands) if _sinkable(graph, o, op.shape)), None)
     if found is None:
         return False
+    if any(not isinstance(graph.op(o), Op) for o in operands):
+        return False  # (a kernel's result, in a pipeline that formed one first: left as it is)
     view = operands[found]
     (src,) = graph.operands(view)
     inner = graph.op(src).shape

@@ -123,6 +123,19 @@ def test_every_program_with_every_pipeline():
 
 # --- the defects the sweep found, one test each -------------------------------------------------
 
+def test_sink_reshape_after_fuse_rows_leaves_an_op_of_a_kernel_result_where_it_is():
+    """Switch Transformer's gate, a row program's result, scales a slice of the expert GEMM's
+    output: sink-reshape asked the kernel for its shape ('KernelOp' object has no attribute
+    'shape', an internal error)."""
+    check_pipeline("switch_moe", "fuse-rows,sink-reshape")
+
+
+def test_recompute_after_fuse_epilogue_reads_a_view_of_a_kernel_result():
+    """A view of a GEMM kernel's result (`h[:, None, :]`) is no leaf a clone reads as it is:
+    recompute asked the registry for the kind 'kernel' (KeyError, an internal error)."""
+    check_pipeline("switch_moe", "fuse-epilogue,recompute")
+
+
 
 def test_sink_reshape_after_fuse_rows_leaves_a_kernels_result_alone():
     """With fuse-rows first, a slice of the qk-norm row program's result has a kernel as its

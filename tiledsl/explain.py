@@ -112,7 +112,18 @@ def explain(program: Program, dims: Mapping[str, int] | None = None) -> str:
             scales = ", ".join(describe(op.region.ops[v - n_in].op) for v in op.plan.batch_scales)
             lines.append(f"  {'':<{width}}    structure: each summed batch element's product scaled "
                          f"({scales}) before the accumulator adds it")
-        if isinstance(op.plan, GemmPlan):
+        if isinstance(op.plan, GemmPlan) and op.plan.segment is not None:
+            n_in = len(op.region.inputs)
+            rows = op.region.value_type(op.plan.matmul).shape[-3]
+            index = describe(op.region.ops[op.plan.segment - n_in].op)
+            pad = " " * width
+            lines.append(f"  {pad}    structure: grouped GEMM: a tile's rows are elements of {rows}, and "
+                         f"each value of {index} among them multiplies its rows by the B matrix it "
+                         "selects (one or two a tile where the rows are sorted by it): every B tile is "
+                         "loaded once a row tile")
+            lines.append(f"  {pad}    launches: 1 (its K loop runs once for each value a tile's rows hold; "
+                         "never split)")
+        elif isinstance(op.plan, GemmPlan):
             steps = "the K loop of every summed batch element" if op.plan.batch_sums else "the K loop"
             lines.append(f"  {'':<{width}}    launches: 1, or 2 where its output tiles alone cannot fill "
                          f"the GPU (split-K: programs share {steps}, each leaving the partial "

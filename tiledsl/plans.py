@@ -307,6 +307,10 @@ class GemmPlan:
     # they compute from at the product's tile (their factors' ops): done inside the batch loop
     batch_scales: tuple[int, ...] = ()
     scale_ops: frozenset[int] = frozenset()
+    # a grouped GEMM (a product of one row per batch element, [..., T, 1, N], whose gathered B
+    # selects its matrix by an index per row, `w[idx]`): the value of that index in B's
+    # prologue; the kernel's rows are T, and it multiplies each index's rows by its matrix
+    segment: int | None = None
 
     @property
     def has_prologue(self) -> bool:
@@ -330,6 +334,7 @@ class GemmPlan:
                    f"({', '.join(map(str, self.summed_axes))}), " if self.batch_sums else "")
                 + (f"batch_scales = {_names(self.batch_scales, name)} of {_names(self.scale_ops, name)}, "
                    if self.batch_scales else "")
+                + (f"grouped by {name(self.segment)}, " if self.segment is not None else "")
                 + f"epilogue = {_names(self.epilogue, name)}}}")
 
     def verify(self, check: PlanCheck) -> None:
@@ -348,6 +353,11 @@ class GemmPlan:
         for v in self.epilogue:
             check.kind(v)
         self._verify_batch_sums(check)
+        if self.segment is not None:
+            product = check.region.value_type(self.matmul).shape
+            if len(product) < 3 or product[-2] != 1 or self.segment not in self.b_prologue:
+                check.fail("a grouped GEMM's rows are not its batch elements, or its B is not selected by "
+                           "its index")
 
     def _verify_batch_sums(self, check: PlanCheck) -> None:
         """The batch sums are a chain of sums or means from the product over distinct batch

@@ -114,6 +114,8 @@ def operand_tile(em: Emitter, region: Region, name: str, ptrs: str | None, mask:
     `g: [K]`), as source text of their loaded value for this step; `keep`: when given, the
     chain's values are left there, with any values it already names computed too (a GEMM's
     row statistics of the same tile).
+    `vectors` may also give a value the chain computes (a grouped GEMM's per-row index: the
+    one this pass of the K loop takes).
     `index`: the operand is gathered (`ptrs` None): the chain's `index` ops at the tile, whose
     gather loads it (masked, at the addresses it computes) from the tensors it gathers from.
     `positions`: the chain's `index` ops at the tile of an operand loaded through its
@@ -134,7 +136,9 @@ def operand_tile(em: Emitter, region: Region, name: str, ptrs: str | None, mask:
                     vals[i] = scalars[i]
         for v in sorted(v for v in wanted if v >= n_in):
             rop = region.ops[v - n_in]
-            if rop.op.kind == "transpose":
+            if vectors is not None and v in vectors:  # a value the template gives (a grouped
+                vals[v] = Val(vectors[v], compute_type(rop.op.dtype))  # GEMM's index: `e`)
+            elif rop.op.kind == "transpose":
                 vals[v] = vals[rop.operands[0]]
             elif rop.op.kind == "const":
                 vals[v] = literal(rop.op.attr("value"), compute_type(rop.op.dtype))
@@ -191,6 +195,11 @@ class GemmProgram:
         self.sums = plan.batch_sums
         self.shape = region.value_type(self.sums[-1]).shape if self.sums else self.product
         self.batch = self.shape[:-2]
+        # a grouped GEMM (`GemmPlan.segment`): a tile's rows are the product's last batch axis
+        # (its M dim is 1), and each row's B matrix is the one its index selects
+        self.segment = plan.segment
+        if self.segment is not None:
+            self.batch = self.shape[:-3]
         self.sig, self.body = Signature(), Code()
         self.em = Emitter(self.body)
 
@@ -230,7 +239,8 @@ class GemmProgram:
                          if not inp.scalar and inp.type.rank == 0}
         self.outs = [sig.tensor("out", j, self.shape) for j in range(len(region.outputs))]
         self.em.gather_from(region, self.refs, sig.size)
-        self.M, self.N = sig.size(self.shape[-2]), sig.size(self.shape[-1])
+        self.M = sig.size(self.shape[-3] if self.segment is not None else self.shape[-2])
+        self.N = sig.size(self.shape[-1])
         self.K = sig.size(a_type.shape[-1])
         self.batch_count = " * ".join(sig.size(d) for d in self.batch if d != 1)
         self.body(f"tiles_m = tl.cdiv({self.M}, BLOCK_M)")
@@ -372,6 +382,8 @@ class GemmProgram:
         if self.batch:
             body("pb = pid_b.to(tl.int64)")
             decompose(body, "pb", self.batch, self.out_bnames, sig.size, "pq")
+        if self.segment is not None:  # the rows' batch axis: the tile's rows
+            self.out_bnames = [*self.out_bnames, "rm[:, None]"]
         self.bnames = self.product_names()
         body("rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)")
         body("rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)")
@@ -428,6 +440,8 @@ class GemmProgram:
                     body(f"acc += {self.scaled_part('part')}")
                 else:
                     self.k_loop(descs, accs, "kb_lo", "kb_hi")
+        elif self.segment is not None:
+            self.segment_loop(descs, accs)
         else:
             self.k_loop(descs, accs, "k_lo", "k_hi")
         body("if SPLITS > 1:")
@@ -444,6 +458,43 @@ class GemmProgram:
             for half in (0, 1):
                 body(f"rn = pid_n * BLOCK_N + {half} * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)")
                 self.epilogue([f"{acc}_{half}" for acc in accs])
+
+    def segment_loop(self, descs: list[tma.Descriptors | None], accs: list[str]) -> None:
+        """A grouped GEMM's tile: each index its rows hold, from the least to the greatest (one
+        or two where the rows are sorted by it), multiplies those rows, the others masked to
+        0, by the B matrix it selects, into the one accumulator."""
+        body, em, region, n_in = self.body, self.em, self.region, self.n_in
+        rank = len(self.product)
+        names = [*self.bnames, None, "rn[None, :]"]
+        vals: dict[int, Val] = {}
+        for v in sorted(region.depends(self.segment) | {self.segment}):
+            if v < n_in:
+                inp = region.inputs[v]
+                if inp.type.rank == 0 and region.read_whole(v):
+                    vals[v] = self.prologue_scalars.get(v) or self.scalar_input(v)
+                continue
+            rop = region.ops[v - n_in]
+            if rop.op.kind == "const":
+                vals[v] = literal(rop.op.attr("value"), compute_type(rop.op.dtype))
+            elif rop.op.kind == "index":
+                axis = rop.op.attr("axis") % len(rop.op.shape)
+                name = names[axis + rank - len(rop.op.shape)]
+                vals[v] = em.index(name if rop.op.shape[axis] != 1 else None)
+            else:
+                types = tuple(region.value_type(o) for o in rop.operands)
+                vals[v] = em.op(rop.op, em.operands(rop, vals), types)
+        seg = em.tensor(vals[self.segment]).text
+        body(f"seg = tl.broadcast_to({seg}, [BLOCK_M, 1]).to(tl.int64)")
+        body(f"e_lo = tl.min(tl.where(rm[:, None] < {self.M}, seg, 9223372036854775807))")
+        body(f"e_hi = tl.max(tl.where(rm[:, None] < {self.M}, seg, -9223372036854775807))")
+        for acc in accs:
+            body(f"{acc} = tl.zeros((BLOCK_M, BLOCK_N), dtype={self.acc_type()})")
+        body("for e in range(e_lo, e_hi + 1):")
+        with body.indent():
+            body("rows_e = seg == e")
+            body("if tl.max(rows_e.to(tl.int32)) > 0:")
+            with body.indent():
+                self.k_loop(descs, accs, "k_lo", "k_hi", zero=False)
 
     def scaled_part(self, part: str) -> str:
         """The product of one summed batch element (`part`, the whole tile) times its scales
@@ -475,7 +526,8 @@ class GemmProgram:
         em.run(region, vals, index, skip=lambda v: v not in plan.scale_ops)
         return em.tensor(em.convert(vals[plan.batch_scales[-1]], Compute.F32)).text
 
-    def k_loop(self, descs: list[tma.Descriptors | None], accs: list[str], k_lo: str, k_hi: str) -> None:
+    def k_loop(self, descs: list[tma.Descriptors | None], accs: list[str], k_lo: str, k_hi: str,
+               zero: bool = True) -> None:
         """The operands' pointers at this batch element and the loop over K from `k_lo` to
         `k_hi`, accumulating into `accs` (zeroed here, unless the program sums the batch and
         zeroed them before its batch loop)."""
@@ -499,7 +551,7 @@ class GemmProgram:
             with body.indent():
                 for name, step in steps:
                     body(f"{name}_ptrs += {k_lo} * {step}")
-        if not self.sums:
+        if not self.sums and zero:
             for acc in accs:
                 body(f"{acc} = tl.zeros((BLOCK_M, BLOCK_N), dtype={self.acc_type()})")
         for j in range(len(self.stats)):
@@ -514,6 +566,8 @@ class GemmProgram:
                 with tma.load_or_pointers(self.em, descs[which], name, coords, self.bnames,
                                           self.dots[which]):
                     self.operand(name, which, "a_mask" if which == 0 else "b_mask")
+                if which == 0 and self.segment is not None:  # this index's rows only
+                    body("a = tl.where(rows_e, a, 0)")
             for acc, name in zip(accs, names[1:], strict=True):
                 body(f"{acc} = tl.dot(a, {name}, {acc}{self.dot_kwargs()})")
             for name, step in steps:
@@ -571,7 +625,7 @@ class GemmProgram:
         prologue, or only the widening of an f8 source the tensor core multiplies as it is)."""
         src = self.sources[which]
         t = self.region.inputs[src].type
-        if self.values[which] != src or not tma.eligible(t, self.dots[which]) or (
+        if self.values[which] != src or self.segment is not None or not tma.eligible(t, self.dots[which]) or (
                 which == 0 and self.stats):
             return None
         return tma.declare(self.sig, self.body, self.operand_names()[which], src, self.refs[src], t,
@@ -594,6 +648,8 @@ class GemmProgram:
                         tiles[i] = f"tl.load({ref.ptr} + {ref.offset(idx)}, mask={mask}, other=0)"
                     else:  # one element per batch (a head's scale): always there, no tile mask
                         tiles[i] = f"tl.load({ref.ptr} + {ref.offset(idx)})"
+            if self.segment is not None:  # the matrix of the index this pass of the K loop takes
+                tiles[self.segment] = "e"
             return operand_tile(self.em, self.region, name, None, mask, value, self.sources[which],
                                 self.prologues[which], self.prologue_scalars, self.dots[which], tiles,
                                 index=self.b_index)
@@ -774,7 +830,10 @@ class GemmProgram:
         kinds = {r.op.kind for r in self.region.ops}
         normal = any(r.op.kind == "random" and r.op.attr("dist") == "normal" for r in self.region.ops)
         slow = any(ops.units(k) >= ops.SLOW_PATH_UNITS for k in kinds)
-        most = 128 * 64 if normal else 128 * 128 if slow else None
+        # a grouped dual GEMM computes both B tiles' addresses beside its two accumulators: 24
+        # bytes spill at 128 x 128 (Mixtral's SwiGLU experts), none at 128 x 64
+        grouped_dual = self.segment is not None and bool(self.plan.duals)
+        most = 128 * 64 if normal or grouped_dual else 128 * 128 if slow else None
         allowed = [c for c in HOPPER_CONFIGS if most is None or c[0] * c[1] <= most]
         # an epilogue of cheap ops only (scales, bias, casts: composable-kernel's multi-D
         # products): the 128 x 256 default; one activation may spill there (mish 600 bytes,
@@ -782,8 +841,10 @@ class GemmProgram:
         light = all(ops.units(r.op.kind) <= 1 for r in self.region.ops
                     if ops.is_elementwise(r.op.kind) and r.op.type.rank > 0)
 
+        rows = shape[-3] if self.segment is not None else shape[-2]  # (a grouped GEMM's: T)
+
         def sizes(dims: Mapping[str, int]) -> tuple[int, int, int]:
-            m, n, k = (evaluate(d, dims) for d in (shape[-2], shape[-1], k_dim))
+            m, n, k = (evaluate(d, dims) for d in (rows, shape[-1], k_dim))
             return m, n, k
 
         def config(dims: Mapping[str, int], bm: int, bn: int, bk: int, warps: int,
@@ -795,7 +856,9 @@ class GemmProgram:
             if splits is None:
                 # a batch sum's tile walks the K loop of every element it sums
                 steps = cdiv(k, bk) * numel(summed, dims)
-                splits = 1 if persistent else split_count(tiles, steps, hint(self.hints, "SPLITS", 0))
+                # (a grouped GEMM's K loop runs once per index of its rows: never split)
+                splits = 1 if persistent or self.segment is not None else \
+                    split_count(tiles, steps, hint(self.hints, "SPLITS", 0))
             constexprs = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": user["GROUP_M"] or 8,
                           "SPLITS": splits}
             programs = min(tiles, sm_count()) if persistent else tiles * splits

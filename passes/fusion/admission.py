@@ -151,7 +151,7 @@ def gathered_operand(graph: Graph, edge: tuple[int, int]) -> frozenset[int]:
     """The ops a dot operand is computed from when it is loaded through gathers at index
     expressions of its tile (GPTQ's `(wq[k // 8, n] >> (4 * (k % 8))) & 0xF` times the
     scales at `[k // G, n]`): elementwise ops of values broadcast to its shape, walked back to
-    `take`s of parameters (their index operands walked too), `index` ops, parameters and
+    `take`s of stored tensors (their index operands walked too), `index` ops, parameters and
     views of them (`g_idx[:, None]`, read at the tile's index), scalars and constants. Empty
     when the operand is anything else (a tensor read element for element, a reduction, a
     kernel's result) or gathers nothing."""
@@ -171,12 +171,41 @@ def gathered_operand(graph: Graph, edge: tuple[int, int]) -> frozenset[int]:
             return frozenset()
         out.add(n)
         operands = graph.operands(n)
-        if op.kind == "take":
-            if graph.op(operands[0]).kind != "param":
-                return frozenset()
-            operands = operands[1:]
+        if op.kind == "take":  # read through its pointer: any stored tensor (a parameter, or
+            operands = operands[1:]  # a router's expert per token that a row program stores)
         stack.extend(operands)
     return frozenset(out) if any(graph.op(n).kind == "take" for n in out) else frozenset()
+
+
+def row_segment(graph: Graph, matmul: int, gathered: frozenset[int]) -> int | None:
+    """The index a gathered B operand selects its matrix by, per row of a grouped GEMM: in a
+    product of one row per batch element, [..., T, 1, N] (a token's `x[:, None, :]` times its
+    expert's or adapter's weight `w[idx]`), the gather's index that varies along T alone
+    (`idx[t]`), constant along K and N. The kernel then takes T as its rows, and walks the
+    indices a tile's rows hold (consecutive when the rows are sorted by it), multiplying each
+    one's rows by its matrix: every matrix tile is loaded once a row tile, not once a row.
+    None when the product is not of that form."""
+    shape = graph.op(matmul).shape
+    if len(shape) < 3 or shape[-2] != 1 or shape[-3] == 1:
+        return None
+    tensors = [n for n in gathered if graph.op(n).kind == "take"
+               and graph.op(graph.operands(n)[0]).kind == "param" and graph.op(n).shape[-2:] != (1, 1)]
+    if len(tensors) != 1:
+        return None
+    along_t = [o for o in graph.operands(tensors[0])[1:]
+               if (s := graph.op(o).shape) and len(s) >= 3 and s[-3] != 1]
+    if len(along_t) != 1 or graph.op(along_t[0]).shape[-2:] != (1, 1) or \
+            len(graph.op(along_t[0]).shape) != len(shape):
+        return None
+    return along_t[0]
+
+
+def grouped_dot(graph: Graph, matmul: int) -> bool:
+    """Is `matmul` a grouped GEMM's product (`row_segment`): one row per batch element, times
+    a matrix its index selects (a token's expert weight): an MLP per token, not the scores or
+    the output of an attention, whose keys and values are data per batch element."""
+    gathered = gathered_operand(graph, graph.operand_edges(matmul)[1])
+    return bool(gathered) and row_segment(graph, matmul, gathered) is not None
 
 
 def parameter_or_view(graph: Graph, node: int) -> bool:
@@ -223,6 +252,9 @@ def pending_source(graph: Graph, node: int, joins: Callable[[int], bool] | None 
         op = graph.op(n)
         if isinstance(op, KernelOp) or op.kind in ("param", "dim", "const") or (joins and joins(n)):
             memo[n] = None
+        elif ops.category(op.kind) is ops.Category.LAYOUT and isinstance(
+                src := graph.op(graph.operands(n)[0]), Op) and src.kind == "matmul":
+            memo[n] = None  # a view of a product: no epilogue of the product reads through it
         elif ops.is_elementwise(op.kind) or ops.category(op.kind) is ops.Category.LAYOUT:
             pending = [o for o in graph.operands(n) if o not in memo]
             if pending:

@@ -122,7 +122,7 @@ def gemm_plan(region: Region, spec: GemmSpec) -> GemmPlan:
                      and v not in scales)
     return GemmPlan(mm, a, b, operand_source(region, a_chain), operand_source(region, b_chain),
                     a_chain, b_chain, prologue_only, epilogue, tuple(duals), stats, stat_chain,
-                    spec.summed_axes, sums, spec.batch_scales, scales)
+                    spec.summed_axes, sums, spec.batch_scales, scales, spec.segment)
 
 
 def _prologue_only(region: Region, matmuls: set[int], prologue: frozenset[int]) -> frozenset[int]:

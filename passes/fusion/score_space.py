@@ -34,7 +34,7 @@ from typing import NamedTuple
 
 from tiledsl import ops
 from tiledsl.ir import Graph, Op
-from tiledsl.passes.fusion.admission import keys_are_data
+from tiledsl.passes.fusion.admission import grouped_dot, keys_are_data
 from tiledsl.passes.fusion.attention import reduction_axes
 from tiledsl.passes.fusion.legality import GroupPlan, describe_node
 from tiledsl.passes.fusion.remarks import Refusal, Rule, describe
@@ -279,6 +279,8 @@ def _find(graph: Graph) -> list[tuple[list[int], set[int], ScoreSpace | None, tu
     for dot_set, space in sorted(spaces, key=lambda sp: min(order[n] for n in sp[0])):
         if not any(graph.op(n).kind == "exp" for n in space) and not keys_are_data(
                 *(graph.result_type(*graph.operand_edges(d)[1]) for d in dot_set)):
+            continue
+        if any(grouped_dot(graph, d) for d in dot_set):  # experts' MLPs per token
             continue
         _grow(graph, space, dot_set, order)
         dots = sorted(dot_set, key=order.__getitem__)

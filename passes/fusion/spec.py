@@ -98,6 +98,7 @@ class GemmSpec:
     batch_sums: tuple[int, ...] = nodes(default=())
     summed_axes: tuple[int, ...] = ()
     batch_scales: tuple[int, ...] = nodes(default=())  # the muls scaling each product summed
+    segment: int | None = nodes(default=None)  # a grouped GEMM's per-row index of B's matrix
 
 
 @dataclass(frozen=True)
