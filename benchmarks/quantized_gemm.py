@@ -1,4 +1,5 @@
-"""Quantized GEMMs against torch: GPTQ's int4 weight and SmoothQuant's int8 linear layer.
+"""Quantized GEMMs against torch: GPTQ's int4 weight, SmoothQuant's int8 linear layer and vLLM's
+dynamic per-token fp8 linear layer.
 
     python benchmarks/quantized_gemm.py                    # on a CUDA GPU
     python benchmarks/quantized_gemm.py --device cpu --quick    # a smoke run through the interpreter
@@ -12,7 +13,12 @@ it times, in one run and on the same random inputs:
   int8      tiledsl's `examples/int8_gemm.tdsl` (i8 products summed in i32 on the tensor
             cores, the row and column scales in the epilogue; one kernel)
   int_mm    torch._int_mm and the scales in eager (where the device has it)
-and prints times and the ratios f16 / int4 and int_mm / int8 (above 1: tiledsl faster).
+  fp8       tiledsl's `examples/fp8_per_token_linear.tdsl` (a row program quantizing each token
+            to e4m3 with its scale, then the e4m3 GEMM with both scales in its epilogue: 2 kernels)
+  scaled_mm the same in eager torch: vLLM's per-token quantization, then torch._scaled_mm with
+            row-wise scales (where the device has it)
+and prints times and the ratios f16 / int4, int_mm / int8 and scaled_mm / fp8 (above 1: tiledsl
+faster).
 """
 
 from __future__ import annotations
@@ -79,15 +85,44 @@ def int8_row(fn, m: int, n: int, k: int, gen: torch.Generator, device: str) -> d
     return row
 
 
+def fp8_eager(x, w, w_scale):
+    """vLLM's dynamic per-token fp8 linear in torch: quantize, then the row-wise scaled GEMM."""
+    xf = x.float()
+    s = xf.abs().amax(-1, keepdim=True) / 448.0
+    q = (xf / s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return torch._scaled_mm(q, w.T, scale_a=s, scale_b=w_scale.T, out_dtype=torch.bfloat16)
+
+
+def fp8_row(fn, m: int, n: int, k: int, gen: torch.Generator, device: str) -> dict:
+    row = {"kind": "fp8", "M": m, "N": n, "K": k}
+    x = torch.randn(m, k, generator=gen).bfloat16().to(device)
+    w = (torch.randn(n, k, generator=gen) * 8).to(torch.float8_e4m3fn).to(device)
+    w_scale = (torch.rand(n, 1, generator=gen) * 0.01 + 0.001).to(device)
+    xf = x.double()
+    s = xf.abs().amax(-1, keepdim=True) / 448
+    q = (xf / s).float().clamp(-448, 448).to(torch.float8_e4m3fn).double()
+    want = (q @ w.double().T) * s * w_scale.double().T
+    rel = relative(fn(x, w, w_scale), want)
+    if rel > 2e-2:
+        return row | {"error": f"relative error {rel:.2e}: results disagree, not timed"}
+    row["ours_ms"] = bench(lambda: fn(x, w, w_scale), device)
+    # torch._scaled_mm is CUDA's (sm_89 and later), with 16-aligned sizes
+    row["base_ms"] = bench(lambda: fp8_eager(x, w, w_scale), device) if device == "cuda" and m % 16 == 0 \
+        else float("nan")
+    return row
+
+
 def measure(device: str, quick: bool = False) -> list[dict]:
-    """Two rows per size (int4, int8): times in ms, or the error that kept it untimed."""
+    """Three rows per size (int4, int8, fp8): times in ms, or the error that kept it untimed."""
     gen = torch.Generator().manual_seed(0)
     int4 = tiledsl.compile(ROOT / "examples" / "gptq_int4_gemm.tdsl")
     int8 = tiledsl.compile(ROOT / "examples" / "int8_gemm.tdsl")
-    assert len(int4.kernels) == 1 and len(int8.kernels) == 1
+    fp8 = tiledsl.compile(ROOT / "examples" / "fp8_per_token_linear.tdsl")
+    assert len(int4.kernels) == 1 and len(int8.kernels) == 1 and len(fp8.kernels) == 2
     rows = []
     for m, n, k in [(17, 64, 256)] if quick else SIZES:
-        rows += [int4_row(int4, m, n, k, gen, device), int8_row(int8, m, n, k, gen, device)]
+        rows += [int4_row(int4, m, n, k, gen, device), int8_row(int8, m, n, k, gen, device),
+                 fp8_row(fp8, m, n, k, gen, device)]
     for row in rows:
         if "ours_ms" in row:
             row["tflops"] = 2 * row["M"] * row["N"] * row["K"] / (row["ours_ms"] * 1e-3) / 1e12

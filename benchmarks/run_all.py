@@ -9,8 +9,9 @@ FlexAttention's for a soft-capped score mod),
 GEMM + multi-D epilogue (against torch.matmul alone, eager and torch.compile),
 the dual GEMM and the norm -> GEMM rewrite (against tiledsl without them, eager and
 torch.compile), causal linear attention (against flash-linear-attention's naive forms, eager
-and torch.compile), the GPTQ int4 and int8 GEMMs (against torch.matmul of the dequantized
-f16 weight and torch._int_mm), tiledsl.nn's modules forward+backward (against torch's
+and torch.compile), the GPTQ int4, int8 and per-token fp8 GEMMs (against torch.matmul of the
+dequantized f16 weight, torch._int_mm and torch._scaled_mm), the grouped MoE GEMM (against
+Hugging Face's per-expert loop), tiledsl.nn's modules forward+backward (against torch's
 modules, eager and torch.compile, and Liger-Kernel's where installed),
 row softmax (against torch.softmax and a device copy) and host overhead
 (against Triton's own dispatch and torch eager). Every baseline is timed in
@@ -38,6 +39,7 @@ import fusion_rewrites  # noqa: E402
 import gemm_epilogue  # noqa: E402
 import host_overhead  # noqa: E402
 import linear_attention  # noqa: E402
+import moe_gemm  # noqa: E402
 import nn_modules  # noqa: E402
 import quantized_gemm  # noqa: E402
 import softmax  # noqa: E402
@@ -57,8 +59,10 @@ BASELINES = {
                         ("compile_ms", "torch.compile")),
     "linear_attention": (("eager_ms", "FLA naive, eager"), ("compile_ms", "FLA naive, torch.compile"),
                          ("chunked_ms", "FLA chunked naive, eager")),
-    # int4: torch.matmul of the dequantized f16 weight; int8: torch._int_mm and the scales
-    "quantized_gemm": (("base_ms", "f16 GEMM of the dequantized weight / torch._int_mm"),),
+    # int4: torch.matmul of the dequantized f16 weight; int8: torch._int_mm and the scales; fp8:
+    # per-token quantization and torch._scaled_mm
+    "quantized_gemm": (("base_ms", "f16 GEMM of the dequantized weight / torch._int_mm / _scaled_mm"),),
+    "moe_gemm": (("loop_ms", "Hugging Face's per-expert loop, eager"),),
     "nn_modules": (("eager_ms", "torch's module, eager"), ("compile_ms", "torch's module, torch.compile"),
                    ("liger_ms", "Liger-Kernel's module")),
 }
@@ -79,6 +83,8 @@ def case(bench: str, row: dict) -> str:
         return f"{row['dtype']} B={row['B']} H={row['H']} T={row['T']} D={row['D']} causal"
     if bench == "quantized_gemm":
         return f"{row['kind']} {row['M']}x{row['N']}x{row['K']}"
+    if bench == "moe_gemm":
+        return f"bf16 T={row['T']} E={row['E']} {row['N']}x{row['K']} sorted"
     if bench == "nn_modules":
         return f"{row['module']} {row['dtype']} {row['shape']} forward+backward"
     return f"{row['dtype']} {row['M']}x{row['N']}" + (" one pass" if row.get("one_pass") else "")
@@ -173,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     results["kernels"]["fusion_rewrites"] = fusion_rewrites.measure(args.device, args.quick)
     results["kernels"]["linear_attention"] = linear_attention.measure(args.device, args.quick)
     results["kernels"]["quantized_gemm"] = quantized_gemm.measure(args.device, args.quick)
+    results["kernels"]["moe_gemm"] = moe_gemm.measure(args.device, args.quick)
     results["kernels"]["nn_modules"] = nn_modules.measure(args.device, args.quick)
     results["host_overhead"] = host_overhead.measure(3 if args.quick else 2000)
     results["seconds"] = round(time.perf_counter() - start, 1)

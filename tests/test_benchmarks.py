@@ -88,14 +88,15 @@ def test_run_all_smoke_run(capsys, tmp_path):
     assert rows.count("attention") == 12 and rows.count("gemm_epilogue") == 6
     assert rows.count("softmax") == 4 and rows.count("host overhead") == 5
     assert rows.count("fusion_rewrites") == 9 and rows.count("attention_backward") == 12
-    assert rows.count("linear_attention") == 6 and rows.count("quantized_gemm") == 2
-    assert rows.count("nn_modules") == 18
+    assert rows.count("linear_attention") == 6 and rows.count("quantized_gemm") == 3
+    assert rows.count("nn_modules") == 18 and rows.count("moe_gemm") == 1
     assert "| f16 B=1 H=2 N=77 D=64 causal |" in lines[6] and "SDPA flash n/a | n/a | n/a (no GPU) |" in lines[6]
     backward = [line for line in lines if line.startswith("| attention_backward | f16 B=1 H=2 N=77 D=64 plain |")]
     assert len(backward) == 1 and "backward: SDPA flash / FlexAttention n/a | n/a | n/a (no GPU) |" in backward[0]
     result = json.loads(out_json.read_text())
     assert sorted(result["kernels"]) == ["attention", "attention_backward", "fusion_rewrites", "gemm_epilogue",
-                                         "linear_attention", "nn_modules", "quantized_gemm", "softmax"]
+                                         "linear_attention", "moe_gemm", "nn_modules", "quantized_gemm",
+                                         "softmax"]
     assert all("bwd_ms" in row and "fwd_bwd_ms" in row if bench == "attention_backward" else "ours_ms" in row
                for bench, rows in result["kernels"].items() for row in rows)
     assert sorted(result["host_overhead"]) == ["attention", "gemm_multiply_multiply", "gqa_attention", "rmsnorm",
@@ -116,6 +117,14 @@ def test_quantized_gemm_smoke_run(capsys):
     assert load("quantized_gemm").main(["--device", "cpu", "--quick"]) == 0
     out = capsys.readouterr().out
     assert "int4    17    64   256 |" in out and "int8    17    64   256 |" in out
+    assert " fp8    17    64   256 |" in out
+
+
+def test_moe_gemm_smoke_run(capsys):
+    """The grouped GEMM agrees with the per-expert loop before either is timed."""
+    assert load("moe_gemm").main(["--device", "cpu", "--quick"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2].split("|")[0].split() == ["37", "4", "48", "64"], lines
 
 
 def test_split_rows_smoke_run(capsys):

@@ -65,6 +65,21 @@ def test_sort_and_argsort_are_torchs_stable_sort(m, n):
     assert torch.equal(a, torch.sort(x, dim=-1, stable=True).indices)
 
 
+@pytest.mark.parametrize("m, n", [(1, 1), (17, 33)])
+def test_a_sort_of_values_computed_from_positions_sorts_them(m, n):
+    """Values of positions alone read by a sort are its operand along the row, not lanes of the
+    selection (an internal error, 'a selected value reads a selection'; found by
+    scripts/fuzz_programs.py, seed 7101:265)."""
+    fn, out = run_checked("""kernel f(x: f16[M, N], s: f32) -> (f16[M, N], f16[M, N]) {
+        t = index(x, 1) * -0.01 + index(x, 0) * 0.1
+        t[..., :1] = s
+        return t, sort(abs(t), axis=-1, descending=false)
+    }""", randn(m, n, dtype=torch.float16), 0.7)
+    t = torch.arange(n)[None, :] * -0.01 + torch.arange(m)[:, None] * 0.1
+    t[:, :1] = 0.7
+    assert torch.equal(out[1], t.half().abs().sort(-1).values)
+
+
 def test_nan_is_larger_than_any_number_and_inf_orders_as_torch():
     x = randn(3, 9, seed=5)
     x[0, [1, 4]] = math.nan

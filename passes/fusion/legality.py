@@ -699,9 +699,11 @@ def selections(region: Region) -> tuple[frozenset[int], frozenset[int]]:
         if ops.is_elementwise(rop.op.kind) and region.value_type(n_in + i).rank and all(
                 v in positional or not region.value_type(v).rank for v in rop.operands):
             positional.add(n_in + i)
+    # (a selection reads its operand along the row: a value of positions it sorts is no lane)
+    selects = {v for v in out if ops.category(region.ops[v - n_in].op.kind) is ops.Category.SELECT}
     outputs, positions = set(region.outputs), set()
     for v in sorted(positional - out - outputs, reverse=True):  # users first
-        if users.get(v) and users[v] <= out | positions:
+        if users.get(v) and users[v] <= (out - selects) | positions:
             positions.add(v)
     return frozenset(out), frozenset(positions)
 
