@@ -145,3 +145,17 @@ def test_multi_lora_shrink_and_expand_are_grouped_gemms(t):
     fn, _ = run_checked(MULTI_LORA, x, w, a, b, indices, 0.5)
     assert [kn.template for kn in fn.kernels] == ["matmul", "matmul", "matmul"]
     assert fn.explain().count("structure: grouped GEMM") == 2
+
+
+def test_an_expert_index_counts_from_the_end_and_one_out_of_range_reads_zero():
+    """The language's gather semantics, kept where the matrix is read through its strides: -1
+    is the last expert, an index outside [-E, E) reads 0."""
+    x, w = weights(40, 16, seed=3), weights(3, 8, 16, seed=4)
+    expert = torch.tensor([0, 1, 2, -1, -3, 3, 5, -4] * 5)
+    fn = tiledsl.compile(GROUPED)
+    out = fn(x, w, expert)
+    wrapped = expert.where(expert >= 0, expert + 3)
+    valid = (wrapped >= 0) & (wrapped < 3)
+    want = torch.einsum("tk,tnk->tn", x.double(), w.double()[wrapped.clamp(0, 2)]) * valid[:, None]
+    torch.testing.assert_close(out.double(), want, rtol=2 ** -8, atol=2 ** -8 * want.abs().max().item())
+    assert "b_ptrs = in0_ptr + b_e * in0_s0" in fn.kernels[0].source  # through its strides, not a gather

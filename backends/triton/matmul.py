@@ -200,6 +200,15 @@ class GemmProgram:
         self.segment = plan.segment
         if self.segment is not None:
             self.batch = self.shape[:-3]
+        # a grouped GEMM's B that is its matrix as stored (`w[expert]` read at the tile's K and
+        # N): each of the source's dims indexed by `e`, K or N, read through its strides like
+        # an ungathered B (`affine_b`)
+        self.affine: dict[int, tuple[list[str], int]] = {}
+        for which in range(1, len(self.sources)):
+            found = self.affine_b(which)
+            if found is not None:
+                self.affine[which] = found
+                self.sources[which] = self.values[which] = found[2]
         self.sig, self.body = Signature(), Code()
         self.em = Emitter(self.body)
 
@@ -542,6 +551,18 @@ class GemmProgram:
             src = self.sources[which]
             if self.gathered(which):  # loaded through the indices it computes per tile
                 continue
+            if which in self.affine:  # a grouped GEMM's matrix `e`, through its strides
+                # (a negative index counts from the end; one outside [-n, n) reads 0)
+                ref, (idx, _, _) = self.refs[src], self.affine[which]
+                size = self.sig.size(self.region.inputs[src].type.shape[idx.index("e")])
+                name = names[which]
+                body(f"{name}_e = tl.where(e < 0, e + {size}, e)")
+                # (a [1, BLOCK_N] tensor: the interpreter masks with no 0-d one)
+                body(f"{name}_in = tl.zeros([1, BLOCK_N], dtype=tl.int1) | "
+                     f"(({name}_e >= 0) & ({name}_e < {size}))")
+                offset = ref.offset([f"{name}_e" if i == "e" else i for i in idx])
+                body(f"{name}_ptrs = {ref.ptr} + {offset}")
+                continue
             b_tile = self.tile(self.refs[src], self.region.inputs[src].type.rank, "rk[:, None]",
                                "rn[None, :]", "[BLOCK_K, BLOCK_N]")
             body(f"{names[which]}_ptrs = {b_tile}")
@@ -563,9 +584,10 @@ class GemmProgram:
             body(f"b_mask = kmask[:, None] & (rn[None, :] < {N})")
             for which, name in enumerate(names):
                 coords = ("pid_m * BLOCK_M", "k0") if which == 0 else ("k0", "pid_n * BLOCK_N")
+                mask = "a_mask" if which == 0 else f"b_mask & {name}_in" if which in self.affine else "b_mask"
                 with tma.load_or_pointers(self.em, descs[which], name, coords, self.bnames,
                                           self.dots[which]):
-                    self.operand(name, which, "a_mask" if which == 0 else "b_mask")
+                    self.operand(name, which, mask)
                 if which == 0 and self.segment is not None:  # this index's rows only
                     body("a = tl.where(rows_e, a, 0)")
             for acc, name in zip(accs, names[1:], strict=True):
@@ -580,7 +602,8 @@ class GemmProgram:
         for which, (name, src) in enumerate(zip(self.operand_names(), self.sources, strict=True)):
             if self.gathered(which):
                 continue
-            step = self.refs[src].strides[-1 if which == 0 else -2]
+            step = self.refs[src].strides[self.affine[which][1] if which in self.affine
+                                          else -1 if which == 0 else -2]
             if step is not None:
                 out.append((name, step))
         return out
@@ -692,10 +715,42 @@ class GemmProgram:
 
     def gathered(self, which: int) -> bool:
         """Is B operand `which` loaded through gathers its prologue computes (a packed int4
-        weight read at k // 8)?"""
+        weight read at k // 8)? (Not a grouped GEMM's matrix as stored: `affine`.)"""
         n_in = self.n_in
-        return which > 0 and any(v >= n_in and self.region.ops[v - n_in].op.kind == "take"
-                                 for v in self.prologues[which])
+        return which > 0 and which not in self.affine and any(
+            v >= n_in and self.region.ops[v - n_in].op.kind == "take" for v in self.prologues[which])
+
+    def affine_b(self, which: int) -> tuple[list[str], int, int] | None:
+        """A grouped GEMM's B operand `which` that is one take of a stored tensor at the
+        segment and at the tile's K and N indices (Mixtral's `w[expert]`, transposed as
+        `F.linear` takes it): the index of each of the tensor's dims (`e`, `(k0 + rk)[:, None]`,
+        `rn[None, :]`), the one indexed along K, and the tensor's input. None otherwise."""
+        region, n_in = self.region, self.n_in
+        value = self.values[which]
+        if self.segment is None or value < n_in or region.ops[value - n_in].op.kind != "take":
+            return None
+        rop = region.ops[value - n_in]
+        src, *indices = rop.operands
+        rank = len(rop.op.shape)
+        names, k_dim = [], None
+        for d, i in enumerate(indices):
+            if i == self.segment:
+                names.append("e")
+                continue
+            iop = region.ops[i - n_in].op if i >= n_in else None
+            if iop is None or iop.kind != "index":
+                return None
+            axis = iop.attr("axis") % len(iop.shape) + rank - len(iop.shape)
+            if axis == rank - 2:
+                names.append("rk[:, None]")
+                k_dim = d
+            elif axis == rank - 1:
+                names.append("rn[None, :]")
+            else:
+                return None
+        if k_dim is None or "e" not in names or "rn[None, :]" not in names or src >= n_in:
+            return None
+        return names, k_dim, src
 
     def b_names(self, rank: int) -> list[str | None]:
         """The index of each dim of a B tile of rank `rank`: its rows k0 + rk, its columns rn,
