@@ -149,6 +149,9 @@ class _Kernel:
                     self.add_batch_sum(cand)
                 return reason
             reason = self.stat_refusal(cand) or self.users_outside(group, cand)
+            if reason is None and any(u in self.prologue for u, _ in graph.users(cand)):
+                reason = Refusal(Rule.TILE, "a prologue reads it at every step of the K loop, which "
+                                 "sums it: it is known only after the loop")
             if reason is None and self.batch_sums:
                 reason = Refusal(Rule.OP, "the GEMM sums its product over the batch; statistics of "
                                  "A's rows are per batch element")

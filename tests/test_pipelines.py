@@ -130,6 +130,16 @@ def test_sink_reshape_after_fuse_rows_leaves_an_op_of_a_kernel_result_where_it_i
     check_pipeline("switch_moe", "fuse-rows,sink-reshape")
 
 
+def test_a_prologue_reading_a_row_sum_leaves_the_sum_to_a_row_program():
+    """`(o * sum(o, keepdims=true)) @ w` with fuse-epilogue alone (no hoist-row-scale): the
+    A prologue reads the row sum, which the GEMM then also took as a statistic of its own K
+    loop, known only after it (KeyError 'sum' in the template, an internal error)."""
+    fn = check_pipeline("attention_row_stat_matmul", "fuse-epilogue")
+    assert [kn.template for kn in fn.kernels][-2:] == ["rows", "matmul"]
+    assert ("[fuse-epilogue] refused: sum (line 4) -> mul (line 4): a prologue reads it at every step of "
+            "the K loop, which sums it: it is known only after the loop [rule: tile]") in fn.explain()
+
+
 def test_recompute_after_fuse_epilogue_reads_a_view_of_a_kernel_result():
     """A view of a GEMM kernel's result (`h[:, None, :]`) is no leaf a clone reads as it is:
     recompute asked the registry for the kind 'kernel' (KeyError, an internal error)."""
