@@ -403,12 +403,12 @@ class ViewOfCast(Pattern):
         (src,) = graph.operand_edges(x[0])
         # a computed value's cast: read by this view alone, which is not a swap of the last
         # two dims (an attention backward reads `ds.T` as a transposed score-space value)
-        computed = graph.users(x[0]) == [(node, 0)] and _read_by_matmuls(graph, node) and not (
-            swaps_last(graph, node))
-        if not (parameter_or_view(graph, src[0]) or computed):
+        parameter = parameter_or_view(graph, src[0])
+        if not parameter and not (graph.users(x[0]) == [(node, 0)] and _read_by_matmuls(graph, node)
+                                  and not swaps_last(graph, node)):
             return False
         attrs = dict(op.attr_map)
-        if op.kind == "reshape" and parameter_or_view(graph, src[0]):
+        if op.kind == "reshape" and parameter:
             attrs["copy"] = True
         b = rewriter.build
         moved = b.op(op.kind, [src], op.span, **attrs)

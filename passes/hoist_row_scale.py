@@ -46,7 +46,7 @@ from tiledsl.passes.fuse_epilogue import FuseEpilogue
 from tiledsl.passes.fusion.legality import describe_node
 from tiledsl.passes.fusion.remarks import FusionRemark, Refusal, Rule
 from tiledsl.passes.registry import Pass, PassContext, register
-from tiledsl.passes.rewrite import apply_patterns
+from tiledsl.passes.rewrite import Rewriter
 from tiledsl.types import DType, broadcasts_to, format_shape
 
 NAME = "hoist-row-scale"
@@ -105,8 +105,9 @@ class HoistRowScale(Pass):
                     NAME, True, None, _value_op(graph, factor.value), op,
                     f"{what} is applied to the product, {law}: {why}"))
             _hoist(graph, mm, pairs)
-            if any(f.slot == 1 for f in pairs):  # `(cast(w, f32) * ws).T` is now `cast(w, f32).T`
-                apply_patterns(graph, (TransposedOperand(),))
+            b = graph.operands(mm)[1]  # `(cast(w, f32) * ws).T` is now `cast(w, f32).T`
+            if any(f.slot == 1 for f in pairs) and isinstance(graph.op(b), Op):
+                TransposedOperand().apply(graph, b, graph.op(b), Rewriter(graph))
             if not _merge_equal_product(graph, mm):
                 merge_transposed_product(graph, mm, visited)
 

@@ -62,7 +62,7 @@ from .base import (
     sm_count,
 )
 from .codegen import Code, Signature, TensorRef, next_pow2
-from .expr import Emitter, Val, dot_kwargs, literal
+from .expr import Emitter, Val, dot_kwargs, inputs_read, literal
 from .renderings import REDUCTIONS
 
 DOT_HINTS = ("BLOCK_M", "BLOCK_N", "BLOCK_K")
@@ -203,7 +203,7 @@ class GemmProgram:
         # a grouped GEMM's B that is its matrix as stored (`w[expert]` read at the tile's K and
         # N): each of the source's dims indexed by `e`, K or N, read through its strides like
         # an ungathered B (`affine_b`)
-        self.affine: dict[int, tuple[list[str], int]] = {}
+        self.affine: dict[int, tuple[list[str], int, int]] = {}
         for which in range(1, len(self.sources)):
             found = self.affine_b(which)
             if found is not None:
@@ -472,27 +472,10 @@ class GemmProgram:
         """A grouped GEMM's tile: each index its rows hold, from the least to the greatest (one
         or two where the rows are sorted by it), multiplies those rows, the others masked to
         0, by the B matrix it selects, into the one accumulator."""
-        body, em, region, n_in = self.body, self.em, self.region, self.n_in
-        rank = len(self.product)
-        names = [*self.bnames, None, "rn[None, :]"]
-        vals: dict[int, Val] = {}
-        for v in sorted(region.depends(self.segment) | {self.segment}):
-            if v < n_in:
-                inp = region.inputs[v]
-                if inp.type.rank == 0 and region.read_whole(v):
-                    vals[v] = self.prologue_scalars.get(v) or self.scalar_input(v)
-                continue
-            rop = region.ops[v - n_in]
-            if rop.op.kind == "const":
-                vals[v] = literal(rop.op.attr("value"), compute_type(rop.op.dtype))
-            elif rop.op.kind == "index":
-                axis = rop.op.attr("axis") % len(rop.op.shape)
-                name = names[axis + rank - len(rop.op.shape)]
-                vals[v] = em.index(name if rop.op.shape[axis] != 1 else None)
-            else:
-                types = tuple(region.value_type(o) for o in rop.operands)
-                vals[v] = em.op(rop.op, em.operands(rop, vals), types)
-        seg = em.tensor(vals[self.segment]).text
+        body = self.body
+        n_in = self.n_in
+        vals = self.at_product({}, {v for v in self.region.depends(self.segment) if v >= n_in})
+        seg = self.em.tensor(vals[self.segment]).text
         body(f"seg = tl.broadcast_to({seg}, [BLOCK_M, 1]).to(tl.int64)")
         body(f"e_lo = tl.min(tl.where(rm[:, None] < {self.M}, seg, 9223372036854775807))")
         body(f"e_hi = tl.max(tl.where(rm[:, None] < {self.M}, seg, -9223372036854775807))")
@@ -508,32 +491,26 @@ class GemmProgram:
     def scaled_part(self, part: str) -> str:
         """The product of one summed batch element (`part`, the whole tile) times its scales
         (`GemmPlan.batch_scales`), their factors read at the product's tile of this element."""
-        em, region = self.em, self.region
-        plan = self.plan
-        rank = len(self.product)
-        vals: dict[int, Val] = {self.mm: Val(part, Compute.F32)}
+        vals = self.at_product({self.mm: Val(part, Compute.F32)}, self.plan.scale_ops)
+        return self.em.tensor(self.em.convert(vals[self.plan.batch_scales[-1]], Compute.F32)).text
+
+    def at_product(self, vals: dict[int, Val], values: frozenset[int] | set[int]) -> dict[int, Val]:
+        """Emit the region ops `values` at the product's tile of this batch element (inside
+        the batch loop, or a grouped GEMM's tile), the inputs they read loaded there; returns
+        `vals` with them."""
+        region, rank = self.region, len(self.product)
         names = [*self.bnames, "rm[:, None]", "rn[None, :]"]
-        for i, inp in enumerate(region.inputs):
-            if any(i in region.ops[v - self.n_in].operands and not ops.gathers_at(
-                    region.ops[v - self.n_in].op.kind, region.ops[v - self.n_in].operands.index(i))
-                   for v in plan.scale_ops):
-                if inp.type.rank == 0:
-                    vals[i] = self.prologue_scalars.get(i) or self.scalar_input(i)
-                    continue
-                shape = inp.type.shape
-                lead = rank - len(shape)
-                idx = [names[lead + k] if shape[k] != 1 else None for k in range(len(shape))]
-                rows, cols = "rm[:, None]" in idx, "rn[None, :]" in idx
-                mask = " & ".join([f"(rm < {self.M})[:, None]"] * rows + [f"(rn < {self.N})[None, :]"] * cols)
-                ref = self.refs[i]
-                vals[i] = em.load_at(f"{ref.ptr} + {ref.offset(idx)}", mask or None, inp.type)
+        for i in inputs_read(region, values):
+            if i not in vals:
+                t = region.inputs[i].type
+                vals[i] = (self.prologue_scalars.get(i) or self.scalar_input(i)) if t.rank == 0 \
+                    else self.load_d(i, t.shape, rank, names)
 
         def index(op: Op) -> Val:
-            axis = op.attr("axis") % len(op.shape) + rank - len(op.shape)
-            return em.index(names[axis] if op.shape[op.attr("axis")] != 1 else None)
+            axis = op.attr("axis") % len(op.shape)
+            return self.em.index(names[axis + rank - len(op.shape)] if op.shape[axis] != 1 else None)
 
-        em.run(region, vals, index, skip=lambda v: v not in plan.scale_ops)
-        return em.tensor(em.convert(vals[plan.batch_scales[-1]], Compute.F32)).text
+        return self.em.run(region, vals, index, skip=lambda v: v not in values)
 
     def k_loop(self, descs: list[tma.Descriptors | None], accs: list[str], k_lo: str, k_hi: str,
                zero: bool = True) -> None:
@@ -853,11 +830,13 @@ class GemmProgram:
                    for k, r in enumerate(self.region.ops) if self.n_in + k not in skip
                    for slot, o in enumerate(r.operands)) or i in self.region.outputs
 
-    def load_d(self, i: int, shape, rank: int) -> Val:
-        """A D tensor at the output tile, read through its strides (broadcast dims: none)."""
+    def load_d(self, i: int, shape, rank: int, names: list[str | None] | None = None) -> Val:
+        """A D tensor at the output tile, read through its strides (broadcast dims: none);
+        `names`: each dim's index at another tile of rank `rank` (the product's)."""
         ref = self.refs[i]
         lead = rank - len(shape)
-        indices = [self.out_index(lead + k) if shape[k] != 1 else None for k in range(len(shape))]
+        at = self.out_index if names is None else names.__getitem__
+        indices = [at(lead + k) if shape[k] != 1 else None for k in range(len(shape))]
         offset = ref.offset(indices)
         if offset == "0":
             return self.em.load(f"tl.load({ref.ptr})", self.region.inputs[i].type)
