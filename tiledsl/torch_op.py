@@ -27,7 +27,9 @@ Each `Program` is registered, through `torch.library`, as a custom op with
 The name is the kernel's name and the SHA-256 of its graph IR (no source name, comment
 or line position) and compile options, all 64 hex digits; registration compares the text
 hashed, so two programs never share an op (a collision is refused): the same program, compiled twice or from
-another file, gives the same op, in any process. A generic kernel (`tiledsl.generic`)
+another file, gives the same op, in any process running the same build of tiledsl (its
+sources hashed too: a backward op is the compiler's derivation, and torch.compile's caches
+outlive the process). A generic kernel (`tiledsl.generic`)
 is one op for all its bindings, named by its syntax tree without positions. Every live
 program of that name is remembered weakly; when the last one is collected its
 registration is released (at the next registration), so compiling many
@@ -47,6 +49,7 @@ import threading
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -119,8 +122,26 @@ def generic_identity(fn: Generic) -> Identity:
 
 
 def _hashed(name: str, text: str, options: tuple) -> Identity:
-    text = "\n".join((name, text, *map(str, options)))
+    text = "\n".join((name, text, *map(str, options), compiler_fingerprint()))
     return Identity(f"{name}_{_digest(text)}", text)
+
+
+@functools.cache
+def compiler_fingerprint() -> str:
+    """The SHA-256 of the compiler's own sources (its modules, grammar and library). It
+    enters every op's name: what an op computes, and the backward op its autograd formula
+    calls, are the compiler's derivation of the program, so a graph that torch.compile
+    cached on disk (AOTAutograd's and Inductor's caches outlive the process) never calls a
+    backward that another build of tiledsl named."""
+    import tiledsl
+    from tiledsl import backends, passes
+
+    h = hashlib.sha256()
+    for root in sorted({Path(m.__file__).parent for m in (tiledsl, passes, backends)}):
+        for path in sorted(root.rglob("*")):
+            if path.suffix in (".py", ".lark", ".tdsl") and "__pycache__" not in path.parts:
+                h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()
 
 
 def _digest(text: str) -> str:
