@@ -94,6 +94,71 @@ class Adjoint:
         return self._b.fwd.op(self._operands[i]).type
 
     @property
+    def forward(self) -> Graph:
+        """The forward graph, to read the structure of the op's operands (an index map)."""
+        return self._b.fwd
+
+    def operand(self, i: int) -> int:
+        """Operand i's forward node (`x(i)` is its value in the backward)."""
+        return self._operands[i]
+
+    @property
+    def backward(self) -> Graph:
+        return self._b.bwd
+
+    def reread(self, v: int, coords: Sequence[int | None]) -> int:
+        """Backward value `v` read at `coords` (an index value per axis of v; None along an
+        axis of size 1), computed where it is read (`indexing.reindex`): the gradient of a
+        view or of a gather at an index map is read back so in the kernel reading it, never
+        stored for a gather. A primal map of positions alone that v reads (a concat's
+        `i < D - D // 2`) is computed in the backward first, so it is read through too."""
+        from tiledsl.indexing import reindex
+
+        view = self._own_positions(v, coords)
+        if view is not None:
+            return view
+        self._b.positions_now(v)
+        return reindex(self._b.b, v, list(coords), self.op.span)
+
+    def _own_positions(self, v: int, coords: Sequence[int | None]) -> int | None:
+        """v read at positions that are the result's own along axes in v's order (a label
+        per row [N] read at the rows of [N, C]): a view of v with the result's other axes
+        new, its own size-1 ones dropped; None when the coordinates are not such."""
+        bwd = self._b.bwd
+        shape = bwd.op(v).shape
+        axes = []
+        for c, n in zip(coords, shape, strict=True):
+            if c is None:
+                axes.append(None)
+                continue
+            op = bwd.op(c)
+            if op.kind != "index" or op.shape[op.attr("axis")] != n:
+                return None
+            axes.append((op.attr("axis"), len(op.shape)))
+        mapped = [a for a in axes if a is not None]
+        order = [a for a, _ in mapped]
+        if not mapped or len({r for _, r in mapped}) != 1 or order != sorted(set(order)):
+            return None
+        rank = mapped[0][1]
+        items, q = [], 0
+        for a, n in zip(axes, shape, strict=True):
+            if a is None:
+                items.append(("at", 0))
+                continue
+            items += [("new",)] * (a[0] - q) + [("range", 0, n, 1, n)]
+            q = a[0] + 1
+        items += [("new",)] * (rank - q)
+        return self.call("slice", v, items=tuple(items))
+
+    def primal_of(self, v: int) -> tuple[Graph, int] | None:
+        """The forward graph and node a backward placeholder stands for (None: `v` is an op
+        of the backward's own)."""
+        for node, ph in self._b.placeholders.items():
+            if ph == v:
+                return self._b.fwd, node
+        return None
+
+    @property
     def scores(self) -> bool:
         """Is this op an attention's score matmul (recomputed by the fused backward)?"""
         return self._node in self._b.flash_scores
@@ -252,6 +317,29 @@ class _Backward:
             self.bwd.params.remove(ph)
             self.placeholders[node] = ph
         return self.placeholders[node]
+
+    def positions_now(self, v: int) -> None:
+        """Compute in the backward now each placeholder `v` reads that stands for a map of
+        positions alone (`index`es, constants and dims through elementwise ops), as
+        `_resolve` would later, so that `reindex` reads it through."""
+        forward_of = {ph: node for node, ph in self.placeholders.items()}
+        for n in list(walk([v], self.bwd.operands)):
+            node = forward_of.get(n)
+            if node is not None and _positions_alone(self.fwd, node):
+                self._compute(node)
+
+    def _compute(self, node: int) -> int:
+        """Forward node `node` computed in the backward (its operands first), replacing its
+        placeholder."""
+        if node in self.resolved:
+            return self.resolved[node]
+        new = self.b.copy(self.fwd.op(node), [self._compute(o) for o in self.fwd.operands(node)])
+        self.resolved[node] = new
+        ph = self.placeholders.pop(node, None)
+        if ph is not None:
+            self.bwd.replace_uses(ph, new)
+            self.bwd.remove(ph)
+        return new
 
     # --- the derivation ------------------------------------------------------------------
 
@@ -488,9 +576,10 @@ class _Backward:
         live = nx.ancestors(bwd.nx, bwd.output) | {bwd.output}
         dead = [n for n in bwd.nodes() if n not in live and n not in bwd.params]
         bwd.remove_all(dead)
-        for k, v in list(self.placeholders.items()):
-            if v not in bwd.nx:
-                del self.placeholders[k]
+        for table in (self.placeholders, self.resolved):
+            for k, v in list(table.items()):
+                if v not in bwd.nx:
+                    del table[k]
         for name in [s for s, n in self.dims.items() if n not in bwd.nx]:
             del self.dims[name]
         self.consts = {k: n for k, n in self.consts.items() if n in bwd.nx}
@@ -575,6 +664,16 @@ class _Backward:
         types = tuple(TensorType(fwd.op(n).dtype, fwd.op(n).shape) for n in self.saved)
         fwd.returns = fwd.returns[:n_outputs] + types + fwd.returns[n_outputs:]
         return fwd
+
+
+def _positions_alone(graph: Graph, node: int) -> bool:
+    """Is `node` computed from positions, constants and dims alone (no parameter, no
+    gather)?"""
+    def read(n: int) -> list[int]:
+        return [] if graph.op(n).kind in ("const", "dim", "index") else list(graph.operands(n))
+
+    return all(op.kind in ("const", "dim", "index") or op.kind != "take" and ops.is_elementwise(op.kind)
+               for op in map(graph.op, walk([node], read)))
 
 
 def _reaches_softmax(graph: Graph, node: int) -> bool:

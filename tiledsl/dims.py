@@ -236,6 +236,40 @@ def never_zero(x: Lin) -> bool:
     return len(signs) == 1
 
 
+def nonnegative(x: Lin) -> bool:
+    """Is x at least 0 at every size? Its atoms are products of dims (each at least 1) and
+    floor divisions of such products by positive constants (at least 0), so a sum of them
+    with coefficients and a constant all at least 0 is; a floor division subtracted,
+    `-(E // k)`, is at least `-E` (`D - D // 2` is at least 0)."""
+    if x.const >= 0 and all(c > 0 and _never_negative(a) for a, c in x.terms):
+        return True
+    bounded = Lin()
+    for atom, c in x.terms:
+        tree = _tree(atom) if atom.startswith("(") else None
+        if c < 0 and isinstance(tree, ast.BinOp) and isinstance(tree.op, ast.FloorDiv) \
+                and isinstance(tree.right, ast.Constant) and tree.right.value > 0:
+            inner = parse(ast.unparse(tree.left))
+            if nonnegative(inner) and inner != x:
+                bounded = bounded + inner.scale(c)
+                continue
+        bounded = bounded + Lin(((atom, c),))
+    bounded = bounded + Lin((), x.const)
+    return bounded != x and nonnegative(bounded)
+
+
+def _never_negative(atom: str) -> bool:
+    for f in factors(atom):
+        if not f.startswith("("):
+            continue
+        tree = _tree(f)
+        if not (isinstance(tree, ast.BinOp) and isinstance(tree.op, ast.FloorDiv)
+                and isinstance(tree.right, ast.Constant) and tree.right.value > 0):
+            return False
+        if not nonnegative(parse(ast.unparse(tree.left))):
+            return False
+    return True
+
+
 def _positive(atom: str) -> bool:
     """Is a product atom at least 1 at any size (as `never_zero` counts its factors: symbols
     are; a kept sum is when its terms are; a floor division (`D // 2` at D = 1) and a `%`

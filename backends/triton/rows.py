@@ -55,6 +55,12 @@ from .row_scans import Scans, in_loop, scan_words
 from .row_select import SELECT_CHUNK, Selections, sort_log
 from .row_split import SPLIT_ONE_PASS, SPLIT_ROW_CHUNK, Split, split_chunk
 
+# a row program loading, gathering and storing this many tile-sized values at each element is
+# chunked like one computing trig (below): QK-norm with RoPE's backward, whose norm programs
+# read the rotated gradient at both halves, 13 of them, spilled 48 bytes at a [32, 128] tile
+# and 6.4 KB at 4096 elements of a long row, nothing at 1024; norms and softmaxes have 2 to 6
+HEAVY_STREAMS = 10
+
 
 class RowProgram(Layout, Reductions, Scans, Selections, Split):
     """A row program being emitted: its region and plan, signature and body, and the state
@@ -375,6 +381,15 @@ ROW_WALK = 1 << 13
 SPLIT_SCAN_ROWS = 16
 
 
+def tile_streams(plan: RowPlan, region) -> int:
+    """How many tile-sized values a row program loads, gathers or stores at each element:
+    each is a tile live in registers at once."""
+    n_in = len(region.inputs)
+    loads = sum(plan.full(i) for i in range(n_in))
+    gathers = sum(rop.op.kind == "take" and plan.full(n_in + k) for k, rop in enumerate(region.ops))
+    return loads + gathers + sum(plan.full(v) for v in region.outputs)
+
+
 def one_pass_limit(plan: RowPlan, region) -> int:
     """The longest row a CUDA program holds in registers (read once), by what the build that
     really runs shows (`tiledsl ptx`, sm_90): 32k elements with 16 warps and no spills, but
@@ -416,8 +431,10 @@ def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKer
     no_identity = [prog.op(v) for v in sorted(prog.plan.reducing)
                    if (r := ops.OPS[prog.op(v).kind].reduction) is not None and not r.empty]
     # sin, cos and tan are computed in f64, whose libdevice forms call a slow path (a large
-    # argument's reduction) across which the GPU spills every live value of the tile
-    trig = any(ops.units(o.op.kind) >= ops.SLOW_PATH_UNITS for o in kernel.region.ops)
+    # argument's reduction) across which the GPU spills every live value of the tile; many
+    # tile-sized values keep as many live (`HEAVY_STREAMS`)
+    heavy = any(ops.units(o.op.kind) >= ops.SLOW_PATH_UNITS for o in kernel.region.ops) \
+        or tile_streams(prog.plan, kernel.region) >= HEAVY_STREAMS
     split_rows = any(full for _, _, full in prog.partials.values())
 
     def configure(dims: Mapping[str, int], device: str) -> LaunchConfig:
@@ -431,7 +448,7 @@ def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKer
         rows = numel([d for i, d in enumerate(shape) if i not in axes and i != prog.plan.across], dims)
         caps = CAPS[device]
         block_r = max(2, min(next_pow2(length), limit if device == "cuda" else caps["row"]))
-        if trig and device == "cuda":  # a long row chunked too, at 8 elements a thread (below)
+        if heavy and device == "cuda":  # a long row chunked too, at 8 elements a thread (below)
             block_r = min(block_r, caps["flat"])
         if split_rows and device == "cuda":  # a row-sized partial stays live beside the row
             block_r = min(block_r, SPLIT_ONE_PASS)
@@ -450,7 +467,7 @@ def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKer
         # short rows: several per program, up to a tile of `caps["tile"]` elements, or of a
         # pointwise program's (`caps["flat"]`, 8 elements a thread) on a GPU where it computes
         # trig: QK-norm with RoPE at D = 128 spills 87 KB a thread with 32, none with 8
-        tile = caps["flat"] if trig and device == "cuda" else caps["tile"]
+        tile = caps["flat"] if heavy and device == "cuda" else caps["tile"]
         if group > 1:  # a program owns whole groups of rows, and a chunk of the row fits beside
             # them in half a tile: the totals given back to the rows (a reshape through shared
             # memory) keep a second tile live (Mamba's scan at 16 x 256: 120 bytes spilled)

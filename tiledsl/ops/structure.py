@@ -109,10 +109,17 @@ def _take_reference(x: torch.Tensor, *indices: torch.Tensor) -> torch.Tensor:
 # advanced indexing and gather() build. Kernels load x through the indices (masked: an
 # out-of-range index reads 0), so x is never loaded, or fused, element for element.
 def _d_take(d, wanted):
-    """A gather's gradient is g added at the indices it read (a scatter-add, `put`): x's
-    elements read twice get both, those never read 0, those read out of range nothing."""
+    """A gather's gradient: at an index map of positions (a concat's piece, a flip, a pad),
+    g read back at the inverse map (`index_maps.gather_adjoint`); otherwise g added at the
+    indices it read (a scatter-add, `put`): x's elements read twice get both, those never
+    read 0, those read out of range nothing."""
     if not wanted[0]:
         return (None,)  # the indices are integers
+    from tiledsl.index_maps import gather_adjoint
+
+    mapped = gather_adjoint(d)
+    if mapped is not None:
+        return (mapped,)
     g = d.g if d.shape(d.g) == d.op.shape else d.call("expand", d.g, shape=d.op.shape)
     indices = [d.x(k) for k in range(1, d.x_type(0).rank + 1)]
     return (d.call("put", g, *indices, shape=d.x_type(0).shape, accumulate=True),)
@@ -743,29 +750,39 @@ def _d_slice(d, wanted):
     if all(whole):
         back = [("at", 0) if i[0] == "new" else ("range", 0, i[4], 1, i[4]) for i in items]
         return (d.call("slice", d.g, items=tuple(back)),)
+    from tiledsl.dims import Lin, nonnegative
+
     shape = d.x_type(0).shape
-    g = d.g if d.shape(d.g) == d.op.shape else d.call("expand", d.g, shape=d.op.shape)
     at, inside, axis = [], [], 0
     for item in items:
         if item[0] == "new":
-            at.append(d.c(0))
+            at.append(None)
             continue
         i = d.call("index", axis=axis, shape=tuple(n if k == axis else 1 for k, n in enumerate(shape)))
+        n = Lin.of(shape[axis])
         axis += 1
         if item[0] == "at":
             inside.append(d.call("eq", i, d.size(item[1])))
             continue
         _, start, _, step, length = item
         rel = i if start == 0 else d.sub(i, d.size(start))
-        inside += [d.call("ge", rel, d.c(0)), d.call("lt", rel, d.mul(d.size(length), d.c(step)))]
+        if start != 0:
+            inside.append(d.call("ge", rel, d.c(0)))
+        if not nonnegative(Lin.of(length).scale(step) - n + Lin.of(start)):  # (read to the end)
+            inside.append(d.call("lt", rel, d.mul(d.size(length), d.c(step))))
         if step != 1:
             inside.append(d.call("eq", d.call("mod", rel, d.c(step)), d.c(0)))
             rel = d.call("floordiv", rel, d.c(step))
         at.append(rel)
+    g_shape = d.shape(d.g)  # (broadcast: smaller than the view)
+    lead = len(at) - len(g_shape)
+    g = d.reread(d.g, [None if n == 1 else at[lead + k] for k, n in enumerate(g_shape)])
+    if not inside:
+        return (g,)
     cond = inside[0]
     for c in inside[1:]:
         cond = d.call("and", cond, c)
-    return (d.where(cond, d.call("take", g, *at), d.c(0.0)),)
+    return (d.where(cond, g, d.c(0.0)),)
 
 
 def _matmul_reference(a, b):
