@@ -93,6 +93,48 @@ def tanh_approx(x, INTERPRETER: tl.constexpr):
                                          is_pure=True, pack=1)
 
 """
+# exp and exp2 of an f32 op, accurate to about half an f32 ulp in f32 arithmetic (no f64,
+# whose software exp costs hundreds of instructions an element): x = n ln2 + r with n an
+# integer and |r| <= ln2 / 2 (Cody-Waite: ln2 in two parts, the first exact in products with
+# n), exp(r) = 1 + r + r^2 p(r) (Taylor to r^8, truncation under 2^-30), the sum 1 + r split
+# exactly (Fast2Sum) so one rounding remains, then scaled by 2^n as two exact powers of 2
+# (results down to subnormals, and inf past the f32 range); NaN stays NaN. Triton's own
+# tl.exp is ex2.approx of x * log2(e), whose rounding grows with |x| (tens of ulps).
+HELPERS["exp"] = """\
+@triton.jit
+def exp_tail(r, n, x):
+    p = tl.fma(r, 2.48015873015873e-05, 1.984126984126984e-04)
+    p = tl.fma(p, r, 1.388888888888889e-03)
+    p = tl.fma(p, r, 8.333333333333333e-03)
+    p = tl.fma(p, r, 4.1666666666666664e-02)
+    p = tl.fma(p, r, 1.6666666666666666e-01)
+    p = tl.fma(p, r, 0.5)
+    hi = 1.0 + r
+    lo = (1.0 - hi) + r
+    e = hi + tl.fma(r * r, p, lo)
+    k = n.to(tl.int32)
+    h = k >> 1
+    s1 = ((h + 127) << 23).to(tl.float32, bitcast=True)
+    s2 = ((k - h + 127) << 23).to(tl.float32, bitcast=True)
+    return tl.where(x != x, x, e * s1 * s2)
+
+
+@triton.jit
+def exp_f32(x):
+    xc = tl.minimum(tl.maximum(x, -104.0), 89.0)
+    n = tl.floor(xc * 1.4426950408889634 + 0.5)
+    r = tl.fma(n, -0.693145751953125, xc)
+    r = tl.fma(n, -1.4286067653301870e-06, r)
+    return exp_tail(r, n, x)
+
+
+@triton.jit
+def exp2_f32(x):
+    xc = tl.minimum(tl.maximum(x, -151.0), 129.0)
+    n = tl.floor(xc + 0.5)
+    return exp_tail((xc - n) * 0.6931471805599453, n, x)
+
+"""
 HELPERS["mul_combine"] = """\
 @triton.jit
 def mul_combine(a, b):

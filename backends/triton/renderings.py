@@ -36,8 +36,21 @@ from .render import (
 
 # --- unary ops (tiledsl/ops/unary.py) ------------------------------------------------------
 
-# exp/exp2/sin/cos of an f32 go through f64: Triton's f32 forms are fast approximations
+# sin/cos of an f32 go through f64: Triton's f32 forms are fast approximations
 PRECISE = "tl.{0}({{x}}.to(tl.float64)).to(tl.float32)"
+
+
+def _exp(name: str, fast: str):
+    """exp / exp2: an f32 op's through the `exp` helper (half an ulp in f32 arithmetic)."""
+
+    def render(em, op, args, out):
+        x = em.tensor(args[0])
+        if is_precise(op, out):
+            em.helpers.add("exp")
+            return em.assign(f"{name}_f32({x.text})", out)
+        return em.assign(fast.format(x=x.text), out)
+
+    return render
 
 
 def _render_tan(em, op, args, out):
@@ -436,8 +449,8 @@ def _one(op) -> float:
 
 RENDERINGS: dict[str, Render] = {
     # unary
-    "exp": unary("tl.exp({x})", PRECISE.format("exp")),
-    "exp2": unary("tl.exp2({x})", PRECISE.format("exp2")),
+    "exp": _exp("exp", "tl.exp({x})"),
+    "exp2": _exp("exp2", "tl.exp2({x})"),
     "log": unary("tl.log({x})"),
     "log2": unary("tl.log2({x})"),
     "sqrt": unary("tl.sqrt_rn({x})", wide="tl.sqrt({x})"),  # sqrt_rn is f32 only; f64 sqrt is IEEE
