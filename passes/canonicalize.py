@@ -31,7 +31,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tiledsl import ops
-from tiledsl.indexing import permuted_axis, read_through, reindex, view_coords
+from tiledsl.index_maps import affine
+from tiledsl.indexing import permuted_axis, read_through, reindex, slice_source, view_coords
 from tiledsl.ir import Edge, Graph, Op, walk
 from tiledsl.ops.core import read_types
 from tiledsl.passes.fusion.admission import gathered_operand, parameter_or_view
@@ -797,6 +798,85 @@ class GatherOfView(Pattern):
         return True
 
 
+class GatherOfSlicedParameter(Pattern):
+    """A gather at an index map of positions from a slice of a parameter (a concat's piece,
+    `q[..., D // 2:]` read at `i - (D - D // 2)`) is a gather from the parameter at the
+    slice's source positions (`i - (D - D // 2) + D // 2`): both halves of rotate-half then
+    read one tensor, which `SelectOfGathers` reads once."""
+
+    def apply(self, graph: Graph, node: int, op: Op, rewriter: Rewriter) -> bool:
+        if op.kind != "take":
+            return False
+        x, *indices = graph.operand_edges(node)
+        view = graph.op(x[0])
+        if not (isinstance(view, Op) and view.kind == "slice" and parameter_or_view(graph, x[0])) \
+                or any(item[0] == "new" for item in view.attr("items")) \
+                or any(affine(graph, i) is None for i, _ in indices):
+            return False
+        b = rewriter.build
+        source = slice_source(b, view, [i for i, _ in indices], op.span)
+        (src,) = graph.operand_edges(x[0])
+        out = b.op("take", [src, *source], op.span)
+        if b.types([out])[0] != op.type:
+            return False
+        rewriter.replace(node, out)
+        return True
+
+
+class SelectOfGathers(Pattern):
+    """A select between gathers of one tensor, each under unary elementwise ops (a concat's
+    `where(i < h, -x[.., i + h], x[.., i - h])`), gathers once, at the selected index:
+    `t = x[.., where(i < h, i + h, i - h)]`, then `where(i < h, -t, t)`: one load an element
+    instead of two."""
+
+    UNARY = ("neg", "cast")
+
+    def apply(self, graph: Graph, node: int, op: Op, rewriter: Rewriter) -> bool:
+        if op.kind != "where":
+            return False
+        cond, a, b_ = graph.operand_edges(node)
+        chain_a, take_a = self._chain(graph, a)
+        chain_b, take_b = self._chain(graph, b_)
+        if take_a is None or take_b is None or take_a == take_b:
+            return False
+        xa, *ia = graph.operand_edges(take_a)
+        xb, *ib = graph.operand_edges(take_b)
+        if xa != xb or len(ia) != len(ib):
+            return False
+        b = rewriter.build
+        at = [i if _same_values(graph, [i], [j]) else b.op("where", [cond, i, j], op.span)
+              for i, j in zip(ia, ib, strict=True)]
+        t = b.op("take", [xa, *at], graph.op(take_a).span)
+        out = b.op("where", [cond, self._rebuild(graph, b, chain_a, t), self._rebuild(graph, b, chain_b, t)],
+                   op.span)
+        if b.types([out])[0] != op.type:
+            return False
+        rewriter.replace(node, out)
+        return True
+
+    def _chain(self, graph: Graph, edge: Edge) -> tuple[list[int], int | None]:
+        """The unary ops over a gather (outermost first) read only here, and the gather."""
+        chain, node = [], edge[0]
+        for _ in range(3):
+            op = graph.op(node)
+            if not isinstance(op, Op) or len(graph.users(node)) != 1:
+                return chain, None
+            if op.kind == "take":
+                return chain, node
+            if op.kind not in self.UNARY:
+                return chain, None
+            chain.append(node)
+            node = graph.operands(node)[0]
+        return chain, None
+
+    @staticmethod
+    def _rebuild(graph: Graph, b, chain: list[int], value: int) -> int:
+        for n in reversed(chain):
+            op = graph.op(n)
+            value = b.op(op.kind, [value], op.span, **op.attr_map)
+        return value
+
+
 class RemoveIdentityGather(Pattern):
     """A gather of each element at its own index, `take(x, i0, .., ik)` where `ik` is the
     index along axis k (0 where x has size 1 there), is `x`: a concat's piece re-indexed
@@ -1031,8 +1111,9 @@ PATTERNS = (FoldConstants(), RemoveIdentity(), DivideByReciprocal(), RemoveNoOpC
             ReshapeOfReshape(), ReduceAlongOne(), ViewOfFill(), KeepReducedDim(), TransposeProduct(),
             TransposedOperand(), ViewOfCast(), TransposedGatheredOperand(), GatherBeforeElementwise(),
             GatherAlongRow(), PickAlongRow(), ViewOfGather(), ReshapeOfIndexMap(), GatherOfView(),
-            RemoveIdentityGather(), WriteInto(), AddInto(), SelectOfSame(), PermutedWrite(), SortedValues(),
-            GatherAtPermutation(), ElementwiseOfPermutedWrite())
+            GatherOfSlicedParameter(), SelectOfGathers(), RemoveIdentityGather(), WriteInto(), AddInto(),
+            SelectOfSame(), PermutedWrite(), SortedValues(), GatherAtPermutation(),
+            ElementwiseOfPermutedWrite())
 
 
 @register

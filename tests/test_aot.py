@@ -62,6 +62,7 @@ def test_launches_at_sees_alignment_unit_strides_and_sizes():
     args_b = {x.name: (x.type, x.aligned) for x in b.arguments}
     assert args_a == {"in0_ptr": ("*fp16", True), "in0_s0": ("i32", True), "in0_s1": ("constexpr", False),
                       "out0_ptr": ("*fp16", True), "numel": ("i32", True), "d0": ("i32", True),
+                      "d1": ("i32", True),  # (M: a tile of rows of the last axis, `TILED`)
                       "WIDE": ("constexpr", False)}  # int32 offsets: the call's tensors fit
     assert args_b == {**args_a, "in0_ptr": ("*fp16", False)}
     # the aligned build vectorizes its loads; the shifted one cannot

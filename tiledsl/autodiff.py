@@ -86,6 +86,10 @@ class Adjoint:
     def x(self, i: int) -> int:
         return self._b.primal(self._operands[i])
 
+    def primal(self, node: int) -> int:
+        """Forward node `node` (one the op's operands are computed from) in the backward."""
+        return self._b.primal(node)
+
     @property
     def y(self) -> int:
         return self._b.primal(self._node)

@@ -239,10 +239,13 @@ def never_zero(x: Lin) -> bool:
 def nonnegative(x: Lin) -> bool:
     """Is x at least 0 at every size? Its atoms are products of dims (each at least 1) and
     floor divisions of such products by positive constants (at least 0), so a sum of them
-    with coefficients and a constant all at least 0 is; a floor division subtracted,
-    `-(E // k)`, is at least `-E` (`D - D // 2` is at least 0)."""
-    if x.const >= 0 and all(c > 0 and _never_negative(a) for a, c in x.terms):
-        return True
+    with positive coefficients is at least its constant plus those of the products; a floor
+    division subtracted, `-(E // k)`, is at least `-E` (`D - D // 2` is at least 0)."""
+    if all(c > 0 and _never_negative(a) for a, c in x.terms):
+        # a product of dims is at least 1 (`N - 1` is at least 0); a floor division at least 0
+        least = x.const + sum(c for a, c in x.terms if all(not f.startswith("(") for f in factors(a)))
+        if least >= 0:
+            return True
     bounded = Lin()
     for atom, c in x.terms:
         tree = _tree(atom) if atom.startswith("(") else None

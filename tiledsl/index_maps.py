@@ -194,18 +194,48 @@ def gather_adjoint(d) -> int | None:
     `gather(x, label)` computed in the row program that reads x), 0 where none does. None
     when the indices are not such a map (two along one axis; x read alike along an axis of
     the result, whose gradient is a sum; a loaded index along an axis no affine one maps):
-    the caller scatters then."""
+    the caller scatters then. An index selecting between two maps (rotate-half's halves
+    read by one gather) gives each map the gradient where its side is selected."""
+    forward = d.forward
+    rank = d.x_type(0).rank
+    maps = [affine(forward, d.operand(k)) for k in range(1, rank + 1)]
+    for k in range(rank):  # an index selected between two maps (`SelectOfGathers`): each its share
+        op = forward.op(d.operand(k + 1))
+        if maps[k] is None and op.kind == "where":
+            cond, a, b = forward.operands(d.operand(k + 1))
+            branches = [affine(forward, a), affine(forward, b)]
+            if None in branches:
+                continue
+            c = d.primal(cond)
+            shares = [d.where(c, d.g, d.c(0.0)), d.where(c, d.c(0.0), d.g)]
+            parts = [_inverse_read(d, maps[:k] + [m] + maps[k + 1:], g) for m, g in zip(branches, shares,
+                                                                                         strict=True)]
+            return None if None in parts else d.add(*parts)
+    return _inverse_read(d, maps, d.g)
+
+
+def _inverse_read(d, maps: list, g: int) -> int | None:
+    """`gather_adjoint` with the indices' maps `maps` (None: a loaded index) and gradient g."""
     from itertools import product
 
-    forward = d.forward
     x_shape = d.x_type(0).shape
     out = d.op.shape
-    maps = [affine(forward, d.operand(k)) for k in range(1, len(x_shape) + 1)]
     used = [m.axis for m in maps if m is not None and m.axis is not None]
-    if len(set(used)) != len(used) or any(out[a] != 1 for a in range(-len(out), 0) if a not in used):
+    if len(set(used)) != len(used):
         return None
-    box = support(d.backward, d.g, d.primal_of)
+    box = support(d.backward, g, d.primal_of)
     one = Lin((), 1)
+    # a result axis no index reads along: x's gradient sums g over it, unless g may be nonzero
+    # at one position of it only (a concat's one-row piece, `x[N - 1:]`): g read there
+    fixed_at: dict[int, Lin] = {}
+    for a in range(-len(out), 0):
+        if a in used or out[a] == 1:
+            continue
+        bounds = box.get(a, Bounds())
+        at = [lo for lo in bounds.lo + (Lin(),) for hi in bounds.hi + (Lin.of(out[a]),) if hi - lo == one]
+        if not at:
+            return None
+        fixed_at[a] = at[0]
 
     def index(k: int) -> int:
         return d.call("index", axis=k, shape=tuple(n if q == k else 1 for q, n in enumerate(x_shape)))
@@ -250,6 +280,7 @@ def gather_adjoint(d) -> int | None:
     total = None
     for choice in product(*choices):
         at = {axis: i for axis, i, _ in choice}
+        at.update({a: d.size(p.dim()) for a, p in fixed_at.items()})
 
         def read(v: int, at: dict = at) -> int:
             """Backward value v (broadcast to the result) at the position that reads j."""
@@ -263,7 +294,7 @@ def gather_adjoint(d) -> int | None:
                 n = d.size(x_shape[k])
                 label = d.where(d.call("lt", label, d.c(0)), d.add(label, n), label)
                 conds.append(d.call("eq", index(k), label))
-        term = read(d.g)
+        term = read(g)
         if conds:
             cond = conds[0]
             for c in conds[1:]:

@@ -269,6 +269,9 @@ class Val:
     value: object = None  # the Python value of a literal
     source: Gather | None = None
     uniform: bool = False
+    # an `index` op's value: a position along an axis of this size (a size's source text),
+    # in [0, size) at every lane the template's mask (`Emitter.mask`) keeps
+    bound: str | None = None
 
 
 def literal(value: object, cat: Compute) -> Val:
@@ -316,6 +319,9 @@ class Emitter:
         # a tile value times a loop-invariant scalar (a by-value argument, a literal, or
         # their products): value text -> (tile, scalar), so consumers fold the scalar
         self.scaled: dict[str, tuple[Val, Val]] = {}
+        # the template's mask of the lanes it computes, where its `index` values are bounded
+        # by their axes' sizes there (`Val.bound`); None: no such promise
+        self.mask: str | None = None
 
     def widen(self, text: str, dtype: DType) -> str:
         """Source text of a stored `dtype` value in its compute type."""
@@ -394,12 +400,14 @@ class Emitter:
                 return None
         return out
 
-    def index(self, expr: str | None) -> Val:
+    def index(self, expr: str | None, bound: str | None = None) -> Val:
         """An `index` op's value: `expr` is the tile's index along its axis, None along a
-        size-1 axis (where it is 0)."""
+        size-1 axis (where it is 0); `bound`, the axis's size where the template's mask
+        (`mask`) keeps only lanes inside it: a gather at that index then needs no checks."""
         if expr is None:
             return literal(0, Compute.I32)
-        return self.assign(f"{expr if expr.isidentifier() else f'({expr})'}.to(tl.int32)", Compute.I32)
+        val = self.assign(f"{expr if expr.isidentifier() else f'({expr})'}.to(tl.int32)", Compute.I32)
+        return Val(val.text, val.cat, bound=bound if self.mask is not None else None)
 
     def fresh(self, prefix: str = "v") -> str:
         self._count += 1

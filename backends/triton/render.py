@@ -118,15 +118,26 @@ def all_of(*conds: str) -> str:
 def take(em, op, args, out):
     """`x[i0, i1, ...]`: a load through the indices from the source tensor the template
     handed over as `args[0].source` (negative indices count from the end; an index out of
-    range reads 0)."""
+    range reads 0). An index that is the program's own position along an axis of x's size
+    (`Val.bound`) needs neither: the template's mask keeps its lanes in range."""
     x, *indices = args
     src = x.source
     terms, inside = [], []
     for i, size, stride in zip(indices, src.sizes, src.ref.strides, strict=True):
-        i = em.tensor(i)
-        j = em.assign(f"tl.where({i.text} < 0, {i.text} + {size}, {i.text}).to(tl.int64)", Compute.I64)
-        inside += [f"{j.text} >= 0", f"{j.text} < {size}"]
+        if i.bound is not None and i.bound == size:  # the program's own position along the axis
+            j = i  # (times a stride: int64 where the kernel's sizes are, WIDE)
+            inside.insert(0, em.mask)
+        else:
+            # an i64 index (a loaded label) in i64, checked before any narrowing; a narrower one
+            # as it is in a template bounding its positions (`mask`: pointwise, whose sizes and
+            # strides are int64 where offsets may not fit, WIDE), else widened
+            i = em.tensor(i)
+            wide = i.cat is Compute.I64 or em.mask is None
+            j = em.assign(f"tl.where({i.text} < 0, {i.text} + {size}, {i.text})"
+                          + (".to(tl.int64)" if wide else ""), Compute.I64 if wide else i.cat)
+            inside += [f"{j.text} >= 0", f"{j.text} < {size}"]
         if stride is not None:
             terms.append(f"{j.text} * {stride}")
     ptrs = " + ".join([src.ref.ptr, *terms])
-    return em.load_at(ptrs, all_of(*inside), src.type)
+    # the checks of one index first, combined before the tile's mask (a row's before a column's)
+    return em.load_at(ptrs, all_of(*dict.fromkeys(inside)), src.type)
