@@ -73,6 +73,8 @@ class Layout:
         t = self.region.inputs[i].type
         if i in self.scalars:
             return self.em.scalar(self.scalars[i], t)
+        if i in self.reused:
+            return self.reused[i]
         ptr, mask = self.access(self.refs[i], i)
         if ptr is None:
             ptr, mask = self.refs[i].ptr, None
@@ -95,9 +97,20 @@ class Layout:
             text = self.em.store_value(vals[v], self.region.value_type(v))
             self.body(f"tl.store({ptr}, {text}, mask={mask})")
 
+    def row_invariant(self) -> list[int]:
+        """The tensor inputs read along the row alone (a norm's weight), the same for every
+        row of the tile."""
+        return [i for i, ref in self.refs.items() if i not in self.scalars and self.used(i)
+                and self.access(ref, i)[1] == "rmask"]
+
     def tile_mask(self) -> None:
         """The mask of the tile at positions `r`, and with several row axes, `r` split into
         an index per axis."""
+        self.row_mask()
+        self.body("tmask = omask[:, None] & rmask")
+
+    def row_mask(self) -> None:
+        """`rmask`, the mask of positions `r` along the row (`tile_mask` without the rows')."""
         shape, axes = self.plan.shape, self.plan.axes
         if len(axes) > 1:
             names = [None if shape[a] == 1 else f"k{a}" for a in axes]
@@ -108,4 +121,3 @@ class Layout:
         self.body("else:")
         with self.body.indent():
             self.body(f"rmask = (r < {self.length})[None, :]")
-        self.body("tmask = omask[:, None] & rmask")

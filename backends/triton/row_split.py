@@ -84,6 +84,13 @@ class Split:
                 body(f"{acc} = tl.full([1, BLOCK_R], {self.identity(red.identity, cat)}, {compute})")
             self.partials[v] = (sig.workspace(k), acc, full)
         body(f"base = (chunk * {self.rows} + grp).to(tl.int64)")  # the chunk's partials
+        hoisted = self.row_invariant()
+        if hoisted:  # read once for the chunk's rows where a row is one tile (a norm's weight)
+            body("if ONE_PASS:")
+            with body.indent():
+                body("r = r_base")
+                self.row_mask()
+                self.hoisted = {i: self.load(i) for i in hoisted}
         body("for b0 in range(0, CHUNK, BLOCK_O):")
         with body.indent():
             body("o = chunk * CHUNK + b0 + o_base")

@@ -93,6 +93,10 @@ class RowProgram(Layout, Reductions, Scans, Selections, Split):
         self.em.gather_from(region, self.refs, self.sig.size)
         self.length = (self.sig.size(shape[axes[0]]) if len(axes) == 1
                        else self.sig.numel(tuple(shape[a] for a in axes), "n_cols"))
+        # inputs a split program reads before its loop over rows (`row_invariant`), and those
+        # the values being emitted read from there instead of loading them
+        self.hoisted: dict[int, Val] = {}
+        self.reused: dict[int, Val] = {}
         self.softmax_stats: dict[int, tuple[str, str]] = {}  # softmax value -> (m, 1/z) names
         self.carries: dict[int, list[str]] = {}  # scan value -> its partials of the chunks before
         # a selection's (source, attributes) -> its sorted keys (one sort for topk and argtopk)
@@ -276,9 +280,11 @@ class RowProgram(Layout, Reductions, Scans, Selections, Split):
             self.emit_phases()
 
     def emit_one_pass(self) -> None:
-        """The whole row in one tile: every input read once."""
+        """The whole row in one tile: every input read once (the row-invariant ones of a split
+        program once a chunk of rows, before its loop: `hoisted`)."""
         self.body("r = r_base")
         self.tile_mask()
+        self.reused = self.hoisted
         vals: dict[int, Val] = {}
         self.carries = {}  # one chunk: scans need no carry
         self.selections = {}
@@ -292,6 +298,7 @@ class RowProgram(Layout, Reductions, Scans, Selections, Split):
         if self.split:
             self.accumulate_across(vals, full=True, memory=False)
             self.accumulate_across(vals, full=False, memory=False)
+        self.reused = {}
 
     def emit_phases(self, long: bool = False) -> None:
         """Rows longer than a block: one loop per reduction phase, then one to write. `long`:
