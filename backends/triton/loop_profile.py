@@ -307,6 +307,10 @@ def _combine_work(cfg: dict[str, Any]) -> tuple[int, str]:
 def _element_work(cfg: dict[str, Any]) -> tuple[int, str]:
     if "BLOCK_R" in cfg:
         return cfg["BLOCK_O"] * cfg["BLOCK_R"], "element"
+    if "BLOCK_W" in cfg:  # a split row program's combine: a [BLOCK_W, COMBINE_CHUNKS] tile of partials
+        from .combine import COMBINE_CHUNKS
+
+        return cfg["BLOCK_W"] * COMBINE_CHUNKS, "element"
     return int(cfg.get("BLOCK", 1)), "element"
 
 

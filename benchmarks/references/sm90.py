@@ -15,7 +15,7 @@ from tiledsl.backends.triton.loop_profile import loop_profile
 
 # the element types of pointer arguments, as Triton's signatures name them
 POINTER = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32",
-           torch.float8_e4m3fn: "*fp8e4nv"}
+           torch.float8_e4m3fn: "*fp8e4nv", torch.int64: "*i64", torch.int32: "*i32"}
 
 
 @dataclass(frozen=True)
