@@ -135,6 +135,39 @@ def exp2_f32(x):
     return exp_tail((xc - n) * 0.6931471805599453, n, x)
 
 """
+# sin and cos of an f32 op without libdevice's f64 forms (whose large-argument reduction is
+# a slow path across which a tile's values spill): x reduced by a multiple k of pi/2 in f64
+# hardware arithmetic (pi/2 in two parts: exact for |k| up to 2^30), the remainder |r| <= pi/4
+# evaluated in f32 by Cephes' polynomials (about an ulp), the quadrant k mod 4 choosing sin or
+# cos of r and its sign. NaN and +-inf give NaN, as torch's.
+HELPERS["trig"] = """\
+@triton.jit
+def trig_reduced(x):
+    xd = x.to(tl.float64)
+    k = tl.floor(xd * 0.6366197723675814 + 0.5)
+    r = ((xd - k * 1.5707963267948966) - k * 6.123233995736766e-17).to(tl.float32)
+    z = r * r
+    s = ((-1.9515295891e-4 * z + 8.3321608736e-3) * z - 1.6666654611e-1) * z * r + r
+    c = ((2.443315711809948e-5 * z - 1.388731625493765e-3) * z + 4.166664568298827e-2) * z * z \\
+        - 0.5 * z + 1.0
+    q = (k - 4.0 * tl.floor(k * 0.25)).to(tl.int32)
+    return s, c, q
+
+
+@triton.jit
+def sin_f32(x):
+    s, c, q = trig_reduced(x)
+    v = tl.where((q & 1) == 1, c, s)
+    return tl.where(q >= 2, -v, v)
+
+
+@triton.jit
+def cos_f32(x):
+    s, c, q = trig_reduced(x)
+    v = tl.where((q & 1) == 1, s, c)
+    return tl.where((q == 1) | (q == 2), -v, v)
+
+"""
 HELPERS["mul_combine"] = """\
 @triton.jit
 def mul_combine(a, b):

@@ -36,17 +36,14 @@ from .render import (
 
 # --- unary ops (tiledsl/ops/unary.py) ------------------------------------------------------
 
-# sin/cos of an f32 go through f64: Triton's f32 forms are fast approximations
-PRECISE = "tl.{0}({{x}}.to(tl.float64)).to(tl.float32)"
-
-
-def _exp(name: str, fast: str):
-    """exp / exp2: an f32 op's through the `exp` helper (half an ulp in f32 arithmetic)."""
+def _helper(name: str, helper: str, fast: str):
+    """exp, exp2, sin, cos: an f32 op's through the `helper` module function (HELPERS: about
+    an ulp, no libdevice f64 form), others' Triton's own (`fast`)."""
 
     def render(em, op, args, out):
         x = em.tensor(args[0])
         if is_precise(op, out):
-            em.helpers.add("exp")
+            em.helpers.add(helper)
             return em.assign(f"{name}_f32({x.text})", out)
         return em.assign(fast.format(x=x.text), out)
 
@@ -449,8 +446,8 @@ def _one(op) -> float:
 
 RENDERINGS: dict[str, Render] = {
     # unary
-    "exp": _exp("exp", "tl.exp({x})"),
-    "exp2": _exp("exp2", "tl.exp2({x})"),
+    "exp": _helper("exp", "exp", "tl.exp({x})"),
+    "exp2": _helper("exp2", "exp", "tl.exp2({x})"),
     "log": unary("tl.log({x})"),
     "log2": unary("tl.log2({x})"),
     "sqrt": unary("tl.sqrt_rn({x})", wide="tl.sqrt({x})"),  # sqrt_rn is f32 only; f64 sqrt is IEEE
@@ -458,8 +455,8 @@ RENDERINGS: dict[str, Render] = {
     "sigmoid": unary("tl.sigmoid({x})"),
     "silu": unary("{x} * tl.sigmoid({x})"),
     "erf": unary("tl.erf({x})"),
-    "sin": unary("tl.sin({x})", PRECISE.format("sin")),
-    "cos": unary("tl.cos({x})", PRECISE.format("cos")),
+    "sin": _helper("sin", "trig", "tl.sin({x})"),
+    "cos": _helper("cos", "trig", "tl.cos({x})"),
     "tan": _render_tan,
     "log1p": _render_log1p,
     "expm1": _render_expm1,

@@ -1,11 +1,14 @@
-"""exp and exp2 of an f32 op (`HELPERS["exp"]`): Cody-Waite reduction, a Taylor tail and one
-rounding, in f32 arithmetic: within the oracle (2 x torch's f32 error + 1e-5) across the
-whole f32 range, special values as torch's, and no f64 instruction in the sm_90 build
-(the f64 form it replaces ran hundreds of instructions an element in software)."""
+"""exp, exp2, sin and cos of an f32 op without libdevice's f64 forms (`HELPERS["exp"]`,
+`HELPERS["trig"]`). exp: Cody-Waite reduction, a Taylor tail and one rounding in f32
+arithmetic, within the oracle (2 x torch's f32 error + 1e-5) across the whole f32 range,
+special values as torch's, no f64 instruction in the sm_90 build (the f64 form it replaces
+ran hundreds of instructions an element in software). sin and cos: the reduction by pi/2 in
+f64 hardware arithmetic, the polynomials in f32, no libdevice call."""
 
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -65,3 +68,31 @@ def test_the_sm90_build_computes_exp_without_f64():
     ptx = compiled.asm["ptx"]
     assert ".f64" not in ptx
     assert "fma.rn.f32" in ptx
+
+
+TRIG = "kernel f(x: f32[N]) -> (f32[N], f32[N]) { return sin(x), cos(x) }"
+
+
+def test_sin_and_cos_meet_the_oracle_far_from_zero_and_at_the_quadrants():
+    """Arguments to a billion (a RoPE angle at position 10^6 is about that), the quadrant
+    boundaries, signed zeros; inf and NaN give NaN."""
+    fn = tiledsl.compile(TRIG)
+    quarter = math.pi / 4
+    x = torch.cat([torch.linspace(-200.0, 200.0, 20011), torch.randn(4001, generator=gen(7)) * 1e4,
+                   torch.tensor([k * quarter + d for k in range(-16, 17) for d in (-1e-6, 0.0, 1e-6)]),
+                   torch.tensor([1e6, -3e7, 1e9, 0.0, -0.0, math.inf, -math.inf, math.nan])]).float()
+    report = testing.check(fn, x)
+    assert report.ok, report
+    for got, golden in zip(fn(x), (torch.sin(x.double()), torch.cos(x.double())), strict=True):
+        finite = torch.isfinite(golden)
+        assert (got.double() - golden)[finite].abs().max().item() < 2e-7
+        assert torch.equal(got.isnan(), golden.isnan())
+
+
+def test_the_sm90_build_calls_no_libdevice_trig():
+    fn = tiledsl.compile(TRIG)
+    fn(torch.randn(100, generator=gen(1)))
+    ((_, compiled),) = compile_for_sm90(fn)
+    ptx = compiled.asm["ptx"]
+    assert "__nv_sin" not in ptx and "__nv_cos" not in ptx
+    assert re.search(r"^\s*call", ptx, re.MULTILINE) is None  # (no slow-path call)
