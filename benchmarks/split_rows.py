@@ -71,7 +71,11 @@ def main(argv: list[str] | None = None) -> int:
 
     xs, w = torch.randn(rows, n, generator=g).to(dev), torch.randn(n, generator=g).to(dev)
     dy = torch.randn(rows, n, generator=g).to(dev)
-    backward = tiledsl.compile(RMSNORM).backward
+    training = tiledsl.compile(RMSNORM).training((0, 1))
+    _, *saved = training.forward(xs, w)  # what the training forward saves: the rows' mean of squares
+
+    def backward(xs, w, dy):
+        return training.backward(xs, w, *saved, dy)
 
     def torch_backward():
         xr, wr = xs.detach().requires_grad_(), w.detach().requires_grad_()

@@ -18,9 +18,11 @@ grids), both compiled for sm_90 as Triton would on an H100 (`references.sm90.com
   instr/elt    warp instructions per element, all kernels
   regs, spills the most of any kernel (per thread)
   time         modeled H100 microseconds: each kernel's largest of its tensor, issue, MUFU and
-               memory cycles per unit of work (`loop_profile`), times its units over 132 SMs,
-               plus 2 us a launch; an estimate, not a measurement
-  ratio        tiledsl / peer, of time and of bytes (code)
+               memory cycles per unit of work (`loop_profile`, the code's bytes), times its
+               units over 132 SMs, plus 2 us a launch; an estimate, not a measurement
+  design       the same with the design's bytes at 3.35 TB/s as the memory time (a roofline:
+               loads of what a program loaded before, a gathered partner half, hit the cache)
+  ratio        tiledsl / peer, of both times and of bytes (code)
 
 The elements of an op: x's for a norm, q's and k's for RoPE, the logits for the loss.
 """
@@ -53,6 +55,7 @@ from tiledsl.plans import MergedPlan, PointwisePlan  # noqa: E402
 
 SMS = 132
 CLOCK_GHZ = 1.83
+HBM_BYTES_PER_US = 3.35e6  # an H100 SXM's 3.35 TB/s
 LAUNCH_US = 2.0  # a kernel launch's fixed cost, about what a dependent launch costs on an H100
 
 ROWS, HIDDEN, VOCAB = 8192, 4096, 128256
@@ -221,7 +224,8 @@ def _costs(loop: dict[str, Any], units: int) -> dict[str, float]:
     instructions."""
     modeled = loop["modeled"]
     per_unit = max(modeled[k] for k in ("tensor", "issue", "mufu", "memory")) / loop["work"]
-    return {"cycles": per_unit * units / SMS,
+    compute = max(modeled[k] for k in ("tensor", "issue", "mufu")) / loop["work"]
+    return {"cycles": per_unit * units / SMS, "compute_cycles": compute * units / SMS,
             "bytes": modeled["memory"] * HBM_BYTES_PER_CLOCK / loop["work"] * units,
             "instructions": loop["instructions"] * loop["warps"] / loop["work"] * units}
 
@@ -260,7 +264,12 @@ def peer(op: Op) -> dict[str, Any]:
 
 def _side(kernels: list[dict[str, Any]], launches: int, design: float, elements: int) -> dict[str, Any]:
     cycles = sum(k["cycles"] for k in kernels)
+    compute_us = sum(k["compute_cycles"] for k in kernels) / (CLOCK_GHZ * 1e3)
     return {"kernels": kernels, "launches": launches, "design_bytes": design,
+            # a roofline of the design's HBM bytes and the code's issue, tensor and MUFU cycles:
+            # what the time would be where a kernel's loads of what it loaded before (a
+            # gathered partner half, a row read again) hit the cache
+            "design_time_us": max(compute_us, design * elements / HBM_BYTES_PER_US) + LAUNCH_US * launches,
             "code_bytes": sum(k["bytes"] for k in kernels) / elements,
             "instructions": sum(k["instructions"] for k in kernels) / elements,
             "registers": max(k["registers"] for k in kernels), "spills": max(k["spills"] for k in kernels),
@@ -268,7 +277,8 @@ def _side(kernels: list[dict[str, Any]], launches: int, design: float, elements:
 
 
 HEADER = (f"{'op':32} {'side':7} | {'kernels':>7} {'B/elt code':>10} {'design':>6} {'instr/elt':>9} "
-          f"{'regs':>4} {'spills':>6} {'time us':>8} | {'ratio time':>10} {'bytes':>5}")
+          f"{'regs':>4} {'spills':>6} {'time us':>8} {'design':>6} | {'ratio time':>10} {'design':>6} "
+          f"{'bytes':>5}")
 
 
 def lines(name: str, a: dict[str, Any], b: dict[str, Any]) -> list[str]:
@@ -276,11 +286,12 @@ def lines(name: str, a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     for side, s in (("tiledsl", a), ("peer", b)):
         ratio = ""
         if side == "tiledsl":
-            ratio = f"{a['time_us'] / b['time_us']:>10.2f} {a['code_bytes'] / b['code_bytes']:>5.2f}"
+            times = a["time_us"] / b["time_us"], a["design_time_us"] / b["design_time_us"]
+            ratio = f"{times[0]:>10.2f} {times[1]:>6.2f} {a['code_bytes'] / b['code_bytes']:>5.2f}"
         label = name if side == "tiledsl" else ""
         out.append(f"{label:32} {side:7} | {s['launches']:>7} {s['code_bytes']:>10.2f} "
                    f"{s['design_bytes']:>6.2f} {s['instructions']:>9.3f} {s['registers']:>4} "
-                   f"{s['spills']:>6} {s['time_us']:>8.1f} | {ratio}")
+                   f"{s['spills']:>6} {s['time_us']:>8.1f} {s['design_time_us']:>6.1f} | {ratio}")
     return out
 
 

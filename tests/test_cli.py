@@ -125,7 +125,7 @@ def test_backward_prints_the_derived_program(tmp_path):
     code, out, _ = cli("opt", str(path), "--backward", "--print-ir-after", "graph")
     assert code == 0
     assert out.startswith("// -----// IR Dump After graph //----- //\nfunc @rms_backward(%x: f32[N, D], %w: f32[D], "
-                          "%eps: f32, %grad_0: f32[N, D]) -> (f32[N, D], f32[D]) {")
+                          "%eps: f32, %saved_0: f32[N, 1], %grad_0: f32[N, D]) -> (f32[N, D], f32[D]) {")
     code, out, _ = cli("explain", str(path), "--backward")
     assert code == 0 and "fusion report for @rms_backward" in out and "1 kernel for" in out
 

@@ -137,12 +137,14 @@ def test_the_same_bits_on_every_run():
     y = torch.randint(0, 301, (997,), generator=gen(5), dtype=torch.int32)
     first = fn(x, y, -100)
     assert all(torch.equal(fn(x, y, -100), first) for _ in range(3))
-    bwd_in = randn(613, 211, seed=8), randn(211, seed=9), randn(613, 211, seed=10)
-    rms = tiledsl.compile("""kernel rms(x: f32[M, N], w: f32[N]) -> f32[M, N] {
+    x, w, g = randn(613, 211, seed=8), randn(211, seed=9), randn(613, 211, seed=10)
+    training = tiledsl.compile("""kernel rms(x: f32[M, N], w: f32[N]) -> f32[M, N] {
         return x * rsqrt(mean(x * x, axis=-1, keepdims=true) + 1e-6) * w
-    }""").backward
-    once = rms(*bwd_in)
-    assert all(torch.equal(a, b) for a, b in zip(rms(*bwd_in), once, strict=True))
+    }""").training((0, 1))
+    _, *saved = training.forward(x, w)  # (the row's mean of squares)
+    bwd_in = (x, w, *saved, g)
+    once = training.backward(*bwd_in)
+    assert all(torch.equal(a, b) for a, b in zip(training.backward(*bwd_in), once, strict=True))
 
 
 @pytest.mark.parametrize("program", ["ce", "logps", "norm"])
@@ -289,17 +291,19 @@ def test_a_column_sum_merges_into_the_split_row_program_reading_the_same_gradien
     """LayerNorm's backward: db = sum(dy, 0) is its own row program along the columns until
     fuse-horizontal merges it into dx's split row program, where it is one more sum across
     the rows (dy read once)."""
-    fn = tiledsl.compile("""kernel ln(x: f32[M, N], w: f32[N], b: f32[N]) -> f32[M, N] {
+    training = tiledsl.compile("""kernel ln(x: f32[M, N], w: f32[N], b: f32[N]) -> f32[M, N] {
         mu = mean(x, axis=-1, keepdims=true)
         xc = x - mu
         return xc * rsqrt(mean(xc * xc, axis=-1, keepdims=true) + 1e-5) * w + b
-    }""").backward
+    }""").training((0, 1, 2))
+    fn = training.backward
     assert len(fn.kernels) == 1
     assert ("[fuse-horizontal] fused: mul (line 4) -> sum (line 4): 2 rows kernels over [M, N] rows along "
             "axis 1 as one ([M, N] rows along axis 0 reduced across its rows): 1 launch fewer; shared inputs "
             "read once: saves 4·M·N B") in fn.explain()
     x, w, b, dy = randn(613, 211, seed=1), randn(211, seed=2), randn(211, seed=3), randn(613, 211, seed=4)
-    run_checked(fn, x, w, b, dy, sm90=False)
+    _, *saved = training.forward(x, w, b)  # (the rows' mean and variance)
+    run_checked(fn, x, w, b, *saved, dy, sm90=False)
     assert launches(fn) == ["k0_combine", "k0_rows"]
 
 

@@ -22,11 +22,11 @@ def op(name):
 def test_our_rmsnorm_backward_moves_the_bytes_of_the_design():
     """One split row program (its combine the second launch) reading dY and x once and
     writing dx: 6 bytes an element as designed, the weight read once a chunk of rows (not a
-    row), no spills."""
+    row), the forward's mean of squares once a row, no spills."""
     side = static_peers.ours(op("RMSNorm backward"))
     assert side["launches"] == 2 and side["spills"] == 0
     assert side["design_bytes"] == pytest.approx(6.0, abs=0.01)
-    assert side["code_bytes"] < 6.2
+    assert side["code_bytes"] < 6.3
 
 
 def test_our_rope_forward_reads_each_element_once_and_the_tables_once_a_token():

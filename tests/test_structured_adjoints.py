@@ -136,3 +136,18 @@ def test_a_gather_by_loaded_indices_along_a_free_axis_still_scatters():
     fn = tiledsl.compile("kernel f(w: f32[V, D], ids: i64[N]) -> f32[N, D] { return w[ids] * 2.0 }")
     grads_ok(fn, randn(11, 5), torch.tensor([3, 3, 0, 10, 3]))
     assert "indexed" in templates(fn.backward)
+
+
+def test_the_forwards_row_statistics_are_saved_for_the_backward():
+    """A row's logsumexp and the count of rows not ignored, which the forward computes anyway,
+    are saved (4 bytes a row, and one number), so the backward is one row program reading
+    the logits once: no logsumexp of its own (a second pass over 128k logits a row at a
+    LLaMA-3 vocabulary), no sum over the rows."""
+    fn = tiledsl.compile(CE.format(t="bf16"))
+    training = fn.training((0,))
+    saved = [n for n in training.backward.ir("graph").splitlines()[0].split("%")[1:] if n.startswith("saved")]
+    assert saved == ["saved_0: f32, ", "saved_1: f32[N], "]
+    assert [k.template for k in training.backward.kernels] == ["rows"]
+    assert not any(op.kind in ("logsumexp", "sum") for k in training.backward.kernels for op in k.ops)
+    logits, labels = randn(17, 300, dtype=torch.bfloat16), torch.randint(0, 300, (17,), generator=gen(4))
+    grads_ok(fn, logits, labels)

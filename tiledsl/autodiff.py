@@ -606,7 +606,7 @@ class _Backward:
                 new = self._probabilities(node)
             elif not op.weak and node not in self.flash_scores and (
                     _runs_matmul(fwd, node) and not ops.is_elementwise(op.kind)
-                    or _epilogue_into_matmul(fwd, node, self.flash_scores)):
+                    or _epilogue_into_matmul(fwd, node, self.flash_scores) or _row_statistic(fwd, node)):
                 self.saved.append(node)
                 new = self._source(Source("saved", len(self.saved) - 1), op,
                                    f"saved_{len(self.saved) - 1}")
@@ -695,6 +695,19 @@ def _runs_matmul(graph: Graph, node: int) -> bool:
         for n in graph.topo_order():
             memo[n] = graph.op(n).kind == "matmul" or any(memo[o] for o in graph.operands(n))
     return memo[node]
+
+
+def _row_statistic(graph: Graph, node: int) -> bool:
+    """Is `node` a reduction along an axis of its operand (a row's logsumexp, mean, sum of
+    squares)? The forward computes it anyway; saved, it costs a value a row written and read
+    (1/n of the row's bytes), where recomputed it costs the backward a pass over the row
+    (the whole row again when it is longer than a tile: a cross-entropy's 128k logits)."""
+    op = graph.op(node)
+    if ops.category(op.kind) is not ops.Category.REDUCTION or op.dtype is not DType.F32:
+        return False
+    (x,) = graph.operands(node)[:1]
+    shape = graph.op(x).shape
+    return len(shape) > 0 and shape[op.attr("axis") % len(shape)] != 1
 
 
 def _epilogue_into_matmul(graph: Graph, node: int, scores: set[int]) -> bool:
