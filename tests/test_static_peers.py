@@ -49,7 +49,7 @@ def test_our_rope_backward_is_one_launch_without_scatters():
 
 
 def test_the_comparison_with_liger():
-    pytest.importorskip("liger_kernel", reason="Liger-Kernel (optional: pip install --no-deps liger-kernel==0.8.5)")
+    pytest.importorskip("liger_kernel", reason="Liger-Kernel 0.8.5 (optional: pip install -e \".[peers]\")")
     norm = op("RMSNorm backward")
     a, b = static_peers.ours(norm), static_peers.peer(norm)
     (text, _) = static_peers.lines(norm.name, a, b)
