@@ -151,3 +151,16 @@ def test_the_forwards_row_statistics_are_saved_for_the_backward():
     assert not any(op.kind in ("logsumexp", "sum") for k in training.backward.kernels for op in k.ops)
     logits, labels = randn(17, 300, dtype=torch.bfloat16), torch.randint(0, 300, (17,), generator=gen(4))
     grads_ok(fn, logits, labels)
+
+
+@pytest.mark.parametrize("dt", ["f32", "bf16"])
+@pytest.mark.parametrize("n", [1, 17])
+def test_sides_of_a_selected_gather_with_a_gap_between_their_ranges(n, dt):
+    """Columns 5 and 6 of x, then 0 and 1, concatenated: one gather at a selected index whose
+    sides read [5, 7) and [0, 2) of x, provably apart, so both read g at one position; the
+    columns between are read by neither (their gradient 0, though the shared position lands
+    in the second side's range there)."""
+    fn = tiledsl.compile(f"kernel f(x: {dt}[N, 7]) -> {dt}[N, 4] {{ return concat(-x[:, 5:], x[:, :2], axis=-1) }}")
+    grads_ok(fn, randn(n, 7, dtype=DTYPES[dt]))
+    assert templates(fn.backward) == ["pointwise"]
+    assert sum(op.kind == "take" for k in fn.backward.kernels for op in k.ops) == 1

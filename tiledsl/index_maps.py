@@ -208,13 +208,50 @@ def gather_adjoint(d) -> int | None:
                 continue
             c = d.primal(cond)
             shares = [d.where(c, d.g, d.c(0.0)), d.where(c, d.c(0.0), d.g)]
-            parts = [_inverse_read(d, maps[:k] + [m] + maps[k + 1:], g) for m, g in zip(branches, shares,
-                                                                                         strict=True)]
-            return None if None in parts else d.add(*parts)
+            at, on_first = _shared_position(d, k, branches, condition(forward, cond)) or (None, None)
+            parts = [_inverse_read(d, maps[:k] + [m] + maps[k + 1:], g, at) for m, g in zip(branches, shares,
+                                                                                             strict=True)]
+            if None in parts:
+                return None
+            # sides reading disjoint ranges: j takes the side whose range it is in (at the shared
+            # position the other side's share may be nonzero: it is not j's)
+            return d.add(*parts) if at is None else d.where(on_first, *parts)
     return _inverse_read(d, maps, d.g)
 
 
-def _inverse_read(d, maps: list, g: int) -> int | None:
+def _shared_position(d, k: int, branches: list[Affine], box: Box | None) -> tuple[dict, int] | None:
+    """Where the two sides of a selected index read disjoint ranges of x's axis k (rotate-
+    half: the first side, `i < h` read at `i + D // 2`, covers [D // 2, D); the second, the
+    rest read at `i - h`, covers [0, D // 2)), x's element j gets g from one side only, at the
+    position of that side's inverse map: both sides read g at that one position (one load).
+    ({k: (result axis, position)}, whether j is in the first side's range), or None."""
+    a, b = branches
+    if box is None or len(box) != 1 or a.axis is None or a.axis != b.axis or a.sign != 1 or b.sign != 1:
+        return None
+    ((axis, bounds),) = box.items()
+    if axis != a.axis or len(bounds.lo) + len(bounds.hi) != 1:
+        return None
+    size = Lin.of(d.op.shape[a.axis])
+    # the first side where the condition holds, the second where it does not: ranges of i
+    h = bounds.hi[0] if bounds.hi else bounds.lo[0]
+    first, second = ((Lin(), h), (h, size)) if bounds.hi else ((h, size), (Lin(), h))
+    image_a = (first[0] + a.offset, first[1] + a.offset)
+    image_b = (second[0] + b.offset, second[1] + b.offset)
+    j = d.call("index", axis=k, shape=tuple(n if q == k else 1 for q, n in enumerate(d.x_type(0).shape)))
+    if nonnegative(image_a[0] - image_b[1]):  # the first side's range above the second's
+        on_a = d.call("ge", j, d.size(image_a[0].dim()))
+    elif nonnegative(image_b[0] - image_a[1]):
+        on_a = d.call("lt", j, d.size(image_a[1].dim()))
+    else:
+        return None
+
+    def inverse(m: Affine) -> int:
+        return d.sub(j, d.size(m.offset.dim())) if m.offset != Lin() else j
+
+    return {k: (a.axis, d.where(on_a, inverse(a), inverse(b)))}, on_a
+
+
+def _inverse_read(d, maps: list, g: int, shared: dict | None = None) -> int | None:
     """`gather_adjoint` with the indices' maps `maps` (None: a loaded index) and gradient g."""
     from itertools import product
 
@@ -244,6 +281,11 @@ def _inverse_read(d, maps: list, g: int) -> int | None:
     fixed = []  # conditions on x's other axes
     for k, m in enumerate(maps):
         n = Lin.of(x_shape[k])
+        if shared and k in shared:  # the position both sides of a selected index read
+            axis, i = shared[k]
+            size = d.size(out[axis])
+            choices.append([(axis, i, [d.call("ge", i, d.c(0)), d.call("lt", i, size)])])
+            continue
         if m is None:
             continue  # a loaded index: compared with j at the position read
         if m.axis is None:  # x's axis k is read at one position only
