@@ -52,3 +52,14 @@ def test_a_row_read_alike_along_the_tile_is_loaded_once_a_program():
     fn(randn(1, 32, 4, 128), randn(1, 4, 128, seed=1), randn(1, 4, 128, seed=2))
     source = fn.kernels[0].source
     assert "mask=cmask" in source and "if TILED:" in source
+
+
+@pytest.mark.parametrize("shape", [(0, 128), (3, 0, 128), (0, 5, 64)])
+def test_an_empty_axis_launches_nothing(shape):
+    """A tensor with no elements (the tile axis or another of size 0): no program runs, the
+    result is empty (the launch divided by the empty axis's size)."""
+    fn = tiledsl.compile(f"kernel f(x: f32[{', '.join(f'D{i}' for i in range(len(shape)))}], "
+                         f"y: f32[D{len(shape) - 1}]) -> f32[{', '.join(f'D{i}' for i in range(len(shape)))}] "
+                         "{ return x * y + flip(x, axis=-1) }")
+    out = fn(randn(*shape), randn(shape[-1], seed=1))
+    assert out.shape == shape

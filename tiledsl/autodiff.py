@@ -157,10 +157,8 @@ class Adjoint:
     def primal_of(self, v: int) -> tuple[Graph, int] | None:
         """The forward graph and node a backward placeholder stands for (None: `v` is an op
         of the backward's own)."""
-        for node, ph in self._b.placeholders.items():
-            if ph == v:
-                return self._b.fwd, node
-        return None
+        node = self._b.standing_for.get(v)
+        return (self._b.fwd, node) if node is not None and self._b.placeholders.get(node) == v else None
 
     @property
     def scores(self) -> bool:
@@ -201,6 +199,13 @@ class Adjoint:
 
     def where(self, cond: int, a: int, b: int) -> int:
         return self.call("where", cond, a, b)
+
+    def all(self, conds: Sequence[int]) -> int:
+        """The conjunction of bool values (at least one)."""
+        out = conds[0]
+        for c in conds[1:]:
+            out = self.call("and", out, c)
+        return out
 
     def keep(self, v: int) -> int:
         """A reduction's `v` with its reduced axis back (size 1), if the op dropped it."""
@@ -258,6 +263,9 @@ class _Backward:
         self.b = Builder(self.bwd)
         self.bwd.requires = fwd.requires
         self.placeholders: dict[int, int] = {}  # forward node -> placeholder node
+        # placeholder node -> forward node, as made (an entry whose placeholder was resolved
+        # since is stale: `placeholders` says which stand)
+        self.standing_for: dict[int, int] = {}
         self.resolved: dict[int, int] = {}  # forward node -> backward node computing it
         self.consts: dict[tuple, int] = {}
         self.dims: dict[str, int] = {}
@@ -320,16 +328,16 @@ class _Backward:
             ph = self.b.op(PRIMAL, [], op.span, type=op.type)
             self.bwd.params.remove(ph)
             self.placeholders[node] = ph
+            self.standing_for[ph] = node
         return self.placeholders[node]
 
     def positions_now(self, v: int) -> None:
         """Compute in the backward now each placeholder `v` reads that stands for a map of
         positions alone (`index`es, constants and dims through elementwise ops), as
         `_resolve` would later, so that `reindex` reads it through."""
-        forward_of = {ph: node for node, ph in self.placeholders.items()}
         for n in list(walk([v], self.bwd.operands)):
-            node = forward_of.get(n)
-            if node is not None and _positions_alone(self.fwd, node):
+            node = self.standing_for.get(n)
+            if node is not None and self.placeholders.get(node) == n and _positions_alone(self.fwd, node):
                 self._compute(node)
 
     def _compute(self, node: int) -> int:
@@ -705,8 +713,7 @@ def _row_statistic(graph: Graph, node: int) -> bool:
     op = graph.op(node)
     if ops.category(op.kind) is not ops.Category.REDUCTION or op.dtype is not DType.F32:
         return False
-    (x,) = graph.operands(node)[:1]
-    shape = graph.op(x).shape
+    shape = graph.op(graph.operands(node)[0]).shape
     return len(shape) > 0 and shape[op.attr("axis") % len(shape)] != 1
 
 

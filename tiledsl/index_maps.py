@@ -21,6 +21,7 @@ together name the same axis alike.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -179,11 +180,6 @@ def _zero(graph: Graph, node: int) -> bool:
     return isinstance(op, Op) and op.kind == "const" and op.attr("value") == 0
 
 
-def at_least(x: Lin, y: Lin) -> bool:
-    """Is x >= y at every size (dims at least 1)?"""
-    return nonnegative(x - y)
-
-
 def gather_adjoint(d) -> int | None:
     """The gradient of `take(x, e_0, ..., e_{r-1})` (the op of the `Adjoint` d) as an index map,
     when each result position reads its own element of x: each index is an `Affine` of its
@@ -317,7 +313,7 @@ def _inverse_read(d, maps: list, g: int, shared: dict | None = None) -> int | No
                 conds.append(d.call("lt", i, d.size(size.dim())))
             reads.append((m.axis, i, conds))
         choices.append(reads)
-    if not all(choices) or len(list(product(*choices))) > 4:
+    if not all(choices) or math.prod(map(len, choices)) > 4:
         return None
     total = None
     for choice in product(*choices):
@@ -338,10 +334,7 @@ def _inverse_read(d, maps: list, g: int, shared: dict | None = None) -> int | No
                 conds.append(d.call("eq", index(k), label))
         term = read(g)
         if conds:
-            cond = conds[0]
-            for c in conds[1:]:
-                cond = d.call("and", cond, c)
-            term = d.where(cond, term, d.c(0.0))
+            term = d.where(d.all(conds), term, d.c(0.0))
         total = term if total is None else d.add(total, term)
     if d.shape(total) != tuple(x_shape):
         total = d.call("expand", total, shape=tuple(x_shape))

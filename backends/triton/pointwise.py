@@ -187,7 +187,7 @@ def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKer
     prog = FlatProgram(region, shape, outs, needs_index, tiled=rank > 1)
     tiled = "TILED" in prog.sig.constexprs
     # a gather's index work (per row and column of a tile) spread over a larger tile, unless
-    # f64 math (trig's slow path, a sum's) keeps many values live
+    # slow-path or f64 math (tan's libdevice form, an f64 sum) keeps many values live
     wide_tile = any(op.kind == "take" for op in kernel.covered) and not any(
         ops.units(op.kind) >= ops.SLOW_PATH_UNITS or ops.in_f64(op) for op in kernel.covered)
     sig, body, em = prog.sig, prog.body, prog.em
@@ -210,7 +210,7 @@ def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKer
         # by rows where they fill most of the tile (rotate-half's D = 128 by 32 heads; a row of
         # 17 in a tile of 32 would idle half the lanes: flat)
         by_rows = last >= TILED_ROW and 4 * last >= 3 * cdiv(last, block_r) * block_r \
-            and 2 * along >= cdiv(along, block_o) * block_o
+            and along > 0 and 2 * along >= cdiv(along, block_o) * block_o
         grid = (n // (last * along)) * cdiv(along, block_o) * cdiv(last, block_r) if by_rows else cdiv(n, blk)
         return LaunchConfig((grid,), {"BLOCK": blk, "TILED": int(by_rows), "BLOCK_O": block_o,
                                               "BLOCK_R": block_r}, num_warps=4)

@@ -437,8 +437,9 @@ def emit(kernel: KernelOp, hints: Hints, allow_tf32: bool = False) -> EmittedKer
                           and not ops.OPS[prog.op(v).kind].reduction.empty]
     no_identity = [prog.op(v) for v in sorted(prog.plan.reducing)
                    if (r := ops.OPS[prog.op(v).kind].reduction) is not None and not r.empty]
-    # sin, cos and tan are computed in f64, whose libdevice forms call a slow path (a large
-    # argument's reduction) across which the GPU spills every live value of the tile; many
+    # ops of SLOW_PATH_UNITS: tan computes in f64 through libdevice, whose large-argument
+    # reduction is a slow path across which the GPU spills every live value of the tile (sin
+    # and cos are still counted so, though their f64 reduction calls none now); many
     # tile-sized values keep as many live (`HEAVY_STREAMS`)
     heavy = any(ops.units(o.op.kind) >= ops.SLOW_PATH_UNITS for o in kernel.region.ops) \
         or tile_streams(prog.plan, kernel.region) >= HEAVY_STREAMS

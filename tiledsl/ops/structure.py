@@ -777,12 +777,7 @@ def _d_slice(d, wanted):
     g_shape = d.shape(d.g)  # (broadcast: smaller than the view)
     lead = len(at) - len(g_shape)
     g = d.reread(d.g, [None if n == 1 else at[lead + k] for k, n in enumerate(g_shape)])
-    if not inside:
-        return (g,)
-    cond = inside[0]
-    for c in inside[1:]:
-        cond = d.call("and", cond, c)
-    return (d.where(cond, g, d.c(0.0)),)
+    return (d.where(d.all(inside), g, d.c(0.0)) if inside else g,)
 
 
 def _matmul_reference(a, b):
